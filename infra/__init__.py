@@ -1,0 +1,1 @@
+"""Local servers (fetch, start, stop), topic and CQL bootstrap."""

@@ -1,0 +1,139 @@
+"""A detached server process: launched in its own session, tracked by a pid file."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from infra.errors import StartError
+
+
+class ServerProcess:
+    def __init__(self, name: str, run_dir: Path, log_file: Path) -> None:
+        self.name = name
+        self.pid_file = run_dir / f"{name}.pid"
+        self.log_file = log_file
+        self._child: subprocess.Popen[bytes] | None = None  # set when launched by this process
+
+    def pid(self) -> int | None:
+        """The pid of the running server, or None (a stale pid file is removed)."""
+        try:
+            pid = int(self.pid_file.read_text())
+        except (FileNotFoundError, ValueError):
+            return None
+        if _alive(pid):
+            return pid
+        self.pid_file.unlink(missing_ok=True)
+        return None
+
+    def launch(self, argv: Sequence[str], cwd: Path, env: dict[str, str] | None = None) -> int:
+        self.pid_file.parent.mkdir(parents=True, exist_ok=True)
+        self.log_file.parent.mkdir(parents=True, exist_ok=True)
+        if self.log_file.exists():  # keep one previous run; readiness reads only this one
+            self.log_file.replace(self.log_file.with_suffix(".previous.log"))
+        with self.log_file.open("wb") as log:
+            proc = subprocess.Popen(
+                list(argv),
+                cwd=cwd,
+                env={**os.environ, **(env or {})},
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # outlives the CLI; Ctrl-C is ours to forward
+            )
+        self.pid_file.write_text(str(proc.pid))
+        self._child = proc
+        return proc.pid
+
+    def terminate(self, grace_s: float) -> bool:
+        """SIGTERM, then SIGKILL after `grace_s`. True if a process was running."""
+        pid = self.pid()
+        if pid is None:
+            return False
+        _signal_group(pid, signal.SIGTERM)
+        if not _wait_until(lambda: not _alive(pid), grace_s):
+            _signal_group(pid, signal.SIGKILL)
+            _wait_until(lambda: not _alive(pid), 10.0)
+        if self._child is not None:
+            self._child.wait()  # reap our own child
+            self._child = None
+        self.pid_file.unlink(missing_ok=True)
+        return True
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            with self.log_file.open("rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 64 * 1024))
+                text = f.read().decode("utf-8", "replace")
+        except FileNotFoundError:
+            return "(no log file)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def wait_ready(self, probe: Callable[[], bool], timeout_s: float) -> None:
+        """Poll `probe` until it holds; fail with the log's tail if the server dies or stalls."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if probe():
+                return
+            if self._exited():
+                raise StartError(self._failure("exited during start-up"))
+            time.sleep(0.25)
+        raise StartError(self._failure(f"was not ready within {timeout_s:.0f} s"))
+
+    def _exited(self) -> bool:
+        if self._child is not None and self._child.poll() is not None:
+            self._child = None
+            self.pid_file.unlink(missing_ok=True)
+            return True
+        return self.pid() is None
+
+    def _failure(self, what: str) -> str:
+        return f"{self.name} {what}; log {self.log_file}, last lines:\n{self.log_tail()}"
+
+
+def port_open(host: str, port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.5):
+        return True
+    return False
+
+
+def log_contains(path: Path, needle: str) -> bool:
+    try:
+        return needle in path.read_text(errors="replace")
+    except FileNotFoundError:
+        return False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie (our own exited child not yet reaped) is not alive.
+    with contextlib.suppress(FileNotFoundError, IndexError):
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat.rsplit(")", 1)[1].split()[0] != "Z"
+    return True
+
+
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, sig)
+
+
+def _wait_until(condition: Callable[[], bool], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return condition()

@@ -1,0 +1,87 @@
+"""A local server that `tandoor infra` fetches, starts, checks and stops."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+
+from infra.errors import StartError
+from infra.process import ServerProcess, port_open
+from tandoor.settings import Settings
+
+TEMPLATES = Path(__file__).parent / "templates"
+
+
+@dataclass(frozen=True)
+class ServerStatus:
+    name: str
+    address: str
+    pid: int | None
+    ready: bool
+
+    def describe(self) -> str:
+        state = "ready" if self.ready else ("starting" if self.pid else "stopped")
+        pid = f"pid {self.pid}" if self.pid else "no process"
+        return f"{self.name:<10} {self.address:<22} {state:<9} {pid}"
+
+
+class LocalServer(ABC):
+    name: str
+    stop_grace_s: float = 30.0
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.data_dir = settings.home / "data" / self.name
+        self.conf_dir = settings.home / "conf" / self.name
+        self.process = ServerProcess(
+            self.name, settings.home / "run", settings.home / "logs" / f"{self.name}.log"
+        )
+
+    @property
+    @abstractmethod
+    def port(self) -> int: ...
+
+    @property
+    def address(self) -> str:
+        return f"{self.settings.host}:{self.port}"
+
+    def fetch(self) -> None:
+        """Install what the server needs to run; cached, so a second call is quick."""
+
+    @abstractmethod
+    def prepare(self) -> list[str]:
+        """Write configuration, initialise storage; return the command line to run."""
+
+    @abstractmethod
+    def is_ready(self) -> bool: ...
+
+    def launch(self) -> bool:
+        """Start the server unless it runs already. True if it was started now."""
+        if self.process.pid() is not None:
+            return False
+        if port_open(self.settings.host, self.port):
+            raise StartError(
+                f"{self.name}: port {self.address} is taken by a process Tandoor did not "
+                f"start; stop it or choose another port (TANDOOR_*_PORT)"
+            )
+        self.fetch()
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.conf_dir.mkdir(parents=True, exist_ok=True)
+        self.process.launch(self.prepare(), cwd=self.data_dir)
+        return True
+
+    def wait_ready(self) -> None:
+        self.process.wait_ready(self.is_ready, self.settings.start_timeout_s)
+
+    def stop(self) -> bool:
+        return self.process.terminate(self.stop_grace_s)
+
+    def status(self) -> ServerStatus:
+        pid = self.process.pid()
+        return ServerStatus(self.name, self.address, pid, pid is not None and self.is_ready())
+
+    def render(self, template: str, target: str, **values: object) -> Path:
+        path = self.conf_dir / target
+        path.write_text((TEMPLATES / template).read_text().format(**values))
+        return path

@@ -1,0 +1,92 @@
+"""Every Kafka topic Tandoor uses, declared once, created idempotently."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from aiokafka.admin import AIOKafkaAdminClient, NewPartitions, NewTopic
+
+from infra.errors import InfraError
+from schemas import topics
+from tandoor.settings import Settings
+
+HOUR_MS = 3_600_000
+DAY_MS = 24 * HOUR_MS
+
+
+@dataclass(frozen=True)
+class TopicSpec:
+    name: str
+    partitions: int
+    config: dict[str, str] = field(default_factory=dict)
+
+
+def declared_topics(settings: Settings) -> list[TopicSpec]:
+    band_partitions = sum(band.partitions for band in settings.bands)
+    prompts = [
+        TopicSpec(topics.prompts_topic(model), band_partitions, {"retention.ms": str(7 * DAY_MS)})
+        for model in settings.models
+    ]
+    return [
+        *prompts,
+        # Replies are re-read by reconnecting clients for a while, then dropped.
+        TopicSpec(topics.TOKENS, settings.tokens_partitions, {"retention.ms": str(DAY_MS)}),
+        TopicSpec(topics.CONTROL, 4, {"retention.ms": str(HOUR_MS)}),
+        TopicSpec(topics.USAGE, 4, {"retention.ms": str(30 * DAY_MS)}),
+        TopicSpec(topics.DEAD_LETTER, 1, {"retention.ms": str(30 * DAY_MS)}),
+    ]
+
+
+@dataclass
+class TopicReport:
+    created: list[str] = field(default_factory=list)
+    grown: list[str] = field(default_factory=list)
+    unchanged: list[str] = field(default_factory=list)
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.created or self.grown)
+
+
+async def ensure_topics(bootstrap: str, specs: list[TopicSpec]) -> TopicReport:
+    """Create missing topics and add partitions where a declaration grew."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=15_000)
+    await admin.start()
+    try:
+        existing = await partition_counts(admin)
+        report = TopicReport()
+        missing = [spec for spec in specs if spec.name not in existing]
+        if missing:
+            await admin.create_topics([_new_topic(spec) for spec in missing])
+            report.created = [spec.name for spec in missing]
+        for spec in specs:
+            if spec.name in existing:
+                await _grow(admin, spec, existing[spec.name], report)
+        return report
+    finally:
+        await admin.close()
+
+
+async def partition_counts(admin: AIOKafkaAdminClient) -> dict[str, int]:
+    names = await admin.list_topics()
+    described = await admin.describe_topics(names) if names else []
+    return {item["topic"]: len(item["partitions"]) for item in described}
+
+
+async def _grow(
+    admin: AIOKafkaAdminClient, spec: TopicSpec, current: int, report: TopicReport
+) -> None:
+    if current == spec.partitions:
+        report.unchanged.append(spec.name)
+    elif current < spec.partitions:
+        await admin.create_partitions({spec.name: NewPartitions(total_count=spec.partitions)})
+        report.grown.append(spec.name)
+    else:
+        raise InfraError(
+            f"topic {spec.name} has {current} partitions but {spec.partitions} are declared; "
+            "Kafka cannot remove partitions: recreate the topic or raise the declaration"
+        )
+
+
+def _new_topic(spec: TopicSpec) -> NewTopic:
+    return NewTopic(spec.name, spec.partitions, replication_factor=1, topic_configs=spec.config)

@@ -1,0 +1,1 @@
+"""Event and API models, topic names and serialization shared by every role."""

@@ -1,0 +1,137 @@
+"""Event types carried on Kafka. Every event has a schema version `v`.
+
+Compatibility rule: adding an optional field keeps the version (readers ignore
+fields they do not know); anything else (a removed, renamed or retyped field)
+bumps `SCHEMA_VERSION` of that event and readers reject versions they do not
+know.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+FinishReason = Literal["stop", "length", "cancelled", "expired", "error"]
+PromptKind = Literal["chat", "title", "summary", "batch"]
+
+
+class Event(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="ignore", strict=True)
+
+    SCHEMA_VERSION: ClassVar[int] = 1
+    v: int = 1
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="ignore", strict=True)
+
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class Sampling(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="ignore", strict=True)
+
+    max_tokens: int = Field(default=512, ge=1)
+    temperature: float = Field(default=0.7, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list)
+
+
+class PromptRequest(Event):
+    """A prompt for one model, published to `prompts.<model>` in its band's partitions."""
+
+    type: Literal["prompt"] = "prompt"
+    request_id: str = Field(min_length=1)
+    model: str = Field(min_length=1)
+    user_id: str = Field(min_length=1)
+    tier: str
+    band: str
+    conversation_id: str = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1)
+    sampling: Sampling = Field(default_factory=Sampling)
+    created_at_ms: int
+    deadline_ms: int | None = None
+    # Partition of `tokens` the caller reads; the worker keys by request id but
+    # produces there so one gateway replica sees the whole reply.
+    reply_partition: int | None = Field(default=None, ge=0)
+    kind: PromptKind = "chat"
+    batch_id: str | None = None
+    prompt_tokens_estimate: int = Field(default=0, ge=0)
+
+
+class TokenEvent(Event):
+    """Text generated since the previous event of the same request and attempt."""
+
+    type: Literal["token"] = "token"
+    request_id: str = Field(min_length=1)
+    attempt: int = Field(ge=1)
+    seq: int = Field(ge=0)
+    delta: str
+    token_count: int = Field(ge=0)
+    created_at_ms: int
+
+
+class Usage(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="ignore", strict=True)
+
+    prompt_tokens: int = Field(ge=0)
+    completion_tokens: int = Field(ge=0)
+    cached_tokens: int = Field(default=0, ge=0)
+    queue_ms: float = Field(ge=0)
+    ttft_ms: float | None = Field(default=None, ge=0)
+    decode_ms: float = Field(ge=0)
+
+
+class FinalEvent(Event):
+    """The last event of one attempt: how it ended, its whole text and its usage."""
+
+    type: Literal["final"] = "final"
+    request_id: str = Field(min_length=1)
+    attempt: int = Field(ge=1)
+    seq: int = Field(ge=0)
+    finish_reason: FinishReason
+    error: str | None = None
+    text: str
+    usage: Usage
+    model: str
+    user_id: str
+    tier: str
+    conversation_id: str
+    kind: PromptKind = "chat"
+    created_at_ms: int
+
+
+class ControlEvent(Event):
+    """A command for whichever worker holds (or will take) the request."""
+
+    type: Literal["control"] = "control"
+    command: Literal["cancel"]
+    request_id: str = Field(min_length=1)
+    issued_at_ms: int
+    reason: str | None = None
+
+
+class UsageRecord(Event):
+    """One per finished request, on `usage`."""
+
+    type: Literal["usage"] = "usage"
+    request_id: str = Field(min_length=1)
+    attempt: int = Field(ge=1)
+    user_id: str
+    tier: str
+    model: str
+    kind: PromptKind = "chat"
+    batch_id: str | None = None
+    prompt_tokens: int = Field(ge=0)
+    completion_tokens: int = Field(ge=0)
+    queue_ms: float = Field(ge=0)
+    ttft_ms: float | None = Field(default=None, ge=0)
+    duration_ms: float = Field(ge=0)
+    finish_reason: FinishReason
+    finished_at_ms: int
+
+
+TokenStreamEvent = TokenEvent | FinalEvent

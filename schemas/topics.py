@@ -1,0 +1,61 @@
+"""Topic names and the priority-band layout of prompt topics."""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+TOKENS = "tokens"
+CONTROL = "control"
+USAGE = "usage"
+DEAD_LETTER = "prompts.dead-letter"
+PROMPTS_PREFIX = "prompts."
+
+
+def prompts_topic(model: str) -> str:
+    if not model or not all(c.isascii() and (c.isalnum() or c in "-_.") for c in model):
+        raise ValueError(f"model name {model!r} is not a valid topic suffix")
+    return PROMPTS_PREFIX + model
+
+
+@dataclass(frozen=True)
+class BandRange:
+    name: str
+    first: int  # first partition of the band
+    count: int
+
+    @property
+    def partitions(self) -> range:
+        return range(self.first, self.first + self.count)
+
+
+class BandLayout:
+    """Maps priority bands to partition ranges, highest priority first."""
+
+    def __init__(self, bands: Sequence[tuple[str, int]]) -> None:
+        ranges: list[BandRange] = []
+        first = 0
+        for name, count in bands:
+            ranges.append(BandRange(name, first, count))
+            first += count
+        self.ranges = ranges
+        self.total_partitions = first
+        self._by_name = {band.name: band for band in ranges}
+
+    def band(self, name: str) -> BandRange:
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise ValueError(f"unknown priority band {name!r}; known: {list(self._by_name)}") from None
+
+    def partition_for(self, band: str, conversation_id: str) -> int:
+        """Same conversation, same partition: follow-up turns meet their cached prefix."""
+        rng = self.band(band)
+        return rng.first + zlib.crc32(conversation_id.encode()) % rng.count
+
+    def band_of(self, partition: int) -> BandRange:
+        for rng in self.ranges:
+            if partition in rng.partitions:
+                return rng
+        raise ValueError(f"partition {partition} is outside every band")

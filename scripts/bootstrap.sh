@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Install what Tandoor needs, idempotently: system packages, the virtualenv
+# (vLLM for CPU and every Python dependency, from one lock), the servers' jars.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+log() { printf '[bootstrap] %s\n' "$*"; }
+
+install_system_packages() {
+    local missing=()
+    command -v java >/dev/null || missing+=(openjdk-17-jre-headless)
+    command -v mvn >/dev/null || missing+=(maven)
+    command -v redis-server >/dev/null || missing+=(redis-server)
+    [ ${#missing[@]} -eq 0 ] && return
+    if [ "$(id -u)" -ne 0 ]; then
+        log "missing system packages: ${missing[*]}; install them with apt-get as root"; exit 1
+    fi
+    log "installing ${missing[*]}"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+}
+
+install_virtualenv() {
+    local stamp=.venv/.tandoor-stamp want
+    want=$(cat infra/requirements/lock.txt pyproject.toml | sha256sum | cut -d' ' -f1)
+    if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+        log "virtualenv up to date"; return
+    fi
+    log "installing the virtualenv (first time: several GB, a few minutes)"
+    [ -x .venv/bin/python ] || python3 -m venv .venv
+    .venv/bin/pip install -q --upgrade pip
+    # The lock was resolved once by hand (see README: click); --no-deps keeps it exact.
+    .venv/bin/pip install -q --no-deps -r infra/requirements/lock.txt
+    .venv/bin/pip install -q --no-deps -e .
+    echo "$want" > "$stamp"
+}
+
+install_system_packages
+install_virtualenv
+log "fetching server jars (cached)"
+.venv/bin/tandoor infra fetch
+log "done"

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The test command: install, start real servers, lint, type-check, test, and
+# stop the servers even when something fails. Servers use their own ports and
+# folder, so a running development stack is left alone.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+start=$(date +%s)
+
+scripts/bootstrap.sh
+export PATH="$PWD/.venv/bin:$PATH"
+export TANDOOR_ENV=test
+export TANDOOR_HOME="${TANDOOR_HOME:-$PWD/.tandoor/test}"
+export TANDOOR_KAFKA_PORT="${TANDOOR_KAFKA_PORT:-19092}"
+export TANDOOR_KAFKA_CONTROLLER_PORT="${TANDOOR_KAFKA_CONTROLLER_PORT:-19093}"
+export TANDOOR_CASSANDRA_PORT="${TANDOOR_CASSANDRA_PORT:-19042}"
+export TANDOOR_CASSANDRA_STORAGE_PORT="${TANDOOR_CASSANDRA_STORAGE_PORT:-17000}"
+export TANDOOR_REDIS_PORT="${TANDOOR_REDIS_PORT:-16379}"
+
+echo "== ruff"
+ruff check .
+ruff format --check .
+echo "== mypy"
+mypy
+
+echo "== servers"
+trap 'echo "== stopping servers"; tandoor infra down' EXIT
+tandoor infra up
+
+echo "== pytest"
+pytest "$@"
+echo "test command finished in $(( $(date +%s) - start )) s"

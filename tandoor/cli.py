@@ -1,0 +1,113 @@
+"""The `tandoor` command: one entry point for every role and for the local stack."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+import typer
+
+from infra.errors import InfraError
+from infra.stack import Stack, bootstrap
+from tandoor.logs import configure_logging
+from tandoor.settings import get_settings
+
+T = TypeVar("T")
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
+infra_app = typer.Typer(no_args_is_help=True, help="Local Kafka, Cassandra and Redis.")
+app.add_typer(infra_app, name="infra")
+
+
+@app.callback()
+def _setup(log_level: str = typer.Option("INFO", help="Python log level.")) -> None:
+    configure_logging(log_level.upper())
+
+
+@infra_app.command("fetch")
+def infra_fetch() -> None:
+    """Download what the servers need (cached; quick the second time)."""
+    for server in Stack(get_settings()).servers:
+        _guard(server.fetch)
+
+
+@infra_app.command("up")
+def infra_up(
+    skip_bootstrap: bool = typer.Option(False, help="Do not create topics and tables."),
+) -> None:
+    """Start the servers that are not running, wait until ready, then bootstrap."""
+    stack = Stack(get_settings())
+    _guard(stack.up)
+    if not skip_bootstrap:
+        _bootstrap()
+    _print_status(stack)
+
+
+@infra_app.command("down")
+def infra_down() -> None:
+    """Stop every server this project started (safe to run twice)."""
+    Stack(get_settings()).down()
+
+
+@infra_app.command("status")
+def infra_status() -> None:
+    """Show each server; exit 1 unless all are ready."""
+    if not _print_status(Stack(get_settings())):
+        raise typer.Exit(1)
+
+
+@app.command("bootstrap")
+def bootstrap_command() -> None:
+    """Create the declared topics and apply CQL migrations (idempotent)."""
+    _bootstrap()
+
+
+@app.command("run")
+def run() -> None:
+    """The main job: bring the whole local stack up, report it, stop it all on Ctrl-C."""
+    stack = Stack(get_settings())
+    try:
+        _guard(stack.up)
+        _bootstrap()
+        _print_status(stack)
+        typer.echo("Tandoor is up. Press Ctrl-C to stop everything.")
+        _wait_for_stop_signal()
+    finally:
+        typer.echo("stopping…")
+        stack.down()
+
+
+def _bootstrap() -> None:
+    report = _guard(lambda: asyncio.run(bootstrap(get_settings())))
+    typer.echo(f"bootstrap: {report.describe()}")
+
+
+def _print_status(stack: Stack) -> bool:
+    statuses = stack.status()
+    for status in statuses:
+        typer.echo(status.describe())
+    healthy = all(status.ready for status in statuses)
+    typer.echo("stack healthy" if healthy else "stack NOT healthy")
+    return healthy
+
+
+def _guard(action: Callable[[], T]) -> T:
+    try:
+        return action()
+    except InfraError as exc:
+        typer.secho(f"error: {exc}", err=True, fg=typer.colors.RED)
+        raise typer.Exit(2) from exc
+
+
+def _wait_for_stop_signal() -> None:
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+
+
+def main() -> None:
+    app()

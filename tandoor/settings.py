@@ -1,0 +1,73 @@
+"""The one place where configuration is read from the environment (TANDOOR_*)."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from tandoor import PROJECT_ROOT
+
+
+class Band(BaseModel):
+    """A priority band: a contiguous range of partitions of every prompt topic."""
+
+    name: str
+    partitions: int = Field(ge=1)
+
+
+DEFAULT_BANDS = [
+    Band(name="interactive-paid", partitions=4),
+    Band(name="interactive-free", partitions=4),
+    Band(name="batch", partitions=4),
+]
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TANDOOR_", env_nested_delimiter="__")
+
+    env: Literal["development", "test", "production"] = "development"
+    # Servers' data, logs and pid files (git-ignored).
+    home: Path = PROJECT_ROOT / ".tandoor" / "dev"
+    # Downloaded server class paths; shared by every checkout on this machine.
+    cache_dir: Path = Path.home() / ".cache" / "tandoor"
+
+    host: str = "127.0.0.1"
+    kafka_port: int = 9092
+    kafka_controller_port: int = 9093
+    kafka_heap: str = "512m"
+    cassandra_port: int = 9042
+    cassandra_storage_port: int = 7000
+    cassandra_heap: str = "1G"  # -Xms is 256M: G1 grows only as needed
+    redis_port: int = 6379
+    start_timeout_s: float = 180.0
+
+    keyspace: str = "tandoor"
+    cassandra_datacenter: str = "datacenter1"
+    cassandra_replication_factor: int = Field(default=1, ge=1)
+    models: list[str] = ["smollm2"]
+    bands: list[Band] = DEFAULT_BANDS
+    tokens_partitions: int = Field(default=8, ge=1)
+
+    @model_validator(mode="after")
+    def _bands_are_unique(self) -> Settings:
+        names = [band.name for band in self.bands]
+        if len(set(names)) != len(names):
+            raise ValueError(f"band names must be unique, got {names}")
+        return self
+
+    @property
+    def kafka_bootstrap(self) -> str:
+        return f"{self.host}:{self.kafka_port}"
+
+    @property
+    def redis_url(self) -> str:
+        return f"redis://{self.host}:{self.redis_port}/0"
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    return Settings()

@@ -1,0 +1,57 @@
+"""ServerProcess against real child processes (a tiny Python script stands in for a server)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from infra.errors import StartError
+from infra.process import ServerProcess, log_contains
+
+
+def server(tmp_path: Path) -> ServerProcess:
+    return ServerProcess("toy", tmp_path / "run", tmp_path / "logs" / "toy.log")
+
+
+def test_launch_wait_and_terminate(tmp_path: Path) -> None:
+    proc = server(tmp_path)
+    script = "import time; print('toy ready', flush=True); time.sleep(60)"
+    pid = proc.launch([sys.executable, "-c", script], cwd=tmp_path)
+    proc.wait_ready(lambda: log_contains(proc.log_file, "toy ready"), timeout_s=10)
+    assert proc.pid() == pid
+    assert proc.terminate(grace_s=5) is True
+    assert proc.pid() is None
+    assert proc.terminate(grace_s=5) is False  # safe to call twice
+
+
+def test_a_server_that_dies_at_start_reports_its_log_tail(tmp_path: Path) -> None:
+    proc = server(tmp_path)
+    script = "import sys; print('bad config: port must be a number', flush=True); sys.exit(3)"
+    proc.launch([sys.executable, "-c", script], cwd=tmp_path)
+    with pytest.raises(StartError, match="exited during start-up") as info:
+        proc.wait_ready(lambda: False, timeout_s=10)
+    assert "bad config: port must be a number" in str(info.value)
+
+
+def test_a_stalled_server_times_out_with_its_log_tail(tmp_path: Path) -> None:
+    proc = server(tmp_path)
+    proc.launch([sys.executable, "-c", "import time; print('warming up', flush=True); time.sleep(60)"], cwd=tmp_path)
+    try:
+        with pytest.raises(StartError, match="not ready within 1 s") as info:
+            proc.wait_ready(lambda: False, timeout_s=1)
+        assert "warming up" in str(info.value)
+    finally:
+        proc.terminate(grace_s=5)
+
+
+def test_a_previous_run_log_does_not_count_as_ready(tmp_path: Path) -> None:
+    proc = server(tmp_path)
+    proc.log_file.parent.mkdir(parents=True)
+    proc.log_file.write_text("toy ready\n")
+    proc.launch([sys.executable, "-c", "import time; time.sleep(60)"], cwd=tmp_path)
+    try:
+        assert not log_contains(proc.log_file, "toy ready")
+    finally:
+        proc.terminate(grace_s=5)

@@ -1,0 +1,32 @@
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from infra.topics import declared_topics
+from schemas import topics
+from tandoor.settings import Settings
+
+
+def test_environment_overrides_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TANDOOR_KAFKA_PORT", "29092")
+    monkeypatch.setenv("TANDOOR_MODELS", '["smollm2", "gemma3"]')
+    settings = Settings()
+    assert settings.kafka_bootstrap == "127.0.0.1:29092"
+    assert settings.models == ["smollm2", "gemma3"]
+
+
+def test_duplicate_band_names_are_refused() -> None:
+    with pytest.raises(ValidationError, match="unique"):
+        Settings(bands=[{"name": "a", "partitions": 1}, {"name": "a", "partitions": 2}])
+
+
+def test_every_model_gets_a_prompt_topic_with_all_band_partitions() -> None:
+    settings = Settings(
+        models=["smollm2", "gemma3"],
+        bands=[{"name": "paid", "partitions": 3}, {"name": "free", "partitions": 5}],
+    )
+    specs = {spec.name: spec for spec in declared_topics(settings)}
+    assert specs["prompts.smollm2"].partitions == 8
+    assert specs["prompts.gemma3"].partitions == 8
+    assert {topics.TOKENS, topics.CONTROL, topics.USAGE, topics.DEAD_LETTER} <= set(specs)
