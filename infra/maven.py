@@ -22,8 +22,16 @@ def fetch_classpath(pom: Path, cache_dir: Path) -> Path:
         raise FetchError("Maven (mvn) is not installed; it fetches the servers' jars")
     partial = dest.with_name(dest.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
-    argv = ["mvn", "-q", "-B", "-f", str(pom), COPY_DEPENDENCIES,
-            "-DincludeScope=runtime", f"-DoutputDirectory={partial}"]
+    argv = [
+        "mvn",
+        "-q",
+        "-B",
+        "-f",
+        str(pom),
+        COPY_DEPENDENCIES,
+        "-DincludeScope=runtime",
+        f"-DoutputDirectory={partial}",
+    ]
     result = subprocess.run(argv, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         raise FetchError(f"fetching {pom} failed:\n{(result.stdout + result.stderr)[-3000:]}")

@@ -25,7 +25,10 @@ class RedisServer(LocalServer):
             return
         if os.geteuid() != 0:
             raise FetchError("redis-server is missing: run `sudo apt-get install -y redis-server`")
-        for argv in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "redis-server"]):
+        for argv in (
+            ["apt-get", "update", "-qq"],
+            ["apt-get", "install", "-y", "-qq", "redis-server"],
+        ):
             result = subprocess.run(argv, capture_output=True, text=True, check=False)
             if result.returncode != 0:
                 raise FetchError(f"{' '.join(argv)} failed:\n{result.stderr[-2000:]}")

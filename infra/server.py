@@ -46,6 +46,7 @@ class LocalServer(ABC):
     def address(self) -> str:
         return f"{self.settings.host}:{self.port}"
 
+    @abstractmethod
     def fetch(self) -> None:
         """Install what the server needs to run; cached, so a second call is quick."""
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 
 from aiokafka.admin import AIOKafkaAdminClient, NewPartitions, NewTopic
+from aiokafka.errors import TopicAlreadyExistsError
 
 from infra.errors import InfraError
 from schemas import topics
@@ -57,8 +59,11 @@ async def ensure_topics(bootstrap: str, specs: list[TopicSpec]) -> TopicReport:
         report = TopicReport()
         missing = [spec for spec in specs if spec.name not in existing]
         if missing:
-            await admin.create_topics([_new_topic(spec) for spec in missing])
-            report.created = [spec.name for spec in missing]
+            response = await admin.create_topics([_new_topic(spec) for spec in missing])
+            already = _already_existing(response.topic_errors)
+            report.created = [spec.name for spec in missing if spec.name not in already]
+            # Our metadata was stale (a topic created a moment ago): read it again.
+            existing.update(await _wait_for_counts(admin, already))
         for spec in specs:
             if spec.name in existing:
                 await _grow(admin, spec, existing[spec.name], report)
@@ -67,10 +72,31 @@ async def ensure_topics(bootstrap: str, specs: list[TopicSpec]) -> TopicReport:
         await admin.close()
 
 
-async def partition_counts(admin: AIOKafkaAdminClient) -> dict[str, int]:
-    names = await admin.list_topics()
+async def partition_counts(
+    admin: AIOKafkaAdminClient, names: list[str] | None = None
+) -> dict[str, int]:
+    names = await admin.list_topics() if names is None else names
     described = await admin.describe_topics(names) if names else []
-    return {item["topic"]: len(item["partitions"]) for item in described}
+    return {item["topic"]: len(item["partitions"]) for item in described if item["error_code"] == 0}
+
+
+async def _wait_for_counts(admin: AIOKafkaAdminClient, names: list[str]) -> dict[str, int]:
+    for _ in range(50):
+        counts = await partition_counts(admin, names)
+        if len(counts) == len(names):
+            return counts
+        await asyncio.sleep(0.1)
+    raise InfraError(f"topics {names} exist but their metadata never became readable")
+
+
+def _already_existing(topic_errors: list[tuple[str, int, str | None]]) -> list[str]:
+    already = []
+    for name, code, message in topic_errors:
+        if code == TopicAlreadyExistsError.errno:
+            already.append(name)
+        elif code != 0:
+            raise InfraError(f"creating topic {name} failed (Kafka error {code}): {message}")
+    return already
 
 
 async def _grow(

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 TOKENS = "tokens"
 CONTROL = "control"
 USAGE = "usage"
-DEAD_LETTER = "prompts.dead-letter"
+DEAD_LETTER = "dead-letter"  # not under prompts.: no model can shadow it
 PROMPTS_PREFIX = "prompts."
 
 
@@ -47,7 +47,9 @@ class BandLayout:
         try:
             return self._by_name[name]
         except KeyError:
-            raise ValueError(f"unknown priority band {name!r}; known: {list(self._by_name)}") from None
+            raise ValueError(
+                f"unknown priority band {name!r}; known: {list(self._by_name)}"
+            ) from None
 
     def partition_for(self, band: str, conversation_id: str) -> int:
         """Same conversation, same partition: follow-up turns meet their cached prefix."""

@@ -37,7 +37,10 @@ def test_a_server_that_dies_at_start_reports_its_log_tail(tmp_path: Path) -> Non
 
 def test_a_stalled_server_times_out_with_its_log_tail(tmp_path: Path) -> None:
     proc = server(tmp_path)
-    proc.launch([sys.executable, "-c", "import time; print('warming up', flush=True); time.sleep(60)"], cwd=tmp_path)
+    proc.launch(
+        [sys.executable, "-c", "import time; print('warming up', flush=True); time.sleep(60)"],
+        cwd=tmp_path,
+    )
     try:
         with pytest.raises(StartError, match="not ready within 1 s") as info:
             proc.wait_ready(lambda: False, timeout_s=1)

@@ -5,7 +5,7 @@ from pydantic import ValidationError
 
 from infra.topics import declared_topics
 from schemas import topics
-from tandoor.settings import Settings
+from tandoor.settings import Band, Settings
 
 
 def test_environment_overrides_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -18,13 +18,13 @@ def test_environment_overrides_defaults(monkeypatch: pytest.MonkeyPatch) -> None
 
 def test_duplicate_band_names_are_refused() -> None:
     with pytest.raises(ValidationError, match="unique"):
-        Settings(bands=[{"name": "a", "partitions": 1}, {"name": "a", "partitions": 2}])
+        Settings(bands=[Band(name="a", partitions=1), Band(name="a", partitions=2)])
 
 
 def test_every_model_gets_a_prompt_topic_with_all_band_partitions() -> None:
     settings = Settings(
         models=["smollm2", "gemma3"],
-        bands=[{"name": "paid", "partitions": 3}, {"name": "free", "partitions": 5}],
+        bands=[Band(name="paid", partitions=3), Band(name="free", partitions=5)],
     )
     specs = {spec.name: spec for spec in declared_topics(settings)}
     assert specs["prompts.smollm2"].partitions == 8
