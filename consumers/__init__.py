@@ -1,0 +1,1 @@
+"""SSE fan-out to chat clients; persistence of finished messages into Cassandra."""

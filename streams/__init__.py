@@ -1,0 +1,1 @@
+"""faust-streaming apps over the token and usage streams."""

@@ -1,0 +1,1 @@
+"""Inference workers: Kafka in, vLLM, token events out."""
