@@ -1,0 +1,41 @@
+from __future__ import annotations
+
+from workers.offsets import OffsetTracker, PartitionOffsets
+
+
+def test_nothing_taken_nothing_to_commit() -> None:
+    assert PartitionOffsets().committable() is None
+
+
+def test_commit_waits_for_the_lowest_unfinished_offset() -> None:
+    offsets = PartitionOffsets()
+    for offset in (10, 11, 12, 13):
+        offsets.taken(offset)
+    offsets.finished(12)
+    offsets.finished(11)
+    assert offsets.committable() == 10  # 10 still runs: a crash must redeliver it
+    offsets.finished(10)
+    assert offsets.committable() == 13
+    offsets.finished(13)
+    assert offsets.committable() == 14
+    assert offsets.in_flight == 0
+
+
+def test_tracker_reports_only_moved_positions() -> None:
+    tracker = OffsetTracker()
+    tracker.taken("prompts.m", 0, 5)
+    tracker.taken("prompts.m", 1, 7)
+    tracker.finished("prompts.m", 1, 7)
+    moves = tracker.to_commit()
+    assert moves == {("prompts.m", 0): 5, ("prompts.m", 1): 8}
+    tracker.committed(moves)
+    assert tracker.to_commit() == {}
+    tracker.finished("prompts.m", 0, 5)
+    assert tracker.to_commit() == {("prompts.m", 0): 6}
+
+
+def test_forgotten_partitions_are_not_committed() -> None:
+    tracker = OffsetTracker()
+    tracker.taken("t", 0, 1)
+    tracker.forget([("t", 0)])
+    assert tracker.to_commit() == {}

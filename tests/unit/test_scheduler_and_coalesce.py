@@ -1,0 +1,60 @@
+from __future__ import annotations
+
+import pytest
+
+from workers.coalesce import Coalescer
+from workers.scheduler import BandScheduler
+
+BANDS = ["paid", "free", "batch"]
+
+
+def test_higher_band_is_served_first() -> None:
+    scheduler = BandScheduler(BANDS, reserve=0.1)
+    assert scheduler.plan(3, {"paid": 5, "batch": 100}) == {"paid": 3}
+
+
+def test_idle_higher_bands_leave_slots_to_lower_ones() -> None:
+    scheduler = BandScheduler(BANDS)
+    assert scheduler.plan(4, {"free": 1, "batch": 100}) == {"free": 1, "batch": 3}
+
+
+def test_a_flooded_lower_band_keeps_its_reserved_share() -> None:
+    scheduler = BandScheduler(BANDS, reserve=0.1)
+    served = {"paid": 0, "batch": 0}
+    for _ in range(100):  # one slot at a time, paid always has work
+        for band, n in scheduler.plan(1, {"paid": 1000, "batch": 1000}).items():
+            served[band] += n
+    assert served["batch"] == pytest.approx(9, abs=1)  # about one in eleven
+    assert served["paid"] == 100 - served["batch"]
+
+
+def test_no_backlog_no_plan() -> None:
+    assert BandScheduler(BANDS).plan(8, {}) == {}
+
+
+def test_reserve_is_validated() -> None:
+    with pytest.raises(ValueError, match="reserve"):
+        BandScheduler(BANDS, reserve=1.5)
+
+
+def test_first_delta_is_sent_at_once_then_coalesced() -> None:
+    c = Coalescer(window_s=0.010, max_tokens=100)
+    assert c.add("Hel", 1, now=0.000) == ("Hel", 1)
+    assert c.add("lo", 1, now=0.002) is None
+    assert c.add(",", 1, now=0.004) is None
+    assert c.add(" world", 1, now=0.011) == ("lo, world", 3)
+    assert c.flush(now=0.012) is None
+
+
+def test_token_cap_flushes_before_the_window() -> None:
+    c = Coalescer(window_s=1.0, max_tokens=3)
+    c.add("a", 1, now=0.0)
+    assert c.add("b", 1, now=0.1) is None
+    assert c.add("c", 2, now=0.2) == ("bc", 3)
+
+
+def test_final_flush_returns_the_rest() -> None:
+    c = Coalescer(window_s=1.0, max_tokens=100)
+    c.add("a", 1, now=0.0)
+    c.add("🙂", 1, now=0.1)
+    assert c.flush(now=0.2) == ("🙂", 1)

@@ -1,0 +1,65 @@
+"""Commit positions for out-of-order completion: the lowest unfinished offset wins."""
+
+from __future__ import annotations
+
+import heapq
+
+
+class PartitionOffsets:
+    """Offsets taken from one partition; which are finished, which position is safe."""
+
+    def __init__(self) -> None:
+        self._pending: list[int] = []  # min-heap of unfinished offsets
+        self._finished: set[int] = set()
+        self._next = -1  # one past the highest offset taken
+
+    def taken(self, offset: int) -> None:
+        heapq.heappush(self._pending, offset)
+        self._next = max(self._next, offset + 1)
+
+    def finished(self, offset: int) -> None:
+        self._finished.add(offset)
+        while self._pending and self._pending[0] in self._finished:
+            self._finished.discard(heapq.heappop(self._pending))
+
+    def committable(self) -> int | None:
+        """The offset to commit: everything below it is finished. None if nothing taken."""
+        if self._pending:
+            return self._pending[0]
+        return self._next if self._next >= 0 else None
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._pending)
+
+
+class OffsetTracker:
+    """PartitionOffsets for every partition a worker holds, keyed by (topic, partition)."""
+
+    def __init__(self) -> None:
+        self._partitions: dict[tuple[str, int], PartitionOffsets] = {}
+        self._committed: dict[tuple[str, int], int] = {}
+
+    def taken(self, topic: str, partition: int, offset: int) -> None:
+        self._partitions.setdefault((topic, partition), PartitionOffsets()).taken(offset)
+
+    def finished(self, topic: str, partition: int, offset: int) -> None:
+        self._partitions[(topic, partition)].finished(offset)
+
+    def to_commit(self) -> dict[tuple[str, int], int]:
+        """Positions that moved since the last `committed` call."""
+        moves = {}
+        for key, offsets in self._partitions.items():
+            position = offsets.committable()
+            if position is not None and self._committed.get(key) != position:
+                moves[key] = position
+        return moves
+
+    def committed(self, positions: dict[tuple[str, int], int]) -> None:
+        self._committed.update(positions)
+
+    def forget(self, keys: list[tuple[str, int]]) -> None:
+        """Drop revoked partitions: their new owner starts from the committed position."""
+        for key in keys:
+            self._partitions.pop(key, None)
+            self._committed.pop(key, None)
