@@ -36,15 +36,19 @@ class CassandraServer(LocalServer):
         logs.mkdir(exist_ok=True)
         triggers.mkdir(exist_ok=True)
         return [
-            "java", f"-javaagent:{self._jamm_jar()}", f"-Xmx{self.settings.cassandra_heap}",
+            "java",
+            f"-javaagent:{self._jamm_jar()}",
+            f"-Xmx{self.settings.cassandra_heap}",
             *_jvm_options(),
             f"-Dcassandra.config=file://{config}",
             f"-Dcassandra.storagedir={self.data_dir}",
             f"-Dcassandra.logdir={logs}",
             f"-Dcassandra.triggers_dir={triggers}",
             f"-Dlogback.configurationFile={TEMPLATES / 'cassandra-logback.xml'}",
-            "-cp", f"{self._lib}/*", MAIN_CLASS,
-        ]  # fmt: skip
+            "-cp",
+            f"{self._lib}/*",
+            MAIN_CLASS,
+        ]
 
     def is_ready(self) -> bool:
         return log_contains(

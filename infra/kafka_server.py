@@ -46,19 +46,32 @@ class KafkaServer(LocalServer):
     def _java(self) -> list[str]:
         heap = self.settings.kafka_heap
         return [
-            "java", f"-Xms{heap}", f"-Xmx{heap}", "-XX:+UseG1GC", "-Djava.awt.headless=true",
+            "java",
+            f"-Xms{heap}",
+            f"-Xmx{heap}",
+            "-XX:+UseG1GC",
+            "-Djava.awt.headless=true",
             f"-Dlog4j2.configurationFile={self.conf_dir / 'log4j2.properties'}",
             f"-Dkafka.logs.dir={self.settings.home / 'logs'}",
-            "-cp", f"{self._lib}/*",
-        ]  # fmt: skip
+            "-cp",
+            f"{self._lib}/*",
+        ]
 
     def _format_storage(self, properties: Path) -> None:
         """KRaft needs formatted storage once; a formatted folder is left alone."""
         if (self.data_dir / "log" / "meta.properties").exists():
             return
         cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
-        argv = [*self._java(), "kafka.tools.StorageTool", "format",
-                "-t", cluster_id, "-c", str(properties), "-g"]  # fmt: skip
+        argv = [
+            *self._java(),
+            "kafka.tools.StorageTool",
+            "format",
+            "-t",
+            cluster_id,
+            "-c",
+            str(properties),
+            "-g",
+        ]
         result = subprocess.run(argv, capture_output=True, text=True, check=False)
         if result.returncode != 0:
             raise StartError(f"kafka: formatting storage failed:\n{result.stdout}{result.stderr}")

@@ -35,10 +35,24 @@ class RedisServer(LocalServer):
 
     def prepare(self) -> list[str]:
         return [
-            "redis-server", "--bind", self.settings.host, "--port", str(self.port),
-            "--dir", str(self.data_dir), "--daemonize", "no", "--protected-mode", "yes",
-            "--appendonly", "yes", "--save", "", "--logfile", "",
-        ]  # fmt: skip
+            "redis-server",
+            "--bind",
+            self.settings.host,
+            "--port",
+            str(self.port),
+            "--dir",
+            str(self.data_dir),
+            "--daemonize",
+            "no",
+            "--protected-mode",
+            "yes",
+            "--appendonly",
+            "yes",
+            "--save",
+            "",
+            "--logfile",
+            "",
+        ]
 
     def is_ready(self) -> bool:
         with contextlib.suppress(OSError):

@@ -8,12 +8,18 @@ know.
 
 from __future__ import annotations
 
+import time
 from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 FinishReason = Literal["stop", "length", "cancelled", "expired", "error"]
 PromptKind = Literal["chat", "title", "summary", "batch"]
+
+
+def now_ms() -> int:
+    """Wall-clock milliseconds, the unit of every *_ms timestamp in events."""
+    return int(time.time() * 1000)
 
 
 class Event(BaseModel):

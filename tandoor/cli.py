@@ -80,6 +80,31 @@ def run() -> None:
         stack.down()
 
 
+@app.command("worker")
+def worker(
+    model: str = typer.Option("smollm2", help="Served model: its name in TANDOOR_MODELS."),
+) -> None:
+    """An inference worker: prompts.<model> from Kafka into vLLM, token events out."""
+    from workers.worker import WorkerFailed, run_worker  # imports vLLM: only here
+
+    try:
+        asyncio.run(run_worker(get_settings(), model))
+    except WorkerFailed as exc:
+        typer.secho(f"worker failed: {exc}", err=True, fg=typer.colors.RED)
+        raise typer.Exit(1) from exc
+
+
+@app.command("cancel")
+def cancel(
+    request_id: str, reason: str = typer.Option("", help="Kept in the control event.")
+) -> None:
+    """Cancel a request, whether it is generating, queued, or not yet taken."""
+    from producers.control import cancel_request
+
+    asyncio.run(cancel_request(get_settings(), request_id, reason or None))
+    typer.echo(f"cancel sent for {request_id}")
+
+
 def _bootstrap() -> None:
     report = _guard(lambda: asyncio.run(bootstrap(get_settings())))
     typer.echo(f"bootstrap: {report.describe()}")

@@ -7,6 +7,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import redis.asyncio as aioredis
+from aiokafka import AIOKafkaProducer
 from cassandra.cluster import EXEC_PROFILE_DEFAULT, Cluster, ExecutionProfile
 from cassandra.policies import DCAwareRoundRobinPolicy, TokenAwarePolicy
 
@@ -31,3 +32,15 @@ def cassandra_session(settings: Settings, keyspace: str | None = None) -> Iterat
 
 def redis_client(settings: Settings) -> aioredis.Redis:
     return aioredis.Redis.from_url(settings.redis_url, decode_responses=False)
+
+
+def kafka_producer(settings: Settings, client_id: str) -> AIOKafkaProducer:
+    """acks=all with idempotence: prompts and final events must not be lost or doubled,
+    and one request's events stay in order. A short linger: never wait for a batch."""
+    return AIOKafkaProducer(
+        bootstrap_servers=settings.kafka_bootstrap,
+        client_id=client_id,
+        acks="all",
+        enable_idempotence=True,
+        linger_ms=settings.producer_linger_ms,
+    )

@@ -49,8 +49,28 @@ class Settings(BaseSettings):
     cassandra_datacenter: str = "datacenter1"
     cassandra_replication_factor: int = Field(default=1, ge=1)
     models: list[str] = ["smollm2"]
+    # Model name -> Hugging Face folder (config.json, weights, tokenizer) to serve it from;
+    # a name not listed here falls back to a bundled model (only "smollm2" is bundled).
+    model_dirs: dict[str, Path] = Field(default_factory=dict)
     bands: list[Band] = DEFAULT_BANDS
     tokens_partitions: int = Field(default=8, ge=1)
+
+    # Kafka latency knobs: the token path never waits for a batch to fill.
+    fetch_wait_ms: int = Field(default=5, ge=0)
+    producer_linger_ms: int = Field(default=1, ge=0)
+
+    # Inference workers.
+    worker_max_seqs: int = Field(default=32, ge=1)  # prompts in flight per worker
+    worker_max_tokens: int = Field(default=40_000, ge=1)  # their prompt + new tokens
+    # KV cache per worker (SmolLM2: ~22.5 KiB a token, so 1 GiB is ~46k tokens).
+    # None sizes it from worker_memory_share instead (the usual choice on a GPU).
+    worker_kv_cache_mib: int | None = 1024
+    worker_memory_share: float = Field(default=0.3, gt=0, le=1)
+    worker_grace_s: float = Field(default=20.0, ge=0)  # SIGTERM: finish, then hand back
+    worker_band_reserve: float = Field(default=0.1, ge=0, le=1)  # share kept for lower bands
+    worker_metrics_port: int = 9400  # 0 picks a free port
+    coalesce_ms: float = Field(default=15.0, ge=0)
+    coalesce_tokens: int = Field(default=16, ge=1)
 
     @model_validator(mode="after")
     def _bands_are_unique(self) -> Settings:

@@ -112,14 +112,23 @@ def test_lone_surrogate_is_refused_at_encode() -> None:
         (b"[1, 2]", "$"),
         (b'{"type": "token"}', "v"),
         (b'{"v": "1", "type": "token"}', "v"),
-        (b'{"v": 1, "request_id": "r", "attempt": "1", "seq": 0, "delta": "", '
-         b'"token_count": 1, "created_at_ms": 1}', "attempt"),
-        (b'{"v": 1, "request_id": "r", "attempt": 0, "seq": 0, "delta": "", '
-         b'"token_count": 1, "created_at_ms": 1}', "attempt"),
-        (b'{"v": 1, "request_id": "r", "attempt": 1, "seq": 0, '
-         b'"token_count": 1, "created_at_ms": 1}', "delta"),
+        (
+            b'{"v": 1, "request_id": "r", "attempt": "1", "seq": 0, "delta": "", '
+            b'"token_count": 1, "created_at_ms": 1}',
+            "attempt",
+        ),
+        (
+            b'{"v": 1, "request_id": "r", "attempt": 0, "seq": 0, "delta": "", '
+            b'"token_count": 1, "created_at_ms": 1}',
+            "attempt",
+        ),
+        (
+            b'{"v": 1, "request_id": "r", "attempt": 1, "seq": 0, '
+            b'"token_count": 1, "created_at_ms": 1}',
+            "delta",
+        ),
     ],
-)  # fmt: skip
+)
 def test_malformed_token_events_name_the_field(payload: bytes, field: str) -> None:
     with pytest.raises(SchemaError) as info:
         decode(TokenEvent, payload)

@@ -1,0 +1,299 @@
+"""The inference worker against real Kafka, Redis and vLLM with the bundled model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.request
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.structs import ConsumerRecord
+
+from infra.topics import TopicSpec, ensure_topics
+from producers.control import request_cancel
+from producers.prompts import PromptSubmitter
+from schemas import topics
+from schemas.codec import decode, encode
+from schemas.events import UsageRecord
+from tandoor.clients import kafka_producer, redis_client
+from tandoor.settings import Settings
+from tests.integration.pipeline import TokenStream, WorkerProcess, prompt
+from workers.model_store import resolve_model_dir
+
+pytestmark = pytest.mark.integration
+MAX_SEQS = 4
+
+
+@pytest.fixture(scope="module")
+def model_dir(settings: Settings) -> Path:
+    return resolve_model_dir("smollm2", settings)
+
+
+@pytest.fixture(scope="module")
+async def producer(kafka: str, settings: Settings) -> AsyncIterator[AIOKafkaProducer]:
+    async with kafka_producer(settings, client_id="tests") as p:
+        yield p
+
+
+async def start_worker(
+    settings: Settings, model_dir: Path, log_dir: Path, model: str, **env: str
+) -> WorkerProcess:
+    bands = sum(b.partitions for b in settings.bands)
+    await ensure_topics(settings.kafka_bootstrap, [TopicSpec(topics.prompts_topic(model), bands)])
+    worker = WorkerProcess(
+        model,
+        log_dir,
+        {
+            "TANDOOR_MODEL_DIRS": json.dumps({model: str(model_dir)}),
+            **env,
+        },
+    )
+    worker.start()
+    await worker.wait_ready()
+    return worker
+
+
+@pytest.fixture(scope="module")
+async def worker(
+    kafka: str,
+    redis_url: str,
+    settings: Settings,
+    model_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> AsyncIterator[WorkerProcess]:
+    process = await start_worker(
+        settings,
+        model_dir,
+        tmp_path_factory.mktemp("workers"),
+        f"wa-{uuid.uuid4().hex[:6]}",
+        TANDOOR_WORKER_MAX_SEQS=str(MAX_SEQS),
+        TANDOOR_COALESCE_MS="60",
+    )
+    yield process
+    process.terminate()
+
+
+async def test_reply_streams_in_order_then_final_and_usage(
+    worker: WorkerProcess, producer: AIOKafkaProducer, settings: Settings
+) -> None:
+    usage = await _usage_reader(settings)
+    try:
+        async with TokenStream(settings) as stream:
+            request = prompt(worker.model, "What is the capital of France?", max_tokens=48)
+            await PromptSubmitter(settings, producer).submit(request)
+            final = await stream.final(request.request_id)
+            tokens = stream.tokens(request.request_id, 1)
+        record = await _usage_for(usage, request.request_id)
+    finally:
+        await usage.stop()
+    assert final.finish_reason in ("stop", "length") and final.attempt == 1
+    assert "Paris" in final.text
+    assert [t.seq for t in tokens] == list(range(len(tokens)))
+    assert final.seq == len(tokens)
+    assert "".join(t.delta for t in tokens) == final.text
+    completion = sum(t.token_count for t in tokens)
+    assert completion == final.usage.completion_tokens > 0
+    assert len(tokens) < completion, "tokens should be coalesced into fewer events"
+    assert final.usage.prompt_tokens > 5 and final.usage.ttft_ms is not None
+    assert (record.prompt_tokens, record.completion_tokens) == (
+        final.usage.prompt_tokens,
+        final.usage.completion_tokens,
+    )
+    assert record.finish_reason == final.finish_reason
+
+
+async def test_high_band_overtakes_a_flooded_low_band(
+    worker: WorkerProcess, producer: AIOKafkaProducer, settings: Settings
+) -> None:
+    submitter = PromptSubmitter(settings, producer)
+    async with TokenStream(settings) as stream:
+        flood = [
+            prompt(worker.model, f"Count from 1 to {20 + i}.", band="batch", max_tokens=40)
+            for i in range(6 * MAX_SEQS)
+        ]
+        for request in flood:
+            await submitter.submit(request)
+        await stream.first_token(flood[0].request_id)  # the worker is busy with batch work
+        urgent = prompt(worker.model, "Say hello.", band="interactive-paid", max_tokens=16)
+        await submitter.submit(urgent)
+        await stream.final(urgent.request_id)
+        for request in flood:
+            await stream.final(request.request_id, timeout_s=300)
+    urgent_done = stream.arrival[urgent.request_id]
+    after = [r for r in flood if stream.arrival[r.request_id] > urgent_done]
+    assert len(after) >= len(flood) // 2, "the paid prompt should overtake most of the batch"
+    assert all(stream.finals(r.request_id)[0].finish_reason != "error" for r in flood)
+
+
+async def test_cancel_while_generating_keeps_partial_usage(
+    worker: WorkerProcess, producer: AIOKafkaProducer, settings: Settings, redis_url: str
+) -> None:
+    client = redis_client(settings)
+    try:
+        async with TokenStream(settings) as stream:
+            request = prompt(
+                worker.model, "Write a very long story about a dragon.", max_tokens=1000
+            )
+            await PromptSubmitter(settings, producer).submit(request)
+            await stream.first_token(request.request_id)
+            sent = time.monotonic()
+            await request_cancel(producer, client, request.request_id, "stop button")
+            final = await stream.final(request.request_id)
+            elapsed = time.monotonic() - sent
+    finally:
+        await client.aclose()
+    assert final.finish_reason == "cancelled"
+    assert elapsed < 1.0, f"cancel took {elapsed:.2f} s"
+    assert 0 < final.usage.completion_tokens < 1000
+    assert final.text and final.usage.prompt_tokens > 0
+
+
+async def test_cancel_before_the_worker_takes_the_prompt(
+    worker: WorkerProcess, producer: AIOKafkaProducer, settings: Settings, redis_url: str
+) -> None:
+    client = redis_client(settings)
+    request = prompt(worker.model, "Hello?", max_tokens=16)
+    try:
+        async with TokenStream(settings) as stream:
+            await request_cancel(producer, client, request.request_id)
+            await PromptSubmitter(settings, producer).submit(request)
+            final = await stream.final(request.request_id)
+    finally:
+        await client.aclose()
+    assert final.finish_reason == "cancelled"
+    assert final.usage.completion_tokens == 0 and not stream.tokens(request.request_id, 1)
+
+
+async def test_expired_prompt_never_reaches_the_engine(
+    worker: WorkerProcess, producer: AIOKafkaProducer, settings: Settings
+) -> None:
+    async with TokenStream(settings) as stream:
+        request = prompt(worker.model, "Too late.", deadline_ms=int(time.time() * 1000) - 1)
+        await PromptSubmitter(settings, producer).submit(request)
+        final = await stream.final(request.request_id)
+    assert final.finish_reason == "expired" and "deadline" in (final.error or "")
+    assert final.usage.prompt_tokens == 0 and final.usage.completion_tokens == 0
+
+
+async def test_bad_input_gets_errors_and_the_worker_keeps_running(
+    worker: WorkerProcess, producer: AIOKafkaProducer, settings: Settings
+) -> None:
+    submitter = PromptSubmitter(settings, producer)
+    topic = topics.prompts_topic(worker.model)
+    dead = await _dead_letter_reader(settings)
+    try:
+        async with TokenStream(settings) as stream:
+            wrong_model = prompt(worker.model, "hi").model_copy(update={"model": "no-such-model"})
+            await producer.send_and_wait(topic, encode(wrong_model), partition=0)
+            too_long = prompt(worker.model, "word " * 5000)
+            await submitter.submit(too_long)
+            await producer.send_and_wait(topic, b"\xff not json", partition=0)
+            await producer.send_and_wait(topic, b'{"v": 1, "request_id": "bad-1"}', partition=0)
+            healthy = prompt(worker.model, "What is 2 + 2?", max_tokens=16)
+            await submitter.submit(healthy)
+            ids = (wrong_model.request_id, too_long.request_id, "bad-1", healthy.request_id)
+            finals = {r: await stream.final(r) for r in ids}
+        letters = await _records(dead, 2)
+    finally:
+        await dead.stop()
+    assert "unknown model 'no-such-model'" in (finals[wrong_model.request_id].error or "")
+    assert "context window" in (finals[too_long.request_id].error or "")
+    assert "malformed prompt" in (finals["bad-1"].error or "")
+    assert finals[healthy.request_id].finish_reason in ("stop", "length")
+    assert [r.value for r in letters] == [b"\xff not json", b'{"v": 1, "request_id": "bad-1"}']
+    assert all(dict(r.headers)["error"] for r in letters)
+
+
+async def test_metrics_endpoint(worker: WorkerProcess) -> None:
+    url = f"http://127.0.0.1:{worker.metrics_port()}/metrics"
+    body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read().decode())
+    for name in (
+        "tandoor_worker_requests_waiting",
+        "tandoor_worker_requests_running",
+        "tandoor_worker_time_to_first_token_seconds_bucket",
+        "tandoor_worker_generated_tokens_total",
+        "tandoor_worker_consumer_lag",
+    ):
+        assert name in body, name
+
+
+async def test_sigterm_finishes_in_flight_work_and_exits_cleanly(
+    worker: WorkerProcess, producer: AIOKafkaProducer, settings: Settings
+) -> None:
+    async with TokenStream(settings) as stream:
+        request = prompt(worker.model, "Name three colours.", max_tokens=40)
+        partition = await PromptSubmitter(settings, producer).submit(request)
+        await stream.first_token(request.request_id)
+        code = await asyncio.to_thread(worker.terminate)
+        final = await stream.final(request.request_id, timeout_s=30)
+    assert code == 0, worker.log()[-3000:]
+    assert final.finish_reason in ("stop", "length")
+    assert await _committed(settings, worker.model, partition) == await _end(
+        settings, worker.model, partition
+    )
+
+
+async def _usage_reader(settings: Settings) -> AIOKafkaConsumer:
+    return await _reader_from_end(settings, topics.USAGE)
+
+
+async def _dead_letter_reader(settings: Settings) -> AIOKafkaConsumer:
+    return await _reader_from_end(settings, topics.DEAD_LETTER)
+
+
+async def _reader_from_end(settings: Settings, topic: str) -> AIOKafkaConsumer:
+    consumer = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap, fetch_max_wait_ms=5)
+    await consumer.start()
+    assigned = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic) or set()]
+    consumer.assign(assigned)
+    await consumer.seek_to_end(*assigned)
+    for tp in assigned:
+        await consumer.position(tp)
+    return consumer
+
+
+async def _records(consumer: AIOKafkaConsumer, count: int) -> list[ConsumerRecord[bytes, bytes]]:
+    records: list[ConsumerRecord[bytes, bytes]] = []
+    deadline = time.monotonic() + 30
+    while len(records) < count and time.monotonic() < deadline:
+        batch = await consumer.getmany(timeout_ms=500)
+        records += [r for chunk in batch.values() for r in chunk]
+    return records
+
+
+async def _usage_for(consumer: AIOKafkaConsumer, request_id: str) -> UsageRecord:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        for chunk in (await consumer.getmany(timeout_ms=500)).values():
+            for record in chunk:
+                usage = decode(UsageRecord, record.value)
+                if usage.request_id == request_id:
+                    return usage
+    raise AssertionError(f"no usage record for {request_id}")
+
+
+async def _committed(settings: Settings, model: str, partition: int) -> int | None:
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=settings.kafka_bootstrap, group_id=f"workers.{model}"
+    )
+    await consumer.start()
+    try:
+        offset = await consumer.committed(TopicPartition(topics.prompts_topic(model), partition))
+        return None if offset is None else int(offset)
+    finally:
+        await consumer.stop()
+
+
+async def _end(settings: Settings, model: str, partition: int) -> int:
+    consumer = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap)
+    await consumer.start()
+    try:
+        tp = TopicPartition(topics.prompts_topic(model), partition)
+        return int((await consumer.end_offsets([tp]))[tp])
+    finally:
+        await consumer.stop()

@@ -1,0 +1,59 @@
+"""Every worker reads every control event (no consumer group): a cancel must reach
+whichever worker holds the request, or will take it later (then Redis tells)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+from aiokafka import AIOKafkaConsumer, TopicPartition
+
+from schemas import topics
+from schemas.codec import SchemaError, decode
+from schemas.events import ControlEvent
+from tandoor.settings import Settings
+
+log = logging.getLogger(__name__)
+
+OnCancel = Callable[[ControlEvent], Awaitable[None]]
+
+
+class ControlListener:
+    def __init__(self, settings: Settings, on_cancel: OnCancel) -> None:
+        self._on_cancel = on_cancel
+        self._consumer = AIOKafkaConsumer(
+            bootstrap_servers=settings.kafka_bootstrap,
+            group_id=None,
+            enable_auto_commit=False,
+            fetch_max_wait_ms=settings.fetch_wait_ms,
+        )
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        await self._consumer.start()
+        partitions = self._consumer.partitions_for_topic(topics.CONTROL) or set()
+        if not partitions:
+            await self._consumer.stop()
+            raise RuntimeError(f"topic {topics.CONTROL} does not exist: run `tandoor bootstrap`")
+        assigned = [TopicPartition(topics.CONTROL, p) for p in sorted(partitions)]
+        self._consumer.assign(assigned)
+        await self._consumer.seek_to_end(*assigned)  # older cancels are found in Redis
+        self._task = asyncio.create_task(self._listen(), name="control-listener")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        await self._consumer.stop()
+
+    async def _listen(self) -> None:
+        async for record in self._consumer:
+            try:
+                event = decode(ControlEvent, record.value)
+            except SchemaError as exc:
+                log.warning("ignoring malformed control event at offset %s: %s", record.offset, exc)
+                continue
+            if event.command == "cancel":
+                await self._on_cancel(event)

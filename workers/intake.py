@@ -1,0 +1,144 @@
+"""Taking prompts from `prompts.<model>`: band priority, bounded intake, safe commits.
+
+The consumer group spreads every band over every worker (round-robin over the
+partitions, with each band at least as wide as the worker count). A worker takes
+only as many prompts as it has free slots; the scheduler decides which bands get
+them; offsets are committed only below the lowest unfinished prompt.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from typing import TypeAlias
+
+from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
+from aiokafka.coordinator.assignors.roundrobin import RoundRobinPartitionAssignor
+from aiokafka.errors import CommitFailedError, KafkaError
+from aiokafka.structs import ConsumerRecord
+
+from schemas.topics import BandLayout, prompts_topic
+from tandoor.settings import Settings
+from workers.offsets import OffsetTracker
+from workers.scheduler import BandScheduler
+
+log = logging.getLogger(__name__)
+
+Record: TypeAlias = ConsumerRecord[bytes, bytes]
+LAG_REFRESH_S = 0.02
+IDLE_WAIT_MS = 100
+
+
+class PromptIntake(ConsumerRebalanceListener):  # type: ignore[misc]
+    def __init__(self, settings: Settings, model: str) -> None:
+        self.topic = prompts_topic(model)
+        self.layout = BandLayout([(band.name, band.partitions) for band in settings.bands])
+        self.scheduler = BandScheduler(
+            [b.name for b in self.layout.ranges], settings.worker_band_reserve
+        )
+        self.offsets = OffsetTracker()
+        self.consumer = AIOKafkaConsumer(
+            bootstrap_servers=settings.kafka_bootstrap,
+            group_id=f"workers.{model}",
+            client_id=f"worker.{model}",
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+            fetch_max_wait_ms=settings.fetch_wait_ms,
+            max_partition_fetch_bytes=256 * 1024,  # prefetch little: others may take the rest
+            partition_assignment_strategy=(RoundRobinPartitionAssignor,),
+        )
+        self.backlog: dict[str, int] = {}
+        self._lag_checked = 0.0
+        self._paused = False
+
+    async def start(self) -> None:
+        self.consumer.subscribe([self.topic], listener=self)
+        await self.consumer.start()
+
+    async def stop(self) -> None:
+        await self.commit()
+        await self.consumer.stop()
+
+    async def take(self, free_slots: int) -> list[Record]:
+        """Up to `free_slots` prompts, higher bands first, lower bands never starved."""
+        self._resume()
+        await self._refresh_backlog()
+        plan = self.scheduler.plan(free_slots, self.backlog)
+        if not plan:
+            batch = await self.consumer.getmany(timeout_ms=IDLE_WAIT_MS, max_records=free_slots)
+            return self._taken(batch)
+        records: list[Record] = []
+        for band, count in plan.items():
+            partitions = self._assigned_in(band)
+            if partitions:
+                batch = await self.consumer.getmany(
+                    *partitions, timeout_ms=IDLE_WAIT_MS // 10, max_records=count
+                )
+                records += self._taken(batch)
+        return records
+
+    def pause_all(self) -> None:
+        """Engine full: stop fetching so the backlog stays in Kafka for other workers."""
+        if not self._paused:
+            self.consumer.pause(*self.consumer.assignment())
+            self._paused = True
+
+    def finished(self, record: Record) -> None:
+        self.offsets.finished(record.topic, record.partition, record.offset)
+
+    async def commit(self) -> None:
+        moves = self.offsets.to_commit()
+        if not moves:
+            return
+        try:
+            await self.consumer.commit({TopicPartition(t, p): o for (t, p), o in moves.items()})
+            self.offsets.committed(moves)
+        except (CommitFailedError, KafkaError) as exc:  # a rebalance; the listener commits
+            log.warning("commit of %s failed: %s", moves, exc)
+
+    def band_of(self, record: Record) -> str:
+        return self.layout.band_of(record.partition).name
+
+    # ConsumerRebalanceListener
+    async def on_partitions_revoked(self, revoked: list[TopicPartition]) -> None:
+        await self.commit()
+        self.offsets.forget([(tp.topic, tp.partition) for tp in revoked])
+
+    async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
+        log.info("assigned %s partitions %s", self.topic, sorted(tp.partition for tp in assigned))
+        self._paused = False
+        self._lag_checked = 0.0
+
+    def _taken(self, batch: dict[TopicPartition, list[Record]]) -> list[Record]:
+        records = [record for chunk in batch.values() for record in chunk]
+        for record in records:
+            self.offsets.taken(record.topic, record.partition, record.offset)
+            band = self.band_of(record)
+            self.backlog[band] = max(0, self.backlog.get(band, 0) - 1)
+        return records
+
+    def _resume(self) -> None:
+        if self._paused:
+            self.consumer.resume(*self.consumer.assignment())
+            self._paused = False
+
+    def _assigned_in(self, band: str) -> list[TopicPartition]:
+        wanted = self.layout.band(band).partitions
+        return [tp for tp in self.consumer.assignment() if tp.partition in wanted]
+
+    async def _refresh_backlog(self) -> None:
+        """Prompts waiting per band: the end of each partition minus our position."""
+        if time.monotonic() - self._lag_checked < LAG_REFRESH_S:
+            return
+        self._lag_checked = time.monotonic()
+        assigned = list(self.consumer.assignment())
+        if not assigned:
+            self.backlog = {}
+            return
+        ends = await self.consumer.end_offsets(assigned)
+        backlog: dict[str, int] = defaultdict(int)
+        for tp in assigned:
+            position = await self.consumer.position(tp)
+            backlog[self.layout.band_of(tp.partition).name] += max(0, ends[tp] - position)
+        self.backlog = dict(backlog)

@@ -1,0 +1,69 @@
+"""Prometheus metrics of an inference worker, served on /metrics."""
+
+from __future__ import annotations
+
+import logging
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+log = logging.getLogger(__name__)
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class WorkerMetrics:
+    def __init__(self, model: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = {"model": model}
+        self.waiting = Gauge(
+            "tandoor_worker_requests_waiting",
+            "Taken, no first token yet",
+            ["model"],
+            registry=self.registry,
+        ).labels(**labels)
+        self.running = Gauge(
+            "tandoor_worker_requests_running",
+            "Generating tokens",
+            ["model"],
+            registry=self.registry,
+        ).labels(**labels)
+        self.ttft = Histogram(
+            "tandoor_worker_time_to_first_token_seconds",
+            "Prompt created to first token",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        ).labels(**labels)
+        self.tokens = Counter(
+            "tandoor_worker_generated_tokens",
+            "Completion tokens (rate() gives tokens/s)",
+            ["model"],
+            registry=self.registry,
+        ).labels(**labels)
+        self._finished = Counter(
+            "tandoor_worker_requests_finished",
+            "Final events by finish reason",
+            ["model", "reason"],
+            registry=self.registry,
+        )
+        self._lag = Gauge(
+            "tandoor_worker_consumer_lag",
+            "Prompts waiting in Kafka per band",
+            ["model", "band"],
+            registry=self.registry,
+        )
+        self._model = model
+
+    def finished(self, reason: str) -> None:
+        self._finished.labels(model=self._model, reason=reason).inc()
+
+    def lag(self, backlog: dict[str, int]) -> None:
+        for band, count in backlog.items():
+            self._lag.labels(model=self._model, band=band).set(count)
+
+    def serve(self, host: str, port: int) -> int:
+        """Start the /metrics endpoint; return its port (useful when `port` is 0)."""
+        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        bound = int(server.server_port)
+        log.info("metrics on http://%s:%d/metrics", host, bound)
+        return bound

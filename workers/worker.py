@@ -1,0 +1,236 @@
+"""The inference worker: prompts from Kafka into vLLM, token events back to Kafka."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from schemas.codec import SchemaError, decode
+from schemas.events import ControlEvent, FinalEvent, PromptRequest, Usage, now_ms
+from tandoor.clients import kafka_producer, redis_client
+from tandoor.settings import Settings
+from workers.capacity import Capacity
+from workers.control import ControlListener
+from workers.engine import Engine, EngineOptions
+from workers.intake import PromptIntake, Record
+from workers.ledger import RequestLedger
+from workers.metrics import WorkerMetrics
+from workers.model_store import resolve_model_dir
+from workers.publisher import Publisher
+from workers.request import RequestRunner, RunnerConfig, Tracked
+
+log = logging.getLogger(__name__)
+
+COMMIT_INTERVAL_S = 0.1
+
+
+class WorkerFailed(RuntimeError):
+    """The worker cannot go on (engine or Kafka gone); its prompts go to another worker."""
+
+
+class Worker:
+    def __init__(self, settings: Settings, model: str) -> None:
+        self.settings = settings
+        self.model = model
+        self.metrics = WorkerMetrics(model)
+        self.capacity = Capacity(settings.worker_max_seqs, settings.worker_max_tokens)
+        self.intake = PromptIntake(settings, model)
+        self.control = ControlListener(settings, self._on_cancel)
+        self._redis = redis_client(settings)
+        self._producer = kafka_producer(settings, client_id=f"worker.{model}")
+        self.ledger = RequestLedger(self._redis)
+        self._engine: Engine | None = None
+        self._runner: RequestRunner | None = None
+        self._tracked: dict[str, Tracked] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._stopping = asyncio.Event()
+        self._failure: BaseException | None = None
+        self._resources = contextlib.AsyncExitStack()  # what start() opened, closed in reverse
+
+    async def start(self) -> None:
+        self._resources.push_async_callback(self._redis.aclose)
+        model_dir = await asyncio.to_thread(resolve_model_dir, self.model, self.settings)
+        options = _engine_options(self.settings, model_dir)
+        self._engine = await Engine.start(options)
+        self._resources.push_async_callback(self._engine.shutdown)
+        await self._producer.start()
+        self._resources.push_async_callback(self._producer.stop)
+        config = RunnerConfig(
+            self.model, self.settings.coalesce_ms / 1000, self.settings.coalesce_tokens
+        )
+        self._runner = RequestRunner(
+            config,
+            self._engine,
+            Publisher(self._producer),
+            self.ledger,
+            self.capacity,
+            self.metrics,
+        )
+        await self.control.start()
+        self._resources.push_async_callback(self.control.stop)
+        await self.intake.start()
+        self._resources.push_async_callback(self.intake.stop)
+        self.metrics.serve(self.settings.host, self.settings.worker_metrics_port)
+        log.info("worker for %s ready (%d slots)", self.model, self.capacity.max_seqs)
+
+    async def run(self) -> None:
+        """Take prompts until `request_stop`; then finish or hand back what is in flight."""
+        committer = asyncio.create_task(self._commit_loop(), name="commit-loop")
+        try:
+            await self._intake_loop()
+        finally:
+            await self._drain()
+            committer.cancel()
+            await asyncio.gather(committer, return_exceptions=True)
+        if self._failure is not None:
+            raise WorkerFailed(str(self._failure)) from self._failure
+
+    def request_stop(self) -> None:
+        self._stopping.set()
+
+    async def close(self) -> None:
+        """Release what start() opened, in reverse order; safe to call twice."""
+        await self._resources.aclose()
+
+    async def _intake_loop(self) -> None:
+        while not self._stopping.is_set():
+            if self.capacity.free_seqs == 0:
+                self.intake.pause_all()
+                await _first_of(self.capacity.wait_for_free_seq(), self._stopping.wait())
+                continue
+            records = await self.intake.take(self.capacity.free_seqs)
+            self.metrics.lag(self.intake.backlog)
+            for record in records:
+                self.capacity.take_seq()
+                task = asyncio.create_task(self._handle(record), name=f"prompt@{record.offset}")
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+
+    async def _handle(self, record: Record) -> None:
+        assert self._runner is not None
+        try:
+            try:
+                prompt = decode(PromptRequest, record.value)
+            except SchemaError as exc:
+                await self._reject(record, exc)
+            else:
+                tracked = self._tracked.setdefault(prompt.request_id, Tracked(prompt.request_id))
+                try:
+                    await self._runner.run(prompt, tracked)
+                finally:
+                    self._tracked.pop(prompt.request_id, None)
+            self.intake.finished(record)  # not reached when handed back (cancelled)
+        except Exception as exc:
+            log.exception("worker failure while handling offset %s", record.offset)
+            self._failure = exc
+            self._stopping.set()
+        finally:
+            await self.capacity.release_seq()
+
+    async def _reject(self, record: Record, exc: SchemaError) -> None:
+        """Undecodable prompt: dead-letter it, and answer if we can tell whom."""
+        log.warning(
+            "dead-lettering %s/%s@%s: %s", record.topic, record.partition, record.offset, exc
+        )
+        publisher = Publisher(self._producer)
+        await publisher.dead_letter(record, str(exc))
+        request_id = _request_id_of(record.value)
+        if request_id is not None:
+            await publisher.final(_malformed_final(request_id, self.model, str(exc)), None)
+        self.metrics.finished("error")
+
+    async def _on_cancel(self, event: ControlEvent) -> None:
+        await self.ledger.mark_cancelled(event.request_id)
+        tracked = self._tracked.get(event.request_id)
+        if tracked is None:
+            return
+        tracked.cancelled = True
+        if tracked.in_engine and self._engine is not None:
+            await self._engine.abort(event.request_id)
+        else:
+            await self.capacity.wake()
+        log.info("cancelled %s (%s)", event.request_id, event.reason or "no reason given")
+
+    async def _commit_loop(self) -> None:
+        while True:
+            await asyncio.sleep(COMMIT_INTERVAL_S)
+            await self.intake.commit()
+
+    async def _drain(self) -> None:
+        """Give in-flight prompts the grace period, then hand back the rest uncommitted."""
+        if self._tasks:
+            log.info("finishing %d in-flight prompts", len(self._tasks))
+            _, pending = await asyncio.wait(set(self._tasks), timeout=self.settings.worker_grace_s)
+            for task in pending:
+                task.cancel()
+            if pending:
+                log.info("handing back %d prompts to other workers", len(pending))
+                await asyncio.gather(*pending, return_exceptions=True)
+        await self.intake.commit()
+
+
+def _engine_options(settings: Settings, model_dir: Path) -> EngineOptions:
+    kv_mib = settings.worker_kv_cache_mib
+    return EngineOptions(
+        model_dir=model_dir,
+        max_num_seqs=settings.worker_max_seqs,
+        gpu_memory_utilization=settings.worker_memory_share,
+        kv_cache_memory_bytes=None if kv_mib is None else kv_mib * 1024 * 1024,
+    )
+
+
+async def _first_of(*waits: Coroutine[Any, Any, Any]) -> None:
+    tasks = [asyncio.ensure_future(w) for w in waits]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _request_id_of(payload: bytes) -> str | None:
+    with contextlib.suppress(orjson.JSONDecodeError):
+        data = orjson.loads(payload)
+        if isinstance(data, dict) and isinstance(data.get("request_id"), str):
+            return data["request_id"] or None
+    return None
+
+
+def _malformed_final(request_id: str, model: str, error: str) -> FinalEvent:
+    usage = Usage(prompt_tokens=0, completion_tokens=0, queue_ms=0, decode_ms=0)
+    return FinalEvent(
+        request_id=request_id,
+        attempt=1,
+        seq=0,
+        finish_reason="error",
+        error=f"malformed prompt: {error}",
+        text="",
+        usage=usage,
+        model=model,
+        user_id="",
+        tier="",
+        conversation_id="",
+        created_at_ms=now_ms(),
+    )
+
+
+async def run_worker(settings: Settings, model: str) -> None:
+    """The `tandoor worker` process: start, serve until SIGTERM/SIGINT, drain, exit."""
+    worker = Worker(settings, model)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, worker.request_stop)
+    try:
+        await worker.start()
+        await worker.run()
+    finally:
+        await worker.close()
