@@ -7,7 +7,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import redis.asyncio as aioredis
-from aiokafka import AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from cassandra.cluster import EXEC_PROFILE_DEFAULT, Cluster, ExecutionProfile
 from cassandra.policies import DCAwareRoundRobinPolicy, TokenAwarePolicy
 
@@ -44,3 +44,20 @@ def kafka_producer(settings: Settings, client_id: str) -> AIOKafkaProducer:
         enable_idempotence=True,
         linger_ms=settings.producer_linger_ms,
     )
+
+
+async def assign_from_end(consumer: AIOKafkaConsumer, topic: str) -> list[TopicPartition]:
+    """Read every partition of `topic` from its current end, without a consumer group
+    (every reader sees every event). The consumer must be started."""
+    # A consumer without a subscription holds no metadata and topics() fills a separate
+    # copy, so refresh the client's own (aiokafka has no public call for this).
+    await consumer._client.force_metadata_update()
+    partitions = consumer.partitions_for_topic(topic)
+    if not partitions:
+        raise RuntimeError(f"topic {topic} does not exist: run `tandoor bootstrap`")
+    assigned = [TopicPartition(topic, p) for p in sorted(partitions)]
+    consumer.assign(assigned)
+    await consumer.seek_to_end(*assigned)
+    for tp in assigned:  # resolve positions now, so nothing produced after this is missed
+        await consumer.position(tp)
+    return assigned

@@ -7,11 +7,12 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
-from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka import AIOKafkaConsumer
 
 from schemas import topics
 from schemas.codec import SchemaError, decode
 from schemas.events import ControlEvent
+from tandoor.clients import assign_from_end
 from tandoor.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -32,13 +33,11 @@ class ControlListener:
 
     async def start(self) -> None:
         await self._consumer.start()
-        partitions = self._consumer.partitions_for_topic(topics.CONTROL) or set()
-        if not partitions:
+        try:
+            await assign_from_end(self._consumer, topics.CONTROL)  # older cancels are in Redis
+        except BaseException:
             await self._consumer.stop()
-            raise RuntimeError(f"topic {topics.CONTROL} does not exist: run `tandoor bootstrap`")
-        assigned = [TopicPartition(topics.CONTROL, p) for p in sorted(partitions)]
-        self._consumer.assign(assigned)
-        await self._consumer.seek_to_end(*assigned)  # older cancels are found in Redis
+            raise
         self._task = asyncio.create_task(self._listen(), name="control-listener")
 
     async def stop(self) -> None:

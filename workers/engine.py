@@ -67,10 +67,12 @@ class Engine:
     """One vLLM engine (an engine-core child process) serving one model."""
 
     def __init__(self, llm: AsyncLLM, tokenizer: TokenizerLike, max_model_len: int) -> None:
-        self._llm = llm
+        # None once shut down: dropping the reference lets AsyncLLM be collected now; left
+        # to interpreter exit, its __del__ raises "TypeError: 'NoneType' object is not
+        # callable" (module globals already cleared).
+        self._llm: AsyncLLM | None = llm
         self._tokenizer = tokenizer
         self._max_model_len = max_model_len
-        self._closed = False
 
     @classmethod
     async def start(cls, options: EngineOptions) -> Engine:
@@ -106,10 +108,13 @@ class Engine:
         self, request_id: str, prompt_token_ids: list[int], sampling: Sampling
     ) -> AsyncIterator[EngineOutput]:
         """Stream the reply to `prompt_token_ids`; the last output has finished=True."""
-        from vllm.inputs import TokensPrompt
+        from vllm.inputs import tokens_input
 
-        prompt = TokensPrompt(prompt_token_ids=prompt_token_ids)
-        stream = self._llm.generate(prompt, _sampling_params(sampling), request_id)
+        # An engine input ("type": "token"), not a TokensPrompt: vLLM 0.32 logs a
+        # deprecation warning for raw prompts. It still checks the length against
+        # max_model_len (vllm.exceptions.VLLMValidationError when the prompt is too long).
+        prompt = tokens_input(prompt_token_ids)
+        stream = self._running().generate(prompt, _sampling_params(sampling), request_id)
         try:
             async with aclosing(stream):
                 async for output in stream:
@@ -122,16 +127,21 @@ class Engine:
 
     async def abort(self, request_id: str) -> None:
         """Stop a request; its generate() then ends with finish_reason "abort"."""
-        if not self._closed:
+        if self._llm is not None:
             await self._llm.abort(request_id)
 
     async def shutdown(self) -> None:
         """Stop the engine core process; safe to call more than once."""
-        if self._closed:
+        llm, self._llm = self._llm, None
+        if llm is None:
             return
-        self._closed = True
-        self._llm.shutdown()
+        llm.shutdown()
         log.info("vLLM engine shut down")
+
+    def _running(self) -> AsyncLLM:
+        if self._llm is None:
+            raise RuntimeError("the engine has been shut down")
+        return self._llm
 
 
 def _engine_args(options: EngineOptions) -> AsyncEngineArgs:

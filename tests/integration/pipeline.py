@@ -11,11 +11,12 @@ import uuid
 from collections import defaultdict
 from pathlib import Path
 
-from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka import AIOKafkaConsumer
 
 from schemas import topics
 from schemas.codec import decode_token_stream
 from schemas.events import ChatMessage, FinalEvent, PromptRequest, Sampling, TokenEvent, now_ms
+from tandoor.clients import assign_from_end
 from tandoor.settings import Settings
 
 READY_LINE = "worker for {model} ready"
@@ -91,12 +92,7 @@ class TokenStream:
 
     async def __aenter__(self) -> TokenStream:
         await self._consumer.start()
-        partitions = self._consumer.partitions_for_topic(topics.TOKENS) or set()
-        assigned = [TopicPartition(topics.TOKENS, p) for p in partitions]
-        self._consumer.assign(assigned)
-        await self._consumer.seek_to_end(*assigned)
-        for tp in assigned:  # resolve positions now, before anything is produced
-            await self._consumer.position(tp)
+        await assign_from_end(self._consumer, topics.TOKENS)
         self._task = asyncio.create_task(self._read())
         return self
 

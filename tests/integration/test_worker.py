@@ -20,7 +20,7 @@ from producers.prompts import PromptSubmitter
 from schemas import topics
 from schemas.codec import decode, encode
 from schemas.events import UsageRecord
-from tandoor.clients import kafka_producer, redis_client
+from tandoor.clients import assign_from_end, kafka_producer, redis_client
 from tandoor.settings import Settings
 from tests.integration.pipeline import TokenStream, WorkerProcess, prompt
 from workers.model_store import resolve_model_dir
@@ -249,11 +249,7 @@ async def _dead_letter_reader(settings: Settings) -> AIOKafkaConsumer:
 async def _reader_from_end(settings: Settings, topic: str) -> AIOKafkaConsumer:
     consumer = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap, fetch_max_wait_ms=5)
     await consumer.start()
-    assigned = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic) or set()]
-    consumer.assign(assigned)
-    await consumer.seek_to_end(*assigned)
-    for tp in assigned:
-        await consumer.position(tp)
+    await assign_from_end(consumer, topic)
     return consumer
 
 
