@@ -44,6 +44,8 @@ class Sampling(BaseModel):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     seed: int | None = None
     stop: list[str] = Field(default_factory=list)
+    # Generate exactly max_tokens (benchmarks and load tests; vLLM's ignore_eos).
+    ignore_eos: bool = False
 
 
 class PromptRequest(Event):

@@ -11,6 +11,7 @@ from typing import TypeVar
 import typer
 
 from infra.errors import InfraError
+from infra.roles import WorkerProcess
 from infra.stack import Stack, bootstrap
 from tandoor.logs import configure_logging
 from tandoor.settings import get_settings
@@ -67,17 +68,31 @@ def bootstrap_command() -> None:
 
 @app.command("run")
 def run() -> None:
-    """The main job: bring the whole local stack up, report it, stop it all on Ctrl-C."""
-    stack = Stack(get_settings())
+    """The main job: the servers and a worker per model; Ctrl-C stops it all."""
+    settings = get_settings()
+    stack = Stack(settings)
+    workers = [WorkerProcess(m, settings.home / "logs", {}) for m in settings.models]
     try:
         _guard(stack.up)
         _bootstrap()
+        for worker in workers:
+            worker.start()
+            typer.echo(f"worker for {worker.model} starting (log {worker.log_file})")
+        _guard(lambda: asyncio.run(_all_ready(workers)))
         _print_status(stack)
         typer.echo("Tandoor is up. Press Ctrl-C to stop everything.")
         _wait_for_stop_signal()
     finally:
         typer.echo("stopping…")
+        for worker in workers:
+            worker.terminate()
         stack.down()
+
+
+async def _all_ready(workers: list[WorkerProcess]) -> None:
+    await asyncio.gather(*(worker.wait_ready() for worker in workers))
+    for worker in workers:
+        typer.echo(f"worker for {worker.model} ready")
 
 
 @app.command("worker")

@@ -77,10 +77,11 @@ class Engine:
     @classmethod
     async def start(cls, options: EngineOptions) -> Engine:
         """Start the engine core and load the model (tens of seconds on CPU)."""
-        from vllm.v1.engine.async_llm import AsyncLLM
-
         started = time.monotonic()
         log.info("starting vLLM engine for %s", options.model_dir)
+        await asyncio.to_thread(_import_vllm)
+        from vllm.v1.engine.async_llm import AsyncLLM
+
         # In a thread: loading takes tens of seconds and must not stall the event loop.
         # AsyncLLM binds its asyncio tasks and zmq sockets to a loop lazily, on first use.
         llm = await asyncio.to_thread(AsyncLLM.from_engine_args, _engine_args(options))
@@ -135,13 +136,28 @@ class Engine:
         llm, self._llm = self._llm, None
         if llm is None:
             return
-        llm.shutdown()
+        # In a thread (vLLM supports it): on CPU the engine-core worker does not exit on
+        # its own and is killed after a 5 s grace period, which the event loop should not
+        # sit through.
+        await asyncio.to_thread(llm.shutdown)
         log.info("vLLM engine shut down")
 
     def _running(self) -> AsyncLLM:
         if self._llm is None:
             raise RuntimeError("the engine has been shut down")
         return self._llm
+
+
+def _import_vllm() -> None:
+    """First import of vLLM, meant for a worker thread.
+
+    Importing vLLM takes seconds. It also stores the ImportError of the optional torchcodec
+    in a module global (vllm/multimodal/media/audio.py), whose traceback pins every frame
+    on the importing stack, locals included, for the life of the process: from a bare
+    thread that pins nothing of ours (from start() it pinned the AsyncLLM itself).
+    """
+    import vllm.engine.arg_utils
+    import vllm.v1.engine.async_llm  # noqa: F401
 
 
 def _engine_args(options: EngineOptions) -> AsyncEngineArgs:
@@ -169,6 +185,7 @@ def _sampling_params(sampling: Sampling) -> SamplingParams:
         top_p=sampling.top_p,
         seed=sampling.seed,
         stop=list(sampling.stop),
+        ignore_eos=sampling.ignore_eos,
         output_kind=RequestOutputKind.DELTA,  # only the new text in each output
     )
 

@@ -14,6 +14,8 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.structs import ConsumerRecord
 
+from consumers.token_reader import TokenCollector
+from infra.roles import WorkerProcess
 from infra.topics import TopicSpec, ensure_topics
 from producers.control import request_cancel
 from producers.prompts import PromptSubmitter
@@ -22,7 +24,7 @@ from schemas.codec import decode, encode
 from schemas.events import UsageRecord
 from tandoor.clients import assign_from_end, kafka_producer, redis_client
 from tandoor.settings import Settings
-from tests.integration.pipeline import TokenStream, WorkerProcess, prompt
+from tests.integration.pipeline import prompt
 from workers.model_store import resolve_model_dir
 
 pytestmark = pytest.mark.integration
@@ -83,7 +85,7 @@ async def test_reply_streams_in_order_then_final_and_usage(
 ) -> None:
     usage = await _usage_reader(settings)
     try:
-        async with TokenStream(settings) as stream:
+        async with TokenCollector(settings) as stream:
             request = prompt(worker.model, "What is the capital of France?", max_tokens=48)
             await PromptSubmitter(settings, producer).submit(request)
             final = await stream.final(request.request_id)
@@ -111,7 +113,7 @@ async def test_high_band_overtakes_a_flooded_low_band(
     worker: WorkerProcess, producer: AIOKafkaProducer, settings: Settings
 ) -> None:
     submitter = PromptSubmitter(settings, producer)
-    async with TokenStream(settings) as stream:
+    async with TokenCollector(settings) as stream:
         flood = [
             prompt(worker.model, f"Count from 1 to {20 + i}.", band="batch", max_tokens=40)
             for i in range(6 * MAX_SEQS)
@@ -135,7 +137,7 @@ async def test_cancel_while_generating_keeps_partial_usage(
 ) -> None:
     client = redis_client(settings)
     try:
-        async with TokenStream(settings) as stream:
+        async with TokenCollector(settings) as stream:
             request = prompt(
                 worker.model, "Write a very long story about a dragon.", max_tokens=1000
             )
@@ -159,7 +161,7 @@ async def test_cancel_before_the_worker_takes_the_prompt(
     client = redis_client(settings)
     request = prompt(worker.model, "Hello?", max_tokens=16)
     try:
-        async with TokenStream(settings) as stream:
+        async with TokenCollector(settings) as stream:
             await request_cancel(producer, client, request.request_id)
             await PromptSubmitter(settings, producer).submit(request)
             final = await stream.final(request.request_id)
@@ -172,7 +174,7 @@ async def test_cancel_before_the_worker_takes_the_prompt(
 async def test_expired_prompt_never_reaches_the_engine(
     worker: WorkerProcess, producer: AIOKafkaProducer, settings: Settings
 ) -> None:
-    async with TokenStream(settings) as stream:
+    async with TokenCollector(settings) as stream:
         request = prompt(worker.model, "Too late.", deadline_ms=int(time.time() * 1000) - 1)
         await PromptSubmitter(settings, producer).submit(request)
         final = await stream.final(request.request_id)
@@ -187,7 +189,7 @@ async def test_bad_input_gets_errors_and_the_worker_keeps_running(
     topic = topics.prompts_topic(worker.model)
     dead = await _dead_letter_reader(settings)
     try:
-        async with TokenStream(settings) as stream:
+        async with TokenCollector(settings) as stream:
             wrong_model = prompt(worker.model, "hi").model_copy(update={"model": "no-such-model"})
             await producer.send_and_wait(topic, encode(wrong_model), partition=0)
             too_long = prompt(worker.model, "word " * 5000)
@@ -225,7 +227,7 @@ async def test_metrics_endpoint(worker: WorkerProcess) -> None:
 async def test_sigterm_finishes_in_flight_work_and_exits_cleanly(
     worker: WorkerProcess, producer: AIOKafkaProducer, settings: Settings
 ) -> None:
-    async with TokenStream(settings) as stream:
+    async with TokenCollector(settings) as stream:
         request = prompt(worker.model, "Name three colours.", max_tokens=40)
         partition = await PromptSubmitter(settings, producer).submit(request)
         await stream.first_token(request.request_id)

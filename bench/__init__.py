@@ -1,0 +1,1 @@
+"""Benchmarks: each prints its figures beside a reference measured in the same run."""

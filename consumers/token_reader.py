@@ -1,0 +1,77 @@
+"""Collecting the replies of known requests from the `tokens` topic."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import defaultdict
+from collections.abc import Callable
+
+from aiokafka import AIOKafkaConsumer
+
+from schemas import topics
+from schemas.codec import decode_token_stream
+from schemas.events import FinalEvent, TokenEvent
+from tandoor.clients import assign_from_end
+from tandoor.settings import Settings
+
+
+class TokenCollector:
+    """Reads `tokens` from now on and keeps every event by request id: for batch
+    collection, tests and benchmarks (a bounded set of requests, not a live feed)."""
+
+    def __init__(self, settings: Settings) -> None:
+        self._consumer = AIOKafkaConsumer(
+            bootstrap_servers=settings.kafka_bootstrap, group_id=None, fetch_max_wait_ms=5
+        )
+        self.events: dict[str, list[TokenEvent | FinalEvent]] = defaultdict(list)
+        self.arrival: dict[str, float] = {}  # request id -> monotonic time of its final
+        self._seen: dict[int, float] = {}  # id(event) -> perf_counter when it arrived
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> TokenCollector:
+        await self._consumer.start()
+        await assign_from_end(self._consumer, topics.TOKENS)
+        self._task = asyncio.create_task(self._read())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+        await self._consumer.stop()
+
+    async def _read(self) -> None:
+        async for record in self._consumer:
+            event = decode_token_stream(record.value)
+            self._seen[id(event)] = time.perf_counter()
+            self.events[event.request_id].append(event)
+            if isinstance(event, FinalEvent):
+                self.arrival[event.request_id] = time.monotonic()
+
+    def arrival_of(self, event: TokenEvent | FinalEvent) -> float:
+        """time.perf_counter() when `event` was read from Kafka."""
+        return self._seen[id(event)]
+
+    def finals(self, request_id: str) -> list[FinalEvent]:
+        return [e for e in self.events[request_id] if isinstance(e, FinalEvent)]
+
+    def tokens(self, request_id: str, attempt: int) -> list[TokenEvent]:
+        return [
+            e for e in self.events[request_id] if isinstance(e, TokenEvent) and e.attempt == attempt
+        ]
+
+    async def final(self, request_id: str, timeout_s: float = 120) -> FinalEvent:
+        await self.wait_for(lambda: bool(self.finals(request_id)), timeout_s, request_id)
+        return self.finals(request_id)[-1]
+
+    async def first_token(self, request_id: str, timeout_s: float = 120) -> TokenEvent:
+        await self.wait_for(lambda: bool(self.tokens(request_id, 1)), timeout_s, request_id)
+        return self.tokens(request_id, 1)[0]
+
+    async def wait_for(self, condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not condition():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+            await asyncio.sleep(0.02)
