@@ -39,4 +39,6 @@ install_system_packages
 install_virtualenv
 log "fetching server jars (cached)"
 .venv/bin/tandoor infra fetch
+log "preparing the bundled model (converted once, then cached)"
+.venv/bin/tandoor prepare-model smollm2
 log "done"

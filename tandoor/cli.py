@@ -109,6 +109,14 @@ def worker(
         raise typer.Exit(1) from exc
 
 
+@app.command("prepare-model")
+def prepare_model(name: str = typer.Argument("smollm2", help="A model in TANDOOR_MODELS.")) -> None:
+    """Make a model's Hugging Face folder ready (converts the bundled one once)."""
+    from workers.model_store import resolve_model_dir
+
+    typer.echo(f"{name}: {resolve_model_dir(name, get_settings())}")
+
+
 @app.command("cancel")
 def cancel(
     request_id: str, reason: str = typer.Option("", help="Kept in the control event.")

@@ -15,7 +15,7 @@ from typing import TypeAlias
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.coordinator.assignors.roundrobin import RoundRobinPartitionAssignor
-from aiokafka.errors import CommitFailedError, KafkaError
+from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
 from aiokafka.structs import ConsumerRecord
 
 from schemas.topics import BandLayout, prompts_topic
@@ -62,6 +62,14 @@ class PromptIntake(ConsumerRebalanceListener):  # type: ignore[misc]
 
     async def take(self, free_slots: int) -> list[Record]:
         """Up to `free_slots` prompts, higher bands first, lower bands never starved."""
+        try:
+            return await self._take(free_slots)
+        except IllegalStateError as exc:  # a rebalance moved partitions under our feet
+            log.info("assignment changed while taking prompts (%s); retrying", exc)
+            self._lag_checked = 0.0
+            return []
+
+    async def _take(self, free_slots: int) -> list[Record]:
         self._resume()
         await self._refresh_backlog()
         plan = self.scheduler.plan(free_slots, self.backlog)

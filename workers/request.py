@@ -17,7 +17,7 @@ from schemas.events import (
 )
 from workers.capacity import Capacity
 from workers.coalesce import Coalescer
-from workers.engine import Engine
+from workers.engine import Engine, RequestFailed
 from workers.ledger import RequestLedger
 from workers.metrics import WorkerMetrics
 from workers.publisher import Publisher
@@ -41,10 +41,12 @@ class Tracked:
 
 
 @dataclass
-class Progress:
-    """What one attempt produced so far."""
+class Attempt:
+    """One attempt at a prompt, and what it produced so far."""
 
-    attempt: int
+    prompt: PromptRequest
+    tracked: Tracked
+    number: int
     submitted_ms: float = 0.0
     first_token_ms: float | None = None
     last_token_ms: float = 0.0
@@ -53,6 +55,10 @@ class Progress:
     completion_tokens: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
+
+    def expired(self) -> bool:
+        deadline = self.prompt.deadline_ms
+        return deadline is not None and now_ms() > deadline
 
 
 @dataclass(frozen=True)
@@ -83,142 +89,130 @@ class RequestRunner:
         if await self.ledger.is_done(prompt.request_id):
             log.info("%s already has a final reply; skipping redelivery", prompt.request_id)
             return
-        progress = Progress(attempt=await self.ledger.begin_attempt(prompt.request_id))
+        attempt = Attempt(prompt, tracked, await self.ledger.begin_attempt(prompt.request_id))
         self.metrics.waiting.inc()
         try:
-            await self._run_attempt(prompt, tracked, progress)
+            await self._run(attempt)
         finally:
-            gauge = (
-                self.metrics.waiting if progress.first_token_ms is None else self.metrics.running
-            )
-            gauge.dec()
+            started = attempt.first_token_ms is not None
+            (self.metrics.running if started else self.metrics.waiting).dec()
 
-    async def _run_attempt(
-        self, prompt: PromptRequest, tracked: Tracked, progress: Progress
-    ) -> None:
-        refusal = await self._refusal(prompt, tracked)
+    async def _run(self, attempt: Attempt) -> None:
+        refusal = await self._refusal(attempt)
         if refusal is not None:
-            await self._finish(prompt, progress, *refusal)
+            await self._finish(attempt, *refusal)
             return
-        token_ids = self.engine.render_prompt(prompt.messages)
-        progress.prompt_tokens = len(token_ids)
+        token_ids = self.engine.render_prompt(attempt.prompt.messages)
+        attempt.prompt_tokens = len(token_ids)
         limit = self.engine.max_model_len
         if len(token_ids) >= limit:
             error = (
                 f"prompt has {len(token_ids)} tokens; the context window of "
                 f"{self.config.model} is {limit} tokens"
             )
-            await self._finish(prompt, progress, "error", error)
+            await self._finish(attempt, "error", error)
             return
-        max_tokens = min(prompt.sampling.max_tokens, limit - len(token_ids))
-        await self._generate(prompt, tracked, progress, token_ids, max_tokens)
+        max_tokens = min(attempt.prompt.sampling.max_tokens, limit - len(token_ids))
+        await self._generate(attempt, token_ids, max_tokens)
 
-    async def _refusal(
-        self, prompt: PromptRequest, tracked: Tracked
-    ) -> tuple[FinishReason, str | None] | None:
+    async def _refusal(self, attempt: Attempt) -> tuple[FinishReason, str | None] | None:
         """A reason to answer without the engine, or None."""
+        prompt = attempt.prompt
         if prompt.model != self.config.model:
             return (
                 "error",
                 f"unknown model {prompt.model!r}; this worker serves {self.config.model!r}",
             )
-        if tracked.cancelled or await self.ledger.is_cancelled(prompt.request_id):
+        if attempt.tracked.cancelled or await self.ledger.is_cancelled(prompt.request_id):
             return "cancelled", None
-        if prompt.deadline_ms is not None and now_ms() > prompt.deadline_ms:
-            return "expired", f"the deadline passed {now_ms() - prompt.deadline_ms} ms ago"
+        if attempt.expired():
+            return "expired", "the deadline passed before the worker took the prompt"
         return None
 
-    async def _generate(
-        self,
-        prompt: PromptRequest,
-        tracked: Tracked,
-        progress: Progress,
-        token_ids: list[int],
-        max_tokens: int,
-    ) -> None:
+    async def _generate(self, attempt: Attempt, token_ids: list[int], max_tokens: int) -> None:
         budget = len(token_ids) + max_tokens
+        tracked = attempt.tracked
         if not await self.capacity.reserve_tokens(budget, give_up=lambda: tracked.cancelled):
-            await self._finish(prompt, progress, "cancelled", None)
+            await self._finish(attempt, "cancelled", None)
             return
         try:
-            if prompt.deadline_ms is not None and now_ms() > prompt.deadline_ms:
-                await self._finish(prompt, progress, "expired", "the deadline passed in the queue")
+            if attempt.expired():
+                await self._finish(attempt, "expired", "the deadline passed in the worker's queue")
                 return
-            reason = await self._stream(prompt, tracked, progress, token_ids, max_tokens)
-            await self._finish(prompt, progress, reason, None)
+            try:
+                reason = await self._stream(attempt, token_ids, max_tokens)
+            except RequestFailed as exc:
+                await self._finish(attempt, "error", f"generation failed: {exc}")
+                return
+            await self._finish(attempt, reason, None)
         finally:
             await self.capacity.release_tokens(budget)
 
     async def _stream(
-        self,
-        prompt: PromptRequest,
-        tracked: Tracked,
-        progress: Progress,
-        token_ids: list[int],
-        max_tokens: int,
+        self, attempt: Attempt, token_ids: list[int], max_tokens: int
     ) -> FinishReason:
+        request_id, tracked = attempt.prompt.request_id, attempt.tracked
         coalescer = Coalescer(self.config.coalesce_s, self.config.coalesce_tokens)
-        sampling = prompt.sampling.model_copy(update={"max_tokens": max_tokens})
-        progress.submitted_ms = time.time() * 1000
+        sampling = attempt.prompt.sampling.model_copy(update={"max_tokens": max_tokens})
+        attempt.submitted_ms = time.time() * 1000
         tracked.in_engine = True
         if tracked.cancelled:
             return "cancelled"
         reason: FinishReason = "stop"
         aborted = False
-        async for out in self.engine.generate(prompt.request_id, token_ids, sampling):
+        async for out in self.engine.generate(request_id, token_ids, sampling):
             if tracked.cancelled and not aborted:  # the cancel came before the engine knew it
                 aborted = True
-                await self.engine.abort(prompt.request_id)
-            now = time.time() * 1000
-            if out.new_tokens and progress.first_token_ms is None:
-                progress.first_token_ms = now
-                self._first_token(prompt, now)
-            progress.last_token_ms = now if out.new_tokens else progress.last_token_ms
-            progress.completion_tokens += out.new_tokens
-            progress.cached_tokens = out.cached_tokens
-            chunk = coalescer.add(out.delta, out.new_tokens, now / 1000)
+                await self.engine.abort(request_id)
+            self._count(attempt, out.new_tokens, out.cached_tokens)
+            chunk = coalescer.add(out.delta, out.new_tokens, time.time())
             if chunk is not None:
-                await self._send_tokens(prompt, progress, *chunk)
+                await self._send_tokens(attempt, *chunk)
             if out.finished:
                 reason = ENGINE_REASONS.get(out.finish_reason, "stop")
         rest = coalescer.flush(time.time())
         if rest is not None:
-            await self._send_tokens(prompt, progress, *rest)
+            await self._send_tokens(attempt, *rest)
         return reason
 
-    def _first_token(self, prompt: PromptRequest, now: float) -> None:
-        self.metrics.waiting.dec()
-        self.metrics.running.inc()
-        self.metrics.ttft.observe(max(0.0, now - prompt.created_at_ms) / 1000)
+    def _count(self, attempt: Attempt, new_tokens: int, cached_tokens: int) -> None:
+        attempt.cached_tokens = cached_tokens
+        if not new_tokens:
+            return
+        now = time.time() * 1000
+        if attempt.first_token_ms is None:
+            attempt.first_token_ms = now
+            self.metrics.waiting.dec()
+            self.metrics.running.inc()
+            self.metrics.ttft.observe(max(0.0, now - attempt.prompt.created_at_ms) / 1000)
+        attempt.last_token_ms = now
+        attempt.completion_tokens += new_tokens
 
-    async def _send_tokens(
-        self, prompt: PromptRequest, progress: Progress, text: str, tokens: int
-    ) -> None:
+    async def _send_tokens(self, attempt: Attempt, text: str, tokens: int) -> None:
+        prompt = attempt.prompt
         event = TokenEvent(
             request_id=prompt.request_id,
-            attempt=progress.attempt,
-            seq=progress.seq,
+            attempt=attempt.number,
+            seq=attempt.seq,
             delta=text,
             token_count=tokens,
             created_at_ms=now_ms(),
         )
-        progress.seq += 1
-        progress.text.append(text)
+        attempt.seq += 1
+        attempt.text.append(text)
         self.metrics.tokens.inc(tokens)
         await self.publisher.token(event, prompt.request_id, prompt.reply_partition)
 
-    async def _finish(
-        self, prompt: PromptRequest, progress: Progress, reason: FinishReason, error: str | None
-    ) -> None:
-        usage = _usage(prompt, progress)
+    async def _finish(self, attempt: Attempt, reason: FinishReason, error: str | None) -> None:
+        prompt = attempt.prompt
         final = FinalEvent(
             request_id=prompt.request_id,
-            attempt=progress.attempt,
-            seq=progress.seq,
+            attempt=attempt.number,
+            seq=attempt.seq,
             finish_reason=reason,
             error=error,
-            text="".join(progress.text),
-            usage=usage,
+            text="".join(attempt.text),
+            usage=_usage(attempt),
             model=prompt.model,
             user_id=prompt.user_id,
             tier=prompt.tier,
@@ -227,23 +221,24 @@ class RequestRunner:
             created_at_ms=now_ms(),
         )
         await self.publisher.final(final, prompt.reply_partition)
-        await self.ledger.mark_done(prompt.request_id, progress.attempt)
+        await self.ledger.mark_done(prompt.request_id, attempt.number)
         await self.publisher.usage(_usage_record(prompt, final))
         self.metrics.finished(reason)
         if error:
-            log.warning("%s attempt %d: %s: %s", prompt.request_id, progress.attempt, reason, error)
+            log.warning("%s attempt %d: %s: %s", prompt.request_id, attempt.number, reason, error)
 
 
-def _usage(prompt: PromptRequest, progress: Progress) -> Usage:
-    started = progress.submitted_ms or time.time() * 1000
-    first = progress.first_token_ms
+def _usage(attempt: Attempt) -> Usage:
+    created = attempt.prompt.created_at_ms
+    started = attempt.submitted_ms or time.time() * 1000
+    first = attempt.first_token_ms
     return Usage(
-        prompt_tokens=progress.prompt_tokens,
-        completion_tokens=progress.completion_tokens,
-        cached_tokens=progress.cached_tokens,
-        queue_ms=max(0.0, started - prompt.created_at_ms),
-        ttft_ms=None if first is None else max(0.0, first - prompt.created_at_ms),
-        decode_ms=0.0 if first is None else max(0.0, progress.last_token_ms - first),
+        prompt_tokens=attempt.prompt_tokens,
+        completion_tokens=attempt.completion_tokens,
+        cached_tokens=attempt.cached_tokens,
+        queue_ms=max(0.0, started - created),
+        ttft_ms=None if first is None else max(0.0, first - created),
+        decode_ms=0.0 if first is None else max(0.0, attempt.last_token_ms - first),
     )
 
 

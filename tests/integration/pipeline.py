@@ -1,10 +1,14 @@
-"""Test helpers: prompts for the real pipeline."""
+"""Test helpers: prompts for the real pipeline, and where a worker group has committed."""
 
 from __future__ import annotations
 
 import uuid
 
+from aiokafka import AIOKafkaConsumer, TopicPartition
+
+from schemas import topics
 from schemas.events import ChatMessage, PromptRequest, Sampling, now_ms
+from tandoor.settings import Settings
 
 
 def prompt(
@@ -28,3 +32,27 @@ def prompt(
         created_at_ms=now_ms(),
         deadline_ms=deadline_ms,
     )
+
+
+async def committed_offset(settings: Settings, model: str, partition: int) -> int | None:
+    """Where the workers of `model` will resume in `partition`."""
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=settings.kafka_bootstrap, group_id=f"workers.{model}"
+    )
+    await consumer.start()
+    try:
+        offset = await consumer.committed(TopicPartition(topics.prompts_topic(model), partition))
+        return None if offset is None else int(offset)
+    finally:
+        await consumer.stop()
+
+
+async def end_offset(settings: Settings, model: str, partition: int) -> int:
+    """One past the newest prompt in `partition`."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap)
+    await consumer.start()
+    try:
+        tp = TopicPartition(topics.prompts_topic(model), partition)
+        return int((await consumer.end_offsets([tp]))[tp])
+    finally:
+        await consumer.stop()

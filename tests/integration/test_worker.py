@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.structs import ConsumerRecord
 
 from consumers.token_reader import TokenCollector
@@ -24,11 +24,12 @@ from schemas.codec import decode, encode
 from schemas.events import UsageRecord
 from tandoor.clients import assign_from_end, kafka_producer, redis_client
 from tandoor.settings import Settings
-from tests.integration.pipeline import prompt
+from tests.integration.pipeline import committed_offset, end_offset, prompt
 from workers.model_store import resolve_model_dir
 
 pytestmark = pytest.mark.integration
 MAX_SEQS = 4
+MAX_TOKENS = 1200  # small, so a long request makes the next one wait inside the worker
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +75,7 @@ async def worker(
         tmp_path_factory.mktemp("workers"),
         f"wa-{uuid.uuid4().hex[:6]}",
         TANDOOR_WORKER_MAX_SEQS=str(MAX_SEQS),
+        TANDOOR_WORKER_MAX_TOKENS=str(MAX_TOKENS),
         TANDOOR_COALESCE_MS="60",
     )
     yield process
@@ -171,6 +173,32 @@ async def test_cancel_before_the_worker_takes_the_prompt(
     assert final.usage.completion_tokens == 0 and not stream.tokens(request.request_id, 1)
 
 
+async def test_cancel_while_waiting_inside_the_worker(
+    worker: WorkerProcess, producer: AIOKafkaProducer, settings: Settings, redis_url: str
+) -> None:
+    client = redis_client(settings)
+    submitter = PromptSubmitter(settings, producer)
+    try:
+        async with TokenCollector(settings) as stream:
+            long = prompt(worker.model, "Write a long essay about rivers.", max_tokens=1000)
+            await submitter.submit(long)
+            await stream.first_token(long.request_id)
+            waiting = prompt(worker.model, "Write a poem.", max_tokens=500)  # does not fit
+            await submitter.submit(waiting)
+            await asyncio.sleep(1.0)  # taken by the worker, held for lack of token budget
+            assert not stream.tokens(waiting.request_id, 1)
+            sent = time.monotonic()
+            await request_cancel(producer, client, waiting.request_id)
+            final = await stream.final(waiting.request_id)
+            elapsed = time.monotonic() - sent
+            await request_cancel(producer, client, long.request_id)
+            await stream.final(long.request_id)
+    finally:
+        await client.aclose()
+    assert final.finish_reason == "cancelled" and elapsed < 1.0, elapsed
+    assert final.usage.completion_tokens == 0 and not stream.tokens(waiting.request_id, 1)
+
+
 async def test_expired_prompt_never_reaches_the_engine(
     worker: WorkerProcess, producer: AIOKafkaProducer, settings: Settings
 ) -> None:
@@ -235,7 +263,7 @@ async def test_sigterm_finishes_in_flight_work_and_exits_cleanly(
         final = await stream.final(request.request_id, timeout_s=30)
     assert code == 0, worker.log()[-3000:]
     assert final.finish_reason in ("stop", "length")
-    assert await _committed(settings, worker.model, partition) == await _end(
+    assert await committed_offset(settings, worker.model, partition) == await end_offset(
         settings, worker.model, partition
     )
 
@@ -273,25 +301,3 @@ async def _usage_for(consumer: AIOKafkaConsumer, request_id: str) -> UsageRecord
                 if usage.request_id == request_id:
                     return usage
     raise AssertionError(f"no usage record for {request_id}")
-
-
-async def _committed(settings: Settings, model: str, partition: int) -> int | None:
-    consumer = AIOKafkaConsumer(
-        bootstrap_servers=settings.kafka_bootstrap, group_id=f"workers.{model}"
-    )
-    await consumer.start()
-    try:
-        offset = await consumer.committed(TopicPartition(topics.prompts_topic(model), partition))
-        return None if offset is None else int(offset)
-    finally:
-        await consumer.stop()
-
-
-async def _end(settings: Settings, model: str, partition: int) -> int:
-    consumer = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap)
-    await consumer.start()
-    try:
-        tp = TopicPartition(topics.prompts_topic(model), partition)
-        return int((await consumer.end_offsets([tp]))[tp])
-    finally:
-        await consumer.stop()

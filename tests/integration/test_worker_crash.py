@@ -18,7 +18,7 @@ from schemas import topics
 from schemas.topics import BandLayout
 from tandoor.clients import kafka_producer
 from tandoor.settings import Settings
-from tests.integration.pipeline import prompt
+from tests.integration.pipeline import committed_offset, end_offset, prompt
 from workers.model_store import resolve_model_dir
 
 pytestmark = pytest.mark.integration
@@ -36,7 +36,7 @@ async def test_kill_9_mid_generation_reruns_on_the_other_worker(
     layout = BandLayout([(b.name, b.partitions) for b in settings.bands])
     await ensure_topics(kafka, [TopicSpec(topics.prompts_topic(model), layout.total_partitions)])
     model_dir = await asyncio.to_thread(resolve_model_dir, "smollm2", settings)
-    env = {"TANDOOR_MODEL_DIRS": json.dumps({model: str(model_dir)})}
+    env = {"TANDOOR_MODEL_DIRS": json.dumps({model: str(model_dir)}), "TANDOOR_WORKER_GRACE_S": "2"}
     workers = [WorkerProcess(model, tmp_path, env) for _ in range(2)]
     for w in workers:
         w.start()
@@ -63,7 +63,17 @@ async def test_kill_9_mid_generation_reruns_on_the_other_worker(
             for request in [victim_prompt, *others]:
                 await s.final(request.request_id, timeout_s=180)
             await asyncio.sleep(1)  # a duplicate final would arrive now
-        assert survivor.terminate() == 0
+
+            # SIGTERM with a request longer than the grace period: it is handed back.
+            handed_back = prompt(model, "Write a very long story.", max_tokens=1000)
+            back_partition = await submitter.submit(handed_back)
+            await s.first_token(handed_back.request_id)
+            assert await asyncio.to_thread(survivor.terminate) == 0
+            await asyncio.sleep(1)
+        committed = await committed_offset(settings, model, back_partition)
+        last = await end_offset(settings, model, back_partition) - 1  # the handed-back prompt
+        assert committed is not None and committed <= last, "it must be redelivered"
+        assert not s.finals(handed_back.request_id), "handed back, not finished"
     finally:
         for w in workers:
             if w.proc is not None and w.proc.poll() is None:
