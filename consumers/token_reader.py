@@ -22,7 +22,9 @@ class TokenCollector:
 
     def __init__(self, settings: Settings) -> None:
         self._consumer = AIOKafkaConsumer(
-            bootstrap_servers=settings.kafka_bootstrap, group_id=None, fetch_max_wait_ms=5
+            bootstrap_servers=settings.kafka_bootstrap,
+            group_id=None,
+            fetch_max_wait_ms=settings.fetch_wait_ms,
         )
         self.events: dict[str, list[TokenEvent | FinalEvent]] = defaultdict(list)
         self.arrival: dict[str, float] = {}  # request id -> monotonic time of its final

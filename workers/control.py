@@ -17,6 +17,10 @@ from tandoor.settings import Settings
 
 log = logging.getLogger(__name__)
 
+# A long poll still returns as soon as a cancel arrives (fetch_min_bytes is 1); a
+# longer wait only means fewer empty fetches.
+CONTROL_FETCH_WAIT_MS = 250
+
 OnCancel = Callable[[ControlEvent], Awaitable[None]]
 
 
@@ -27,7 +31,7 @@ class ControlListener:
             bootstrap_servers=settings.kafka_bootstrap,
             group_id=None,
             enable_auto_commit=False,
-            fetch_max_wait_ms=settings.fetch_wait_ms,
+            fetch_max_wait_ms=CONTROL_FETCH_WAIT_MS,
         )
         self._task: asyncio.Task[None] | None = None
 

@@ -8,6 +8,7 @@ them; offsets are committed only below the lowest unfinished prompt.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import defaultdict
@@ -26,7 +27,7 @@ from workers.scheduler import BandScheduler
 log = logging.getLogger(__name__)
 
 Record: TypeAlias = ConsumerRecord[bytes, bytes]
-LAG_REFRESH_S = 0.02
+LAG_REFRESH_S = 0.1  # backlog per band is only needed when bands compete for slots
 IDLE_WAIT_MS = 100
 
 
@@ -67,6 +68,10 @@ class PromptIntake(ConsumerRebalanceListener):  # type: ignore[misc]
         except IllegalStateError as exc:  # a rebalance moved partitions under our feet
             log.info("assignment changed while taking prompts (%s); retrying", exc)
             self._lag_checked = 0.0
+            return []
+        except KafkaError as exc:  # e.g. the broker restarts: wait, the client reconnects
+            log.warning("taking prompts failed: %s; retrying", exc)
+            await asyncio.sleep(0.5)
             return []
 
     async def _take(self, free_slots: int) -> list[Record]:
