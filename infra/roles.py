@@ -1,5 +1,5 @@
-"""Tandoor's own roles as child processes (a worker today), started and stopped the way
-an operator would: for the local main job, the tests and the benchmarks."""
+"""Tandoor's own roles as child processes, started and stopped the way an operator
+would: for the local main job, the tests and the benchmarks."""
 
 from __future__ import annotations
 
@@ -14,22 +14,24 @@ from pathlib import Path
 
 from infra.errors import StartError
 
-READY_LINE = "worker for {model} ready"
 
+class RoleProcess:
+    """`tandoor <role> ...` as a child process, ready once its log shows `ready_line`."""
 
-class WorkerProcess:
-    """`tandoor worker --model M` as a child process: for the main job, tests and benchmarks."""
-
-    def __init__(self, model: str, log_dir: Path, env: dict[str, str]) -> None:
-        self.model = model
-        self.log_file = log_dir / f"worker-{model}-{uuid.uuid4().hex[:6]}.log"
-        self._env = {**os.environ, "TANDOOR_WORKER_METRICS_PORT": "0", **env}
+    def __init__(
+        self, name: str, args: list[str], ready_line: str, log_dir: Path, env: dict[str, str]
+    ) -> None:
+        self.name = name
+        self.args = args
+        self.ready_line = ready_line
+        self.log_file = log_dir / f"{name}-{uuid.uuid4().hex[:6]}.log"
+        self._env = {**os.environ, **env}
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
         with self.log_file.open("wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "tandoor", "worker", "--model", self.model],
+                [sys.executable, "-m", "tandoor", *self.args],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=self._env,
@@ -39,24 +41,18 @@ class WorkerProcess:
     async def wait_ready(self, timeout_s: float = 300) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if READY_LINE.format(model=self.model) in self.log():
+            if self.ready_line in self.log():
                 return
             if self.proc is None or self.proc.poll() is not None:
-                raise StartError(f"worker exited during start-up:\n{self.log()[-4000:]}")
-            await asyncio.sleep(0.5)
-        raise StartError(f"worker not ready in {timeout_s} s:\n{self.log()[-4000:]}")
+                raise StartError(f"{self.name} exited during start-up:\n{self.log()[-4000:]}")
+            await asyncio.sleep(0.25)
+        raise StartError(f"{self.name} not ready in {timeout_s} s:\n{self.log()[-4000:]}")
 
     def log(self) -> str:
         return self.log_file.read_text(errors="replace") if self.log_file.exists() else ""
 
-    def metrics_port(self) -> int:
-        for line in self.log().splitlines():
-            if "/metrics" in line and "http://" in line:
-                return int(line.rsplit(":", 1)[1].split("/")[0])
-        raise RuntimeError("worker never logged its metrics address")
-
     def kill(self) -> None:
-        """kill -9 the whole process tree (vLLM's engine core runs in a child)."""
+        """kill -9 the whole process tree (a worker's vLLM engine core is a child)."""
         if self.proc is None:
             return
         os.killpg(self.proc.pid, signal.SIGKILL)
@@ -74,3 +70,26 @@ class WorkerProcess:
             if self.proc.poll() is None:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+
+
+class WorkerProcess(RoleProcess):
+    """`tandoor worker --model M`; its metrics port is picked free and logged."""
+
+    def __init__(self, model: str, log_dir: Path, env: dict[str, str]) -> None:
+        env = {"TANDOOR_WORKER_METRICS_PORT": "0", **env}
+        ready = f"worker for {model} ready"
+        super().__init__(f"worker-{model}", ["worker", "--model", model], ready, log_dir, env)
+        self.model = model
+
+    def metrics_port(self) -> int:
+        for line in self.log().splitlines():
+            if "/metrics" in line and "http://" in line:
+                return int(line.rsplit(":", 1)[1].split("/")[0])
+        raise RuntimeError("worker never logged its metrics address")
+
+
+class PersistProcess(RoleProcess):
+    """`tandoor persist`."""
+
+    def __init__(self, log_dir: Path, env: dict[str, str]) -> None:
+        super().__init__("persist", ["persist"], "persist ready", log_dir, env)

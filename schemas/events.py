@@ -110,6 +110,8 @@ class FinalEvent(Event):
     conversation_id: str
     kind: PromptKind = "chat"
     created_at_ms: int
+    # The prompt's creation time: stable across attempts, so stores key on it.
+    prompt_created_at_ms: int | None = None
 
 
 class ControlEvent(Event):

@@ -11,7 +11,7 @@ from typing import TypeVar
 import typer
 
 from infra.errors import InfraError
-from infra.roles import WorkerProcess
+from infra.roles import PersistProcess, RoleProcess, WorkerProcess
 from infra.stack import Stack, bootstrap
 from tandoor.logs import configure_logging
 from tandoor.settings import get_settings
@@ -68,31 +68,34 @@ def bootstrap_command() -> None:
 
 @app.command("run")
 def run() -> None:
-    """The main job: the servers and a worker per model; Ctrl-C stops it all."""
+    """The main job: the servers, a worker per model and persistence; Ctrl-C stops it all."""
     settings = get_settings()
     stack = Stack(settings)
-    workers = [WorkerProcess(m, settings.home / "logs", {}) for m in settings.models]
+    logs = settings.home / "logs"
+    roles: list[RoleProcess] = [WorkerProcess(m, logs, {}) for m in settings.models]
+    roles.append(PersistProcess(logs, {}))
     try:
         _guard(stack.up)
         _bootstrap()
-        for worker in workers:
-            worker.start()
-            typer.echo(f"worker for {worker.model} starting (log {worker.log_file})")
-        _guard(lambda: asyncio.run(_all_ready(workers)))
+        for role in roles:
+            role.start()
+            typer.echo(f"{role.name} starting (log {role.log_file})")
+        _guard(lambda: asyncio.run(_all_ready(roles)))
         _print_status(stack)
-        typer.echo("Tandoor is up. Press Ctrl-C to stop everything.")
+        typer.echo('Tandoor is up. Try: tandoor ask "What is the capital of France?"')
+        typer.echo("Press Ctrl-C to stop everything.")
         _wait_for_stop_signal()
     finally:
         typer.echo("stopping…")
-        for worker in workers:
-            worker.terminate()
+        for role in roles:
+            role.terminate()
         stack.down()
 
 
-async def _all_ready(workers: list[WorkerProcess]) -> None:
-    await asyncio.gather(*(worker.wait_ready() for worker in workers))
-    for worker in workers:
-        typer.echo(f"worker for {worker.model} ready")
+async def _all_ready(roles: list[RoleProcess]) -> None:
+    await asyncio.gather(*(role.wait_ready() for role in roles))
+    for role in roles:
+        typer.echo(f"{role.name} ready")
 
 
 @app.command("worker")
@@ -107,6 +110,33 @@ def worker(
     except WorkerFailed as exc:
         typer.secho(f"worker failed: {exc}", err=True, fg=typer.colors.RED)
         raise typer.Exit(1) from exc
+
+
+@app.command("ask")
+def ask(
+    text: str,
+    model: str = typer.Option("smollm2"),
+    band: str = typer.Option("interactive-paid"),
+    max_tokens: int = typer.Option(256),
+) -> None:
+    """Send one prompt through Kafka and a worker; print the reply as it streams."""
+    from producers.ask import ask as ask_once
+
+    final = asyncio.run(ask_once(get_settings(), text, model, band, max_tokens))
+    usage = final.usage
+    typer.echo(
+        f"[{final.finish_reason}] {usage.prompt_tokens} prompt + {usage.completion_tokens} "
+        f"completion tokens, first token after {usage.ttft_ms or 0:.0f} ms"
+        + (f"; {final.error}" if final.error else "")
+    )
+
+
+@app.command("persist")
+def persist() -> None:
+    """The persistence consumer: finished replies and usage into Cassandra."""
+    from consumers.persist import run_persist
+
+    asyncio.run(run_persist(get_settings()))
 
 
 @app.command("prepare-model")

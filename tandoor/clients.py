@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -14,16 +15,20 @@ from cassandra.policies import DCAwareRoundRobinPolicy, TokenAwarePolicy
 from tandoor.settings import Settings
 
 
-@contextmanager
-def cassandra_session(settings: Settings, keyspace: str | None = None) -> Iterator[Any]:
+def cassandra_cluster(settings: Settings) -> Cluster:
     policy = TokenAwarePolicy(DCAwareRoundRobinPolicy(local_dc=settings.cassandra_datacenter))
-    cluster = Cluster(
+    return Cluster(
         [settings.host],
         port=settings.cassandra_port,
         protocol_version=5,
         connect_timeout=10,
         execution_profiles={EXEC_PROFILE_DEFAULT: ExecutionProfile(load_balancing_policy=policy)},
     )
+
+
+@contextmanager
+def cassandra_session(settings: Settings, keyspace: str | None = None) -> Iterator[Any]:
+    cluster = cassandra_cluster(settings)
     try:
         yield cluster.connect(keyspace)
     finally:
@@ -61,3 +66,25 @@ async def assign_from_end(consumer: AIOKafkaConsumer, topic: str) -> list[TopicP
     for tp in assigned:  # resolve positions now, so nothing produced after this is missed
         await consumer.position(tp)
     return assigned
+
+
+async def cql(session: Any, statement: Any, params: Sequence[object] = ()) -> Any:
+    """Run a statement on the driver's own threads and await its result from asyncio
+    (the driver's asyncio reactor is experimental; this is the usual bridge)."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[Any] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if done.done():
+            return
+        if error is not None:
+            done.set_exception(error)
+        else:
+            done.set_result(result)
+
+    response = session.execute_async(statement, params)
+    response.add_callbacks(
+        lambda rows: loop.call_soon_threadsafe(settle, rows, None),
+        lambda exc: loop.call_soon_threadsafe(settle, None, exc),
+    )
+    return await done

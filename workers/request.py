@@ -219,13 +219,24 @@ class RequestRunner:
             conversation_id=prompt.conversation_id,
             kind=prompt.kind,
             created_at_ms=now_ms(),
+            prompt_created_at_ms=prompt.created_at_ms,
         )
         await self.publisher.final(final, prompt.reply_partition)
         await self.ledger.mark_done(prompt.request_id, attempt.number)
         await self.publisher.usage(_usage_record(prompt, final))
         self.metrics.finished(reason)
-        if error:
-            log.warning("%s attempt %d: %s: %s", prompt.request_id, attempt.number, reason, error)
+        usage = final.usage
+        log.log(
+            logging.WARNING if error else logging.INFO,
+            "%s attempt %d %s: %d prompt + %d completion tokens, ttft %s ms%s",
+            prompt.request_id,
+            attempt.number,
+            reason,
+            usage.prompt_tokens,
+            usage.completion_tokens,
+            "-" if usage.ttft_ms is None else f"{usage.ttft_ms:.0f}",
+            f": {error}" if error else "",
+        )
 
 
 def _usage(attempt: Attempt) -> Usage:

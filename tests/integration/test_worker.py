@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
 import time
 import urllib.request
 import uuid
@@ -237,6 +238,17 @@ async def test_bad_input_gets_errors_and_the_worker_keeps_running(
     assert finals[healthy.request_id].finish_reason in ("stop", "length")
     assert [r.value for r in letters] == [b"\xff not json", b'{"v": 1, "request_id": "bad-1"}']
     assert all(dict(r.headers)["error"] for r in letters)
+
+
+async def test_ask_command_streams_a_reply(worker: WorkerProcess) -> None:
+    argv = ["tandoor", "ask", "What is the capital of France?", "--model", worker.model]
+    result = await asyncio.to_thread(
+        subprocess.run, argv, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    reply, summary = result.stdout.strip().splitlines()[-2:]
+    assert "Paris" in reply
+    assert summary.startswith("[stop]") and "completion tokens" in summary
 
 
 async def test_metrics_endpoint(worker: WorkerProcess) -> None:

@@ -1,0 +1,118 @@
+"""Writing finished replies into Cassandra so that every write is idempotent.
+
+An assistant message is keyed by its request id and clustered just after its
+prompt's creation time, which every attempt shares. Its writes carry the
+Cassandra timestamp `prompt time (µs) + attempt`: a replayed event rewrites the
+same cells with the same timestamp (a no-op), and the highest attempt wins
+whatever order attempts arrive in. Anything written for the message before a
+reply exists (a placeholder) uses attempt 0, so every reply overrides it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+from typing import Any
+
+from schemas.events import FinalEvent
+from tandoor.clients import cql
+
+MESSAGE_STATUS = {
+    "stop": "complete",
+    "length": "complete",
+    "cancelled": "stopped",
+    "expired": "expired",
+    "error": "failed",
+}
+
+INSERT_MESSAGE = """
+INSERT INTO messages_by_conversation (conversation_id, created_at, message_id, role, content,
+    status, model, attempt, finish_reason, error, prompt_tokens, completion_tokens)
+VALUES (?, ?, ?, 'assistant', ?, ?, ?, ?, ?, ?, ?, ?) USING TIMESTAMP ?
+"""
+INSERT_USAGE = """
+INSERT INTO usage_by_user_day (user_id, day, model, request_id, tier, prompt_tokens,
+    completion_tokens, finish_reason, finished_at)
+VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) USING TIMESTAMP ?
+"""
+TOUCH_CONVERSATION = (
+    "UPDATE conversations USING TIMESTAMP ? SET updated_at = ? WHERE conversation_id = ?"
+)
+
+
+def reply_time_ms(final: FinalEvent) -> int:
+    """When the reply sits in the conversation: right after its prompt, in every attempt."""
+    return (final.prompt_created_at_ms or final.created_at_ms) + 1
+
+
+def write_timestamp_us(final: FinalEvent) -> int:
+    return reply_time_ms(final) * 1000 + final.attempt
+
+
+class HistoryWriter:
+    """Prepared statements for storing final events; one instance per session."""
+
+    def __init__(self, session: Any) -> None:
+        self._session = session
+        self._message = session.prepare(INSERT_MESSAGE)
+        self._usage = session.prepare(INSERT_USAGE)
+        self._touch = session.prepare(TOUCH_CONVERSATION)
+
+    async def store(self, final: FinalEvent) -> None:
+        writes = [self._store_usage(final)]
+        if final.kind == "chat" and final.conversation_id:
+            writes += [self._store_message(final), self._touch_conversation(final)]
+        await asyncio.gather(*writes)
+
+    async def _store_message(self, final: FinalEvent) -> None:
+        usage = final.usage
+        await cql(
+            self._session,
+            self._message,
+            (
+                final.conversation_id,
+                _utc(reply_time_ms(final)),
+                final.request_id,
+                final.text,
+                MESSAGE_STATUS[final.finish_reason],
+                final.model,
+                final.attempt,
+                final.finish_reason,
+                final.error,
+                usage.prompt_tokens,
+                usage.completion_tokens,
+                write_timestamp_us(final),
+            ),
+        )
+
+    async def _store_usage(self, final: FinalEvent) -> None:
+        if not final.user_id:
+            return  # a malformed prompt's error event: nobody to charge
+        day = _utc(reply_time_ms(final)).date()  # the prompt's day, stable across attempts
+        await cql(
+            self._session,
+            self._usage,
+            (
+                final.user_id,
+                day,
+                final.model,
+                final.request_id,
+                final.tier,
+                final.usage.prompt_tokens,
+                final.usage.completion_tokens,
+                final.finish_reason,
+                _utc(final.created_at_ms),
+                write_timestamp_us(final),
+            ),
+        )
+
+    async def _touch_conversation(self, final: FinalEvent) -> None:
+        # Plain last-write-wins on the real finish time: the newest reply dates the chat.
+        stamp = final.created_at_ms * 1000
+        await cql(
+            self._session, self._touch, (stamp, _utc(final.created_at_ms), final.conversation_id)
+        )
+
+
+def _utc(ms: int) -> dt.datetime:
+    return dt.datetime.fromtimestamp(ms / 1000, tz=dt.UTC)

@@ -1,0 +1,120 @@
+"""`tandoor persist`: final events from `tokens` into Cassandra, committed only after
+the write, so a crash at any point replays (idempotently) instead of losing."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+
+from aiokafka import AIOKafkaConsumer
+from aiokafka.errors import KafkaError
+from aiokafka.structs import ConsumerRecord
+from cassandra.cluster import Cluster
+
+from consumers.history import HistoryWriter
+from schemas import topics
+from schemas.codec import SchemaError, decode
+from schemas.events import FinalEvent
+from tandoor.clients import cassandra_cluster
+from tandoor.settings import Settings
+
+log = logging.getLogger(__name__)
+
+FINAL_MARKER = b'"type":"final"'  # cannot occur inside a JSON string (quotes are escaped)
+MAX_BACKOFF_S = 5.0
+
+
+class Persister:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._consumer = AIOKafkaConsumer(
+            topics.TOKENS,
+            bootstrap_servers=settings.kafka_bootstrap,
+            group_id=settings.persist_group,
+            client_id="persist",
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",  # a new group stores everything still retained
+            fetch_max_wait_ms=settings.fetch_wait_ms,
+        )
+        self._cluster: Cluster | None = None
+        self._writer: HistoryWriter | None = None
+        self._stopping = asyncio.Event()
+
+    async def start(self) -> None:
+        self._cluster = cassandra_cluster(self.settings)
+        session = await asyncio.to_thread(self._cluster.connect, self.settings.keyspace)
+        self._writer = HistoryWriter(session)
+        await self._consumer.start()
+        log.info("persist ready: %s -> keyspace %s", topics.TOKENS, self.settings.keyspace)
+
+    def request_stop(self) -> None:
+        self._stopping.set()
+
+    async def run(self) -> None:
+        while not self._stopping.is_set():
+            batch = await self._consumer.getmany(timeout_ms=500, max_records=500)
+            finals = [f for chunk in batch.values() for f in _finals(chunk)]
+            if finals and not await self._store(finals):
+                return  # stopping before the batch was stored: leave it uncommitted
+            if batch:
+                await self._commit()
+
+    async def _commit(self) -> None:
+        """Commit what was fetched, all of it stored by now."""
+        try:
+            await self._consumer.commit()
+        except KafkaError as exc:  # a rebalance: the new owner replays, idempotently
+            log.warning("commit failed (%s); the next owner replays those replies", exc)
+
+    async def close(self) -> None:
+        """Leave the group and disconnect; safe to call twice."""
+        await self._consumer.stop()
+        if self._cluster is not None:
+            await asyncio.to_thread(self._cluster.shutdown)
+            self._cluster = None
+
+    async def _store(self, finals: list[FinalEvent]) -> bool:
+        """Write until it works (Cassandra may be restarting); False if told to stop first."""
+        assert self._writer is not None
+        delay = 0.1
+        while not self._stopping.is_set():
+            try:
+                await asyncio.gather(*(self._writer.store(final) for final in finals))
+                log.debug("stored %d final events", len(finals))
+                return True
+            except Exception as exc:  # the driver's errors share no useful base class
+                log.warning(
+                    "storing %d replies failed (%s); retrying in %.1f s", len(finals), exc, delay
+                )
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stopping.wait(), delay)
+                delay = min(MAX_BACKOFF_S, delay * 2)
+        return False
+
+
+def _finals(records: list[ConsumerRecord[bytes, bytes]]) -> list[FinalEvent]:
+    finals = []
+    for record in records:
+        if FINAL_MARKER not in record.value:
+            continue  # a token event: the final carries the whole text
+        try:
+            finals.append(decode(FinalEvent, record.value))
+        except SchemaError as exc:
+            log.error(
+                "skipping undecodable final at %s/%s: %s", record.partition, record.offset, exc
+            )
+    return finals
+
+
+async def run_persist(settings: Settings) -> None:
+    persister = Persister(settings)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, persister.request_stop)
+    try:
+        await persister.start()
+        await persister.run()
+    finally:
+        await persister.close()

@@ -1,0 +1,211 @@
+"""`tandoor persist` against real Kafka and Cassandra: replies stored once, in place,
+whatever the replays, attempts and crashes."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiokafka import AIOKafkaProducer
+
+from infra.cql import migrate
+from infra.roles import PersistProcess
+from schemas import topics
+from schemas.codec import encode
+from schemas.events import FinalEvent, FinishReason, Usage, now_ms
+from tandoor.clients import cassandra_session, kafka_producer
+from tandoor.settings import Settings
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def keyspace(cassandra: Settings, unique: str) -> Iterator[str]:
+    name = f"p_{unique}"
+    with cassandra_session(cassandra) as session:
+        migrate(session, name)
+    yield name
+    with cassandra_session(cassandra) as session:
+        session.execute(f"DROP KEYSPACE IF EXISTS {name}")
+
+
+@pytest.fixture
+def persist_env(keyspace: str, unique: str) -> dict[str, str]:
+    return {"TANDOOR_KEYSPACE": keyspace, "TANDOOR_PERSIST_GROUP": f"persist-{unique}"}
+
+
+@pytest.fixture
+async def producer(kafka: str, settings: Settings) -> AsyncIterator[AIOKafkaProducer]:
+    async with kafka_producer(settings, client_id="persist-tests") as p:
+        yield p
+
+
+def final(
+    conversation: str,
+    text: str,
+    *,
+    reason: FinishReason = "stop",
+    attempt: int = 1,
+    request_id: str | None = None,
+    prompt_at: int | None = None,
+) -> FinalEvent:
+    return FinalEvent(
+        request_id=request_id or f"req-{uuid.uuid4().hex[:10]}",
+        attempt=attempt,
+        seq=3,
+        finish_reason=reason,
+        text=text,
+        usage=Usage(
+            prompt_tokens=11,
+            completion_tokens=len(text.split()),
+            queue_ms=1,
+            ttft_ms=20,
+            decode_ms=50,
+        ),
+        model="smollm2",
+        user_id="alice",
+        tier="plus",
+        conversation_id=conversation,
+        created_at_ms=now_ms(),
+        prompt_created_at_ms=prompt_at or now_ms() - 1000,
+    )
+
+
+async def publish(producer: AIOKafkaProducer, *events: FinalEvent) -> None:
+    for event in events:
+        await producer.send_and_wait(topics.TOKENS, encode(event), key=event.request_id.encode())
+
+
+def messages(settings: Settings, keyspace: str, conversation: str) -> list[Any]:
+    with cassandra_session(settings, keyspace) as session:
+        return list(
+            session.execute(
+                "SELECT message_id, content, status, attempt, created_at FROM "
+                "messages_by_conversation WHERE conversation_id = %s",
+                (conversation,),
+            )
+        )
+
+
+async def wait_rows(
+    settings: Settings, keyspace: str, conversation: str, count: int, timeout_s: float = 60
+) -> list[Any]:
+    rows: list[Any] = []
+    for _ in range(int(timeout_s / 0.25)):
+        rows = await asyncio.to_thread(messages, settings, keyspace, conversation)
+        if len(rows) >= count:
+            return rows
+        await asyncio.sleep(0.25)
+    raise AssertionError(f"{len(rows)} of {count} rows stored for {conversation}")
+
+
+async def started(tmp_path: Path, env: dict[str, str]) -> PersistProcess:
+    process = PersistProcess(tmp_path, env)
+    process.start()
+    await process.wait_ready(timeout_s=60)
+    return process
+
+
+async def test_replies_are_stored_once_with_their_status_and_usage(
+    settings: Settings,
+    keyspace: str,
+    persist_env: dict[str, str],
+    producer: AIOKafkaProducer,
+    tmp_path: Path,
+) -> None:
+    conversation = f"c-{uuid.uuid4().hex[:8]}"
+    done = final(conversation, "The capital of France is Paris.")
+    stopped = final(conversation, "Once upon a", reason="cancelled")
+    process = await started(tmp_path, persist_env)
+    try:
+        await publish(producer, done, stopped, done)  # the replay of `done` must change nothing
+        rows = await wait_rows(settings, keyspace, conversation, 2)
+        await asyncio.sleep(1)
+        rows = await asyncio.to_thread(messages, settings, keyspace, conversation)
+    finally:
+        assert process.terminate() == 0
+    by_id = {row.message_id: row for row in rows}
+    assert len(rows) == 2
+    assert (by_id[done.request_id].content, by_id[done.request_id].status) == (
+        done.text,
+        "complete",
+    )
+    assert (by_id[stopped.request_id].content, by_id[stopped.request_id].status) == (
+        "Once upon a",
+        "stopped",
+    )
+    # Right after its prompt, so it sorts after the user message stored at prompt time.
+    assert done.prompt_created_at_ms is not None
+    epoch = dt.datetime(1970, 1, 1)
+    expected = epoch + dt.timedelta(milliseconds=done.prompt_created_at_ms + 1)
+    assert by_id[done.request_id].created_at == expected
+    with cassandra_session(settings, keyspace) as session:
+        usage = list(
+            session.execute(
+                "SELECT request_id, prompt_tokens, completion_tokens FROM usage_by_user_day "
+                "WHERE user_id = 'alice' AND day = %s",
+                (by_id[done.request_id].created_at.date(),),
+            )
+        )
+        touched = session.execute(
+            "SELECT updated_at FROM conversations WHERE conversation_id = %s", (conversation,)
+        ).one()
+    assert {(u.request_id, u.completion_tokens) for u in usage} >= {
+        (done.request_id, 6),
+        (stopped.request_id, 3),
+    }
+    assert touched is not None and touched.updated_at is not None
+
+
+async def test_the_highest_attempt_wins_in_any_order(
+    settings: Settings,
+    keyspace: str,
+    persist_env: dict[str, str],
+    producer: AIOKafkaProducer,
+    tmp_path: Path,
+) -> None:
+    conversation = f"c-{uuid.uuid4().hex[:8]}"
+    prompt_at = now_ms() - 5000
+    second = final(conversation, "second attempt", attempt=2, request_id="r-x", prompt_at=prompt_at)
+    late_first = final(
+        conversation, "first attempt", attempt=1, request_id="r-x", prompt_at=prompt_at
+    )
+    process = await started(tmp_path, persist_env)
+    try:
+        await publish(producer, second, late_first)
+        await wait_rows(settings, keyspace, conversation, 1)
+        await asyncio.sleep(1.5)  # let the late first attempt land too
+        rows = await asyncio.to_thread(messages, settings, keyspace, conversation)
+    finally:
+        process.terminate()
+    assert [(r.message_id, r.content, r.attempt) for r in rows] == [("r-x", "second attempt", 2)]
+
+
+async def test_kill_9_and_restart_loses_and_duplicates_nothing(
+    settings: Settings,
+    keyspace: str,
+    persist_env: dict[str, str],
+    producer: AIOKafkaProducer,
+    tmp_path: Path,
+) -> None:
+    conversation = f"c-{uuid.uuid4().hex[:8]}"
+    replies = [final(conversation, f"reply number {i}") for i in range(120)]
+    process = await started(tmp_path, persist_env)
+    await publish(producer, *replies[:60])
+    await wait_rows(settings, keyspace, conversation, 20)
+    process.kill()  # mid-stream: some stored, maybe some stored but uncommitted
+    await publish(producer, *replies[60:])
+    process = await started(tmp_path, persist_env)
+    try:
+        rows = await wait_rows(settings, keyspace, conversation, 120)
+        await asyncio.sleep(1)
+        rows = await asyncio.to_thread(messages, settings, keyspace, conversation)
+    finally:
+        assert process.terminate() == 0
+    assert sorted(r.message_id for r in rows) == sorted(r.request_id for r in replies)
+    assert {r.message_id: r.content for r in rows} == {r.request_id: r.text for r in replies}
