@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
 
 from aiokafka import AIOKafkaConsumer
 from aiokafka.errors import KafkaError
@@ -106,15 +105,3 @@ def _finals(records: list[ConsumerRecord[bytes, bytes]]) -> list[FinalEvent]:
                 "skipping undecodable final at %s/%s: %s", record.partition, record.offset, exc
             )
     return finals
-
-
-async def run_persist(settings: Settings) -> None:
-    persister = Persister(settings)
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, persister.request_stop)
-    try:
-        await persister.start()
-        await persister.run()
-    finally:
-        await persister.close()

@@ -13,6 +13,7 @@ import typer
 from infra.errors import InfraError
 from infra.roles import PersistProcess, RoleProcess, WorkerProcess
 from infra.stack import Stack, bootstrap
+from tandoor.lifecycle import serve
 from tandoor.logs import configure_logging
 from tandoor.settings import get_settings
 
@@ -103,10 +104,10 @@ def worker(
     model: str = typer.Option("smollm2", help="Served model: its name in TANDOOR_MODELS."),
 ) -> None:
     """An inference worker: prompts.<model> from Kafka into vLLM, token events out."""
-    from workers.worker import WorkerFailed, run_worker  # imports vLLM: only here
+    from workers.worker import Worker, WorkerFailed  # imports vLLM: only here
 
     try:
-        asyncio.run(run_worker(get_settings(), model))
+        asyncio.run(serve(lambda: Worker(get_settings(), model)))
     except WorkerFailed as exc:
         typer.secho(f"worker failed: {exc}", err=True, fg=typer.colors.RED)
         raise typer.Exit(1) from exc
@@ -134,9 +135,9 @@ def ask(
 @app.command("persist")
 def persist() -> None:
     """The persistence consumer: finished replies and usage into Cassandra."""
-    from consumers.persist import run_persist
+    from consumers.persist import Persister
 
-    asyncio.run(run_persist(get_settings()))
+    asyncio.run(serve(lambda: Persister(get_settings())))
 
 
 @app.command("prepare-model")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
@@ -221,16 +220,3 @@ def _malformed_final(request_id: str, model: str, error: str) -> FinalEvent:
         conversation_id="",
         created_at_ms=now_ms(),
     )
-
-
-async def run_worker(settings: Settings, model: str) -> None:
-    """The `tandoor worker` process: start, serve until SIGTERM/SIGINT, drain, exit."""
-    worker = Worker(settings, model)
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, worker.request_stop)
-    try:
-        await worker.start()
-        await worker.run()
-    finally:
-        await worker.close()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -104,31 +104,45 @@ async def wait_rows(
     raise AssertionError(f"{len(rows)} of {count} rows stored for {conversation}")
 
 
-async def started(tmp_path: Path, env: dict[str, str]) -> PersistProcess:
-    process = PersistProcess(tmp_path, env)
-    process.start()
-    await process.wait_ready(timeout_s=60)
-    return process
+async def settled_rows(
+    settings: Settings, keyspace: str, conversation: str, count: int
+) -> list[Any]:
+    """The rows once `count` are there and a late duplicate would have landed too."""
+    await wait_rows(settings, keyspace, conversation, count)
+    await asyncio.sleep(1.5)
+    return await asyncio.to_thread(messages, settings, keyspace, conversation)
+
+
+StartPersist = Callable[[], Awaitable[PersistProcess]]
+
+
+@pytest.fixture
+async def start_persist(persist_env: dict[str, str], tmp_path: Path) -> AsyncIterator[StartPersist]:
+    """Start `tandoor persist` processes; whatever still runs is stopped afterwards."""
+    processes: list[PersistProcess] = []
+
+    async def start() -> PersistProcess:
+        process = PersistProcess(tmp_path, persist_env)
+        processes.append(process)
+        process.start()
+        await process.wait_ready(timeout_s=60)
+        return process
+
+    yield start
+    for process in processes:
+        process.terminate()
 
 
 async def test_replies_are_stored_once_with_their_status_and_usage(
-    settings: Settings,
-    keyspace: str,
-    persist_env: dict[str, str],
-    producer: AIOKafkaProducer,
-    tmp_path: Path,
+    settings: Settings, keyspace: str, producer: AIOKafkaProducer, start_persist: StartPersist
 ) -> None:
     conversation = f"c-{uuid.uuid4().hex[:8]}"
     done = final(conversation, "The capital of France is Paris.")
     stopped = final(conversation, "Once upon a", reason="cancelled")
-    process = await started(tmp_path, persist_env)
-    try:
-        await publish(producer, done, stopped, done)  # the replay of `done` must change nothing
-        rows = await wait_rows(settings, keyspace, conversation, 2)
-        await asyncio.sleep(1)
-        rows = await asyncio.to_thread(messages, settings, keyspace, conversation)
-    finally:
-        assert process.terminate() == 0
+    process = await start_persist()
+    await publish(producer, done, stopped, done)  # the replay of `done` must change nothing
+    rows = await settled_rows(settings, keyspace, conversation, 2)
+    assert process.terminate() == 0  # SIGTERM: a clean exit
     by_id = {row.message_id: row for row in rows}
     assert len(rows) == 2
     assert (by_id[done.request_id].content, by_id[done.request_id].status) == (
@@ -163,11 +177,7 @@ async def test_replies_are_stored_once_with_their_status_and_usage(
 
 
 async def test_the_highest_attempt_wins_in_any_order(
-    settings: Settings,
-    keyspace: str,
-    persist_env: dict[str, str],
-    producer: AIOKafkaProducer,
-    tmp_path: Path,
+    settings: Settings, keyspace: str, producer: AIOKafkaProducer, start_persist: StartPersist
 ) -> None:
     conversation = f"c-{uuid.uuid4().hex[:8]}"
     prompt_at = now_ms() - 5000
@@ -175,37 +185,23 @@ async def test_the_highest_attempt_wins_in_any_order(
     late_first = final(
         conversation, "first attempt", attempt=1, request_id="r-x", prompt_at=prompt_at
     )
-    process = await started(tmp_path, persist_env)
-    try:
-        await publish(producer, second, late_first)
-        await wait_rows(settings, keyspace, conversation, 1)
-        await asyncio.sleep(1.5)  # let the late first attempt land too
-        rows = await asyncio.to_thread(messages, settings, keyspace, conversation)
-    finally:
-        process.terminate()
+    await start_persist()
+    await publish(producer, second, late_first)
+    rows = await settled_rows(settings, keyspace, conversation, 1)
     assert [(r.message_id, r.content, r.attempt) for r in rows] == [("r-x", "second attempt", 2)]
 
 
 async def test_kill_9_and_restart_loses_and_duplicates_nothing(
-    settings: Settings,
-    keyspace: str,
-    persist_env: dict[str, str],
-    producer: AIOKafkaProducer,
-    tmp_path: Path,
+    settings: Settings, keyspace: str, producer: AIOKafkaProducer, start_persist: StartPersist
 ) -> None:
     conversation = f"c-{uuid.uuid4().hex[:8]}"
     replies = [final(conversation, f"reply number {i}") for i in range(120)]
-    process = await started(tmp_path, persist_env)
+    process = await start_persist()
     await publish(producer, *replies[:60])
     await wait_rows(settings, keyspace, conversation, 20)
-    process.kill()  # mid-stream: some stored, maybe some stored but uncommitted
+    process.kill()  # mid-stream: some stored, maybe some stored but not committed
     await publish(producer, *replies[60:])
-    process = await started(tmp_path, persist_env)
-    try:
-        rows = await wait_rows(settings, keyspace, conversation, 120)
-        await asyncio.sleep(1)
-        rows = await asyncio.to_thread(messages, settings, keyspace, conversation)
-    finally:
-        assert process.terminate() == 0
+    await start_persist()
+    rows = await settled_rows(settings, keyspace, conversation, 120)
     assert sorted(r.message_id for r in rows) == sorted(r.request_id for r in replies)
     assert {r.message_id: r.content for r in rows} == {r.request_id: r.text for r in replies}
