@@ -22,6 +22,8 @@ T = TypeVar("T")
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
 infra_app = typer.Typer(no_args_is_help=True, help="Local Kafka, Cassandra and Redis.")
 app.add_typer(infra_app, name="infra")
+keys_app = typer.Typer(no_args_is_help=True, help="API keys.")
+app.add_typer(keys_app, name="keys")
 
 
 @app.callback()
@@ -138,6 +140,23 @@ def persist() -> None:
     from consumers.persist import Persister
 
     asyncio.run(serve(lambda: Persister(get_settings())))
+
+
+@keys_app.command("create")
+def keys_create(
+    user: str = typer.Option(..., help="The user the key acts for."),
+    tier: str = typer.Option("free", help="free, plus, api or batch (TANDOOR_TIERS)."),
+) -> None:
+    """Create an API key; the key is printed once, as the last line, and stored hashed."""
+    from producers.keys import create_key
+
+    try:
+        key, principal = asyncio.run(create_key(get_settings(), user, tier))
+    except ValueError as exc:
+        typer.secho(f"error: {exc}", err=True, fg=typer.colors.RED)
+        raise typer.Exit(2) from exc
+    typer.echo(f"key {principal.key_id} for user {principal.user_id}, tier {principal.tier}:")
+    typer.echo(key)
 
 
 @app.command("prepare-model")

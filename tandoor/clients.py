@@ -68,23 +68,32 @@ async def assign_from_end(consumer: AIOKafkaConsumer, topic: str) -> list[TopicP
     return assigned
 
 
-async def cql(session: Any, statement: Any, params: Sequence[object] = ()) -> Any:
-    """Run a statement on the driver's own threads and await its result from asyncio
-    (the driver's asyncio reactor is experimental; this is the usual bridge)."""
+async def cql(session: Any, statement: Any, params: Sequence[object] = ()) -> list[Any]:
+    """Run a statement on the driver's threads and await all its rows (every page) from
+    asyncio; the driver's own asyncio reactor is experimental, this is the usual bridge."""
     loop = asyncio.get_running_loop()
-    done: asyncio.Future[Any] = loop.create_future()
+    done: asyncio.Future[list[Any]] = loop.create_future()
+    rows: list[Any] = []
 
-    def settle(result: Any, error: BaseException | None) -> None:
+    def settle(error: BaseException | None) -> None:
         if done.done():
             return
         if error is not None:
             done.set_exception(error)
         else:
-            done.set_result(result)
+            done.set_result(rows)
+
+    def on_page(page: list[Any] | None) -> None:  # None for statements without rows
+        try:
+            rows.extend(page or ())
+            if response.has_more_pages:
+                response.start_fetching_next_page()
+                return
+            error = None
+        except Exception as exc:  # on the driver's thread: hand it to the awaiting task
+            error = exc
+        loop.call_soon_threadsafe(settle, error)
 
     response = session.execute_async(statement, params)
-    response.add_callbacks(
-        lambda rows: loop.call_soon_threadsafe(settle, rows, None),
-        lambda exc: loop.call_soon_threadsafe(settle, None, exc),
-    )
+    response.add_callbacks(on_page, lambda exc: loop.call_soon_threadsafe(settle, exc))
     return await done

@@ -19,6 +19,42 @@ class Band(BaseModel):
     partitions: int = Field(ge=1)
 
 
+class TierPolicy(BaseModel):
+    """What a tier may use, and which priority band its prompts go to."""
+
+    band: str
+    requests_per_minute: int = Field(ge=1)
+    tokens_per_minute: int = Field(ge=1)
+    concurrent_streams: int = Field(ge=1)
+
+
+DEFAULT_TIERS = {
+    "free": TierPolicy(
+        band="interactive-free",
+        requests_per_minute=10,
+        tokens_per_minute=20_000,
+        concurrent_streams=1,
+    ),
+    "plus": TierPolicy(
+        band="interactive-paid",
+        requests_per_minute=60,
+        tokens_per_minute=200_000,
+        concurrent_streams=4,
+    ),
+    "api": TierPolicy(
+        band="interactive-paid",
+        requests_per_minute=600,
+        tokens_per_minute=2_000_000,
+        concurrent_streams=32,
+    ),
+    "batch": TierPolicy(
+        band="batch",
+        requests_per_minute=6_000,
+        tokens_per_minute=10_000_000,
+        concurrent_streams=256,
+    ),
+}
+
 DEFAULT_BANDS = [
     Band(name="interactive-paid", partitions=4),
     Band(name="interactive-free", partitions=4),
@@ -53,6 +89,7 @@ class Settings(BaseSettings):
     # a name not listed here falls back to a bundled model (only "smollm2" is bundled).
     model_dirs: dict[str, Path] = Field(default_factory=dict)
     bands: list[Band] = DEFAULT_BANDS
+    tiers: dict[str, TierPolicy] = DEFAULT_TIERS
     tokens_partitions: int = Field(default=8, ge=1)
 
     # Kafka latency knobs. Consumers keep fetch_min_bytes at 1, so a fetch returns as
@@ -82,6 +119,9 @@ class Settings(BaseSettings):
         names = [band.name for band in self.bands]
         if len(set(names)) != len(names):
             raise ValueError(f"band names must be unique, got {names}")
+        for tier, policy in self.tiers.items():
+            if policy.band not in names:
+                raise ValueError(f"tier {tier!r} uses band {policy.band!r}; bands are {names}")
         return self
 
     @property

@@ -24,7 +24,7 @@ def keyspace(cassandra: Settings, unique: str) -> Iterator[str]:
 
 def test_migrations_apply_once(cassandra: Settings, keyspace: str) -> None:
     with cassandra_session(cassandra) as session:
-        assert migrate(session, keyspace) == ["0001_initial"]
+        assert migrate(session, keyspace) == ["0001_initial", "0002_api_keys"]
         assert migrate(session, keyspace) == []
         rows = session.execute(
             "SELECT table_name FROM system_schema.tables WHERE keyspace_name = %s", (keyspace,)
@@ -36,6 +36,7 @@ def test_migrations_apply_once(cassandra: Settings, keyspace: str) -> None:
         "conversations_by_user",
         "messages_by_conversation",
         "usage_by_user_day",
+        "api_keys",
     } <= tables
 
 

@@ -1,0 +1,102 @@
+"""API keys: created once, stored hashed, resolved to a user and a tier."""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+import redis.asyncio as aioredis
+
+from tandoor.clients import cassandra_session, cql, redis_client
+from tandoor.settings import Settings
+
+KEY_PREFIX = "tdr_"
+CACHE_TTL_S = 60  # a revoked key stops working within a minute
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who is calling: what every route checks ownership and quotas against."""
+
+    user_id: str
+    tier: str
+    key_id: str
+
+
+def new_key() -> str:
+    return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+def key_hash(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+class KeyStore:
+    def __init__(self, session: Any, cache: aioredis.Redis, tiers: set[str]) -> None:
+        self._session = session
+        self._cache = cache
+        self._tiers = tiers
+
+    async def create(self, user_id: str, tier: str) -> tuple[str, Principal]:
+        """A new key for `user_id`; the key is returned once and stored only as a hash."""
+        if tier not in self._tiers:
+            raise ValueError(f"unknown tier {tier!r}; tiers are {sorted(self._tiers)}")
+        if not user_id.strip():
+            raise ValueError("user must not be empty")
+        key = new_key()
+        principal = Principal(user_id=user_id, tier=tier, key_id=key_hash(key)[:12])
+        await cql(
+            self._session,
+            "INSERT INTO api_keys (key_hash, key_id, user_id, tier, created_at, revoked) "
+            "VALUES (%s, %s, %s, %s, %s, false)",
+            (key_hash(key), principal.key_id, user_id, tier, dt.datetime.now(dt.UTC)),
+        )
+        return key, principal
+
+    async def resolve(self, key: str) -> Principal | None:
+        """The principal of a valid key, or None; looked up in Redis before Cassandra."""
+        digest = key_hash(key)
+        cached = await self._cache.get(_cache_key(digest))
+        if cached is not None:
+            data = orjson.loads(cached)
+            return Principal(**data) if data else None
+        principal = await self._lookup(digest)
+        payload = orjson.dumps(principal.__dict__ if principal else {})
+        await self._cache.set(_cache_key(digest), payload, ex=CACHE_TTL_S)
+        return principal
+
+    async def revoke(self, key: str) -> None:
+        digest = key_hash(key)
+        await cql(
+            self._session, "UPDATE api_keys SET revoked = true WHERE key_hash = %s", (digest,)
+        )
+        await self._cache.delete(_cache_key(digest))
+
+    async def _lookup(self, digest: str) -> Principal | None:
+        rows = await cql(
+            self._session,
+            "SELECT key_id, user_id, tier, revoked FROM api_keys WHERE key_hash = %s",
+            (digest,),
+        )
+        row = rows[0] if rows else None
+        if row is None or row.revoked:
+            return None
+        return Principal(user_id=row.user_id, tier=row.tier, key_id=row.key_id)
+
+
+def _cache_key(digest: str) -> str:
+    return f"tandoor:apikey:{digest}"
+
+
+async def create_key(settings: Settings, user_id: str, tier: str) -> tuple[str, Principal]:
+    """One-shot key creation with its own connections (the CLI's)."""
+    cache = redis_client(settings)
+    try:
+        with cassandra_session(settings, settings.keyspace) as session:
+            return await KeyStore(session, cache, set(settings.tiers)).create(user_id, tier)
+    finally:
+        await cache.aclose()

@@ -1,0 +1,83 @@
+"""API keys against real Cassandra and Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+
+from infra.cql import migrate
+from producers.keys import KeyStore, Principal, key_hash
+from tandoor.clients import cassandra_session
+from tandoor.settings import Settings
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def session(cassandra: Settings, unique: str) -> Iterator[Any]:
+    keyspace = f"k_{unique}"
+    with cassandra_session(cassandra) as admin:
+        migrate(admin, keyspace)
+    with cassandra_session(cassandra, keyspace) as s:
+        yield s
+    with cassandra_session(cassandra) as admin:
+        admin.execute(f"DROP KEYSPACE IF EXISTS {keyspace}")
+
+
+@pytest.fixture
+async def store(session: Any, redis_url: str) -> AsyncIterator[KeyStore]:
+    cache = aioredis.Redis.from_url(redis_url)
+    yield KeyStore(session, cache, {"free", "plus"})
+    await cache.aclose()
+
+
+async def test_a_created_key_resolves_to_its_user_and_tier(store: KeyStore) -> None:
+    key, principal = await store.create("alice", "plus")
+    assert key.startswith("tdr_") and len(key) > 40
+    assert await store.resolve(key) == principal == Principal("alice", "plus", principal.key_id)
+    assert await store.resolve(key) == principal  # second time from the Redis cache
+
+
+async def test_keys_are_stored_hashed(store: KeyStore, session: Any) -> None:
+    key, _ = await store.create("alice", "free")
+    rows = [tuple(str(v) for v in row) for row in session.execute("SELECT * FROM api_keys")]
+    assert rows and not any(key in value for row in rows for value in row)
+    assert any(key_hash(key) in row for row in rows)
+
+
+async def test_unknown_and_revoked_keys_do_not_resolve(store: KeyStore) -> None:
+    assert await store.resolve("tdr_not-a-key") is None
+    key, _ = await store.create("bob", "free")
+    assert await store.resolve(key) is not None
+    await store.revoke(key)
+    assert await store.resolve(key) is None
+
+
+async def test_unknown_tier_and_empty_user_are_refused(store: KeyStore) -> None:
+    with pytest.raises(ValueError, match="unknown tier 'gold'"):
+        await store.create("carol", "gold")
+    with pytest.raises(ValueError, match="user"):
+        await store.create(" ", "free")
+
+
+async def test_cli_prints_the_key_as_its_last_line(
+    cassandra: Settings, redis_url: str, settings: Settings
+) -> None:
+    argv = ["tandoor", "keys", "create", "--user", "dave", "--tier", "api"]
+    result = await asyncio.to_thread(
+        subprocess.run, argv, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    key = result.stdout.strip().splitlines()[-1]
+    with cassandra_session(settings, settings.keyspace) as session:
+        cache = aioredis.Redis.from_url(redis_url)
+        try:
+            principal = await KeyStore(session, cache, set(settings.tiers)).resolve(key)
+        finally:
+            await cache.aclose()
+    assert principal is not None and (principal.user_id, principal.tier) == ("dave", "api")
