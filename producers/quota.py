@@ -1,0 +1,119 @@
+"""Per-user quotas in Redis, checked and charged in one atomic step before anything
+reaches Kafka: requests per minute, tokens per minute, concurrent streams.
+
+Minutes are fixed windows (keys expire with their window). Tokens are charged with an
+estimate at admission and settled with the real usage afterwards. A stream holds a
+slot until it is released, or until its lease runs out if the releaser died.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, cast
+
+import redis.asyncio as aioredis
+
+from tandoor.settings import TierPolicy
+
+WINDOW_MS = 60_000
+STREAM_LEASE_MS = 15 * 60_000  # a stream longer than this no longer counts
+BUSY_RETRY_MS = 1_000  # all stream slots taken: try again soon
+
+ADMIT = """
+local now, window_end = tonumber(ARGV[1]), tonumber(ARGV[2])
+local rpm, tpm, streams = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+local tokens, request_id, lease = tonumber(ARGV[6]), ARGV[7], tonumber(ARGV[8])
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
+if redis.call('ZCARD', KEYS[3]) >= streams then
+  return {0, 'concurrent_streams', tonumber(ARGV[9])}
+end
+if tonumber(redis.call('GET', KEYS[1]) or '0') + 1 > rpm then
+  return {0, 'requests_per_minute', window_end - now}
+end
+if tonumber(redis.call('GET', KEYS[2]) or '0') + tokens > tpm then
+  return {0, 'tokens_per_minute', window_end - now}
+end
+redis.call('INCR', KEYS[1])
+redis.call('PEXPIREAT', KEYS[1], window_end)
+redis.call('INCRBY', KEYS[2], tokens)
+redis.call('PEXPIREAT', KEYS[2], window_end)
+redis.call('ZADD', KEYS[3], now + lease, request_id)
+redis.call('PEXPIRE', KEYS[3], lease)
+return {1, 'ok', 0}
+"""
+
+# Adjust the admission window's token count by (actual - estimate), if it still exists.
+SETTLE = """
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  return redis.call('INCRBY', KEYS[1], ARGV[1])
+end
+return 0
+"""
+
+Limit = Literal["requests_per_minute", "tokens_per_minute", "concurrent_streams"]
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A charged request: what to settle and release when it ends."""
+
+    user_id: str
+    request_id: str
+    window_start_ms: int
+    estimated_tokens: int
+
+
+class QuotaExceeded(Exception):
+    def __init__(self, limit: Limit, retry_after_ms: int) -> None:
+        super().__init__(f"{limit.replace('_', ' ')} quota exceeded")
+        self.limit = limit
+        self.retry_after_s = max(1, -(-retry_after_ms // 1000))  # whole seconds, rounded up
+
+
+class Quotas:
+    def __init__(self, client: aioredis.Redis) -> None:
+        self._redis = client
+        self._admit = client.register_script(ADMIT)
+        self._settle = client.register_script(SETTLE)
+
+    async def admit(
+        self, user_id: str, policy: TierPolicy, request_id: str, tokens: int, now_ms: int
+    ) -> Admission:
+        """Charge one request and `tokens` estimated tokens, or raise QuotaExceeded."""
+        window = now_ms - now_ms % WINDOW_MS
+        keys = [
+            _key("rpm", user_id, window),
+            _key("tpm", user_id, window),
+            f"tandoor:quota:streams:{user_id}",
+        ]
+        args: list[int | str] = [
+            now_ms,
+            window + WINDOW_MS,
+            policy.requests_per_minute,
+            policy.tokens_per_minute,
+            policy.concurrent_streams,
+            tokens,
+            request_id,
+            STREAM_LEASE_MS,
+            BUSY_RETRY_MS,
+        ]
+        allowed, limit, retry_ms = await self._admit(keys=keys, args=args)
+        if not allowed:
+            name = limit.decode() if isinstance(limit, bytes) else str(limit)
+            raise QuotaExceeded(cast(Limit, name), int(retry_ms))
+        return Admission(user_id, request_id, window, tokens)
+
+    async def settle(self, admission: Admission, actual_tokens: int) -> None:
+        """Replace the estimate with the real usage in the window it was charged to."""
+        delta = actual_tokens - admission.estimated_tokens
+        if delta:
+            key = _key("tpm", admission.user_id, admission.window_start_ms)
+            await self._settle(keys=[key], args=[delta])
+
+    async def release(self, admission: Admission) -> None:
+        """The stream ended: free its concurrent-stream slot."""
+        await self._redis.zrem(f"tandoor:quota:streams:{admission.user_id}", admission.request_id)
+
+
+def _key(kind: str, user_id: str, window_start_ms: int) -> str:
+    return f"tandoor:quota:{kind}:{user_id}:{window_start_ms}"

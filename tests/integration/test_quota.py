@@ -1,0 +1,94 @@
+"""Quotas against real Redis: exact limits, atomic under concurrency, settled, released."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+
+from producers.quota import STREAM_LEASE_MS, Admission, QuotaExceeded, Quotas
+from tandoor.settings import TierPolicy
+
+pytestmark = pytest.mark.integration
+
+
+def policy(rpm: int = 100, tpm: int = 100_000, streams: int = 100) -> TierPolicy:
+    return TierPolicy(
+        band="batch", requests_per_minute=rpm, tokens_per_minute=tpm, concurrent_streams=streams
+    )
+
+
+@pytest.fixture
+async def quotas(redis_url: str) -> AsyncIterator[Quotas]:
+    client = aioredis.Redis.from_url(redis_url)
+    yield Quotas(client)
+    await client.aclose()
+
+
+@pytest.fixture
+def t0() -> int:
+    """One instant early in the next window for the whole test: every call shares one
+    window (no flake at a minute boundary) and the keys outlive the test."""
+    wall = int(time.time() * 1000)
+    return wall - wall % 60_000 + 60_000 + 1_000
+
+
+async def test_requests_per_minute_is_exact_and_says_when_to_retry(
+    quotas: Quotas, unique: str, t0: int
+) -> None:
+    for i in range(3):
+        await quotas.admit(unique, policy(rpm=3), f"r{i}", 10, t0)
+    with pytest.raises(QuotaExceeded) as info:
+        await quotas.admit(unique, policy(rpm=3), "r3", 10, t0)
+    assert info.value.limit == "requests_per_minute"
+    assert 1 <= info.value.retry_after_s <= 60
+
+
+async def test_tokens_are_settled_with_real_usage(quotas: Quotas, unique: str, t0: int) -> None:
+    first = await quotas.admit(unique, policy(tpm=1000), "a", 600, t0)
+    with pytest.raises(QuotaExceeded, match="tokens per minute"):
+        await quotas.admit(unique, policy(tpm=1000), "b", 600, t0)
+    await quotas.settle(first, actual_tokens=300)  # the estimate was too high
+    await quotas.admit(unique, policy(tpm=1000), "b", 600, t0)
+
+
+async def test_a_refused_request_is_not_charged(quotas: Quotas, unique: str, t0: int) -> None:
+    with pytest.raises(QuotaExceeded):
+        await quotas.admit(unique, policy(rpm=2, tpm=100), "big", 500, t0)
+    await quotas.admit(unique, policy(rpm=2, tpm=100), "s1", 10, t0)
+    await quotas.admit(unique, policy(rpm=2, tpm=100), "s2", 10, t0)
+
+
+async def test_concurrent_streams_are_held_until_released(
+    quotas: Quotas, unique: str, t0: int
+) -> None:
+    held = [await quotas.admit(unique, policy(streams=2), f"s{i}", 1, t0) for i in range(2)]
+    with pytest.raises(QuotaExceeded) as info:
+        await quotas.admit(unique, policy(streams=2), "s2", 1, t0)
+    assert info.value.limit == "concurrent_streams"
+    await quotas.release(held[0])
+    await quotas.admit(unique, policy(streams=2), "s2", 1, t0)
+
+
+async def test_a_stream_never_released_stops_counting_after_its_lease(
+    quotas: Quotas, unique: str, t0: int
+) -> None:
+    await quotas.admit(unique, policy(streams=1), "lost", 1, t0)
+    later = t0 + STREAM_LEASE_MS + 1
+    await quotas.admit(unique, policy(streams=1), "next", 1, later)
+
+
+async def test_admission_is_atomic_under_concurrent_callers(
+    quotas: Quotas, unique: str, t0: int
+) -> None:
+    async def try_once(i: int) -> Admission | None:
+        try:
+            return await quotas.admit(unique, policy(rpm=20), f"r{i}", 1, t0)
+        except QuotaExceeded:
+            return None
+
+    results = await asyncio.gather(*(try_once(i) for i in range(60)))
+    assert sum(r is not None for r in results) == 20
