@@ -36,7 +36,7 @@ INSERT INTO usage_by_user_day (user_id, day, model, request_id, tier, prompt_tok
 VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) USING TIMESTAMP ?
 """
 TOUCH_CONVERSATION = (
-    "UPDATE conversations USING TIMESTAMP ? SET updated_at = ? WHERE conversation_id = ?"
+    "UPDATE conversations USING TIMESTAMP ? SET last_reply_at = ? WHERE conversation_id = ?"
 )
 
 

@@ -24,7 +24,11 @@ def keyspace(cassandra: Settings, unique: str) -> Iterator[str]:
 
 def test_migrations_apply_once(cassandra: Settings, keyspace: str) -> None:
     with cassandra_session(cassandra) as session:
-        assert migrate(session, keyspace) == ["0001_initial", "0002_api_keys"]
+        assert migrate(session, keyspace) == [
+            "0001_initial",
+            "0002_api_keys",
+            "0003_conversation_last_reply",
+        ]
         assert migrate(session, keyspace) == []
         rows = session.execute(
             "SELECT table_name FROM system_schema.tables WHERE keyspace_name = %s", (keyspace,)

@@ -167,13 +167,13 @@ async def test_replies_are_stored_once_with_their_status_and_usage(
             )
         )
         touched = session.execute(
-            "SELECT updated_at FROM conversations WHERE conversation_id = %s", (conversation,)
+            "SELECT last_reply_at FROM conversations WHERE conversation_id = %s", (conversation,)
         ).one()
     assert {(u.request_id, u.completion_tokens) for u in usage} >= {
         (done.request_id, 6),
         (stopped.request_id, 3),
     }
-    assert touched is not None and touched.updated_at is not None
+    assert touched is not None and touched.last_reply_at is not None
 
 
 async def test_the_highest_attempt_wins_in_any_order(
