@@ -93,3 +93,12 @@ class PersistProcess(RoleProcess):
 
     def __init__(self, log_dir: Path, env: dict[str, str]) -> None:
         super().__init__("persist", ["persist"], "persist ready", log_dir, env)
+
+
+class GatewayProcess(RoleProcess):
+    """`tandoor gateway --port P`."""
+
+    def __init__(self, log_dir: Path, port: int, env: dict[str, str]) -> None:
+        args = ["gateway", "--port", str(port)]
+        super().__init__("gateway", args, "Application startup complete", log_dir, env)
+        self.port = port

@@ -134,6 +134,22 @@ def ask(
     )
 
 
+@app.command("gateway")
+def gateway(port: int = typer.Option(0, help="Default: TANDOOR_GATEWAY_PORT (8000).")) -> None:
+    """The HTTP gateway (FastAPI) on 127.0.0.1."""
+    import uvicorn
+
+    from producers.gateway.app import create_app
+
+    settings = get_settings()
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=port or settings.gateway_port,
+        log_level="info",
+    )
+
+
 @app.command("persist")
 def persist() -> None:
     """The persistence consumer: finished replies and usage into Cassandra."""

@@ -108,6 +108,9 @@ class Settings(BaseSettings):
     worker_grace_s: float = Field(default=20.0, ge=0)  # SIGTERM: finish, then hand back
     worker_band_reserve: float = Field(default=0.1, ge=0, le=1)  # share kept for lower bands
     worker_metrics_port: int = 9400  # 0 picks a free port
+    # The HTTP gateway.
+    gateway_port: int = 8000
+
     # Persistence consumer: its group on `tokens`.
     persist_group: str = "persist"
 

@@ -1,0 +1,1 @@
+"""The HTTP gateway: chat clients in, prompt events out, replies streamed back."""

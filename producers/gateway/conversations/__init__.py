@@ -1,0 +1,1 @@
+"""Conversations: the sidebar, opening a chat, renaming and deleting."""

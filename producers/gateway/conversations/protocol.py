@@ -1,0 +1,52 @@
+"""Request and response bodies of the conversations API."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from pydantic import BaseModel, ConfigDict, Field
+
+TITLE_MAX = 200
+
+
+class CreateConversation(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = Field(default=None, description="Defaults to the first served model.")
+    title: str | None = Field(default=None, max_length=TITLE_MAX)
+
+
+class RenameConversation(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    title: str = Field(min_length=1, max_length=TITLE_MAX)
+
+
+class Conversation(BaseModel):
+    id: str
+    model: str
+    title: str | None
+    created_at: dt.datetime
+    updated_at: dt.datetime
+
+
+class Message(BaseModel):
+    id: str
+    role: str
+    content: str
+    status: str | None
+    created_at: dt.datetime
+    model: str | None = None
+    attempt: int | None = None
+    finish_reason: str | None = None
+
+
+class ConversationWithMessages(Conversation):
+    messages: list[Message]
+
+
+class ConversationPage(BaseModel):
+    data: list[Conversation]
+    next_cursor: str | None = Field(
+        description="Pass as `cursor` for the next page; null on the last page."
+    )

@@ -1,0 +1,181 @@
+"""Conversations in Cassandra, every read and write checked against its owner."""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from producers.gateway.conversations.protocol import (
+    Conversation,
+    ConversationPage,
+    ConversationWithMessages,
+    Message,
+)
+from producers.gateway.errors import ApiError, not_found
+from tandoor.clients import cql
+
+
+class ConversationService:
+    def __init__(self, session: Any, models: Sequence[str]) -> None:
+        self._session = session
+        self.models = list(models)
+
+    async def create(self, user_id: str, model: str | None, title: str | None) -> Conversation:
+        model = model or self.models[0]
+        if model not in self.models:
+            raise ApiError(400, f"unknown model {model!r}; available: {self.models}", param="model")
+        now = _now()
+        conversation = Conversation(
+            id=f"c_{uuid.uuid4().hex}", model=model, title=title, created_at=now, updated_at=now
+        )
+        await cql(
+            self._session,
+            "INSERT INTO conversations (conversation_id, user_id, model, title, created_at, "
+            "updated_at) VALUES (%s, %s, %s, %s, %s, %s)",
+            (conversation.id, user_id, model, title, now, now),
+        )
+        await self._index(user_id, conversation)
+        return conversation
+
+    async def page(self, user_id: str, limit: int, cursor: str | None) -> ConversationPage:
+        """Newest first. A cursor is (updated_at, id) of the last row shown, so rows that
+        share a millisecond are neither skipped nor repeated."""
+        rows = await self._sidebar_after(user_id, _parse_cursor(cursor), limit + 1)
+        page = [await self._owned(user_id, row.conversation_id) for row in rows[:limit]]
+        more = len(rows) > limit
+        last = rows[limit - 1] if more else None
+        next_cursor = f"{_to_ms(last.updated_at)}~{last.conversation_id}" if last else None
+        return ConversationPage(data=page, next_cursor=next_cursor)
+
+    async def _sidebar_after(
+        self, user_id: str, cursor: tuple[dt.datetime, str] | None, count: int
+    ) -> list[Any]:
+        select = "SELECT conversation_id, updated_at FROM conversations_by_user WHERE user_id = %s"
+        if cursor is None:
+            return await cql(self._session, select + " LIMIT %s", (user_id, count))
+        at, last_id = cursor
+        same_ms = await cql(
+            self._session,
+            select + " AND updated_at = %s AND conversation_id > %s LIMIT %s",
+            (user_id, at, last_id, count),
+        )
+        older = await cql(
+            self._session, select + " AND updated_at < %s LIMIT %s", (user_id, at, count)
+        )
+        return [*same_ms, *older][:count]
+
+    async def get(self, user_id: str, conversation_id: str) -> ConversationWithMessages:
+        conversation = await self._owned(user_id, conversation_id)
+        rows = await cql(
+            self._session,
+            "SELECT message_id, role, content, status, created_at, model, attempt, "
+            "finish_reason FROM messages_by_conversation WHERE conversation_id = %s",
+            (conversation_id,),
+        )
+        messages = [
+            Message(
+                id=r.message_id,
+                role=r.role,
+                content=r.content or "",
+                status=r.status,
+                created_at=_utc(r.created_at),
+                model=r.model,
+                attempt=r.attempt,
+                finish_reason=r.finish_reason,
+            )
+            for r in rows
+        ]
+        return ConversationWithMessages(**conversation.model_dump(), messages=messages)
+
+    async def rename(self, user_id: str, conversation_id: str, title: str) -> Conversation:
+        conversation = await self._owned(user_id, conversation_id)
+        await cql(
+            self._session,
+            "UPDATE conversations SET title = %s WHERE conversation_id = %s",
+            (title, conversation_id),
+        )
+        renamed = conversation.model_copy(update={"title": title})
+        await self._index(user_id, renamed)
+        return renamed
+
+    async def delete(self, user_id: str, conversation_id: str) -> None:
+        conversation = await self._owned(user_id, conversation_id)
+        await cql(
+            self._session,
+            "DELETE FROM conversations_by_user WHERE user_id = %s AND updated_at = %s "
+            "AND conversation_id = %s",
+            (user_id, conversation.updated_at, conversation_id),
+        )
+        await cql(
+            self._session,
+            "DELETE FROM messages_by_conversation WHERE conversation_id = %s",
+            (conversation_id,),
+        )
+        await cql(
+            self._session,
+            "DELETE FROM conversations WHERE conversation_id = %s",
+            (conversation_id,),
+        )
+
+    async def _owned(self, user_id: str, conversation_id: str) -> Conversation:
+        """The conversation if `user_id` owns it; a 404 otherwise, never a 403 (an
+        outsider must not learn that the id exists)."""
+        rows = await cql(
+            self._session,
+            "SELECT user_id, model, title, created_at, updated_at FROM conversations "
+            "WHERE conversation_id = %s",
+            (conversation_id,),
+        )
+        row = rows[0] if rows else None
+        if row is None or row.user_id != user_id:
+            raise not_found("conversation")
+        return Conversation(
+            id=conversation_id,
+            model=row.model,
+            title=row.title,
+            created_at=_utc(row.created_at),
+            updated_at=_utc(row.updated_at),
+        )
+
+    async def _index(self, user_id: str, conversation: Conversation) -> None:
+        """The sidebar row, clustered by updated_at (newest first)."""
+        await cql(
+            self._session,
+            "INSERT INTO conversations_by_user (user_id, updated_at, conversation_id, "
+            "model, title) VALUES (%s, %s, %s, %s, %s)",
+            (
+                user_id,
+                conversation.updated_at,
+                conversation.id,
+                conversation.model,
+                conversation.title,
+            ),
+        )
+
+
+def _now() -> dt.datetime:
+    now = dt.datetime.now(dt.UTC)
+    return now.replace(microsecond=now.microsecond // 1000 * 1000)  # Cassandra keeps ms
+
+
+def _utc(value: dt.datetime) -> dt.datetime:
+    return value.replace(tzinfo=dt.UTC) if value.tzinfo is None else value
+
+
+def _to_ms(value: dt.datetime) -> int:
+    return int(_utc(value).timestamp() * 1000)
+
+
+def _from_ms(ms: int) -> dt.datetime:
+    return dt.datetime(1970, 1, 1, tzinfo=dt.UTC) + dt.timedelta(milliseconds=ms)
+
+
+def _parse_cursor(cursor: str | None) -> tuple[dt.datetime, str] | None:
+    if cursor is None:
+        return None
+    ms, sep, conversation_id = cursor.partition("~")
+    if not sep or not ms.isdigit() or not conversation_id:
+        raise ApiError(400, "cursor: not a value from next_cursor", param="cursor")
+    return _from_ms(int(ms)), conversation_id

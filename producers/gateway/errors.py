@@ -1,0 +1,57 @@
+"""Errors as clients see them: a status code and an OpenAI-shaped JSON body."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+
+class ApiError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        kind: str = "invalid_request_error",
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.kind = kind
+        self.param = param
+        self.headers = headers or {}
+
+
+def not_found(what: str) -> ApiError:
+    return ApiError(404, f"{what} not found", kind="not_found_error")
+
+
+def error_body(message: str, kind: str, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error in one place, each as JSON that names the problem."""
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        body = error_body(exc.message, exc.kind, exc.param)
+        return JSONResponse(body, status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()) if p not in ("body", "query"))
+        message = f"{where or 'request'}: {first.get('msg', 'invalid')}"
+        return JSONResponse(error_body(message, "invalid_request_error", where or None), 400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(exc.detail), kind), exc.status_code)

@@ -1,0 +1,194 @@
+"""The conversations API over HTTP against real Cassandra and Redis."""
+
+from __future__ import annotations
+
+import datetime as dt
+import socket
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from infra.roles import GatewayProcess
+from producers.gateway.app import create_app
+from producers.keys import create_key
+from tandoor.clients import cassandra_session
+from tandoor.settings import Settings
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+async def client(cassandra: Settings, redis_url: str) -> AsyncIterator[httpx.AsyncClient]:
+    app = create_app(cassandra)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as http:
+            yield http
+
+
+async def user_key(settings: Settings, user_id: str | None = None) -> dict[str, str]:
+    key, _ = await create_key(settings, user_id or f"user-{uuid.uuid4().hex[:8]}", "plus")
+    return {"Authorization": f"Bearer {key}"}
+
+
+async def every_page(client: httpx.AsyncClient, auth: dict[str, str], limit: int) -> list[str]:
+    """Conversation ids of the whole sidebar, following next_cursor page by page."""
+    seen: list[str] = []
+    params: dict[str, str | int] = {"limit": limit}
+    while True:
+        page = (await client.get("/v1/conversations", params=params, headers=auth)).json()
+        seen += [c["id"] for c in page["data"]]
+        if page["next_cursor"] is None:
+            return seen
+        params = {"limit": limit, "cursor": page["next_cursor"]}
+
+
+async def test_every_route_but_health_needs_a_key(client: httpx.AsyncClient) -> None:
+    assert (await client.get("/health")).status_code == 200
+    for method, path in [
+        ("GET", "/v1/conversations"),
+        ("POST", "/v1/conversations"),
+        ("GET", "/v1/conversations/c_x"),
+        ("DELETE", "/v1/conversations/c_x"),
+    ]:
+        missing = await client.request(method, path)
+        wrong = await client.request(method, path, headers={"Authorization": "Bearer tdr_nope"})
+        for response in (missing, wrong):
+            assert response.status_code == 401, (method, path)
+            assert response.json()["error"]["type"] == "authentication_error"
+            assert response.headers["www-authenticate"] == "Bearer"
+
+
+async def test_create_list_get_rename_delete(client: httpx.AsyncClient, settings: Settings) -> None:
+    auth = await user_key(settings)
+    first = (await client.post("/v1/conversations", json={"title": "first"}, headers=auth)).json()
+    second = await client.post(
+        "/v1/conversations", json={"model": settings.models[0]}, headers=auth
+    )
+    assert second.status_code == 201 and first["model"] == settings.models[0]
+    listed = (await client.get("/v1/conversations", headers=auth)).json()
+    assert [c["id"] for c in listed["data"]] == [second.json()["id"], first["id"]]  # newest first
+
+    renamed = await client.patch(
+        f"/v1/conversations/{first['id']}", json={"title": "Paris trip"}, headers=auth
+    )
+    assert renamed.status_code == 200 and renamed.json()["title"] == "Paris trip"
+    opened = (await client.get(f"/v1/conversations/{first['id']}", headers=auth)).json()
+    assert opened["title"] == "Paris trip" and opened["messages"] == []
+    listed = (await client.get("/v1/conversations", headers=auth)).json()
+    assert {c["id"]: c["title"] for c in listed["data"]}[first["id"]] == "Paris trip"
+
+    assert (
+        await client.delete(f"/v1/conversations/{first['id']}", headers=auth)
+    ).status_code == 204
+    assert (await client.get(f"/v1/conversations/{first['id']}", headers=auth)).status_code == 404
+    listed = (await client.get("/v1/conversations", headers=auth)).json()
+    assert [c["id"] for c in listed["data"]] == [second.json()["id"]]
+
+
+async def test_pages_run_newest_first_without_gaps(
+    client: httpx.AsyncClient, settings: Settings
+) -> None:
+    auth = await user_key(settings)
+    created = [
+        (await client.post("/v1/conversations", json={}, headers=auth)).json()["id"]
+        for _ in range(5)
+    ]
+    seen = await every_page(client, auth, limit=2)
+    assert sorted(seen) == sorted(created) and len(seen) == 5  # no gaps, no repeats
+    updated = [
+        c["updated_at"]
+        for c in (await client.get("/v1/conversations", params={"limit": 10}, headers=auth)).json()[
+            "data"
+        ]
+    ]
+    assert updated == sorted(updated, reverse=True)
+
+
+async def test_conversations_sharing_a_millisecond_page_cleanly(
+    client: httpx.AsyncClient, settings: Settings
+) -> None:
+    """Force ties: several sidebar rows with one updated_at, paged one at a time."""
+    user = f"user-{uuid.uuid4().hex[:8]}"
+    auth = await user_key(settings, user)
+    created = [
+        (await client.post("/v1/conversations", json={}, headers=auth)).json() for _ in range(4)
+    ]
+    with cassandra_session(settings, settings.keyspace) as session:
+        tie = created[0]["updated_at"]
+        for c in created:
+            session.execute(
+                "DELETE FROM conversations_by_user WHERE user_id = %s AND "
+                "updated_at = %s AND conversation_id = %s",
+                (user, _dt(c["updated_at"]), c["id"]),
+            )
+            session.execute(
+                "INSERT INTO conversations_by_user (user_id, updated_at, "
+                "conversation_id) VALUES (%s, %s, %s)",
+                (user, _dt(tie), c["id"]),
+            )
+            session.execute(
+                "UPDATE conversations SET updated_at = %s WHERE conversation_id = %s",
+                (_dt(tie), c["id"]),
+            )
+    seen = await every_page(client, auth, limit=1)
+    assert sorted(seen) == sorted(c["id"] for c in created) and len(seen) == 4
+
+
+async def test_users_never_see_each_others_conversations(
+    client: httpx.AsyncClient, settings: Settings
+) -> None:
+    alice, bob = await user_key(settings), await user_key(settings)
+    mine = (await client.post("/v1/conversations", json={"title": "secret"}, headers=alice)).json()
+    path = f"/v1/conversations/{mine['id']}"
+    assert (await client.get(path, headers=bob)).status_code == 404
+    assert (await client.patch(path, json={"title": "x"}, headers=bob)).status_code == 404
+    assert (await client.delete(path, headers=bob)).status_code == 404
+    assert (await client.get("/v1/conversations", headers=bob)).json()["data"] == []
+    still = (await client.get(path, headers=alice)).json()
+    assert still["title"] == "secret"
+
+
+async def test_bad_input_gets_a_4xx_that_names_the_problem(
+    client: httpx.AsyncClient, settings: Settings
+) -> None:
+    auth = await user_key(settings)
+    unknown = await client.post("/v1/conversations", json={"model": "gpt-9"}, headers=auth)
+    assert unknown.status_code == 400
+    assert "unknown model 'gpt-9'" in unknown.json()["error"]["message"]
+    assert unknown.json()["error"]["param"] == "model"
+    extra = await client.post("/v1/conversations", json={"modle": "x"}, headers=auth)
+    assert extra.status_code == 400 and "modle" in extra.json()["error"]["message"]
+    long_title = await client.post("/v1/conversations", json={"title": "t" * 500}, headers=auth)
+    assert long_title.status_code == 400 and long_title.json()["error"]["param"] == "title"
+    bad_limit = await client.get("/v1/conversations", params={"limit": 0}, headers=auth)
+    assert bad_limit.status_code == 400 and bad_limit.json()["error"]["param"] == "limit"
+    not_json = await client.post("/v1/conversations", content=b"{", headers=auth)
+    assert not_json.status_code == 400
+
+
+def _dt(iso: str) -> dt.datetime:
+    return dt.datetime.fromisoformat(iso.replace("Z", "+00:00"))
+
+
+async def test_tandoor_gateway_serves_over_http(
+    cassandra: Settings, redis_url: str, tmp_path: Path
+) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    gateway = GatewayProcess(tmp_path, port, {})
+    gateway.start()
+    try:
+        await gateway.wait_ready(timeout_s=60)
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
+            assert (await http.get("/health")).json() == {"status": "ok"}
+            assert (await http.get("/v1/conversations")).status_code == 401
+            spec = (await http.get("/openapi.json")).json()
+            assert "/v1/conversations/{conversation_id}" in spec["paths"]
+    finally:
+        # uvicorn drains, then re-raises SIGTERM: the conventional "terminated" status.
+        assert gateway.terminate() in (0, -15)
