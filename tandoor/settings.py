@@ -110,6 +110,13 @@ class Settings(BaseSettings):
     worker_metrics_port: int = 9400  # 0 picks a free port
     # The HTTP gateway.
     gateway_port: int = 8000
+    gateway_group: str = "gateway"  # replicas share `tokens` as one consumer group
+    system_prompt: str | None = "You are a helpful assistant. Answer briefly."
+    reply_max_tokens: int = Field(default=512, ge=1)
+    queue_timeout_s: float = Field(default=120, gt=0)  # a reply not started by then fails
+    kafka_send_timeout_s: float = Field(default=5, gt=0)  # then 503, message marked failed
+    context_window: int = Field(default=2048, ge=64)  # the served models' max_model_len
+    moderation_blocklist: list[str] = Field(default_factory=list)
 
     # Persistence consumer: its group on `tokens`.
     persist_group: str = "persist"

@@ -7,6 +7,7 @@ import uuid
 
 import pytest
 
+from infra.process import port_open
 from tandoor.settings import Settings
 
 
@@ -19,3 +20,30 @@ def settings() -> Settings:
 def unique() -> str:
     """A fresh suffix for topic, group and keyspace names: tests share nothing."""
     return uuid.uuid4().hex[:12]
+
+
+def require(settings: Settings, name: str, port: int) -> None:
+    if not port_open(settings.host, port):
+        pytest.fail(
+            f"{name} is not reachable on {settings.host}:{port}; start the stack with "
+            f"`tandoor infra up` (scripts/test.sh does it) with the same TANDOOR_* settings",
+            pytrace=False,
+        )
+
+
+@pytest.fixture(scope="session")
+def kafka(settings: Settings) -> str:
+    require(settings, "Kafka", settings.kafka_port)
+    return settings.kafka_bootstrap
+
+
+@pytest.fixture(scope="session")
+def cassandra(settings: Settings) -> Settings:
+    require(settings, "Cassandra", settings.cassandra_port)
+    return settings
+
+
+@pytest.fixture(scope="session")
+def redis_url(settings: Settings) -> str:
+    require(settings, "Redis", settings.redis_port)
+    return settings.redis_url

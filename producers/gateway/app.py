@@ -7,6 +7,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
+from producers.gateway.chat.router import router as chat_router
 from producers.gateway.conversations.router import router as conversations_router
 from producers.gateway.errors import install_error_handlers
 from producers.gateway.services import open_services
@@ -23,6 +24,7 @@ def create_app(settings: Settings) -> FastAPI:
     app = FastAPI(title="Tandoor", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
     app.include_router(conversations_router)
+    app.include_router(chat_router)
 
     @app.get("/health", tags=["health"])
     async def health() -> dict[str, str]:

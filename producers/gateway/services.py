@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
 
+from consumers.fanout import TokenFanout
+from producers.gateway.chat.service import ChatDeps, ChatService
 from producers.gateway.conversations.service import ConversationService
 from producers.keys import KeyStore
-from tandoor.clients import cassandra_cluster, redis_client
+from producers.moderation import DefaultModerator
+from producers.prompts import PromptSubmitter
+from producers.quota import Quotas
+from tandoor.clients import cassandra_cluster, kafka_producer, redis_client
 from tandoor.settings import Settings
 
 
@@ -21,22 +26,35 @@ class Services:
     settings: Settings
     keys: KeyStore
     conversations: ConversationService
+    chat: ChatService
 
 
 @asynccontextmanager
 async def open_services(settings: Settings) -> AsyncIterator[Services]:
-    cluster = cassandra_cluster(settings)
-    cache = redis_client(settings)
-    try:
+    async with AsyncExitStack() as stack:
+        cluster = cassandra_cluster(settings)
+        stack.push_async_callback(asyncio.to_thread, cluster.shutdown)
         session: Any = await asyncio.to_thread(cluster.connect, settings.keyspace)
-        yield Services(
-            settings=settings,
-            keys=KeyStore(session, cache, set(settings.tiers)),
-            conversations=ConversationService(session, settings.models),
+        cache = redis_client(settings)
+        stack.push_async_callback(cache.aclose)
+        producer = await stack.enter_async_context(kafka_producer(settings, "gateway"))
+        fanout = TokenFanout(settings)
+        await fanout.start()
+        stack.push_async_callback(fanout.stop)
+        conversations = ConversationService(session, settings.models)
+        chat = ChatService(
+            ChatDeps(
+                settings=settings,
+                conversations=conversations,
+                fanout=fanout,
+                producer=producer,
+                submitter=PromptSubmitter(settings, producer),
+                redis=cache,
+                quotas=Quotas(cache),
+                moderator=DefaultModerator(settings.moderation_blocklist),
+            )
         )
-    finally:
-        await cache.aclose()
-        await asyncio.to_thread(cluster.shutdown)
+        yield Services(settings, KeyStore(session, cache, set(settings.tiers)), conversations, chat)
 
 
 def services(request: Request) -> Services:

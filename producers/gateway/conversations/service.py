@@ -119,6 +119,44 @@ class ConversationService:
             (conversation_id,),
         )
 
+    async def owned(self, user_id: str, conversation_id: str) -> Conversation:
+        return await self._owned(user_id, conversation_id)
+
+    async def add_user_message(
+        self, user_id: str, conversation: Conversation, message_id: str, content: str, at_ms: int
+    ) -> None:
+        """Store the user's message, then move the conversation to the top of the sidebar."""
+        at = _from_ms(at_ms)
+        await cql(
+            self._session,
+            "INSERT INTO messages_by_conversation (conversation_id, created_at, message_id, "
+            "role, content, status, model) VALUES (%s, %s, %s, 'user', %s, 'sent', %s)",
+            (conversation.id, at, message_id, content, conversation.model),
+        )
+        await self._move_to_top(user_id, conversation, at)
+
+    async def mark_failed(self, conversation_id: str, message_id: str, at_ms: int) -> None:
+        await cql(
+            self._session,
+            "UPDATE messages_by_conversation SET status = 'failed' WHERE conversation_id = %s "
+            "AND created_at = %s AND message_id = %s",
+            (conversation_id, _from_ms(at_ms), message_id),
+        )
+
+    async def _move_to_top(self, user_id: str, conversation: Conversation, at: dt.datetime) -> None:
+        await cql(
+            self._session,
+            "DELETE FROM conversations_by_user WHERE user_id = %s AND updated_at = %s "
+            "AND conversation_id = %s",
+            (user_id, conversation.updated_at, conversation.id),
+        )
+        await cql(
+            self._session,
+            "UPDATE conversations SET updated_at = %s WHERE conversation_id = %s",
+            (at, conversation.id),
+        )
+        await self._index(user_id, conversation.model_copy(update={"updated_at": at}))
+
     async def _owned(self, user_id: str, conversation_id: str) -> Conversation:
         """The conversation if `user_id` owns it; a 404 otherwise, never a 403 (an
         outsider must not learn that the id exists)."""

@@ -1,0 +1,1 @@
+"""Chatting in a conversation: post a message, stream the reply, stop, resume."""

@@ -1,0 +1,15 @@
+"""Request bodies of the chat routes."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+CONTENT_MAX_CHARS = 32_000
+
+
+class PostMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    content: str = Field(min_length=1, max_length=CONTENT_MAX_CHARS)
+    max_tokens: int | None = Field(default=None, ge=1, le=4096)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)

@@ -1,0 +1,71 @@
+"""Routes for chatting: post a message (the reply streams back as SSE), stop, resume."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Header
+from fastapi.responses import StreamingResponse
+
+from producers.gateway.auth import Caller
+from producers.gateway.chat.protocol import PostMessage
+from producers.gateway.chat.service import ChatService
+from producers.gateway.chat.sse import ResumePoint, frame, reply_frames
+from producers.gateway.services import Services, services
+
+router = APIRouter(prefix="/v1/conversations", tags=["chat"])
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def chat(deps: Annotated[Services, Depends(services)]) -> ChatService:
+    return deps.chat
+
+
+Chat = Annotated[ChatService, Depends(chat)]
+
+
+@router.post("/{conversation_id}/messages", response_class=StreamingResponse)
+async def post_message(
+    conversation_id: str, body: PostMessage, caller: Caller, svc: Chat
+) -> StreamingResponse:
+    """Send a message; the reply streams back as server-sent events."""
+    reply = await svc.post(caller, conversation_id, body)
+    start = frame(
+        {
+            "type": "start",
+            "request_id": reply.request_id,
+            "conversation_id": conversation_id,
+            "model": reply.conversation.model,
+            "user_message_id": reply.user_message_id,
+        }
+    )
+
+    async def stream() -> AsyncIterator[str]:
+        yield start
+        async for chunk in reply_frames(reply.watch.events(), svc.deps.moderator.output_filter):
+            yield chunk
+
+    headers = {**SSE_HEADERS, "X-Request-Id": reply.request_id}
+    return StreamingResponse(stream(), media_type="text/event-stream", headers=headers)
+
+
+@router.post("/{conversation_id}/stop", status_code=202)
+async def stop(conversation_id: str, caller: Caller, svc: Chat) -> dict[str, str]:
+    """Stop the reply being generated; its partial text is kept as stopped."""
+    request_id = await svc.stop(caller, conversation_id)
+    return {"request_id": request_id, "status": "cancelling"}
+
+
+@router.get("/{conversation_id}/stream", response_class=StreamingResponse)
+async def resume(
+    conversation_id: str,
+    caller: Caller,
+    svc: Chat,
+    last_event_id: Annotated[str | None, Header(max_length=64)] = None,
+) -> StreamingResponse:
+    """Resume the current reply after `Last-Event-ID` (or from its start)."""
+    events = await svc.resume_events(caller, conversation_id)
+    resume = ResumePoint.parse(last_event_id)
+    frames = reply_frames(events, svc.deps.moderator.output_filter, resume)
+    return StreamingResponse(frames, media_type="text/event-stream", headers=SSE_HEADERS)

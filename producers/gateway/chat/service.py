@@ -1,0 +1,213 @@
+"""Posting a message: checks, quota, the user message stored, the prompt produced,
+and the reply followed; stopping and resuming a reply."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import orjson
+import redis.asyncio as aioredis
+from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaError
+
+from consumers.fanout import Delivered, TokenFanout, read_request
+from producers.context import ContextTooLong, assemble
+from producers.control import request_cancel
+from producers.gateway.chat.protocol import PostMessage
+from producers.gateway.chat.watch import ReplyWatch
+from producers.gateway.conversations.protocol import Conversation, Message
+from producers.gateway.conversations.service import ConversationService
+from producers.gateway.errors import ApiError
+from producers.keys import Principal
+from producers.moderation import Moderator
+from producers.prompts import PromptSubmitter
+from producers.quota import Admission, QuotaExceeded, Quotas
+from schemas.events import ChatMessage, FinalEvent, PromptRequest, Sampling, now_ms
+from tandoor.settings import Settings
+
+INFLIGHT_TTL_S = 3600
+REPLY_STATUSES = {"complete", "stopped"}
+
+
+@dataclass
+class Reply:
+    request_id: str
+    conversation: Conversation
+    user_message_id: str
+    watch: ReplyWatch
+
+
+@dataclass
+class ChatDeps:
+    settings: Settings
+    conversations: ConversationService
+    fanout: TokenFanout
+    producer: AIOKafkaProducer
+    submitter: PromptSubmitter
+    redis: aioredis.Redis
+    quotas: Quotas
+    moderator: Moderator
+
+
+class ChatService:
+    def __init__(self, deps: ChatDeps) -> None:
+        self.deps = deps
+
+    async def post(self, caller: Principal, conversation_id: str, body: PostMessage) -> Reply:
+        d = self.deps
+        conversation = await d.conversations.owned(caller.user_id, conversation_id)
+        verdict = d.moderator.check_input(body.content)
+        if not verdict.allowed:
+            raise ApiError(
+                400, verdict.reason or "blocked", kind="moderation_error", param="content"
+            )
+        history = await self._history(caller, conversation_id)
+        max_tokens = body.max_tokens or d.settings.reply_max_tokens
+        try:
+            context = assemble(
+                d.settings.system_prompt,
+                [*history, ChatMessage(role="user", content=verdict.text)],
+                d.settings.context_window,
+                max_tokens,
+            )
+        except ContextTooLong as exc:
+            raise ApiError(413, str(exc), param="content") from exc
+        request_id, now = f"r_{uuid.uuid4().hex}", now_ms()
+        admission = await self._admit(caller, request_id, context.prompt_tokens + max_tokens, now)
+        try:
+            return await self._start(
+                caller,
+                conversation,
+                verdict.text,
+                context.messages,
+                body,
+                max_tokens,
+                request_id,
+                now,
+                admission,
+            )
+        except BaseException:
+            await d.quotas.settle(admission, 0)
+            await d.quotas.release(admission)
+            raise
+
+    async def stop(self, caller: Principal, conversation_id: str) -> str:
+        await self.deps.conversations.owned(caller.user_id, conversation_id)
+        inflight = await self.deps.redis.get(_inflight_key(conversation_id))
+        if inflight is None:
+            raise ApiError(
+                409, "no reply is being generated in this conversation", kind="conflict_error"
+            )
+        request_id = str(orjson.loads(inflight)["request_id"])
+        await request_cancel(self.deps.producer, self.deps.redis, request_id, "stop button")
+        return request_id
+
+    async def resume_events(
+        self, caller: Principal, conversation_id: str
+    ) -> AsyncIterator[Delivered]:
+        """The current reply's events from its start: the caller skips what was sent."""
+        await self.deps.conversations.owned(caller.user_id, conversation_id)
+        inflight = await self.deps.redis.get(_inflight_key(conversation_id))
+        if inflight is None:
+            raise ApiError(
+                404, "no reply is being generated in this conversation", kind="not_found_error"
+            )
+        record = orjson.loads(inflight)
+        return read_request(
+            self.deps.settings, record["request_id"], record["partition"], record["offset"]
+        )
+
+    async def _history(self, caller: Principal, conversation_id: str) -> list[ChatMessage]:
+        opened = await self.deps.conversations.get(caller.user_id, conversation_id)
+        return [
+            ChatMessage(role="user" if m.role == "user" else "assistant", content=m.content)
+            for m in opened.messages
+            if _usable(m)
+        ]
+
+    async def _admit(self, caller: Principal, request_id: str, tokens: int, now: int) -> Admission:
+        policy = self.deps.settings.tiers[caller.tier]
+        try:
+            return await self.deps.quotas.admit(caller.user_id, policy, request_id, tokens, now)
+        except QuotaExceeded as exc:
+            raise ApiError(
+                429,
+                f"{exc} for tier {caller.tier!r}; retry in {exc.retry_after_s} s",
+                kind="rate_limit_error",
+                param=exc.limit,
+                headers={"Retry-After": str(exc.retry_after_s)},
+            ) from exc
+
+    async def _start(
+        self,
+        caller: Principal,
+        conversation: Conversation,
+        text: str,
+        messages: list[ChatMessage],
+        body: PostMessage,
+        max_tokens: int,
+        request_id: str,
+        now: int,
+        admission: Admission,
+    ) -> Reply:
+        d = self.deps
+        user_message_id = f"m_{uuid.uuid4().hex}"
+        await d.conversations.add_user_message(
+            caller.user_id, conversation, user_message_id, text, now
+        )
+        sub = await d.fanout.subscribe(request_id)
+        prompt = PromptRequest(
+            request_id=request_id,
+            model=conversation.model,
+            user_id=caller.user_id,
+            tier=caller.tier,
+            band=d.settings.tiers[caller.tier].band,
+            conversation_id=conversation.id,
+            messages=messages,
+            sampling=Sampling(max_tokens=max_tokens, temperature=_temperature(body)),
+            created_at_ms=now,
+            deadline_ms=now + int(d.settings.queue_timeout_s * 1000),
+            reply_partition=sub.partition,
+            prompt_tokens_estimate=admission.estimated_tokens,
+        )
+        try:
+            await asyncio.wait_for(d.submitter.submit(prompt), d.settings.kafka_send_timeout_s)
+        except (KafkaError, TimeoutError) as exc:
+            d.fanout.unsubscribe(sub)
+            await d.conversations.mark_failed(conversation.id, user_message_id, now)
+            raise ApiError(
+                503,
+                "the prompt queue is unreachable; your message is saved as failed, please retry",
+                kind="service_unavailable",
+            ) from exc
+        inflight = {"request_id": request_id, "partition": sub.partition, "offset": sub.next_offset}
+        await d.redis.set(_inflight_key(conversation.id), orjson.dumps(inflight), ex=INFLIGHT_TTL_S)
+
+        async def finished(final: FinalEvent | None) -> None:
+            d.fanout.unsubscribe(sub)
+            await d.redis.delete(_inflight_key(conversation.id))
+            used = final.usage.prompt_tokens + final.usage.completion_tokens if final else 0
+            await d.quotas.settle(admission, used)
+            await d.quotas.release(admission)
+
+        # The worker answers an expired prompt itself; silence past that means no worker.
+        watch = ReplyWatch(sub, d.settings.queue_timeout_s + 30, finished)
+        return Reply(request_id, conversation, user_message_id, watch)
+
+
+def _usable(message: Message) -> bool:
+    """Turns that go into the context: the user's, and replies that were shown."""
+    if message.role == "user":
+        return message.status != "failed"
+    return message.status in REPLY_STATUSES and bool(message.content)
+
+
+def _inflight_key(conversation_id: str) -> str:
+    return f"tandoor:inflight:{conversation_id}"
+
+
+def _temperature(body: PostMessage) -> float:
+    return 0.7 if body.temperature is None else body.temperature  # 0 is greedy, not unset

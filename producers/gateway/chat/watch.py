@@ -1,0 +1,56 @@
+"""Follows one reply from its subscription to its final event, whether or not a
+client is still connected (closing the tab is not stop), then settles the quota."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from consumers.fanout import Delivered, Subscription
+from schemas.events import FinalEvent
+
+log = logging.getLogger(__name__)
+
+KEEPALIVE_S = 15.0
+OnFinal = Callable[[FinalEvent | None], Awaitable[None]]
+
+
+class ReplyWatch:
+    def __init__(self, sub: Subscription, give_up_s: float, on_final: OnFinal) -> None:
+        self.sub = sub
+        self._give_up_s = give_up_s
+        self._on_final = on_final
+        self._out: asyncio.Queue[Delivered | None] = asyncio.Queue()
+        self._closed = False
+        self.task = asyncio.create_task(self._follow(), name=f"reply-{sub.request_id}")
+
+    async def events(self) -> AsyncIterator[Delivered | None]:
+        """For the connected client: events, or None now and then as a keep-alive."""
+        while True:
+            try:
+                item = await asyncio.wait_for(self._out.get(), KEEPALIVE_S)
+            except TimeoutError:
+                if self._closed:
+                    return
+                yield None
+                continue
+            yield item
+            if item is not None and isinstance(item.event, FinalEvent):
+                return
+
+    async def _follow(self) -> None:
+        final: FinalEvent | None = None
+        try:
+            while final is None:
+                item = await asyncio.wait_for(self.sub.queue.get(), self._give_up_s)
+                self._out.put_nowait(item)
+                if isinstance(item.event, FinalEvent):
+                    final = item.event
+        except TimeoutError:
+            log.warning("%s: no event for %.0f s; giving up", self.sub.request_id, self._give_up_s)
+        finally:
+            self._closed = True
+            with contextlib.suppress(Exception):
+                await self._on_final(final)

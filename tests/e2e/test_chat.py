@@ -1,0 +1,266 @@
+"""The whole stack over HTTP: a real gateway process, a worker with the bundled model,
+the persistence consumer, Kafka, Cassandra and Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+
+from infra.roles import GatewayProcess, PersistProcess, WorkerProcess
+from infra.topics import TopicSpec, ensure_topics
+from producers.keys import create_key
+from schemas import topics
+from tandoor.settings import Settings
+from workers.model_store import resolve_model_dir
+
+pytestmark = pytest.mark.integration
+
+
+@dataclass
+class Stack:
+    url: str
+    settings: Settings
+
+
+@pytest.fixture(scope="module")
+async def stack(
+    kafka: str, cassandra: Settings, redis_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[Stack]:
+    logs = tmp_path_factory.mktemp("stack")
+    model = f"gw-{uuid.uuid4().hex[:6]}"
+    partitions = sum(b.partitions for b in cassandra.bands)
+    await ensure_topics(kafka, [TopicSpec(topics.prompts_topic(model), partitions)])
+    model_dir = await asyncio.to_thread(resolve_model_dir, "smollm2", cassandra)
+    free = {
+        "band": "interactive-free",
+        "requests_per_minute": 2,
+        "tokens_per_minute": 100_000,
+        "concurrent_streams": 2,
+    }
+    tiers = {name: p.model_dump() for name, p in cassandra.tiers.items()} | {"free": free}
+    env = {
+        "TANDOOR_MODELS": json.dumps([model]),
+        "TANDOOR_MODEL_DIRS": json.dumps({model: str(model_dir)}),
+        "TANDOOR_TIERS": json.dumps(tiers),
+        "TANDOOR_GATEWAY_GROUP": f"gateway-{model}",
+        "TANDOOR_PERSIST_GROUP": f"persist-{model}",
+    }
+    port = _free_port()
+    roles = [
+        WorkerProcess(model, logs, env),
+        PersistProcess(logs, env),
+        GatewayProcess(logs, port, env),
+    ]
+    for role in roles:
+        role.start()
+    try:
+        await asyncio.gather(*(role.wait_ready() for role in roles))
+        yield Stack(f"http://127.0.0.1:{port}", cassandra.model_copy(update={"models": [model]}))
+    finally:
+        for role in roles:
+            role.terminate()
+
+
+async def auth(stack: Stack, tier: str = "plus") -> dict[str, str]:
+    key, _ = await create_key(stack.settings, f"user-{uuid.uuid4().hex[:8]}", tier)
+    return {"Authorization": f"Bearer {key}"}
+
+
+async def new_conversation(http: httpx.AsyncClient, headers: dict[str, str]) -> str:
+    response = await http.post("/v1/conversations", json={}, headers=headers)
+    assert response.status_code == 201, response.text
+    return str(response.json()["id"])
+
+
+async def sse(response: httpx.Response) -> AsyncIterator[tuple[str | None, Any]]:
+    """(event id, data) for each server-sent event; data is "[DONE]" or parsed JSON."""
+    event_id, data = None, []
+    async for line in response.aiter_lines():
+        if line.startswith("id: "):
+            event_id = line[4:]
+        elif line.startswith("data: "):
+            data.append(line[6:])
+        elif line == "" and data:
+            text = "\n".join(data)
+            yield event_id, text if text == "[DONE]" else json.loads(text)
+            event_id, data = None, []
+
+
+async def chat(
+    http: httpx.AsyncClient,
+    headers: dict[str, str],
+    conversation: str,
+    content: str,
+    max_tokens: int = 48,
+) -> list[Any]:
+    body = {"content": content, "max_tokens": max_tokens, "temperature": 0}
+    path = f"/v1/conversations/{conversation}/messages"
+    async with http.stream("POST", path, json=body, headers=headers) as response:
+        assert response.status_code == 200, await response.aread()
+        return [data async for _, data in sse(response)]
+
+
+def reply_text(events: list[Any]) -> str:
+    return "".join(e["delta"] for e in events if isinstance(e, dict) and e["type"] == "token")
+
+
+async def stored_reply(
+    http: httpx.AsyncClient, headers: dict[str, str], conversation: str, count: int = 1
+) -> list[Any]:
+    """The conversation's messages once `count` assistant replies are stored."""
+    for _ in range(120):
+        opened = (await http.get(f"/v1/conversations/{conversation}", headers=headers)).json()
+        replies = [m for m in opened["messages"] if m["role"] == "assistant"]
+        if len(replies) >= count:
+            return list(opened["messages"])
+        await asyncio.sleep(0.25)
+    raise AssertionError(f"fewer than {count} replies stored")
+
+
+@pytest.fixture
+async def http(stack: Stack) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(base_url=stack.url, timeout=120) as client:
+        yield client
+
+
+async def test_a_reply_streams_in_order_and_is_stored(
+    stack: Stack, http: httpx.AsyncClient
+) -> None:
+    headers = await auth(stack)
+    conversation = await new_conversation(http, headers)
+    events = await chat(http, headers, conversation, "What is the capital of France?")
+    assert events[0]["type"] == "start" and events[-1] == "[DONE]"
+    final = events[-2]
+    assert final["type"] == "final" and final["finish_reason"] in ("stop", "length")
+    text = reply_text(events)
+    assert "Paris" in text
+    seqs = [e["seq"] for e in events if isinstance(e, dict) and "seq" in e]
+    assert seqs == list(range(len(seqs)))  # in order, no duplicates
+    messages = await stored_reply(http, headers, conversation)
+    assert [(m["role"], m["status"]) for m in messages] == [
+        ("user", "sent"),
+        ("assistant", "complete"),
+    ]
+    assert messages[0]["content"] == "What is the capital of France?"
+    assert messages[1]["content"] == text
+
+
+async def test_the_second_turn_carries_the_first(stack: Stack, http: httpx.AsyncClient) -> None:
+    headers = await auth(stack)
+    conversation = await new_conversation(http, headers)
+    first = await chat(http, headers, conversation, "My name is Ada. What is 2 + 2?")
+    await stored_reply(http, headers, conversation)
+    second = await chat(http, headers, conversation, "What is my name?")
+    first_usage, second_usage = first[-2]["usage"], second[-2]["usage"]
+    # The second prompt holds the first question and answer: the model saw them.
+    assert second_usage["prompt_tokens"] > (
+        first_usage["prompt_tokens"] + first_usage["completion_tokens"]
+    )
+
+
+async def test_stop_mid_answer_keeps_the_partial_reply(
+    stack: Stack, http: httpx.AsyncClient
+) -> None:
+    headers = await auth(stack)
+    conversation = await new_conversation(http, headers)
+    body = {"content": "Write a very long story about a dragon.", "max_tokens": 600}
+    path = f"/v1/conversations/{conversation}/messages"
+    events: list[Any] = []
+    async with http.stream("POST", path, json=body, headers=headers) as response:
+        async for _, data in sse(response):
+            events.append(data)
+            if isinstance(data, dict) and data["type"] == "token" and len(events) == 3:
+                stop = await http.post(f"/v1/conversations/{conversation}/stop", headers=headers)
+                assert stop.status_code == 202
+    assert events[-2]["type"] == "final" and events[-2]["finish_reason"] == "cancelled"
+    assert 0 < events[-2]["usage"]["completion_tokens"] < 600
+    messages = await stored_reply(http, headers, conversation)
+    assert messages[-1]["status"] == "stopped" and messages[-1]["content"] == reply_text(events)
+
+
+async def test_closing_the_tab_does_not_stop_generation_and_resume_works(
+    stack: Stack, http: httpx.AsyncClient
+) -> None:
+    headers = await auth(stack)
+    conversation = await new_conversation(http, headers)
+    body = {"content": "Write a long story about the sea.", "max_tokens": 300, "temperature": 0}
+    path = f"/v1/conversations/{conversation}/messages"
+    seen: list[Any] = []
+    last_id = None
+    async with http.stream("POST", path, json=body, headers=headers) as response:
+        async for event_id, data in sse(response):
+            seen.append(data)
+            last_id = event_id or last_id
+            if len(seen) == 4:
+                break  # the tab closes
+    resume_headers = {**headers, "Last-Event-ID": str(last_id)}
+    async with http.stream(
+        "GET", f"/v1/conversations/{conversation}/stream", headers=resume_headers
+    ) as response:
+        assert response.status_code == 200
+        rest = [data async for _, data in sse(response)]
+    assert rest[-1] == "[DONE]" and rest[-2]["type"] == "final"
+    messages = await stored_reply(http, headers, conversation)
+    assert messages[-1]["status"] == "complete"
+    assert reply_text(seen) + reply_text(rest) == messages[-1]["content"]
+
+
+async def test_over_quota_is_a_429_before_anything_is_queued(
+    stack: Stack, http: httpx.AsyncClient
+) -> None:
+    headers = await auth(stack, tier="free")  # 2 requests a minute in this stack
+    conversation = await new_conversation(http, headers)
+    for _ in range(2):
+        await chat(http, headers, conversation, "Hi", max_tokens=4)
+    refused = await http.post(
+        f"/v1/conversations/{conversation}/messages", json={"content": "Hi again"}, headers=headers
+    )
+    assert refused.status_code == 429
+    assert 1 <= int(refused.headers["Retry-After"]) <= 60
+    assert refused.json()["error"]["type"] == "rate_limit_error"
+    messages = (await http.get(f"/v1/conversations/{conversation}", headers=headers)).json()
+    assert [m["content"] for m in messages["messages"] if m["role"] == "user"] == ["Hi", "Hi"]
+
+
+async def test_a_message_too_long_for_the_model_is_a_413(
+    stack: Stack, http: httpx.AsyncClient
+) -> None:
+    headers = await auth(stack)
+    conversation = await new_conversation(http, headers)
+    response = await http.post(
+        f"/v1/conversations/{conversation}/messages",
+        json={"content": "word " * 6000},
+        headers=headers,
+    )
+    assert response.status_code == 413
+    assert "2048" in response.json()["error"]["message"]
+
+
+async def test_users_cannot_chat_in_each_others_conversations(
+    stack: Stack, http: httpx.AsyncClient
+) -> None:
+    alice, bob = await auth(stack), await auth(stack)
+    conversation = await new_conversation(http, alice)
+    post = await http.post(
+        f"/v1/conversations/{conversation}/messages", json={"content": "hi"}, headers=bob
+    )
+    assert post.status_code == 404
+    stop = await http.post(f"/v1/conversations/{conversation}/stop", headers=bob)
+    assert stop.status_code == 404
+    assert (
+        await http.get(f"/v1/conversations/{conversation}/stream", headers=bob)
+    ).status_code == 404
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])

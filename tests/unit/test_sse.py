@@ -1,0 +1,104 @@
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import orjson
+
+from consumers.fanout import Delivered
+from producers.gateway.chat.sse import ResumePoint, reply_frames
+from producers.moderation import StreamRedactor
+from schemas.events import Event, FinalEvent, TokenEvent, Usage
+
+USAGE = Usage(prompt_tokens=5, completion_tokens=3, queue_ms=0, decode_ms=0)
+
+
+def token(delta: str, seq: int, attempt: int = 1) -> TokenEvent:
+    return TokenEvent(
+        request_id="r", attempt=attempt, seq=seq, delta=delta, token_count=1, created_at_ms=0
+    )
+
+
+def final(text: str, attempt: int = 1) -> FinalEvent:
+    return FinalEvent(
+        request_id="r",
+        attempt=attempt,
+        seq=9,
+        finish_reason="stop",
+        text=text,
+        usage=USAGE,
+        model="m",
+        user_id="u",
+        tier="t",
+        conversation_id="c",
+        created_at_ms=0,
+    )
+
+
+async def feed(*events: Event) -> AsyncIterator[Delivered | None]:
+    for offset, event in enumerate(events):
+        assert isinstance(event, TokenEvent | FinalEvent)
+        yield Delivered(0, offset, event)
+
+
+async def frames(events: Sequence[Event], resume: str | None = None) -> list[dict[str, Any]]:
+    out = []
+    async for chunk in reply_frames(feed(*events), StreamRedactor, ResumePoint.parse(resume)):
+        lines = dict(line.split(": ", 1) for line in chunk.strip().splitlines() if ": " in line)
+        if "data" in lines and lines["data"] != "[DONE]":
+            out.append({"id": lines.get("id"), **orjson.loads(lines["data"])})
+    return out
+
+
+def text(out: list[dict[str, Any]]) -> str:
+    return "".join(f["delta"] for f in out if f["type"] == "token")
+
+
+REPLY = [
+    token("Hello", 0),
+    token(" there,", 1),
+    token(" mail", 2),
+    token(" me", 3),
+    final("Hello there, mail me"),
+]
+
+
+async def test_text_arrives_in_order_with_ids_counting_characters() -> None:
+    out = await frames(REPLY)
+    assert text(out) == "Hello there, mail me"
+    assert out[-1]["type"] == "final" and out[-1]["id"] == "1.20"
+
+
+async def test_duplicates_are_skipped() -> None:
+    out = await frames([token("Hi", 0), token(" you", 1), token(" you", 1), final("Hi you")])
+    assert text(out) == "Hi you"
+
+
+async def test_a_higher_attempt_restarts_and_a_late_lower_one_is_ignored() -> None:
+    events = [
+        token("Par", 0),
+        token("tial", 1),
+        token("New ", 0, attempt=2),
+        token("ignored", 2),
+        token("text", 1, attempt=2),
+        final("New text", attempt=2),
+    ]
+    out = await frames(events)
+    restart = [i for i, f in enumerate(out) if f["type"] == "restart"]
+    assert len(restart) == 1 and out[restart[0]]["attempt"] == 2
+    assert text(out[restart[0] :]) == "New text"
+
+
+async def test_resume_sends_exactly_what_the_client_lacks() -> None:
+    full = await frames(REPLY)
+    for cut in [f["id"] for f in full if f["id"]][:-1]:
+        have = int(cut.split(".")[1])
+        rest = await frames(REPLY, resume=cut)
+        assert "Hello there, mail me"[:have] + text(rest) == "Hello there, mail me", cut
+        assert not any(f["type"] == "restart" for f in rest)
+
+
+async def test_resume_from_an_older_attempt_restarts() -> None:
+    events = [token("New", 0, attempt=2), final("New", attempt=2)]
+    out = await frames(events, resume="1.7")
+    assert out[0]["type"] == "restart" and text(out) == "New"
