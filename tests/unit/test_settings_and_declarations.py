@@ -25,8 +25,14 @@ def test_every_model_gets_a_prompt_topic_with_all_band_partitions() -> None:
     settings = Settings(
         models=["smollm2", "gemma3"],
         bands=[Band(name="paid", partitions=3), Band(name="free", partitions=5)],
+        tiers={},
     )
     specs = {spec.name: spec for spec in declared_topics(settings)}
     assert specs["prompts.smollm2"].partitions == 8
     assert specs["prompts.gemma3"].partitions == 8
     assert {topics.TOKENS, topics.CONTROL, topics.USAGE, topics.DEAD_LETTER} <= set(specs)
+
+
+def test_a_tier_must_use_a_declared_band() -> None:
+    with pytest.raises(ValidationError, match="tier 'free' uses band 'interactive-free'"):
+        Settings(bands=[Band(name="only", partitions=2)])
