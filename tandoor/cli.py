@@ -11,7 +11,7 @@ from typing import TypeVar
 import typer
 
 from infra.errors import InfraError
-from infra.roles import PersistProcess, RoleProcess, WorkerProcess
+from infra.roles import GatewayProcess, PersistProcess, RoleProcess, WorkerProcess
 from infra.stack import Stack, bootstrap
 from tandoor.lifecycle import serve
 from tandoor.logs import configure_logging
@@ -71,12 +71,13 @@ def bootstrap_command() -> None:
 
 @app.command("run")
 def run() -> None:
-    """The main job: the servers, a worker per model and persistence; Ctrl-C stops it all."""
+    """The main job: servers, a worker per model, persistence, gateway; Ctrl-C stops all."""
     settings = get_settings()
     stack = Stack(settings)
     logs = settings.home / "logs"
     roles: list[RoleProcess] = [WorkerProcess(m, logs, {}) for m in settings.models]
     roles.append(PersistProcess(logs, {}))
+    roles.append(GatewayProcess(logs, settings.gateway_port, {}))
     try:
         _guard(stack.up)
         _bootstrap()
@@ -85,6 +86,10 @@ def run() -> None:
             typer.echo(f"{role.name} starting (log {role.log_file})")
         _guard(lambda: asyncio.run(_all_ready(roles)))
         _print_status(stack)
+        from producers.keys import create_key
+
+        key, _ = asyncio.run(create_key(settings, "local", "plus"))
+        typer.echo(f"gateway: http://{settings.host}:{settings.gateway_port} (API key {key})")
         typer.echo('Tandoor is up. Try: tandoor ask "What is the capital of France?"')
         typer.echo("Press Ctrl-C to stop everything.")
         _wait_for_stop_signal()
