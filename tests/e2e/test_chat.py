@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import socket
 import uuid
 from collections.abc import AsyncIterator
@@ -28,6 +29,7 @@ pytestmark = pytest.mark.integration
 class Stack:
     url: str
     settings: Settings
+    gateways: list[GatewayProcess]
 
 
 @pytest.fixture(scope="module")
@@ -53,17 +55,14 @@ async def stack(
         "TANDOOR_GATEWAY_GROUP": f"gateway-{model}",
         "TANDOOR_PERSIST_GROUP": f"persist-{model}",
     }
-    port = _free_port()
-    roles = [
-        WorkerProcess(model, logs, env),
-        PersistProcess(logs, env),
-        GatewayProcess(logs, port, env),
-    ]
+    gateways = [GatewayProcess(logs, _free_port(), env) for _ in range(2)]  # two replicas
+    roles = [WorkerProcess(model, logs, env), PersistProcess(logs, env), *gateways]
     for role in roles:
         role.start()
     try:
         await asyncio.gather(*(role.wait_ready() for role in roles))
-        yield Stack(f"http://127.0.0.1:{port}", cassandra.model_copy(update={"models": [model]}))
+        settings = cassandra.model_copy(update={"models": [model]})
+        yield Stack(f"http://127.0.0.1:{gateways[0].port}", settings, gateways)
     finally:
         for role in roles:
             role.terminate()
@@ -258,6 +257,40 @@ async def test_users_cannot_chat_in_each_others_conversations(
     assert (
         await http.get(f"/v1/conversations/{conversation}/stream", headers=bob)
     ).status_code == 404
+
+
+def reads(gateway: GatewayProcess) -> set[int]:
+    """The partitions of `tokens` this replica reads now (its last assignment)."""
+    lines = re.findall(r"gateway reads tokens partitions \[([\d, ]*)\]", gateway.log())
+    return {int(p) for p in lines[-1].split(",") if p.strip()} if lines else set()
+
+
+async def test_two_replicas_share_the_token_traffic(stack: Stack) -> None:
+    for _ in range(40):  # both joined the group and settled
+        if reads(stack.gateways[0]) and reads(stack.gateways[1]):
+            break
+        await asyncio.sleep(0.25)
+    first, second = reads(stack.gateways[0]), reads(stack.gateways[1])
+    assert first and second and not first & second, (first, second)
+    assert first | second == set(range(stack.settings.tokens_partitions))
+    headers = await auth(stack)
+    urls = [f"http://127.0.0.1:{g.port}" for g in stack.gateways]
+    clients = [httpx.AsyncClient(base_url=url, timeout=120) for url in urls]
+    try:
+        conversations = [await new_conversation(c, headers) for c in clients for _ in range(2)]
+        owners = [c for c in clients for _ in range(2)]
+        replies = await asyncio.gather(
+            *(
+                chat(c, headers, conv, f"What is {i} + {i}?", max_tokens=16)
+                for i, (c, conv) in enumerate(zip(owners, conversations, strict=True))
+            )
+        )
+    finally:
+        for c in clients:
+            await c.aclose()
+    for events in replies:  # each replica streamed whole replies from its own partitions
+        assert events[0]["type"] == "start" and events[-1] == "[DONE]"
+        assert events[-2]["finish_reason"] in ("stop", "length") and reply_text(events)
 
 
 def _free_port() -> int:
