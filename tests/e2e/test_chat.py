@@ -212,6 +212,59 @@ async def test_closing_the_tab_does_not_stop_generation_and_resume_works(
     assert reply_text(seen) + reply_text(rest) == messages[-1]["content"]
 
 
+async def streamed(
+    http: httpx.AsyncClient, headers: dict[str, str], path: str, body: dict[str, Any]
+) -> list[Any]:
+    async with http.stream("POST", path, json=body, headers=headers) as response:
+        assert response.status_code == 200, await response.aread()
+        return [data async for _, data in sse(response)]
+
+
+async def test_regenerate_replaces_the_last_reply(stack: Stack, http: httpx.AsyncClient) -> None:
+    headers = await auth(stack)
+    conversation = await new_conversation(http, headers)
+    await chat(http, headers, conversation, "Name a colour.", max_tokens=16)
+    await stored_reply(http, headers, conversation)
+    again = await streamed(
+        http,
+        headers,
+        f"/v1/conversations/{conversation}/regenerate",
+        {"max_tokens": 16, "temperature": 1.0},
+    )
+    assert again[0]["user_message_id"] is None and again[-2]["type"] == "final"
+    messages = await stored_reply(http, headers, conversation, count=2)
+    assert [(m["role"], m["status"]) for m in messages] == [
+        ("user", "sent"),
+        ("assistant", "replaced"),
+        ("assistant", "complete"),
+    ]
+    assert messages[-1]["content"] == reply_text(again)
+
+
+async def test_edit_reruns_from_the_edited_message(stack: Stack, http: httpx.AsyncClient) -> None:
+    headers = await auth(stack)
+    conversation = await new_conversation(http, headers)
+    first = await chat(http, headers, conversation, "What is 2 + 2?", max_tokens=16)
+    await stored_reply(http, headers, conversation)
+    edited = await streamed(
+        http,
+        headers,
+        f"/v1/conversations/{conversation}/messages/{first[0]['user_message_id']}/edit",
+        {"content": "What is the capital of France?", "max_tokens": 32, "temperature": 0},
+    )
+    assert "Paris" in reply_text(edited)
+    messages = await stored_reply(http, headers, conversation, count=2)
+    shown = [(m["role"], m["content"]) for m in messages if m["status"] != "replaced"]
+    assert shown == [("user", "What is the capital of France?"), ("assistant", reply_text(edited))]
+    assert [m["status"] for m in messages[:2]] == ["replaced", "replaced"]
+    unknown = await http.post(
+        f"/v1/conversations/{conversation}/messages/m_nope/edit",
+        json={"content": "x"},
+        headers=headers,
+    )
+    assert unknown.status_code == 404
+
+
 async def test_over_quota_is_a_429_before_anything_is_queued(
     stack: Stack, http: httpx.AsyncClient
 ) -> None:

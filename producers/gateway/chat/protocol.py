@@ -7,9 +7,14 @@ from pydantic import BaseModel, ConfigDict, Field
 CONTENT_MAX_CHARS = 32_000
 
 
-class PostMessage(BaseModel):
+class ReplyOptions(BaseModel):
+    """How to generate a reply (regenerate takes only these)."""
+
     model_config = ConfigDict(extra="forbid")
 
-    content: str = Field(min_length=1, max_length=CONTENT_MAX_CHARS)
     max_tokens: int | None = Field(default=None, ge=1, le=4096)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+
+
+class PostMessage(ReplyOptions):
+    content: str = Field(min_length=1, max_length=CONTENT_MAX_CHARS)

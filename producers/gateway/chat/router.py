@@ -9,8 +9,8 @@ from fastapi import APIRouter, Depends, Header
 from fastapi.responses import StreamingResponse
 
 from producers.gateway.auth import Caller
-from producers.gateway.chat.protocol import PostMessage
-from producers.gateway.chat.service import ChatService
+from producers.gateway.chat.protocol import PostMessage, ReplyOptions
+from producers.gateway.chat.service import ChatService, Reply
 from producers.gateway.chat.sse import ResumePoint, frame, reply_frames
 from producers.gateway.services import Services, services
 
@@ -30,12 +30,31 @@ async def post_message(
     conversation_id: str, body: PostMessage, caller: Caller, svc: Chat
 ) -> StreamingResponse:
     """Send a message; the reply streams back as server-sent events."""
-    reply = await svc.post(caller, conversation_id, body)
+    return _streamed(await svc.post(caller, conversation_id, body), svc)
+
+
+@router.post("/{conversation_id}/regenerate", response_class=StreamingResponse)
+async def regenerate(
+    conversation_id: str, caller: Caller, svc: Chat, body: ReplyOptions | None = None
+) -> StreamingResponse:
+    """A fresh reply to the last message; the previous reply is kept as replaced."""
+    return _streamed(await svc.regenerate(caller, conversation_id, body or ReplyOptions()), svc)
+
+
+@router.post("/{conversation_id}/messages/{message_id}/edit", response_class=StreamingResponse)
+async def edit(
+    conversation_id: str, message_id: str, body: PostMessage, caller: Caller, svc: Chat
+) -> StreamingResponse:
+    """Change a message of yours and rerun from there; what followed it is replaced."""
+    return _streamed(await svc.edit(caller, conversation_id, message_id, body), svc)
+
+
+def _streamed(reply: Reply, svc: ChatService) -> StreamingResponse:
     start = frame(
         {
             "type": "start",
             "request_id": reply.request_id,
-            "conversation_id": conversation_id,
+            "conversation_id": reply.conversation.id,
             "model": reply.conversation.model,
             "user_message_id": reply.user_message_id,
         }

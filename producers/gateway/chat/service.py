@@ -13,14 +13,14 @@ import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
-from consumers.fanout import Delivered, TokenFanout, read_request
+from consumers.fanout import Delivered, Subscription, TokenFanout, read_request
 from producers.context import ContextTooLong, assemble
 from producers.control import request_cancel
-from producers.gateway.chat.protocol import PostMessage
+from producers.gateway.chat.protocol import PostMessage, ReplyOptions
 from producers.gateway.chat.watch import ReplyWatch
 from producers.gateway.conversations.protocol import Conversation, Message
 from producers.gateway.conversations.service import ConversationService
-from producers.gateway.errors import ApiError
+from producers.gateway.errors import ApiError, not_found
 from producers.keys import Principal
 from producers.moderation import Moderator
 from producers.prompts import PromptSubmitter
@@ -36,7 +36,7 @@ REPLY_STATUSES = {"complete", "stopped"}
 class Reply:
     request_id: str
     conversation: Conversation
-    user_message_id: str
+    user_message_id: str | None  # None when regenerating: no new user message
     watch: ReplyWatch
 
 
@@ -57,21 +57,57 @@ class ChatService:
         self.deps = deps
 
     async def post(self, caller: Principal, conversation_id: str, body: PostMessage) -> Reply:
+        conversation = await self.deps.conversations.owned(caller.user_id, conversation_id)
+        text = self._moderated(body.content)
+        visible = await self._visible(caller, conversation_id)
+        return await self._reply(caller, conversation, _usable(visible), text, body)
+
+    async def regenerate(
+        self, caller: Principal, conversation_id: str, body: ReplyOptions
+    ) -> Reply:
+        """A fresh reply to the last user message; the replies after it are replaced."""
+        conversation = await self.deps.conversations.owned(caller.user_id, conversation_id)
+        await self._not_busy(conversation_id)
+        visible = await self._visible(caller, conversation_id)
+        users = [i for i, m in enumerate(visible) if m.role == "user"]
+        if not users:
+            raise ApiError(409, "there is no message to reply to yet", kind="conflict_error")
+        await self.deps.conversations.mark_replaced(conversation_id, visible[users[-1] + 1 :])
+        return await self._reply(
+            caller, conversation, _usable(visible[: users[-1] + 1]), None, body
+        )
+
+    async def edit(
+        self, caller: Principal, conversation_id: str, message_id: str, body: PostMessage
+    ) -> Reply:
+        """Replace a user message and everything after it, then reply to the new text."""
+        conversation = await self.deps.conversations.owned(caller.user_id, conversation_id)
+        await self._not_busy(conversation_id)
+        visible = await self._visible(caller, conversation_id)
+        at = next(
+            (i for i, m in enumerate(visible) if m.id == message_id and m.role == "user"), None
+        )
+        if at is None:
+            raise not_found("user message")
+        text = self._moderated(body.content)
+        await self.deps.conversations.mark_replaced(conversation_id, visible[at:])
+        return await self._reply(caller, conversation, _usable(visible[:at]), text, body)
+
+    async def _reply(
+        self,
+        caller: Principal,
+        conversation: Conversation,
+        history: list[ChatMessage],
+        new_text: str | None,
+        options: ReplyOptions,
+    ) -> Reply:
+        """Context, quota, then the prompt: the part every way of asking shares."""
         d = self.deps
-        conversation = await d.conversations.owned(caller.user_id, conversation_id)
-        verdict = d.moderator.check_input(body.content)
-        if not verdict.allowed:
-            raise ApiError(
-                400, verdict.reason or "blocked", kind="moderation_error", param="content"
-            )
-        history = await self._history(caller, conversation_id)
-        max_tokens = body.max_tokens or d.settings.reply_max_tokens
+        max_tokens = options.max_tokens or d.settings.reply_max_tokens
+        asked = [*history, *([ChatMessage(role="user", content=new_text)] if new_text else [])]
         try:
             context = assemble(
-                d.settings.system_prompt,
-                [*history, ChatMessage(role="user", content=verdict.text)],
-                d.settings.context_window,
-                max_tokens,
+                d.settings.system_prompt, asked, d.settings.context_window, max_tokens
             )
         except ContextTooLong as exc:
             raise ApiError(413, str(exc), param="content") from exc
@@ -81,9 +117,9 @@ class ChatService:
             return await self._start(
                 caller,
                 conversation,
-                verdict.text,
+                new_text,
                 context.messages,
-                body,
+                options,
                 max_tokens,
                 request_id,
                 now,
@@ -93,6 +129,22 @@ class ChatService:
             await d.quotas.settle(admission, 0)
             await d.quotas.release(admission)
             raise
+
+    def _moderated(self, content: str) -> str:
+        verdict = self.deps.moderator.check_input(content)
+        if not verdict.allowed:
+            raise ApiError(
+                400, verdict.reason or "blocked", kind="moderation_error", param="content"
+            )
+        return verdict.text
+
+    async def _not_busy(self, conversation_id: str) -> None:
+        if await self.deps.redis.exists(_inflight_key(conversation_id)):
+            raise ApiError(409, "a reply is being generated: stop it first", kind="conflict_error")
+
+    async def _visible(self, caller: Principal, conversation_id: str) -> list[Message]:
+        opened = await self.deps.conversations.get(caller.user_id, conversation_id)
+        return [m for m in opened.messages if m.status != "replaced"]
 
     async def stop(self, caller: Principal, conversation_id: str) -> str:
         await self.deps.conversations.owned(caller.user_id, conversation_id)
@@ -120,14 +172,6 @@ class ChatService:
             self.deps.settings, record["request_id"], record["partition"], record["offset"]
         )
 
-    async def _history(self, caller: Principal, conversation_id: str) -> list[ChatMessage]:
-        opened = await self.deps.conversations.get(caller.user_id, conversation_id)
-        return [
-            ChatMessage(role="user" if m.role == "user" else "assistant", content=m.content)
-            for m in opened.messages
-            if _usable(m)
-        ]
-
     async def _admit(self, caller: Principal, request_id: str, tokens: int, now: int) -> Admission:
         policy = self.deps.settings.tiers[caller.tier]
         try:
@@ -145,19 +189,21 @@ class ChatService:
         self,
         caller: Principal,
         conversation: Conversation,
-        text: str,
+        text: str | None,
         messages: list[ChatMessage],
-        body: PostMessage,
+        options: ReplyOptions,
         max_tokens: int,
         request_id: str,
         now: int,
         admission: Admission,
     ) -> Reply:
+        """Store the user's message (if there is a new one), produce the prompt, follow it."""
         d = self.deps
-        user_message_id = f"m_{uuid.uuid4().hex}"
-        await d.conversations.add_user_message(
-            caller.user_id, conversation, user_message_id, text, now
-        )
+        user_message_id = f"m_{uuid.uuid4().hex}" if text is not None else None
+        if text is not None and user_message_id is not None:
+            await d.conversations.add_user_message(
+                caller.user_id, conversation, user_message_id, text, now
+            )
         sub = await d.fanout.subscribe(request_id)
         prompt = PromptRequest(
             request_id=request_id,
@@ -167,7 +213,7 @@ class ChatService:
             band=d.settings.tiers[caller.tier].band,
             conversation_id=conversation.id,
             messages=messages,
-            sampling=Sampling(max_tokens=max_tokens, temperature=_temperature(body)),
+            sampling=Sampling(max_tokens=max_tokens, temperature=_temperature(options)),
             created_at_ms=now,
             deadline_ms=now + int(d.settings.queue_timeout_s * 1000),
             reply_partition=sub.partition,
@@ -177,29 +223,49 @@ class ChatService:
             await asyncio.wait_for(d.submitter.submit(prompt), d.settings.kafka_send_timeout_s)
         except (KafkaError, TimeoutError) as exc:
             d.fanout.unsubscribe(sub)
-            await d.conversations.mark_failed(conversation.id, user_message_id, now)
+            if user_message_id is not None:
+                await d.conversations.mark_failed(conversation.id, user_message_id, now)
             raise ApiError(
                 503,
                 "the prompt queue is unreachable; your message is saved as failed, please retry",
                 kind="service_unavailable",
             ) from exc
-        inflight = {"request_id": request_id, "partition": sub.partition, "offset": sub.next_offset}
-        await d.redis.set(_inflight_key(conversation.id), orjson.dumps(inflight), ex=INFLIGHT_TTL_S)
+        watch = await self._follow(conversation.id, sub, admission)
+        return Reply(request_id, conversation, user_message_id, watch)
+
+    async def _follow(
+        self, conversation_id: str, sub: Subscription, admission: Admission
+    ) -> ReplyWatch:
+        """Record the reply as in flight, and settle its quota when it ends."""
+        d = self.deps
+        inflight = {
+            "request_id": sub.request_id,
+            "partition": sub.partition,
+            "offset": sub.next_offset,
+        }
+        await d.redis.set(_inflight_key(conversation_id), orjson.dumps(inflight), ex=INFLIGHT_TTL_S)
 
         async def finished(final: FinalEvent | None) -> None:
             d.fanout.unsubscribe(sub)
-            await d.redis.delete(_inflight_key(conversation.id))
+            await d.redis.delete(_inflight_key(conversation_id))
             used = final.usage.prompt_tokens + final.usage.completion_tokens if final else 0
             await d.quotas.settle(admission, used)
             await d.quotas.release(admission)
 
         # The worker answers an expired prompt itself; silence past that means no worker.
-        watch = ReplyWatch(sub, d.settings.queue_timeout_s + 30, finished)
-        return Reply(request_id, conversation, user_message_id, watch)
+        return ReplyWatch(sub, d.settings.queue_timeout_s + 30, finished)
 
 
-def _usable(message: Message) -> bool:
+def _usable(messages: list[Message]) -> list[ChatMessage]:
     """Turns that go into the context: the user's, and replies that were shown."""
+    return [
+        ChatMessage(role="user" if m.role == "user" else "assistant", content=m.content)
+        for m in messages
+        if _shown(m)
+    ]
+
+
+def _shown(message: Message) -> bool:
     if message.role == "user":
         return message.status != "failed"
     return message.status in REPLY_STATUSES and bool(message.content)
@@ -209,5 +275,5 @@ def _inflight_key(conversation_id: str) -> str:
     return f"tandoor:inflight:{conversation_id}"
 
 
-def _temperature(body: PostMessage) -> float:
+def _temperature(body: ReplyOptions) -> float:
     return 0.7 if body.temperature is None else body.temperature  # 0 is greedy, not unset

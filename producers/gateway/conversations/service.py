@@ -143,6 +143,16 @@ class ConversationService:
             (conversation_id, _from_ms(at_ms), message_id),
         )
 
+    async def mark_replaced(self, conversation_id: str, messages: Sequence[Message]) -> None:
+        """Hide messages superseded by a regenerate or an edit (kept, not deleted)."""
+        for message in messages:
+            await cql(
+                self._session,
+                "UPDATE messages_by_conversation SET status = 'replaced' "
+                "WHERE conversation_id = %s AND created_at = %s AND message_id = %s",
+                (conversation_id, message.created_at, message.id),
+            )
+
     async def _move_to_top(self, user_id: str, conversation: Conversation, at: dt.datetime) -> None:
         await cql(
             self._session,
