@@ -1,133 +1,26 @@
-"""The whole stack over HTTP: a real gateway process, a worker with the bundled model,
-the persistence consumer, Kafka, Cassandra and Redis."""
+"""Chatting over HTTP against the whole stack (see conftest.py)."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import re
-import socket
-import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import pytest
 
-from infra.roles import GatewayProcess, PersistProcess, WorkerProcess
-from infra.topics import TopicSpec, ensure_topics
-from producers.keys import create_key
-from schemas import topics
-from tandoor.settings import Settings
-from workers.model_store import resolve_model_dir
+from infra.roles import GatewayProcess
+from tests.e2e.helpers import (
+    Stack,
+    auth,
+    chat,
+    new_conversation,
+    reply_text,
+    sse,
+    stored_reply,
+)
 
 pytestmark = pytest.mark.integration
-
-
-@dataclass
-class Stack:
-    url: str
-    settings: Settings
-    gateways: list[GatewayProcess]
-
-
-@pytest.fixture(scope="module")
-async def stack(
-    kafka: str, cassandra: Settings, redis_url: str, tmp_path_factory: pytest.TempPathFactory
-) -> AsyncIterator[Stack]:
-    logs = tmp_path_factory.mktemp("stack")
-    model = f"gw-{uuid.uuid4().hex[:6]}"
-    partitions = sum(b.partitions for b in cassandra.bands)
-    await ensure_topics(kafka, [TopicSpec(topics.prompts_topic(model), partitions)])
-    model_dir = await asyncio.to_thread(resolve_model_dir, "smollm2", cassandra)
-    free = {
-        "band": "interactive-free",
-        "requests_per_minute": 2,
-        "tokens_per_minute": 100_000,
-        "concurrent_streams": 2,
-    }
-    tiers = {name: p.model_dump() for name, p in cassandra.tiers.items()} | {"free": free}
-    env = {
-        "TANDOOR_MODELS": json.dumps([model]),
-        "TANDOOR_MODEL_DIRS": json.dumps({model: str(model_dir)}),
-        "TANDOOR_TIERS": json.dumps(tiers),
-        "TANDOOR_GATEWAY_GROUP": f"gateway-{model}",
-        "TANDOOR_PERSIST_GROUP": f"persist-{model}",
-    }
-    gateways = [GatewayProcess(logs, _free_port(), env) for _ in range(2)]  # two replicas
-    roles = [WorkerProcess(model, logs, env), PersistProcess(logs, env), *gateways]
-    for role in roles:
-        role.start()
-    try:
-        await asyncio.gather(*(role.wait_ready() for role in roles))
-        settings = cassandra.model_copy(update={"models": [model]})
-        yield Stack(f"http://127.0.0.1:{gateways[0].port}", settings, gateways)
-    finally:
-        for role in roles:
-            role.terminate()
-
-
-async def auth(stack: Stack, tier: str = "plus") -> dict[str, str]:
-    key, _ = await create_key(stack.settings, f"user-{uuid.uuid4().hex[:8]}", tier)
-    return {"Authorization": f"Bearer {key}"}
-
-
-async def new_conversation(http: httpx.AsyncClient, headers: dict[str, str]) -> str:
-    response = await http.post("/v1/conversations", json={}, headers=headers)
-    assert response.status_code == 201, response.text
-    return str(response.json()["id"])
-
-
-async def sse(response: httpx.Response) -> AsyncIterator[tuple[str | None, Any]]:
-    """(event id, data) for each server-sent event; data is "[DONE]" or parsed JSON."""
-    event_id, data = None, []
-    async for line in response.aiter_lines():
-        if line.startswith("id: "):
-            event_id = line[4:]
-        elif line.startswith("data: "):
-            data.append(line[6:])
-        elif line == "" and data:
-            text = "\n".join(data)
-            yield event_id, text if text == "[DONE]" else json.loads(text)
-            event_id, data = None, []
-
-
-async def chat(
-    http: httpx.AsyncClient,
-    headers: dict[str, str],
-    conversation: str,
-    content: str,
-    max_tokens: int = 48,
-) -> list[Any]:
-    body = {"content": content, "max_tokens": max_tokens, "temperature": 0}
-    path = f"/v1/conversations/{conversation}/messages"
-    async with http.stream("POST", path, json=body, headers=headers) as response:
-        assert response.status_code == 200, await response.aread()
-        return [data async for _, data in sse(response)]
-
-
-def reply_text(events: list[Any]) -> str:
-    return "".join(e["delta"] for e in events if isinstance(e, dict) and e["type"] == "token")
-
-
-async def stored_reply(
-    http: httpx.AsyncClient, headers: dict[str, str], conversation: str, count: int = 1
-) -> list[Any]:
-    """The conversation's messages once `count` assistant replies are stored."""
-    for _ in range(120):
-        opened = (await http.get(f"/v1/conversations/{conversation}", headers=headers)).json()
-        replies = [m for m in opened["messages"] if m["role"] == "assistant"]
-        if len(replies) >= count:
-            return list(opened["messages"])
-        await asyncio.sleep(0.25)
-    raise AssertionError(f"fewer than {count} replies stored")
-
-
-@pytest.fixture
-async def http(stack: Stack) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(base_url=stack.url, timeout=120) as client:
-        yield client
 
 
 async def test_a_reply_streams_in_order_and_is_stored(
@@ -344,9 +237,3 @@ async def test_two_replicas_share_the_token_traffic(stack: Stack) -> None:
     for events in replies:  # each replica streamed whole replies from its own partitions
         assert events[0]["type"] == "start" and events[-1] == "[DONE]"
         assert events[-2]["finish_reason"] in ("stop", "length") and reply_text(events)
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])

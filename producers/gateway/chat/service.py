@@ -58,9 +58,9 @@ class ChatService:
 
     async def post(self, caller: Principal, conversation_id: str, body: PostMessage) -> Reply:
         conversation = await self.deps.conversations.owned(caller.user_id, conversation_id)
-        text = self._moderated(body.content)
+        text = self.moderated(body.content)
         visible = await self._visible(caller, conversation_id)
-        return await self._reply(caller, conversation, _usable(visible), text, body)
+        return await self.reply(caller, conversation, _usable(visible), text, body)
 
     async def regenerate(
         self, caller: Principal, conversation_id: str, body: ReplyOptions
@@ -73,9 +73,7 @@ class ChatService:
         if not users:
             raise ApiError(409, "there is no message to reply to yet", kind="conflict_error")
         await self.deps.conversations.mark_replaced(conversation_id, visible[users[-1] + 1 :])
-        return await self._reply(
-            caller, conversation, _usable(visible[: users[-1] + 1]), None, body
-        )
+        return await self.reply(caller, conversation, _usable(visible[: users[-1] + 1]), None, body)
 
     async def edit(
         self, caller: Principal, conversation_id: str, message_id: str, body: PostMessage
@@ -89,26 +87,27 @@ class ChatService:
         )
         if at is None:
             raise not_found("user message")
-        text = self._moderated(body.content)
+        text = self.moderated(body.content)
         await self.deps.conversations.mark_replaced(conversation_id, visible[at:])
-        return await self._reply(caller, conversation, _usable(visible[:at]), text, body)
+        return await self.reply(caller, conversation, _usable(visible[:at]), text, body)
 
-    async def _reply(
+    async def reply(
         self,
         caller: Principal,
         conversation: Conversation,
         history: list[ChatMessage],
         new_text: str | None,
         options: ReplyOptions,
+        keep_system: bool = False,
     ) -> Reply:
         """Context, quota, then the prompt: the part every way of asking shares."""
         d = self.deps
         max_tokens = options.max_tokens or d.settings.reply_max_tokens
         asked = [*history, *([ChatMessage(role="user", content=new_text)] if new_text else [])]
+        # An API client brings its own system prompt; the chat page gets the configured one.
+        system = None if keep_system else d.settings.system_prompt
         try:
-            context = assemble(
-                d.settings.system_prompt, asked, d.settings.context_window, max_tokens
-            )
+            context = assemble(system, asked, d.settings.context_window, max_tokens)
         except ContextTooLong as exc:
             raise ApiError(413, str(exc), param="content") from exc
         request_id, now = f"r_{uuid.uuid4().hex}", now_ms()
@@ -130,7 +129,7 @@ class ChatService:
             await d.quotas.release(admission)
             raise
 
-    def _moderated(self, content: str) -> str:
+    def moderated(self, content: str) -> str:
         verdict = self.deps.moderator.check_input(content)
         if not verdict.allowed:
             raise ApiError(

@@ -1,0 +1,1 @@
+"""OpenAI-compatible API: /v1/chat/completions and /v1/models, for unchanged clients."""

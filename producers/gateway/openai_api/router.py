@@ -1,0 +1,44 @@
+"""Routes of the OpenAI-compatible API."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends
+from fastapi.responses import StreamingResponse
+
+from producers.gateway.auth import Caller
+from producers.gateway.chat.router import SSE_HEADERS, Chat
+from producers.gateway.openai_api.protocol import ChatCompletionRequest
+from producers.gateway.openai_api.service import (
+    completion_body,
+    completion_chunks,
+    start_completion,
+)
+from producers.gateway.services import Services, services
+
+router = APIRouter(prefix="/v1", tags=["openai"])
+
+
+@router.get("/models")
+async def models(caller: Caller, deps: Annotated[Services, Depends(services)]) -> dict[str, Any]:
+    del caller  # a key is needed, whoever holds it
+    return {
+        "object": "list",
+        "data": [
+            {"id": m, "object": "model", "created": 0, "owned_by": "tandoor"}
+            for m in deps.settings.models
+        ],
+    }
+
+
+@router.post("/chat/completions", response_model=None)
+async def chat_completions(
+    body: ChatCompletionRequest, caller: Caller, svc: Chat
+) -> dict[str, Any] | StreamingResponse:
+    reply = await start_completion(svc, caller, body)
+    if not body.stream:
+        return await completion_body(reply)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    chunks = completion_chunks(reply, include_usage)
+    return StreamingResponse(chunks, media_type="text/event-stream", headers=SSE_HEADERS)

@@ -1,0 +1,153 @@
+"""Chat completions on top of the chat service: each call is stored as a conversation."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+
+from consumers.fanout import Delivered
+from producers.gateway.chat.protocol import ReplyOptions
+from producers.gateway.chat.service import ChatService, Reply
+from producers.gateway.errors import ApiError
+from producers.gateway.openai_api.protocol import ChatCompletionRequest
+from producers.keys import Principal
+from schemas.events import ChatMessage, FinalEvent, TokenEvent
+
+FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}
+
+
+async def start_completion(
+    chat: ChatService, caller: Principal, body: ChatCompletionRequest
+) -> Reply:
+    if body.model not in chat.deps.settings.models:
+        raise ApiError(
+            404,
+            f"model {body.model!r} does not exist; see /v1/models",
+            kind="invalid_request_error",
+            param="model",
+        )
+    *history, last = [_message(m.role, m.content) for m in body.messages]
+    if last.role != "user":
+        raise ApiError(400, "the last message must be from the user", param="messages")
+    title = last.content[:60] or None
+    conversation = await chat.deps.conversations.create(caller.user_id, body.model, title)
+    options = ReplyOptions(
+        max_tokens=body.max_completion_tokens or body.max_tokens, temperature=body.temperature
+    )
+    text = chat.moderated(last.content)
+    return await chat.reply(caller, conversation, history, text, options, keep_system=True)
+
+
+async def completion_body(reply: Reply) -> dict[str, Any]:
+    """The whole reply as one chat.completion object."""
+    text: list[str] = []
+    async for item in reply.watch.events():
+        if item is None:
+            continue
+        if isinstance(item.event, TokenEvent):
+            text.append(item.event.delta)
+            continue
+        final = _checked(item.event)
+        return {
+            "id": f"chatcmpl-{reply.request_id}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": final.model,
+            "choices": [
+                {
+                    "index": 0,
+                    "finish_reason": FINISH[final.finish_reason],
+                    "message": {"role": "assistant", "content": final.text},
+                }
+            ],
+            "usage": _usage(final),
+        }
+    raise ApiError(504, "the reply did not finish in time", kind="timeout_error")
+
+
+async def completion_chunks(reply: Reply, include_usage: bool) -> AsyncIterator[str]:
+    """The reply as chat.completion.chunk events, then [DONE]."""
+    base = {
+        "id": f"chatcmpl-{reply.request_id}",
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": reply.conversation.model,
+    }
+    yield _data(
+        {**base, "choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]}
+    )
+    async for item in _events(reply):
+        event = item.event
+        if isinstance(event, TokenEvent):
+            yield _data(
+                {
+                    **base,
+                    "choices": [
+                        {"index": 0, "delta": {"content": event.delta}, "finish_reason": None}
+                    ],
+                }
+            )
+            continue
+        if event.finish_reason not in FINISH:
+            yield _data(
+                {
+                    "error": {
+                        "message": event.error or event.finish_reason,
+                        "type": "server_error",
+                        "code": event.finish_reason,
+                    }
+                }
+            )
+            break
+        yield _data(
+            {
+                **base,
+                "choices": [
+                    {"index": 0, "delta": {}, "finish_reason": FINISH[event.finish_reason]}
+                ],
+            }
+        )
+        if include_usage:
+            yield _data({**base, "choices": [], "usage": _usage(event)})
+        break
+    yield "data: [DONE]\n\n"
+
+
+async def _events(reply: Reply) -> AsyncIterator[Delivered]:
+    async for item in reply.watch.events():
+        if item is not None:
+            yield item
+
+
+def _checked(final: FinalEvent) -> FinalEvent:
+    if final.finish_reason == "expired":
+        raise ApiError(
+            503,
+            "the model was busy and the request expired in the queue; retry",
+            kind="service_unavailable",
+            headers={"Retry-After": "5"},
+        )
+    if final.finish_reason == "error":
+        raise ApiError(400, final.error or "the model could not answer", param="messages")
+    return final
+
+
+def _usage(final: FinalEvent) -> dict[str, int]:
+    usage = final.usage
+    total = usage.prompt_tokens + usage.completion_tokens
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": total,
+    }
+
+
+def _message(role: str, content: str) -> ChatMessage:
+    return ChatMessage(role="system" if role == "developer" else role, content=content)  # type: ignore[arg-type]
+
+
+def _data(obj: dict[str, Any]) -> str:
+    return f"data: {orjson.dumps(obj).decode()}\n\n"

@@ -1,0 +1,92 @@
+"""The official `openai` client, unchanged, against the gateway."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.helpers import Stack, auth
+
+pytestmark = pytest.mark.integration
+
+
+def client(stack: Stack, key: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{stack.url}/v1", api_key=key, max_retries=0)
+
+
+async def api_key(stack: Stack) -> str:
+    return (await auth(stack))["Authorization"].removeprefix("Bearer ")
+
+
+async def test_models_and_a_plain_completion(stack: Stack) -> None:
+    async with client(stack, await api_key(stack)) as api:
+        await plain_completion(api, stack)
+
+
+async def plain_completion(api: openai.AsyncOpenAI, stack: Stack) -> None:
+    models = [m.id async for m in api.models.list()]
+    assert models == stack.settings.models
+    completion = await api.chat.completions.create(
+        model=models[0],
+        temperature=0,
+        max_tokens=32,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+    )
+    assert "Paris" in (completion.choices[0].message.content or "")
+    assert completion.choices[0].finish_reason in ("stop", "length")
+    assert completion.usage is not None and completion.usage.completion_tokens > 0
+
+
+async def test_streaming_with_usage_and_the_chat_is_stored(stack: Stack) -> None:
+    key = await api_key(stack)
+    async with client(stack, key) as api:
+        text, usage, reasons = await streamed_completion(api, stack)
+    assert "Paris" in text and reasons in (["stop"], ["length"])
+    assert usage is not None and usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    async with httpx.AsyncClient(base_url=stack.url) as http:
+        listed = (
+            await http.get("/v1/conversations", headers={"Authorization": f"Bearer {key}"})
+        ).json()
+    assert listed["data"][0]["title"] == "What is the capital of France?"
+
+
+async def streamed_completion(api: openai.AsyncOpenAI, stack: Stack) -> tuple[str, Any, list[str]]:
+    stream = await api.chat.completions.create(
+        model=stack.settings.models[0],
+        temperature=0,
+        max_tokens=32,
+        stream=True,
+        stream_options={"include_usage": True},
+        messages=[
+            {"role": "system", "content": "Answer in one short sentence."},
+            {"role": "user", "content": "What is the capital of France?"},
+        ],
+    )
+    text, usage, reasons = "", None, list[str]()
+    async for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            if choice.finish_reason:
+                reasons.append(choice.finish_reason)
+    return text, usage, reasons
+
+
+async def test_errors_come_back_as_openai_errors(stack: Stack) -> None:
+    async with client(stack, await api_key(stack)) as api, client(stack, "tdr_wrong") as wrong:
+        await openai_errors(api, wrong, stack)
+
+
+async def openai_errors(api: openai.AsyncOpenAI, wrong: openai.AsyncOpenAI, stack: Stack) -> None:
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        await api.chat.completions.create(
+            model="gpt-9", messages=[{"role": "user", "content": "hi"}]
+        )
+    with pytest.raises(openai.AuthenticationError):
+        await wrong.models.list()
+    with pytest.raises(openai.BadRequestError):
+        await api.chat.completions.create(model=stack.settings.models[0], messages=[])
