@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import json
 import statistics
+import sys
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
 
 QUESTIONS = [
     "Explain how a bicycle stays upright.",
@@ -15,6 +24,9 @@ QUESTIONS = [
     "Describe a busy market in the morning.",
     "Why is the sky blue?",
 ]
+
+
+Send = Callable[[int], Awaitable[tuple[float, int]]]  # request index -> (ttft_s, tokens)
 
 
 def question(i: int) -> str:
@@ -51,5 +63,92 @@ def table(rows: list[tuple[str, RunStats]]) -> str:
         lines.append(
             f"{name:<28}{s.concurrency:>5}{len(s.ttft_s):>6}{s.errors:>5}"
             f"{s.tokens_per_s:>9.1f}{s.ttft_ms(50):>9.1f}ms{s.ttft_ms(95):>7.1f}ms"
+        )
+    return "\n".join(lines)
+
+
+async def run_level(send: Send, concurrency: int, per_stream: int) -> RunStats:
+    stats = RunStats(concurrency)
+    counter = iter(range(concurrency * per_stream))
+
+    async def stream() -> None:
+        for i in counter:
+            try:
+                ttft, tokens = await send(i)
+                stats.ttft_s.append(ttft)
+                stats.output_tokens += tokens
+            except Exception as exc:  # counted and shown; the run goes on
+                stats.errors += 1
+                print(f"  error: {exc!r}", file=sys.stderr)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(stream() for _ in range(concurrency)))
+    stats.wall_s = time.perf_counter() - started
+    return stats
+
+
+def openai_sender(
+    client: httpx.AsyncClient, base_url: str, model: str, max_tokens: int, key: str = ""
+) -> Send:
+    """Streams a chat completion the way an OpenAI client does; TTFT is the first content."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+
+    async def send(i: int) -> tuple[float, int]:
+        body = {
+            "model": model,
+            "stream": True,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream_options": {"include_usage": True},
+            "messages": [{"role": "user", "content": question(i)}],
+        }
+        started = time.perf_counter()
+        ttft, tokens = None, 0
+        url = f"{base_url}/v1/chat/completions"
+        async with client.stream("POST", url, json=body, headers=headers, timeout=300) as response:
+            response.raise_for_status()
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+                choices = chunk.get("choices") or []
+                if ttft is None and choices and choices[0]["delta"].get("content"):
+                    ttft = time.perf_counter() - started
+        assert ttft is not None, "no content"
+        return ttft, tokens
+
+    return send
+
+
+def parse_args(doc: str | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--requests-per-stream", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--max-seqs", type=int, default=32)
+    parser.add_argument("--kv-cache-mib", type=int, default=1024)
+    parser.add_argument("--vllm-port", type=int, default=18765)
+    parser.add_argument("--log-dir", type=Path, default=Path(".tandoor/bench"))
+    args = parser.parse_args()
+    args.log_dir.mkdir(parents=True, exist_ok=True)
+    return args
+
+
+def compare(
+    direct: list[tuple[str, RunStats]], other: list[tuple[str, RunStats]], name: str
+) -> str:
+    """The table, both targets side by side per load level, and the ratios."""
+    rows = [row for pair in zip(direct, other, strict=True) for row in pair]
+    lines = [table(rows)]
+    for (_, d), (_, o) in zip(direct, other, strict=True):
+        lines.append(
+            f"concurrency {d.concurrency}: {name}/direct throughput "
+            f"{o.tokens_per_s / d.tokens_per_s:.1%}, TTFT p50 delta "
+            f"{o.ttft_ms(50) - d.ttft_ms(50):+.1f} ms, errors {o.errors} vs {d.errors}"
         )
     return "\n".join(lines)

@@ -137,3 +137,10 @@ def _wait_until(condition: Callable[[], bool], timeout_s: float) -> bool:
             return True
         time.sleep(0.1)
     return condition()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nobody listens on right now (for child processes of tests and benchmarks)."""
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])

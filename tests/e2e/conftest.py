@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import uuid
 from collections.abc import AsyncIterator
 
 import httpx
 import pytest
 
+from infra.process import free_port
 from infra.roles import GatewayProcess, PersistProcess, WorkerProcess
 from infra.topics import TopicSpec, ensure_topics
 from schemas import topics
@@ -44,7 +44,7 @@ async def stack(
         "TANDOOR_GATEWAY_GROUP": f"gateway-{model}",
         "TANDOOR_PERSIST_GROUP": f"persist-{model}",
     }
-    gateways = [GatewayProcess(logs, _free_port(), env) for _ in range(2)]  # two replicas
+    gateways = [GatewayProcess(logs, free_port(), env) for _ in range(2)]  # two replicas
     roles = [WorkerProcess(model, logs, env), PersistProcess(logs, env), *gateways]
     for role in roles:
         role.start()
@@ -61,9 +61,3 @@ async def stack(
 async def http(stack: Stack) -> AsyncIterator[httpx.AsyncClient]:
     async with httpx.AsyncClient(base_url=stack.url, timeout=120) as client:
         yield client
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime as dt
-import socket
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from infra.process import free_port
 from infra.roles import GatewayProcess
 from producers.gateway.app import create_app
 from producers.keys import create_key
@@ -177,9 +177,7 @@ def _dt(iso: str) -> dt.datetime:
 async def test_tandoor_gateway_serves_over_http(
     cassandra: Settings, redis_url: str, tmp_path: Path
 ) -> None:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     gateway = GatewayProcess(tmp_path, port, {})
     gateway.start()
     try:

@@ -14,6 +14,7 @@ class ReplyOptions(BaseModel):
 
     max_tokens: int | None = Field(default=None, ge=1, le=4096)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    ignore_eos: bool = Field(default=False, description="Generate exactly max_tokens.")
 
 
 class PostMessage(ReplyOptions):

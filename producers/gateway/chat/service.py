@@ -212,7 +212,11 @@ class ChatService:
             band=d.settings.tiers[caller.tier].band,
             conversation_id=conversation.id,
             messages=messages,
-            sampling=Sampling(max_tokens=max_tokens, temperature=_temperature(options)),
+            sampling=Sampling(
+                max_tokens=max_tokens,
+                temperature=_temperature(options),
+                ignore_eos=options.ignore_eos,
+            ),
             created_at_ms=now,
             deadline_ms=now + int(d.settings.queue_timeout_s * 1000),
             reply_partition=sub.partition,

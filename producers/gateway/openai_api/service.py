@@ -35,7 +35,9 @@ async def start_completion(
     title = last.content[:60] or None
     conversation = await chat.deps.conversations.create(caller.user_id, body.model, title)
     options = ReplyOptions(
-        max_tokens=body.max_completion_tokens or body.max_tokens, temperature=body.temperature
+        max_tokens=body.max_completion_tokens or body.max_tokens,
+        temperature=body.temperature,
+        ignore_eos=body.ignore_eos,
     )
     text = chat.moderated(last.content)
     return await chat.reply(caller, conversation, history, text, options, keep_system=True)

@@ -1,0 +1,79 @@
+"""vLLM's own OpenAI server, started with the same engine settings as a worker: the
+reference every Tandoor benchmark is compared with, in the same run."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from bench.loadgen import RunStats, openai_sender, run_level
+
+
+def start_vllm_server(
+    model_dir: Path, port: int, args: argparse.Namespace
+) -> subprocess.Popen[bytes]:
+    argv = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        "smollm2",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "bfloat16",
+        "--max-model-len",
+        "2048",
+        "--enforce-eager",
+        "--enable-prefix-caching",
+        "--max-num-seqs",
+        str(args.max_seqs),
+        "--kv-cache-memory-bytes",
+        str(args.kv_cache_mib * 1024 * 1024),
+    ]
+    log = open(args.log_dir / "vllm-server.log", "wb")
+    return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+async def wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient() as client:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError("vLLM server exited during start-up")
+            try:
+                if (await client.get(url)).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(0.5)
+    raise RuntimeError(f"{url} not ready in {timeout_s} s")
+
+
+async def bench_direct(model_dir: Path, args: argparse.Namespace) -> list[tuple[str, RunStats]]:
+    port = args.vllm_port
+    proc = start_vllm_server(model_dir, port, args)
+    try:
+        await wait_http(f"http://127.0.0.1:{port}/health", proc)
+        async with httpx.AsyncClient(limits=httpx.Limits(max_connections=64)) as client:
+            send = openai_sender(client, f"http://127.0.0.1:{port}", "smollm2", args.max_tokens)
+            await run_level(send, 4, 1)  # warm-up
+            return [
+                ("vLLM OpenAI server", await run_level(send, c, args.requests_per_stream))
+                for c in args.concurrency
+            ]
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
