@@ -86,10 +86,12 @@ class RequestRunner:
         self.metrics = metrics
 
     async def run(self, prompt: PromptRequest, tracked: Tracked) -> None:
-        if await self.ledger.is_done(prompt.request_id):
+        arrival = await self.ledger.arrive(prompt.request_id)
+        if arrival.done:
             log.info("%s already has a final reply; skipping redelivery", prompt.request_id)
             return
-        attempt = Attempt(prompt, tracked, await self.ledger.begin_attempt(prompt.request_id))
+        tracked.cancelled = tracked.cancelled or arrival.cancelled
+        attempt = Attempt(prompt, tracked, arrival.attempt)
         self.metrics.waiting.inc()
         try:
             await self._run(attempt)
@@ -123,7 +125,7 @@ class RequestRunner:
                 "error",
                 f"unknown model {prompt.model!r}; this worker serves {self.config.model!r}",
             )
-        if attempt.tracked.cancelled or await self.ledger.is_cancelled(prompt.request_id):
+        if attempt.tracked.cancelled:
             return "cancelled", None
         if attempt.expired():
             return "expired", "the deadline passed before the worker took the prompt"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import uuid
 from collections.abc import Sequence
@@ -30,13 +31,15 @@ class ConversationService:
         conversation = Conversation(
             id=f"c_{uuid.uuid4().hex}", model=model, title=title, created_at=now, updated_at=now
         )
-        await cql(
-            self._session,
-            "INSERT INTO conversations (conversation_id, user_id, model, title, created_at, "
-            "updated_at) VALUES (%s, %s, %s, %s, %s, %s)",
-            (conversation.id, user_id, model, title, now, now),
+        await asyncio.gather(  # two rows, two partitions: no order needed
+            cql(
+                self._session,
+                "INSERT INTO conversations (conversation_id, user_id, model, title, created_at, "
+                "updated_at) VALUES (%s, %s, %s, %s, %s, %s)",
+                (conversation.id, user_id, model, title, now, now),
+            ),
+            self._index(user_id, conversation),
         )
-        await self._index(user_id, conversation)
         return conversation
 
     async def page(self, user_id: str, limit: int, cursor: str | None) -> ConversationPage:
@@ -125,15 +128,18 @@ class ConversationService:
     async def add_user_message(
         self, user_id: str, conversation: Conversation, message_id: str, content: str, at_ms: int
     ) -> None:
-        """Store the user's message, then move the conversation to the top of the sidebar."""
+        """Store the user's message and move the conversation to the top of the sidebar,
+        all at once: they are separate rows (this is on the path to the first token)."""
         at = _from_ms(at_ms)
-        await cql(
-            self._session,
-            "INSERT INTO messages_by_conversation (conversation_id, created_at, message_id, "
-            "role, content, status, model) VALUES (%s, %s, %s, 'user', %s, 'sent', %s)",
-            (conversation.id, at, message_id, content, conversation.model),
+        await asyncio.gather(
+            cql(
+                self._session,
+                "INSERT INTO messages_by_conversation (conversation_id, created_at, message_id, "
+                "role, content, status, model) VALUES (%s, %s, %s, 'user', %s, 'sent', %s)",
+                (conversation.id, at, message_id, content, conversation.model),
+            ),
+            self._move_to_top(user_id, conversation, at),
         )
-        await self._move_to_top(user_id, conversation, at)
 
     async def mark_failed(self, conversation_id: str, message_id: str, at_ms: int) -> None:
         await cql(
@@ -154,18 +160,24 @@ class ConversationService:
             )
 
     async def _move_to_top(self, user_id: str, conversation: Conversation, at: dt.datetime) -> None:
-        await cql(
-            self._session,
-            "DELETE FROM conversations_by_user WHERE user_id = %s AND updated_at = %s "
-            "AND conversation_id = %s",
-            (user_id, conversation.updated_at, conversation.id),
-        )
-        await cql(
-            self._session,
-            "UPDATE conversations SET updated_at = %s WHERE conversation_id = %s",
-            (at, conversation.id),
-        )
-        await self._index(user_id, conversation.model_copy(update={"updated_at": at}))
+        writes = [
+            cql(
+                self._session,
+                "UPDATE conversations SET updated_at = %s WHERE conversation_id = %s",
+                (at, conversation.id),
+            ),
+            self._index(user_id, conversation.model_copy(update={"updated_at": at})),
+        ]
+        if conversation.updated_at != at:  # else the old sidebar row is the new one
+            writes.append(
+                cql(
+                    self._session,
+                    "DELETE FROM conversations_by_user WHERE user_id = %s AND "
+                    "updated_at = %s AND conversation_id = %s",
+                    (user_id, conversation.updated_at, conversation.id),
+                )
+            )
+        await asyncio.gather(*writes)
 
     async def _owned(self, user_id: str, conversation_id: str) -> Conversation:
         """The conversation if `user_id` owns it; a 404 otherwise, never a 403 (an
