@@ -4,10 +4,13 @@ here a missing server is a failure with a clear message, never a skip."""
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterator
 
 import pytest
 
+from infra.cql import migrate
 from infra.process import port_open
+from tandoor.clients import cassandra_session
 from tandoor.settings import Settings
 
 
@@ -47,3 +50,14 @@ def cassandra(settings: Settings) -> Settings:
 def redis_url(settings: Settings) -> str:
     require(settings, "Redis", settings.redis_port)
     return settings.redis_url
+
+
+@pytest.fixture
+def migrated_keyspace(cassandra: Settings, unique: str) -> Iterator[str]:
+    """A keyspace of this test's own with every migration applied; dropped afterwards."""
+    name = f"t_{unique}"
+    with cassandra_session(cassandra) as session:
+        migrate(session, name)
+    yield name
+    with cassandra_session(cassandra) as session:
+        session.execute(f"DROP KEYSPACE IF EXISTS {name}")

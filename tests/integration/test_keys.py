@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from infra.cql import migrate
 from producers.keys import KeyStore, Principal, key_hash
 from tandoor.clients import cassandra_session
 from tandoor.settings import Settings
@@ -19,14 +18,9 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
-def session(cassandra: Settings, unique: str) -> Iterator[Any]:
-    keyspace = f"k_{unique}"
-    with cassandra_session(cassandra) as admin:
-        migrate(admin, keyspace)
-    with cassandra_session(cassandra, keyspace) as s:
+def session(cassandra: Settings, migrated_keyspace: str) -> Iterator[Any]:
+    with cassandra_session(cassandra, migrated_keyspace) as s:
         yield s
-    with cassandra_session(cassandra) as admin:
-        admin.execute(f"DROP KEYSPACE IF EXISTS {keyspace}")
 
 
 @pytest.fixture

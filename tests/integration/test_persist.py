@@ -6,14 +6,13 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from aiokafka import AIOKafkaProducer
 
-from infra.cql import migrate
 from infra.roles import PersistProcess
 from schemas import topics
 from schemas.codec import encode
@@ -25,13 +24,8 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
-def keyspace(cassandra: Settings, unique: str) -> Iterator[str]:
-    name = f"p_{unique}"
-    with cassandra_session(cassandra) as session:
-        migrate(session, name)
-    yield name
-    with cassandra_session(cassandra) as session:
-        session.execute(f"DROP KEYSPACE IF EXISTS {name}")
+def keyspace(migrated_keyspace: str) -> str:
+    return migrated_keyspace
 
 
 @pytest.fixture
