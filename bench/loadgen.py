@@ -152,3 +152,9 @@ def compare(
             f"{o.ttft_ms(50) - d.ttft_ms(50):+.1f} ms, errors {o.errors} vs {d.errors}"
         )
     return "\n".join(lines)
+
+
+async def measure(name: str, send: Send, args: argparse.Namespace) -> list[tuple[str, RunStats]]:
+    """A short warm-up, then every load level of the run."""
+    await run_level(send, 4, 1)
+    return [(name, await run_level(send, c, args.requests_per_stream)) for c in args.concurrency]

@@ -11,19 +11,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import time
 import uuid
 from pathlib import Path
 
-from bench.loadgen import RunStats, Send, compare, parse_args, question, run_level
+from bench.loadgen import RunStats, Send, compare, measure, parse_args, question
 from bench.vllm_server import bench_direct
 from consumers.token_reader import TokenCollector
-from infra.roles import WorkerProcess
-from infra.topics import TopicSpec, ensure_topics
+from infra.roles import WorkerProcess, model_alias, running
 from producers.prompts import PromptSubmitter
-from schemas import topics
 from schemas.events import ChatMessage, PromptRequest, Sampling, now_ms
+from tandoor.clients import kafka_producer
 from tandoor.settings import Settings
 from workers.model_store import resolve_model_dir
 
@@ -56,40 +54,19 @@ def worker_sender(
 
 
 async def bench_worker(model_dir: Path, args: argparse.Namespace) -> list[tuple[str, RunStats]]:
-    from tandoor.clients import kafka_producer
-
     settings = Settings()
-    model = f"bench-{uuid.uuid4().hex[:6]}"
-    partitions = sum(b.partitions for b in settings.bands)
-    await ensure_topics(
-        settings.kafka_bootstrap, [TopicSpec(topics.prompts_topic(model), partitions)]
-    )
-    worker = WorkerProcess(
-        model,
-        args.log_dir,
-        {
-            "TANDOOR_MODEL_DIRS": json.dumps({model: str(model_dir)}),
-            "TANDOOR_WORKER_MAX_SEQS": str(args.max_seqs),
-            "TANDOOR_WORKER_KV_CACHE_MIB": str(args.kv_cache_mib),
-        },
-    )
-    worker.start()
-    try:
-        await worker.wait_ready()
-        async with (
-            kafka_producer(settings, "bench") as producer,
-            TokenCollector(settings) as stream,
-        ):
-            send = worker_sender(
-                PromptSubmitter(settings, producer), stream, model, args.max_tokens
-            )
-            await run_level(send, 4, 1)  # warm-up
-            return [
-                ("Tandoor worker via Kafka", await run_level(send, c, args.requests_per_stream))
-                for c in args.concurrency
-            ]
-    finally:
-        worker.terminate()
+    model, env = await model_alias(settings, model_dir, "bench")
+    env |= {
+        "TANDOOR_WORKER_MAX_SEQS": str(args.max_seqs),
+        "TANDOOR_WORKER_KV_CACHE_MIB": str(args.kv_cache_mib),
+    }
+    async with (
+        running([WorkerProcess(model, args.log_dir, env)]),
+        kafka_producer(settings, "bench") as producer,
+        TokenCollector(settings) as stream,
+    ):
+        send = worker_sender(PromptSubmitter(settings, producer), stream, model, args.max_tokens)
+        return await measure("Tandoor worker via Kafka", send, args)
 
 
 def main() -> None:

@@ -4,15 +4,21 @@ would: for the local main job, the tests and the benchmarks."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
 import uuid
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 from infra.errors import StartError
+from infra.topics import TopicSpec, ensure_topics
+from schemas.topics import prompts_topic
+from tandoor.settings import Settings
 
 
 class RoleProcess:
@@ -102,3 +108,33 @@ class GatewayProcess(RoleProcess):
         args = ["gateway", "--port", str(port)]
         super().__init__("gateway", args, "Application startup complete", log_dir, env)
         self.port = port
+
+
+@asynccontextmanager
+async def running(roles: Sequence[RoleProcess]) -> AsyncIterator[None]:
+    """Start every role, wait until all are ready, and stop them all on the way out."""
+    for role in roles:
+        role.start()
+    try:
+        await asyncio.gather(*(role.wait_ready() for role in roles))
+        yield
+    finally:
+        for role in roles:
+            role.terminate()
+
+
+async def model_alias(
+    settings: Settings, model_dir: Path, prefix: str
+) -> tuple[str, dict[str, str]]:
+    """A fresh model name served from `model_dir`, with its prompt topic created, and the
+    environment that makes roles serve it: isolated topics and groups per test or run."""
+    model = f"{prefix}-{uuid.uuid4().hex[:6]}"
+    partitions = sum(band.partitions for band in settings.bands)
+    await ensure_topics(settings.kafka_bootstrap, [TopicSpec(prompts_topic(model), partitions)])
+    env = {
+        "TANDOOR_MODELS": json.dumps([model]),
+        "TANDOOR_MODEL_DIRS": json.dumps({model: str(model_dir)}),
+        "TANDOOR_GATEWAY_GROUP": f"gateway-{model}",
+        "TANDOOR_PERSIST_GROUP": f"persist-{model}",
+    }
+    return model, env

@@ -44,6 +44,7 @@ class Worker:
         self.control = ControlListener(settings, self._on_cancel)
         self._redis = redis_client(settings)
         self._producer = kafka_producer(settings, client_id=f"worker.{model}")
+        self._publisher = Publisher(self._producer)
         self.ledger = RequestLedger(self._redis)
         self._engine: Engine | None = None
         self._runner: RequestRunner | None = None
@@ -67,7 +68,7 @@ class Worker:
         self._runner = RequestRunner(
             config,
             self._engine,
-            Publisher(self._producer),
+            self._publisher,
             self.ledger,
             self.capacity,
             self.metrics,
@@ -138,11 +139,10 @@ class Worker:
         log.warning(
             "dead-lettering %s/%s@%s: %s", record.topic, record.partition, record.offset, exc
         )
-        publisher = Publisher(self._producer)
-        await publisher.dead_letter(record, str(exc))
+        await self._publisher.dead_letter(record, str(exc))
         request_id = _request_id_of(record.value)
         if request_id is not None:
-            await publisher.final(_malformed_final(request_id, self.model, str(exc)), None)
+            await self._publisher.final(_malformed_final(request_id, self.model, str(exc)), None)
         self.metrics.finished("error")
 
     async def _on_cancel(self, event: ControlEvent) -> None:

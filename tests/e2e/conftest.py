@@ -6,16 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import uuid
 from collections.abc import AsyncIterator
 
 import httpx
 import pytest
 
 from infra.process import free_port
-from infra.roles import GatewayProcess, PersistProcess, WorkerProcess
-from infra.topics import TopicSpec, ensure_topics
-from schemas import topics
+from infra.roles import GatewayProcess, PersistProcess, WorkerProcess, model_alias, running
 from tandoor.settings import Settings
 from tests.e2e.helpers import Stack
 from workers.model_store import resolve_model_dir
@@ -26,10 +23,8 @@ async def stack(
     kafka: str, cassandra: Settings, redis_url: str, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[Stack]:
     logs = tmp_path_factory.mktemp("stack")
-    model = f"gw-{uuid.uuid4().hex[:6]}"
-    partitions = sum(b.partitions for b in cassandra.bands)
-    await ensure_topics(kafka, [TopicSpec(topics.prompts_topic(model), partitions)])
     model_dir = await asyncio.to_thread(resolve_model_dir, "smollm2", cassandra)
+    model, env = await model_alias(cassandra, model_dir, "gw")
     free = {
         "band": "interactive-free",
         "requests_per_minute": 2,
@@ -37,24 +32,11 @@ async def stack(
         "concurrent_streams": 2,
     }
     tiers = {name: p.model_dump() for name, p in cassandra.tiers.items()} | {"free": free}
-    env = {
-        "TANDOOR_MODELS": json.dumps([model]),
-        "TANDOOR_MODEL_DIRS": json.dumps({model: str(model_dir)}),
-        "TANDOOR_TIERS": json.dumps(tiers),
-        "TANDOOR_GATEWAY_GROUP": f"gateway-{model}",
-        "TANDOOR_PERSIST_GROUP": f"persist-{model}",
-    }
+    env["TANDOOR_TIERS"] = json.dumps(tiers)
     gateways = [GatewayProcess(logs, free_port(), env) for _ in range(2)]  # two replicas
-    roles = [WorkerProcess(model, logs, env), PersistProcess(logs, env), *gateways]
-    for role in roles:
-        role.start()
-    try:
-        await asyncio.gather(*(role.wait_ready() for role in roles))
+    async with running([WorkerProcess(model, logs, env), PersistProcess(logs, env), *gateways]):
         settings = cassandra.model_copy(update={"models": [model]})
         yield Stack(f"http://127.0.0.1:{gateways[0].port}", settings, gateways)
-    finally:
-        for role in roles:
-            role.terminate()
 
 
 @pytest.fixture
