@@ -30,6 +30,9 @@ async def bench_gateway(model_dir: Path, args: argparse.Namespace) -> list[tuple
     env |= {
         "TANDOOR_WORKER_MAX_SEQS": str(args.max_seqs),
         "TANDOOR_WORKER_KV_CACHE_MIB": str(args.kv_cache_mib),
+        # The long-lived group, caught up as in production: a fresh group would first
+        # replay all of `tokens` and compete with the measurement for the CPU.
+        "TANDOOR_PERSIST_GROUP": "persist",
     }
     gateway = GatewayProcess(args.log_dir, free_port(), env)
     roles = [WorkerProcess(model, args.log_dir, env), PersistProcess(args.log_dir, env), gateway]
