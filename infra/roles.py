@@ -4,6 +4,7 @@ would: for the local main job, the tests and the benchmarks."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -61,7 +62,8 @@ class RoleProcess:
         """kill -9 the whole process tree (a worker's vLLM engine core is a child)."""
         if self.proc is None:
             return
-        os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):  # already gone
+            os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(timeout=30)
 
     def terminate(self, timeout_s: float = 120) -> int:
@@ -128,13 +130,23 @@ async def model_alias(
 ) -> tuple[str, dict[str, str]]:
     """A fresh model name served from `model_dir`, with its prompt topic created, and the
     environment that makes roles serve it: isolated topics and groups per test or run."""
-    model = f"{prefix}-{uuid.uuid4().hex[:6]}"
-    partitions = sum(band.partitions for band in settings.bands)
-    await ensure_topics(settings.kafka_bootstrap, [TopicSpec(prompts_topic(model), partitions)])
-    env = {
-        "TANDOOR_MODELS": json.dumps([model]),
-        "TANDOOR_MODEL_DIRS": json.dumps({model: str(model_dir)}),
-        "TANDOOR_GATEWAY_GROUP": f"gateway-{model}",
-        "TANDOOR_PERSIST_GROUP": f"persist-{model}",
-    }
+    (model, *_), env = await model_aliases(settings, model_dir, [prefix])
     return model, env
+
+
+async def model_aliases(
+    settings: Settings, model_dir: Path, prefixes: Sequence[str]
+) -> tuple[list[str], dict[str, str]]:
+    """Like model_alias, for several names served together (the first names the groups)."""
+    models = [f"{prefix}-{uuid.uuid4().hex[:6]}" for prefix in prefixes]
+    partitions = sum(band.partitions for band in settings.bands)
+    await ensure_topics(
+        settings.kafka_bootstrap, [TopicSpec(prompts_topic(m), partitions) for m in models]
+    )
+    env = {
+        "TANDOOR_MODELS": json.dumps(models),
+        "TANDOOR_MODEL_DIRS": json.dumps({m: str(model_dir) for m in models}),
+        "TANDOOR_GATEWAY_GROUP": f"gateway-{models[0]}",
+        "TANDOOR_PERSIST_GROUP": f"persist-{models[0]}",
+    }
+    return models, env

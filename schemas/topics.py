@@ -19,6 +19,11 @@ def prompts_topic(model: str) -> str:
     return PROMPTS_PREFIX + model
 
 
+def worker_group(model: str) -> str:
+    """The consumer group of a model's workers: its commits mark finished prompts."""
+    return f"workers.{model}"
+
+
 @dataclass(frozen=True)
 class BandRange:
     name: str

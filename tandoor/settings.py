@@ -26,6 +26,7 @@ class TierPolicy(BaseModel):
     requests_per_minute: int = Field(ge=1)
     tokens_per_minute: int = Field(ge=1)
     concurrent_streams: int = Field(ge=1)
+    max_reply_tokens: int = Field(default=4096, ge=1)  # a larger max_tokens is a 400
 
 
 DEFAULT_TIERS = {
@@ -54,6 +55,16 @@ DEFAULT_TIERS = {
         concurrent_streams=256,
     ),
 }
+
+
+class Fallback(BaseModel):
+    """Load shedding: while a model's backlog is past `backlog` prompts, the listed
+    tiers are answered by `model` instead."""
+
+    model: str
+    backlog: int = Field(ge=0)
+    tiers: list[str]
+
 
 DEFAULT_BANDS = [
     Band(name="interactive-paid", partitions=4),
@@ -90,6 +101,9 @@ class Settings(BaseSettings):
     model_dirs: dict[str, Path] = Field(default_factory=dict)
     bands: list[Band] = DEFAULT_BANDS
     tiers: dict[str, TierPolicy] = DEFAULT_TIERS
+    # Primary model -> its fallback; the backlog is checked every backlog_poll_s.
+    fallbacks: dict[str, Fallback] = Field(default_factory=dict)
+    backlog_poll_s: float = Field(default=1.0, gt=0)
     tokens_partitions: int = Field(default=8, ge=1)
 
     # Kafka latency knobs. Consumers keep fetch_min_bytes at 1, so a fetch returns as
@@ -114,6 +128,12 @@ class Settings(BaseSettings):
     system_prompt: str | None = "You are a helpful assistant. Answer briefly."
     reply_max_tokens: int = Field(default=512, ge=1)
     queue_timeout_s: float = Field(default=120, gt=0)  # a reply not started by then fails
+    # The worker answers an expired prompt itself; silence this much longer means no worker.
+    no_worker_grace_s: float = Field(default=30, gt=0)
+    # Per replica: open reply streams, and how long one write to a client may block
+    # (a stuck client is cut off; it can resume with Last-Event-ID).
+    gateway_max_streams: int = Field(default=1000, ge=1)
+    gateway_write_timeout_s: float = Field(default=30, gt=0)
     kafka_send_timeout_s: float = Field(default=5, gt=0)  # then 503, message marked failed
     context_window: int = Field(default=2048, ge=64)  # the served models' max_model_len
     moderation_blocklist: list[str] = Field(default_factory=list)
@@ -125,13 +145,20 @@ class Settings(BaseSettings):
     coalesce_tokens: int = Field(default=16, ge=1)
 
     @model_validator(mode="after")
-    def _bands_are_unique(self) -> Settings:
+    def _consistent(self) -> Settings:
         names = [band.name for band in self.bands]
         if len(set(names)) != len(names):
             raise ValueError(f"band names must be unique, got {names}")
         for tier, policy in self.tiers.items():
             if policy.band not in names:
                 raise ValueError(f"tier {tier!r} uses band {policy.band!r}; bands are {names}")
+        for model, rule in self.fallbacks.items():
+            unknown = [t for t in rule.tiers if t not in self.tiers]
+            if model not in self.models or rule.model not in self.models or unknown:
+                raise ValueError(
+                    f"fallback {model!r} -> {rule.model!r} for {rule.tiers}: models must be "
+                    f"served ({self.models}) and tiers known ({sorted(self.tiers)})"
+                )
         return self
 
     @property

@@ -19,7 +19,7 @@ from aiokafka.coordinator.assignors.roundrobin import RoundRobinPartitionAssigno
 from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
 from aiokafka.structs import ConsumerRecord
 
-from schemas.topics import BandLayout, prompts_topic
+from schemas.topics import BandLayout, prompts_topic, worker_group
 from tandoor.settings import Settings
 from workers.offsets import OffsetTracker
 from workers.scheduler import BandScheduler
@@ -41,7 +41,7 @@ class PromptIntake(ConsumerRebalanceListener):  # type: ignore[misc]
         self.offsets = OffsetTracker()
         self.consumer = AIOKafkaConsumer(
             bootstrap_servers=settings.kafka_bootstrap,
-            group_id=f"workers.{model}",
+            group_id=worker_group(model),
             client_id=f"worker.{model}",
             enable_auto_commit=False,
             auto_offset_reset="earliest",

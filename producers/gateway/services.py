@@ -13,10 +13,12 @@ from fastapi import Request
 from consumers.fanout import TokenFanout
 from producers.gateway.chat.service import ChatDeps, ChatService
 from producers.gateway.conversations.service import ConversationService
+from producers.gateway.streaming import StreamSlots
 from producers.keys import KeyStore
 from producers.moderation import DefaultModerator
 from producers.prompts import PromptSubmitter
 from producers.quota import Quotas
+from producers.shedding import BacklogMonitor, ModelRouter
 from tandoor.clients import cassandra_cluster, kafka_producer, redis_client
 from tandoor.settings import Settings
 
@@ -41,6 +43,9 @@ async def open_services(settings: Settings) -> AsyncIterator[Services]:
         fanout = TokenFanout(settings)
         await fanout.start()
         stack.push_async_callback(fanout.stop)
+        backlog = BacklogMonitor(settings)
+        await backlog.start()
+        stack.push_async_callback(backlog.stop)
         conversations = ConversationService(session, settings.models)
         chat = ChatService(
             ChatDeps(
@@ -52,6 +57,8 @@ async def open_services(settings: Settings) -> AsyncIterator[Services]:
                 redis=cache,
                 quotas=Quotas(cache),
                 moderator=DefaultModerator(settings.moderation_blocklist),
+                router=ModelRouter(settings, backlog.backlog),
+                streams=StreamSlots(settings.gateway_max_streams),
             )
         )
         yield Services(settings, KeyStore(session, cache, set(settings.tiers)), conversations, chat)

@@ -7,6 +7,7 @@ import json
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -15,12 +16,19 @@ from infra.roles import GatewayProcess
 from producers.keys import create_key
 from tandoor.settings import Settings
 
+SHED_BACKLOG = 2  # prompts waiting on the `big` model before the free tier is shed
+
 
 @dataclass
 class Stack:
     url: str
     settings: Settings
     gateways: list[GatewayProcess]
+    env: dict[str, str]  # what makes a role serve this stack's models
+    logs: Path
+    model: str  # served by the stack's worker
+    big: str  # no worker: prompts wait, and the free tier falls back to `model`
+    crash: str  # no worker but the ones a test starts
 
 
 async def auth(stack: Stack, tier: str = "plus") -> dict[str, str]:
@@ -28,8 +36,11 @@ async def auth(stack: Stack, tier: str = "plus") -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
-async def new_conversation(http: httpx.AsyncClient, headers: dict[str, str]) -> str:
-    response = await http.post("/v1/conversations", json={}, headers=headers)
+async def new_conversation(
+    http: httpx.AsyncClient, headers: dict[str, str], model: str | None = None
+) -> str:
+    body = {"model": model} if model else {}
+    response = await http.post("/v1/conversations", json=body, headers=headers)
     assert response.status_code == 201, response.text
     return str(response.json()["id"])
 

@@ -37,7 +37,7 @@ def prompt(
 async def committed_offset(settings: Settings, model: str, partition: int) -> int | None:
     """Where the workers of `model` will resume in `partition`."""
     consumer = AIOKafkaConsumer(
-        bootstrap_servers=settings.kafka_bootstrap, group_id=f"workers.{model}"
+        bootstrap_servers=settings.kafka_bootstrap, group_id=topics.worker_group(model)
     )
     await consumer.start()
     try:

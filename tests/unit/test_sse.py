@@ -102,3 +102,8 @@ async def test_resume_from_an_older_attempt_restarts() -> None:
     events = [token("New", 0, attempt=2), final("New", attempt=2)]
     out = await frames(events, resume="1.7")
     assert out[0]["type"] == "restart" and text(out) == "New"
+
+
+async def test_events_ending_without_a_final_give_a_clear_error() -> None:
+    out = await frames([token("Hal", 0)])
+    assert out[-1]["type"] == "error" and "no worker answered" in out[-1]["error"]

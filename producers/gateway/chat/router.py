@@ -13,6 +13,7 @@ from producers.gateway.chat.protocol import PostMessage, ReplyOptions
 from producers.gateway.chat.service import ChatService, Reply
 from producers.gateway.chat.sse import ResumePoint, frame, reply_frames
 from producers.gateway.services import Services, services
+from producers.gateway.streaming import ReplyStream, Slot
 
 router = APIRouter(prefix="/v1/conversations", tags=["chat"])
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -30,7 +31,8 @@ async def post_message(
     conversation_id: str, body: PostMessage, caller: Caller, svc: Chat
 ) -> StreamingResponse:
     """Send a message; the reply streams back as server-sent events."""
-    return _streamed(await svc.post(caller, conversation_id, body), svc)
+    with svc.deps.streams.reserve() as slot:
+        return _streamed(await svc.post(caller, conversation_id, body), svc, slot)
 
 
 @router.post("/{conversation_id}/regenerate", response_class=StreamingResponse)
@@ -38,7 +40,9 @@ async def regenerate(
     conversation_id: str, caller: Caller, svc: Chat, body: ReplyOptions | None = None
 ) -> StreamingResponse:
     """A fresh reply to the last message; the previous reply is kept as replaced."""
-    return _streamed(await svc.regenerate(caller, conversation_id, body or ReplyOptions()), svc)
+    with svc.deps.streams.reserve() as slot:
+        reply = await svc.regenerate(caller, conversation_id, body or ReplyOptions())
+        return _streamed(reply, svc, slot)
 
 
 @router.post("/{conversation_id}/messages/{message_id}/edit", response_class=StreamingResponse)
@@ -46,16 +50,17 @@ async def edit(
     conversation_id: str, message_id: str, body: PostMessage, caller: Caller, svc: Chat
 ) -> StreamingResponse:
     """Change a message of yours and rerun from there; what followed it is replaced."""
-    return _streamed(await svc.edit(caller, conversation_id, message_id, body), svc)
+    with svc.deps.streams.reserve() as slot:
+        return _streamed(await svc.edit(caller, conversation_id, message_id, body), svc, slot)
 
 
-def _streamed(reply: Reply, svc: ChatService) -> StreamingResponse:
+def _streamed(reply: Reply, svc: ChatService, slot: Slot) -> ReplyStream:
     start = frame(
         {
             "type": "start",
             "request_id": reply.request_id,
             "conversation_id": reply.conversation.id,
-            "model": reply.conversation.model,
+            "model": reply.model,
             "user_message_id": reply.user_message_id,
         }
     )
@@ -66,7 +71,7 @@ def _streamed(reply: Reply, svc: ChatService) -> StreamingResponse:
             yield chunk
 
     headers = {**SSE_HEADERS, "X-Request-Id": reply.request_id}
-    return StreamingResponse(stream(), media_type="text/event-stream", headers=headers)
+    return ReplyStream(stream(), slot, svc.deps.settings.gateway_write_timeout_s, headers)
 
 
 @router.post("/{conversation_id}/stop", status_code=202)
@@ -84,7 +89,8 @@ async def resume(
     last_event_id: Annotated[str | None, Header(max_length=64)] = None,
 ) -> StreamingResponse:
     """Resume the current reply after `Last-Event-ID` (or from its start)."""
-    events = await svc.resume_events(caller, conversation_id)
-    resume = ResumePoint.parse(last_event_id)
-    frames = reply_frames(events, svc.deps.moderator.output_filter, resume)
-    return StreamingResponse(frames, media_type="text/event-stream", headers=SSE_HEADERS)
+    with svc.deps.streams.reserve() as slot:
+        events = await svc.resume_events(caller, conversation_id)
+        resume = ResumePoint.parse(last_event_id)
+        frames = reply_frames(events, svc.deps.moderator.output_filter, resume)
+        return ReplyStream(frames, slot, svc.deps.settings.gateway_write_timeout_s, SSE_HEADERS)

@@ -21,10 +21,12 @@ from producers.gateway.chat.watch import ReplyWatch
 from producers.gateway.conversations.protocol import Conversation, Message
 from producers.gateway.conversations.service import ConversationService
 from producers.gateway.errors import ApiError, not_found
+from producers.gateway.streaming import StreamSlots
 from producers.keys import Principal
 from producers.moderation import Moderator
 from producers.prompts import PromptSubmitter
 from producers.quota import Admission, QuotaExceeded, Quotas
+from producers.shedding import ModelRouter
 from schemas.events import ChatMessage, FinalEvent, PromptRequest, Sampling, now_ms
 from tandoor.settings import Settings
 
@@ -36,8 +38,25 @@ REPLY_STATUSES = {"complete", "stopped"}
 class Reply:
     request_id: str
     conversation: Conversation
+    model: str  # the one answering: the conversation's, or its fallback under load
     user_message_id: str | None  # None when regenerating: no new user message
     watch: ReplyWatch
+
+
+@dataclass
+class _Prompt:
+    """Everything decided before the prompt is produced."""
+
+    caller: Principal
+    conversation: Conversation
+    model: str
+    text: str | None
+    messages: list[ChatMessage]
+    options: ReplyOptions
+    max_tokens: int
+    request_id: str
+    now: int
+    admission: Admission
 
 
 @dataclass
@@ -50,6 +69,8 @@ class ChatDeps:
     redis: aioredis.Redis
     quotas: Quotas
     moderator: Moderator
+    router: ModelRouter
+    streams: StreamSlots
 
 
 class ChatService:
@@ -102,8 +123,11 @@ class ChatService:
     ) -> Reply:
         """Context, quota, then the prompt: the part every way of asking shares."""
         d = self.deps
-        max_tokens = options.max_tokens or d.settings.reply_max_tokens
-        asked = [*history, *([ChatMessage(role="user", content=new_text)] if new_text else [])]
+        max_tokens = self._max_tokens(caller, options)
+        asked = [
+            *history,
+            *([ChatMessage(role="user", content=new_text)] if new_text is not None else []),
+        ]
         # An API client brings its own system prompt; the chat page gets the configured one.
         system = None if keep_system else d.settings.system_prompt
         try:
@@ -112,22 +136,38 @@ class ChatService:
             raise ApiError(413, str(exc), param="content") from exc
         request_id, now = f"r_{uuid.uuid4().hex}", now_ms()
         admission = await self._admit(caller, request_id, context.prompt_tokens + max_tokens, now)
+        model = d.router.answering(conversation.model, caller.tier)
         try:
             return await self._start(
-                caller,
-                conversation,
-                new_text,
-                context.messages,
-                options,
-                max_tokens,
-                request_id,
-                now,
-                admission,
+                _Prompt(
+                    caller,
+                    conversation,
+                    model,
+                    new_text,
+                    context.messages,
+                    options,
+                    max_tokens,
+                    request_id,
+                    now,
+                    admission,
+                )
             )
         except BaseException:
             await d.quotas.settle(admission, 0)
             await d.quotas.release(admission)
             raise
+
+    def _max_tokens(self, caller: Principal, options: ReplyOptions) -> int:
+        limit = self.deps.settings.tiers[caller.tier].max_reply_tokens
+        if options.max_tokens is None:
+            return min(self.deps.settings.reply_max_tokens, limit)
+        if options.max_tokens > limit:
+            raise ApiError(
+                400,
+                f"max_tokens {options.max_tokens} is above tier {caller.tier!r}'s limit of {limit}",
+                param="max_tokens",
+            )
+        return options.max_tokens
 
     def moderated(self, content: str) -> str:
         verdict = self.deps.moderator.check_input(content)
@@ -184,57 +224,46 @@ class ChatService:
                 headers={"Retry-After": str(exc.retry_after_s)},
             ) from exc
 
-    async def _start(
-        self,
-        caller: Principal,
-        conversation: Conversation,
-        text: str | None,
-        messages: list[ChatMessage],
-        options: ReplyOptions,
-        max_tokens: int,
-        request_id: str,
-        now: int,
-        admission: Admission,
-    ) -> Reply:
+    async def _start(self, p: _Prompt) -> Reply:
         """Store the user's message (if there is a new one), produce the prompt, follow it."""
         d = self.deps
-        user_message_id = f"m_{uuid.uuid4().hex}" if text is not None else None
-        if text is not None and user_message_id is not None:
+        user_message_id = f"m_{uuid.uuid4().hex}" if p.text is not None else None
+        if p.text is not None and user_message_id is not None:
             await d.conversations.add_user_message(
-                caller.user_id, conversation, user_message_id, text, now
+                p.caller.user_id, p.conversation, user_message_id, p.text, p.now
             )
-        sub = await d.fanout.subscribe(request_id)
+        sub = await d.fanout.subscribe(p.request_id)
         prompt = PromptRequest(
-            request_id=request_id,
-            model=conversation.model,
-            user_id=caller.user_id,
-            tier=caller.tier,
-            band=d.settings.tiers[caller.tier].band,
-            conversation_id=conversation.id,
-            messages=messages,
+            request_id=p.request_id,
+            model=p.model,
+            user_id=p.caller.user_id,
+            tier=p.caller.tier,
+            band=d.settings.tiers[p.caller.tier].band,
+            conversation_id=p.conversation.id,
+            messages=p.messages,
             sampling=Sampling(
-                max_tokens=max_tokens,
-                temperature=_temperature(options),
-                ignore_eos=options.ignore_eos,
+                max_tokens=p.max_tokens,
+                temperature=_temperature(p.options),
+                ignore_eos=p.options.ignore_eos,
             ),
-            created_at_ms=now,
-            deadline_ms=now + int(d.settings.queue_timeout_s * 1000),
+            created_at_ms=p.now,
+            deadline_ms=p.now + int(d.settings.queue_timeout_s * 1000),
             reply_partition=sub.partition,
-            prompt_tokens_estimate=admission.estimated_tokens,
+            prompt_tokens_estimate=p.admission.estimated_tokens,
         )
         try:
             await asyncio.wait_for(d.submitter.submit(prompt), d.settings.kafka_send_timeout_s)
         except (KafkaError, TimeoutError) as exc:
             d.fanout.unsubscribe(sub)
             if user_message_id is not None:
-                await d.conversations.mark_failed(conversation.id, user_message_id, now)
+                await d.conversations.mark_failed(p.conversation.id, user_message_id, p.now)
             raise ApiError(
                 503,
                 "the prompt queue is unreachable; your message is saved as failed, please retry",
                 kind="service_unavailable",
             ) from exc
-        watch = await self._follow(conversation.id, sub, admission)
-        return Reply(request_id, conversation, user_message_id, watch)
+        watch = await self._follow(p.conversation.id, sub, p.admission)
+        return Reply(p.request_id, p.conversation, p.model, user_message_id, watch)
 
     async def _follow(
         self, conversation_id: str, sub: Subscription, admission: Admission
@@ -256,7 +285,7 @@ class ChatService:
             await d.quotas.release(admission)
 
         # The worker answers an expired prompt itself; silence past that means no worker.
-        return ReplyWatch(sub, d.settings.queue_timeout_s + 30, finished)
+        return ReplyWatch(sub, d.settings.queue_timeout_s + d.settings.no_worker_grace_s, finished)
 
 
 def _usable(messages: list[Message]) -> list[ChatMessage]:

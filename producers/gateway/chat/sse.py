@@ -22,6 +22,7 @@ from schemas.events import FinalEvent
 
 DONE = "data: [DONE]\n\n"
 KEEPALIVE = ": keep-alive\n\n"
+NO_ANSWER = "no worker answered in time: the model may be down or overloaded; please retry"
 
 
 def frame(data: dict[str, Any], event_id: str | None = None) -> str:
@@ -94,6 +95,8 @@ async def reply_frames(
         chunk = current.emit(current.filter.feed(event.delta))
         if chunk:
             yield chunk
+    yield frame({"type": "error", "error": NO_ANSWER})  # the events ended without a final
+    yield DONE
 
 
 def _final(event: FinalEvent) -> dict[str, Any]:

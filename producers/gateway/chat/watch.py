@@ -22,8 +22,8 @@ class ReplyWatch:
         self.sub = sub
         self._give_up_s = give_up_s
         self._on_final = on_final
+        # Events for the client; None marks the end (after a final, or on giving up).
         self._out: asyncio.Queue[Delivered | None] = asyncio.Queue()
-        self._closed = False
         self.task = asyncio.create_task(self._follow(), name=f"reply-{sub.request_id}")
 
     async def events(self) -> AsyncIterator[Delivered | None]:
@@ -32,13 +32,11 @@ class ReplyWatch:
             try:
                 item = await asyncio.wait_for(self._out.get(), KEEPALIVE_S)
             except TimeoutError:
-                if self._closed:
-                    return
                 yield None
                 continue
-            yield item
-            if item is not None and isinstance(item.event, FinalEvent):
+            if item is None:
                 return
+            yield item
 
     async def _follow(self) -> None:
         final: FinalEvent | None = None
@@ -51,6 +49,6 @@ class ReplyWatch:
         except TimeoutError:
             log.warning("%s: no event for %.0f s; giving up", self.sub.request_id, self._give_up_s)
         finally:
-            self._closed = True
+            self._out.put_nowait(None)
             with contextlib.suppress(Exception):
                 await self._on_final(final)

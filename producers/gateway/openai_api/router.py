@@ -16,6 +16,7 @@ from producers.gateway.openai_api.service import (
     start_completion,
 )
 from producers.gateway.services import Services, services
+from producers.gateway.streaming import ReplyStream
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
@@ -36,9 +37,10 @@ async def models(caller: Caller, deps: Annotated[Services, Depends(services)]) -
 async def chat_completions(
     body: ChatCompletionRequest, caller: Caller, svc: Chat
 ) -> dict[str, Any] | StreamingResponse:
-    reply = await start_completion(svc, caller, body)
     if not body.stream:
-        return await completion_body(reply)
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    chunks = completion_chunks(reply, include_usage)
-    return StreamingResponse(chunks, media_type="text/event-stream", headers=SSE_HEADERS)
+        return await completion_body(await start_completion(svc, caller, body))
+    with svc.deps.streams.reserve() as slot:
+        reply = await start_completion(svc, caller, body)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        chunks = completion_chunks(reply, include_usage)
+        return ReplyStream(chunks, slot, svc.deps.settings.gateway_write_timeout_s, SSE_HEADERS)

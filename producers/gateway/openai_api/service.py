@@ -11,6 +11,7 @@ import orjson
 from consumers.fanout import Delivered
 from producers.gateway.chat.protocol import ReplyOptions
 from producers.gateway.chat.service import ChatService, Reply
+from producers.gateway.chat.sse import NO_ANSWER
 from producers.gateway.errors import ApiError
 from producers.gateway.openai_api.protocol import ChatCompletionRequest
 from producers.keys import Principal
@@ -67,7 +68,7 @@ async def completion_body(reply: Reply) -> dict[str, Any]:
             ],
             "usage": _usage(final),
         }
-    raise ApiError(504, "the reply did not finish in time", kind="timeout_error")
+    raise ApiError(504, NO_ANSWER, kind="timeout_error")
 
 
 async def completion_chunks(reply: Reply, include_usage: bool) -> AsyncIterator[str]:
@@ -76,7 +77,7 @@ async def completion_chunks(reply: Reply, include_usage: bool) -> AsyncIterator[
         "id": f"chatcmpl-{reply.request_id}",
         "object": "chat.completion.chunk",
         "created": int(time.time()),
-        "model": reply.conversation.model,
+        "model": reply.model,
     }
     yield _data(
         {**base, "choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]}
@@ -94,15 +95,7 @@ async def completion_chunks(reply: Reply, include_usage: bool) -> AsyncIterator[
             )
             continue
         if event.finish_reason not in FINISH:
-            yield _data(
-                {
-                    "error": {
-                        "message": event.error or event.finish_reason,
-                        "type": "server_error",
-                        "code": event.finish_reason,
-                    }
-                }
-            )
+            yield _error(event.error or event.finish_reason, event.finish_reason)
             break
         yield _data(
             {
@@ -115,6 +108,8 @@ async def completion_chunks(reply: Reply, include_usage: bool) -> AsyncIterator[
         if include_usage:
             yield _data({**base, "choices": [], "usage": _usage(event)})
         break
+    else:
+        yield _error(NO_ANSWER, "timeout")
     yield "data: [DONE]\n\n"
 
 
@@ -149,6 +144,10 @@ def _usage(final: FinalEvent) -> dict[str, int]:
 
 def _message(role: str, content: str) -> ChatMessage:
     return ChatMessage(role="system" if role == "developer" else role, content=content)  # type: ignore[arg-type]
+
+
+def _error(message: str, code: str) -> str:
+    return _data({"error": {"message": message, "type": "server_error", "code": code}})
 
 
 def _data(obj: dict[str, Any]) -> str:

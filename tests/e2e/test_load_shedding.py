@@ -1,0 +1,67 @@
+"""Load shedding: while the `big` model is backlogged, the free tier is answered by
+the stack's main model instead, and the reply says so."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+import pytest
+
+from producers.shedding import backlog_clients, count_backlog
+from tests.e2e.helpers import SHED_BACKLOG, Stack, auth, new_conversation, sse, stored_reply
+
+pytestmark = pytest.mark.integration
+
+
+async def start_event(
+    http: httpx.AsyncClient, headers: dict[str, str], conversation: str
+) -> dict[str, Any]:
+    """Post a message and read only the start event: nobody serves `big`, so the
+    prompt stays queued after the client has gone (closing the tab is not stop)."""
+    path = f"/v1/conversations/{conversation}/messages"
+    body = {"content": "Name a colour.", "max_tokens": 8}
+    async with http.stream("POST", path, json=body, headers=headers) as response:
+        assert response.status_code == 200, await response.aread()
+        async for _, data in sse(response):
+            assert data["type"] == "start"
+            return dict(data)
+    raise AssertionError("no start event")
+
+
+async def wait_for_backlog(stack: Stack, at_least: int) -> None:
+    partitions = sum(band.partitions for band in stack.settings.bands)
+    async with backlog_clients(stack.settings) as (admin, offsets):
+        for _ in range(60):
+            if await count_backlog(admin, offsets, partitions, stack.big) >= at_least:
+                return
+            await asyncio.sleep(0.5)
+    raise AssertionError(f"the backlog of {stack.big} never reached {at_least}")
+
+
+async def test_the_free_tier_falls_back_while_the_big_model_is_backlogged(
+    stack: Stack, http: httpx.AsyncClient
+) -> None:
+    paid, free = await auth(stack, "plus"), await auth(stack, "free")
+    for _ in range(SHED_BACKLOG):
+        waiting = await new_conversation(http, paid, stack.big)
+        assert (await start_event(http, paid, waiting))["model"] == stack.big
+    await wait_for_backlog(stack, SHED_BACKLOG)
+    await asyncio.sleep(1.5)  # the gateways measure every 0.5 s
+
+    paid_chat = await new_conversation(http, paid, stack.big)
+    assert (await start_event(http, paid, paid_chat))["model"] == stack.big, "paid: no shedding"
+
+    conversation = await new_conversation(http, free, stack.big)
+    path = f"/v1/conversations/{conversation}/messages"
+    body = {"content": "What is 2 + 2?", "max_tokens": 16, "temperature": 0}
+    async with http.stream("POST", path, json=body, headers=free) as response:
+        assert response.status_code == 200, await response.aread()
+        events = [data async for _, data in sse(response)]
+    assert events[0]["model"] == stack.model
+    final = events[-2]
+    assert final["type"] == "final" and final["model"] == stack.model
+    assert final["finish_reason"] in ("stop", "length") and final["usage"]["completion_tokens"]
+    reply = (await stored_reply(http, free, conversation))[-1]
+    assert reply["model"] == stack.model and reply["status"] == "complete"

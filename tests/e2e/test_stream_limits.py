@@ -1,0 +1,54 @@
+"""A replica's cap on open streams, and a reply no worker answers ending in an error
+event instead of hanging: slow or stuck clients cannot exhaust a gateway."""
+
+from __future__ import annotations
+
+import uuid
+
+import httpx
+import pytest
+
+from infra.process import free_port
+from infra.roles import GatewayProcess, running
+from tests.e2e.helpers import Stack, auth, new_conversation, sse
+
+pytestmark = pytest.mark.integration
+
+
+async def test_streams_beyond_the_cap_are_refused_until_one_ends(stack: Stack) -> None:
+    env = {
+        **stack.env,
+        "TANDOOR_GATEWAY_GROUP": f"gateway-limits-{uuid.uuid4().hex[:6]}",
+        "TANDOOR_GATEWAY_MAX_STREAMS": "1",
+        "TANDOOR_QUEUE_TIMEOUT_S": "2",
+        "TANDOOR_NO_WORKER_GRACE_S": "1",
+    }
+    gateway = GatewayProcess(stack.logs, free_port(), env)
+    headers = await auth(stack, "plus")
+    body = {"content": "Hello?", "max_tokens": 8}
+    async with (
+        running([gateway]),
+        httpx.AsyncClient(base_url=f"http://127.0.0.1:{gateway.port}", timeout=60) as http,
+    ):
+        conversation = await new_conversation(http, headers, stack.big)  # no worker serves it
+        path = f"/v1/conversations/{conversation}/messages"
+        async with http.stream("POST", path, json=body, headers=headers) as open_stream:
+            assert open_stream.status_code == 200
+            events = sse(open_stream)
+            assert (await anext(events))[1]["type"] == "start"
+
+            refused = await http.post(path, json=body, headers=headers)
+            assert refused.status_code == 503 and refused.headers["Retry-After"]
+            assert "streams open" in refused.json()["error"]["message"]
+
+            rest = [data async for _, data in events]
+        assert rest[-2]["type"] == "error" and "no worker answered" in rest[-2]["error"]
+        assert rest[-1] == "[DONE]"
+
+        again = await http.post(
+            f"/v1/conversations/{await new_conversation(http, headers)}/messages",
+            json={"content": "Say hi.", "max_tokens": 4},
+            headers=headers,
+        )
+        assert again.status_code == 200, "the slot was given back"
+        assert again.text.rstrip().endswith("[DONE]")

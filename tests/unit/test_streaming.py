@@ -1,0 +1,57 @@
+"""Stream slots and the write timeout that cuts off a client which stopped reading."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+from starlette.types import Message
+
+from producers.gateway.errors import ApiError
+from producers.gateway.streaming import ReplyStream, StreamSlots
+
+SCOPE = {"type": "http", "asgi": {"spec_version": "2.3"}, "client": ("127.0.0.1", 5)}
+
+
+async def endless() -> AsyncIterator[str]:
+    while True:
+        yield "data: {}\n\n"
+        await asyncio.sleep(0)
+
+
+async def never_disconnects() -> Message:
+    await asyncio.Event().wait()
+    return {"type": "http.disconnect"}
+
+
+def test_slots_are_capped_and_given_back_once() -> None:
+    slots = StreamSlots(limit=2)
+    first, _ = slots.take(), slots.take()
+    with pytest.raises(ApiError) as refused:
+        slots.take()
+    assert refused.value.status == 503 and refused.value.headers["Retry-After"]
+    first.release()
+    first.release()
+    assert slots.open == 1
+
+
+def test_a_failed_start_gives_the_slot_back() -> None:
+    slots = StreamSlots(limit=1)
+    with pytest.raises(RuntimeError), slots.reserve():
+        raise RuntimeError("quota")
+    assert slots.open == 0
+
+
+async def test_a_client_that_stops_reading_is_cut_off_and_its_slot_freed() -> None:
+    slots = StreamSlots(limit=1)
+    written: list[Message] = []
+
+    async def stuck_after_three(message: Message) -> None:
+        written.append(message)
+        if len(written) > 3:
+            await asyncio.Event().wait()  # the socket buffer is full and never drains
+
+    stream = ReplyStream(endless(), slots.take(), write_timeout_s=0.2, headers={})
+    await asyncio.wait_for(stream(SCOPE, never_disconnects, stuck_after_three), 5)
+    assert len(written) == 4 and slots.open == 0
