@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+from collections.abc import Callable
 from typing import Any
 
 from schemas.events import FinalEvent
@@ -52,8 +53,9 @@ def write_timestamp_us(final: FinalEvent) -> int:
 class HistoryWriter:
     """Prepared statements for storing final events; one instance per session."""
 
-    def __init__(self, session: Any) -> None:
+    def __init__(self, session: Any, redact: Callable[[str], str] = str) -> None:
         self._session = session
+        self._redact = redact  # the output moderation the client saw while streaming
         self._message = session.prepare(INSERT_MESSAGE)
         self._usage = session.prepare(INSERT_USAGE)
         self._touch = session.prepare(TOUCH_CONVERSATION)
@@ -73,7 +75,7 @@ class HistoryWriter:
                 final.conversation_id,
                 _utc(reply_time_ms(final)),
                 final.request_id,
-                final.text,
+                self._redact(final.text),
                 MESSAGE_STATUS[final.finish_reason],
                 final.model,
                 final.attempt,

@@ -13,6 +13,7 @@ from aiokafka.structs import ConsumerRecord
 from cassandra.cluster import Cluster
 
 from consumers.history import HistoryWriter
+from producers.moderation import DefaultModerator
 from schemas import topics
 from schemas.codec import SchemaError, decode
 from schemas.events import FinalEvent
@@ -44,7 +45,8 @@ class Persister:
     async def start(self) -> None:
         self._cluster = cassandra_cluster(self.settings)
         session = await asyncio.to_thread(self._cluster.connect, self.settings.keyspace)
-        self._writer = HistoryWriter(session)
+        moderator = DefaultModerator(self.settings.moderation_blocklist)
+        self._writer = HistoryWriter(session, moderator.check_output)
         await self._consumer.start()
         log.info("persist ready: %s -> keyspace %s", topics.TOKENS, self.settings.keyspace)
 

@@ -2,7 +2,7 @@
 
 The default: a configurable blocklist refuses a message outright, and personal data
 (e-mail addresses, phone numbers, payment card numbers) is redacted, in the input
-before it reaches the model and in the reply as it streams.
+before it reaches the model, in the reply as it streams, and in the reply as stored.
 """
 
 from __future__ import annotations
@@ -36,6 +36,9 @@ class Moderator(Protocol):
 
     def output_filter(self) -> OutputFilter: ...
 
+    def check_output(self, text: str) -> str:
+        """A whole reply as it is stored: what output_filter streams, all at once."""
+
 
 class OutputFilter(Protocol):
     def feed(self, chunk: str) -> str:
@@ -60,6 +63,9 @@ class DefaultModerator:
 
     def output_filter(self) -> OutputFilter:
         return StreamRedactor()
+
+    def check_output(self, text: str) -> str:
+        return redact(text)
 
 
 class StreamRedactor:

@@ -90,3 +90,10 @@ async def openai_errors(api: openai.AsyncOpenAI, wrong: openai.AsyncOpenAI, stac
         await wrong.models.list()
     with pytest.raises(openai.BadRequestError):
         await api.chat.completions.create(model=stack.settings.models[0], messages=[])
+    # A context that does not fit is refused, not cut short behind the client's back.
+    turns = [{"role": "user", "content": "Tell me about the sea. " * 40}] * 12
+    with pytest.raises(openai.BadRequestError, match="context_length_exceeded"):
+        await api.chat.completions.create(
+            model=stack.settings.models[0],
+            messages=[{"role": "system", "content": "Be brief."}, *turns],  # type: ignore[list-item]
+        )

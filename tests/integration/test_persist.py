@@ -133,12 +133,15 @@ async def test_replies_are_stored_once_with_their_status_and_usage(
     conversation = f"c-{uuid.uuid4().hex[:8]}"
     done = final(conversation, "The capital of France is Paris.")
     stopped = final(conversation, "Once upon a", reason="cancelled")
+    private = final(conversation, "Write to ada@example.com or call +44 20 7946 0958.")
     process = await start_persist()
-    await publish(producer, done, stopped, done)  # the replay of `done` must change nothing
-    rows = await settled_rows(settings, keyspace, conversation, 2)
+    await publish(producer, done, stopped, private, done)  # replaying `done` changes nothing
+    rows = await settled_rows(settings, keyspace, conversation, 3)
     assert process.terminate() == 0  # SIGTERM: a clean exit
     by_id = {row.message_id: row for row in rows}
-    assert len(rows) == 2
+    assert len(rows) == 3
+    # Stored as it streamed: through the output moderation.
+    assert by_id[private.request_id].content == "Write to [email] or call [phone]."
     assert (by_id[done.request_id].content, by_id[done.request_id].status) == (
         done.text,
         "complete",

@@ -14,7 +14,7 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
 from consumers.fanout import Delivered, Subscription, TokenFanout, read_request
-from producers.context import ContextTooLong, assemble
+from producers.context import Context, ContextTooLong, assemble
 from producers.control import request_cancel
 from producers.gateway.chat.protocol import PostMessage, ReplyOptions
 from producers.gateway.chat.watch import ReplyWatch
@@ -119,7 +119,7 @@ class ChatService:
         history: list[ChatMessage],
         new_text: str | None,
         options: ReplyOptions,
-        keep_system: bool = False,
+        client_context: bool = False,
     ) -> Reply:
         """Context, quota, then the prompt: the part every way of asking shares."""
         d = self.deps
@@ -128,12 +128,7 @@ class ChatService:
             *history,
             *([ChatMessage(role="user", content=new_text)] if new_text is not None else []),
         ]
-        # An API client brings its own system prompt; the chat page gets the configured one.
-        system = None if keep_system else d.settings.system_prompt
-        try:
-            context = assemble(system, asked, d.settings.context_window, max_tokens)
-        except ContextTooLong as exc:
-            raise ApiError(413, str(exc), param="content") from exc
+        context = self._context(asked, max_tokens, client_context)
         request_id, now = f"r_{uuid.uuid4().hex}", now_ms()
         admission = await self._admit(caller, request_id, context.prompt_tokens + max_tokens, now)
         model = d.router.answering(conversation.model, caller.tier)
@@ -156,6 +151,26 @@ class ChatService:
             await d.quotas.settle(admission, 0)
             await d.quotas.release(admission)
             raise
+
+    def _context(self, asked: list[ChatMessage], max_tokens: int, client_context: bool) -> Context:
+        """The chat page's history is trimmed to fit, oldest first, under the configured
+        system prompt. An API client sends the whole context itself, system prompt
+        included: if it does not fit, it is refused, never silently cut."""
+        settings = self.deps.settings
+        system = None if client_context else settings.system_prompt
+        try:
+            context = assemble(system, asked, settings.context_window, max_tokens)
+        except ContextTooLong as exc:
+            raise ApiError(413, str(exc), param="content") from exc
+        if client_context and context.dropped:
+            raise ApiError(
+                400,
+                f"context_length_exceeded: the messages and max_tokens {max_tokens} need more "
+                f"than the model's {settings.context_window}-token context; send fewer "
+                f"messages or a smaller max_tokens",
+                param="messages",
+            )
+        return context
 
     def _max_tokens(self, caller: Principal, options: ReplyOptions) -> int:
         limit = self.deps.settings.tiers[caller.tier].max_reply_tokens

@@ -41,7 +41,7 @@ async def start_completion(
         ignore_eos=body.ignore_eos,
     )
     text = chat.moderated(last.content)
-    return await chat.reply(caller, conversation, history, text, options, keep_system=True)
+    return await chat.reply(caller, conversation, history, text, options, client_context=True)
 
 
 async def completion_body(reply: Reply) -> dict[str, Any]:
