@@ -94,9 +94,13 @@ async def test_closing_the_tab_does_not_stop_generation_and_resume_works(
             if len(seen) == 4:
                 break  # the tab closes
     resume_headers = {**headers, "Last-Event-ID": str(last_id)}
-    async with http.stream(
-        "GET", f"/v1/conversations/{conversation}/stream", headers=resume_headers
-    ) as response:
+    other_replica = f"http://127.0.0.1:{stack.gateways[1].port}"  # the reconnect lands there
+    async with (
+        httpx.AsyncClient(base_url=other_replica, timeout=120) as other,
+        other.stream(
+            "GET", f"/v1/conversations/{conversation}/stream", headers=resume_headers
+        ) as response,
+    ):
         assert response.status_code == 200
         rest = [data async for _, data in sse(response)]
     assert rest[-1] == "[DONE]" and rest[-2]["type"] == "final"
