@@ -1,9 +1,11 @@
 """Per-user quotas in Redis, checked and charged in one atomic step before anything
 reaches Kafka: requests per minute, tokens per minute, concurrent streams.
 
-Minutes are fixed windows (keys expire with their window). Tokens are charged with an
-estimate at admission and settled with the real usage afterwards. A stream holds a
-slot until it is released, or until its lease runs out if the releaser died.
+Requests per minute slide: a log of the last minute's requests, so no burst fits
+across a minute's boundary. Tokens per minute are fixed windows (keys expire with their
+window), charged with an estimate at admission and settled with the real usage later.
+A stream holds a slot until it is released, or until its lease runs out if the
+releaser died.
 """
 
 from __future__ import annotations
@@ -23,18 +25,21 @@ ADMIT = """
 local now, window_end = tonumber(ARGV[1]), tonumber(ARGV[2])
 local rpm, tpm, streams = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 local tokens, request_id, lease = tonumber(ARGV[6]), ARGV[7], tonumber(ARGV[8])
+local minute = tonumber(ARGV[10])
 redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - minute)
 if redis.call('ZCARD', KEYS[3]) >= streams then
   return {0, 'concurrent_streams', tonumber(ARGV[9])}
 end
-if tonumber(redis.call('GET', KEYS[1]) or '0') + 1 > rpm then
-  return {0, 'requests_per_minute', window_end - now}
+if redis.call('ZCARD', KEYS[1]) >= rpm then
+  local oldest = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+  return {0, 'requests_per_minute', tonumber(oldest[2]) + minute - now}
 end
 if tonumber(redis.call('GET', KEYS[2]) or '0') + tokens > tpm then
   return {0, 'tokens_per_minute', window_end - now}
 end
-redis.call('INCR', KEYS[1])
-redis.call('PEXPIREAT', KEYS[1], window_end)
+redis.call('ZADD', KEYS[1], now, request_id)
+redis.call('PEXPIRE', KEYS[1], minute)
 redis.call('INCRBY', KEYS[2], tokens)
 redis.call('PEXPIREAT', KEYS[2], window_end)
 redis.call('ZADD', KEYS[3], now + lease, request_id)
@@ -82,7 +87,7 @@ class Quotas:
         """Charge one request and `tokens` estimated tokens, or raise QuotaExceeded."""
         window = now_ms - now_ms % WINDOW_MS
         keys = [
-            _key("rpm", user_id, window),
+            f"tandoor:quota:rpm:{user_id}",
             _key("tpm", user_id, window),
             f"tandoor:quota:streams:{user_id}",
         ]
@@ -96,6 +101,7 @@ class Quotas:
             request_id,
             STREAM_LEASE_MS,
             BUSY_RETRY_MS,
+            WINDOW_MS,
         ]
         allowed, limit, retry_ms = await self._admit(keys=keys, args=args)
         if not allowed:

@@ -11,6 +11,7 @@ install_system_packages() {
     command -v java >/dev/null || missing+=(openjdk-17-jre-headless)
     command -v mvn >/dev/null || missing+=(maven)
     command -v redis-server >/dev/null || missing+=(redis-server)
+    command -v chromium >/dev/null || missing+=(chromium)  # the browser tests
     [ ${#missing[@]} -eq 0 ] && return
     if [ "$(id -u)" -ne 0 ]; then
         log "missing system packages: ${missing[*]}; install them with apt-get as root"; exit 1

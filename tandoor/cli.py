@@ -89,7 +89,8 @@ def run() -> None:
         from producers.keys import create_key
 
         key, _ = asyncio.run(create_key(settings, "local", "plus"))
-        typer.echo(f"gateway: http://{settings.host}:{settings.gateway_port} (API key {key})")
+        typer.echo(f"chat page: http://{settings.host}:{settings.gateway_port}/")
+        typer.echo(f"API: http://{settings.host}:{settings.gateway_port}/v1 (API key {key})")
         typer.echo('Tandoor is up. Try: tandoor ask "What is the capital of France?"')
         typer.echo("Press Ctrl-C to stop everything.")
         _wait_for_stop_signal()

@@ -12,6 +12,7 @@ from producers.gateway.conversations.router import router as conversations_route
 from producers.gateway.errors import install_error_handlers
 from producers.gateway.openai_api.router import router as openai_router
 from producers.gateway.services import open_services
+from producers.gateway.web_page import install_page
 from tandoor.settings import Settings
 
 
@@ -27,6 +28,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(conversations_router)
     app.include_router(chat_router)
     app.include_router(openai_router)
+    install_page(app)
 
     @app.get("/health", tags=["health"])
     async def health() -> dict[str, str]:

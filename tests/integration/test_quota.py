@@ -47,6 +47,18 @@ async def test_requests_per_minute_is_exact_and_says_when_to_retry(
     assert 1 <= info.value.retry_after_s <= 60
 
 
+async def test_requests_per_minute_slide_across_the_minute_boundary(
+    quotas: Quotas, unique: str, t0: int
+) -> None:
+    late = t0 + 58_000  # the end of one clock minute
+    for i in range(2):
+        await quotas.admit(unique, policy(rpm=2), f"r{i}", 10, late)
+    with pytest.raises(QuotaExceeded) as info:  # a new clock minute, the same last minute
+        await quotas.admit(unique, policy(rpm=2), "r2", 10, late + 3_000)
+    assert info.value.retry_after_s == 57
+    await quotas.admit(unique, policy(rpm=2), "r2", 10, late + 60_001)
+
+
 async def test_tokens_are_settled_with_real_usage(quotas: Quotas, unique: str, t0: int) -> None:
     first = await quotas.admit(unique, policy(tpm=1000), "a", 600, t0)
     with pytest.raises(QuotaExceeded, match="tokens per minute"):

@@ -1,0 +1,391 @@
+// The chat page: sign in with an API key, conversations in the sidebar, replies
+// streamed over server-sent events and rendered as they arrive.
+
+import { Api, ApiError, explain } from "/web/api.js";
+import { renderMarkdown, escapeHtml } from "/web/markdown.js";
+import { readEvents } from "/web/sse.js";
+
+const KEY_STORAGE = "tandoor.apiKey";
+const RESUME_TRIES = 5;
+const $ = (id) => document.getElementById(id);
+
+const state = {
+  api: null,
+  cursor: null,
+  conversation: null, // {id, title, model, messages}
+  reply: null, // the reply streaming now: {element, text, attempt, lastEventId, done}
+  busy: false, // sending or streaming: the composer waits
+};
+
+// ---- signing in -------------------------------------------------------------
+
+async function signIn(key) {
+  const api = new Api(key);
+  const models = await api.json("GET", "/v1/models");
+  state.api = api;
+  sessionStorage.setItem(KEY_STORAGE, key);
+  $("model-picker").replaceChildren(
+    ...models.data.map((m) => new Option(m.id, m.id)),
+  );
+  $("signin").hidden = true;
+  $("app").hidden = false;
+  showConversation(null);
+  await loadConversations(true);
+  $("prompt").focus();
+}
+
+function signOut() {
+  sessionStorage.removeItem(KEY_STORAGE);
+  location.reload();
+}
+
+// ---- the sidebar --------------------------------------------------------------
+
+async function loadConversations(reset) {
+  const query = new URLSearchParams({ limit: "30" });
+  if (!reset && state.cursor) query.set("cursor", state.cursor);
+  const page = await state.api.json("GET", `/v1/conversations?${query}`);
+  const items = page.data.map(sidebarItem);
+  if (reset) $("conversation-list").replaceChildren(...items); // at once: no flicker
+  else $("conversation-list").append(...items);
+  state.cursor = page.next_cursor;
+  $("more-conversations").hidden = !state.cursor;
+  markCurrent();
+}
+
+function sidebarItem(conversation) {
+  const button = document.createElement("button");
+  button.type = "button";
+  button.textContent = conversation.title || "New chat";
+  button.dataset.id = conversation.id;
+  button.addEventListener("click", () => openConversation(conversation.id).catch(notify));
+  const item = document.createElement("li");
+  item.append(button);
+  return item;
+}
+
+function markCurrent() {
+  for (const button of $("conversation-list").querySelectorAll("button")) {
+    const current = state.conversation && button.dataset.id === state.conversation.id;
+    button.setAttribute("aria-current", current ? "true" : "false");
+  }
+}
+
+// ---- one conversation ---------------------------------------------------------
+
+async function openConversation(id) {
+  const conversation = await state.api.json("GET", `/v1/conversations/${id}`);
+  showConversation(conversation);
+  const last = conversation.messages.at(-1);
+  if (last && last.role === "user" && last.status === "sent") await resumeReply();
+}
+
+function showConversation(conversation) {
+  state.conversation = conversation;
+  state.reply = null;
+  $("chat-title").textContent = conversation ? conversation.title || "New chat" : "New chat";
+  $("chat-model").textContent = conversation ? conversation.model : "";
+  $("rename").hidden = $("delete").hidden = !conversation;
+  $("messages").replaceChildren();
+  hideNotice();
+  for (const message of visible(conversation)) $("messages").append(messageElement(message));
+  setBusy(state.busy); // only the buttons: a message being sent keeps the composer busy
+  markCurrent();
+}
+
+function visible(conversation) {
+  return conversation ? conversation.messages.filter((m) => m.status !== "replaced") : [];
+}
+
+function messageElement(message) {
+  const item = document.createElement("li");
+  item.className = `message ${message.role}`;
+  item.dataset.id = message.id || "";
+  const meta = document.createElement("div");
+  meta.className = "meta";
+  meta.textContent = message.role === "user" ? "You" : `Assistant${message.model ? ` · ${message.model}` : ""}`;
+  if (message.status === "stopped") meta.append(" · stopped");
+  if (message.status === "failed") meta.append(" · not sent");
+  if (message.role === "user" && message.id && message.status !== "failed") {
+    const edit = document.createElement("button");
+    edit.type = "button";
+    edit.className = "quiet";
+    edit.textContent = "Edit";
+    edit.setAttribute("aria-label", "Edit this message and rerun from it");
+    edit.addEventListener("click", () => startEdit(item, message));
+    meta.append(edit);
+  }
+  const body = document.createElement("div");
+  body.className = "body";
+  setBody(body, message.role, message.content);
+  if (message.status === "stopped" && !message.content) body.textContent = "(stopped before any text)";
+  item.append(meta, body);
+  return item;
+}
+
+function setBody(body, role, text) {
+  // The user's own text is shown as typed; the model's is rendered Markdown.
+  body.innerHTML = role === "user" ? escapeHtml(text).replace(/\n/g, "<br>") : renderMarkdown(text);
+}
+
+// ---- sending, streaming, resuming ---------------------------------------------------
+
+async function send(text) {
+  if (!state.conversation) {
+    const created = await state.api.json("POST", "/v1/conversations", {
+      model: $("model-picker").value,
+      title: text.slice(0, 60),
+    });
+    showConversation({ ...created, messages: [] });
+    await loadConversations(true);
+  }
+  const path = `/v1/conversations/${state.conversation.id}/messages`;
+  const userMessage = messageElement({ role: "user", content: text });
+  userMessage.dataset.content = text;
+  $("messages").append(userMessage);
+  await streamReply(() => state.api.request("POST", path, { content: text }), userMessage);
+}
+
+async function streamReply(open, userMessage = null) {
+  hideNotice();
+  setBusy(true);
+  const reply = { element: null, text: "", attempt: 0, lastEventId: null, done: false };
+  state.reply = reply;
+  try {
+    await follow(reply, await open(), userMessage);
+    for (let tries = 0; !reply.done && tries < RESUME_TRIES; tries++) {
+      await sleep(500 * 2 ** tries); // the connection dropped: resume where it stopped
+      await resumeFrom(reply);
+    }
+    if (!reply.done) notify(new Error("the connection dropped; reopen the chat to see the reply"));
+  } catch (error) {
+    if (userMessage && error instanceof ApiError) userMessage.remove();
+    notify(error);
+  } finally {
+    if (state.reply === reply) state.reply = null;
+    setBusy(false);
+    loadConversations(true).catch(() => {});
+  }
+}
+
+async function resumeReply() {
+  const reply = { element: null, text: "", attempt: 0, lastEventId: null, done: false };
+  state.reply = reply;
+  setBusy(true);
+  try {
+    await resumeFrom(reply);
+  } finally {
+    setBusy(false);
+  }
+}
+
+async function resumeFrom(reply) {
+  const headers = reply.lastEventId ? { "Last-Event-ID": reply.lastEventId } : {};
+  const path = `/v1/conversations/${state.conversation.id}/stream`;
+  try {
+    await follow(reply, await state.api.request("GET", path, undefined, headers));
+  } catch (error) {
+    if (error instanceof ApiError && error.status === 404) {
+      reply.done = true; // it finished meanwhile: the stored reply is complete
+      await openConversation(state.conversation.id);
+      return;
+    }
+    if (error instanceof ApiError && error.status !== 0) throw error;
+  }
+}
+
+async function follow(reply, response, userMessage = null) {
+  try {
+    for await (const { id, data } of readEvents(response)) {
+      if (id) reply.lastEventId = id;
+      if (data === "[DONE]") {
+        reply.done = true;
+        return;
+      }
+      handle(reply, data, userMessage);
+    }
+  } catch (error) {
+    if (error instanceof SyntaxError) throw error;
+    // a network error mid-stream: the caller resumes
+  }
+}
+
+function handle(reply, event, userMessage) {
+  if (event.type === "start") {
+    if (userMessage && event.user_message_id) {
+      // Now it has an id: shown again, with its Edit button.
+      const content = userMessage.dataset.content;
+      userMessage.replaceWith(messageElement({ role: "user", id: event.user_message_id, content }));
+    }
+    ensureReplyElement(reply, event.model);
+  } else if (event.type === "restart") {
+    reply.text = ""; // a worker restarted the reply: drop the partial text
+    reply.attempt = event.attempt;
+    ensureReplyElement(reply).querySelector(".meta").append(" · restarted");
+  } else if (event.type === "token") {
+    reply.text += event.delta;
+    setBody(ensureReplyElement(reply).querySelector(".body"), "assistant", reply.text);
+    scrollToEnd();
+  } else if (event.type === "final") {
+    const element = ensureReplyElement(reply, event.model);
+    element.classList.remove("streaming");
+    if (event.finish_reason === "cancelled") element.querySelector(".meta").append(" · stopped");
+    if (event.error) notify(new Error(event.error));
+  } else if (event.type === "error") {
+    notify(new Error(event.error));
+  }
+}
+
+function ensureReplyElement(reply, model) {
+  if (!reply.element) {
+    reply.element = messageElement({ role: "assistant", content: "", model });
+    reply.element.classList.add("streaming");
+    $("messages").append(reply.element);
+  }
+  return reply.element;
+}
+
+// ---- stop, regenerate, edit, rename, delete -------------------------------------------
+
+async function stop() {
+  await state.api.json("POST", `/v1/conversations/${state.conversation.id}/stop`);
+}
+
+async function regenerate() {
+  const assistants = $("messages").querySelectorAll(".message.assistant");
+  const path = `/v1/conversations/${state.conversation.id}/regenerate`;
+  await streamReply(async () => {
+    const response = await state.api.request("POST", path, {});
+    assistants[assistants.length - 1]?.remove(); // replaced by the new reply
+    return response;
+  });
+}
+
+function startEdit(item, message) {
+  const body = item.querySelector(".body");
+  const editor = document.createElement("textarea");
+  editor.value = body.innerText;
+  editor.setAttribute("aria-label", "Edited message");
+  const save = document.createElement("button");
+  save.type = "button";
+  save.textContent = "Save and rerun";
+  const cancel = document.createElement("button");
+  cancel.type = "button";
+  cancel.textContent = "Cancel";
+  const restore = () => {
+    editor.remove(); save.remove(); cancel.remove();
+    body.hidden = false;
+  };
+  cancel.addEventListener("click", restore);
+  save.addEventListener("click", async () => {
+    const text = editor.value.trim();
+    if (!text) return;
+    const id = item.dataset.id || message.id;
+    const path = `/v1/conversations/${state.conversation.id}/messages/${id}/edit`;
+    restore();
+    await streamReply(async () => {
+      const response = await state.api.request("POST", path, { content: text });
+      while (item.nextSibling) item.nextSibling.remove();
+      setBody(body, "user", text);
+      return response;
+    });
+  });
+  editor.addEventListener("keydown", (e) => e.key === "Escape" && restore());
+  body.hidden = true;
+  item.append(editor, save, cancel);
+  editor.focus();
+}
+
+async function rename() {
+  const title = prompt("Rename this chat", state.conversation.title || "");
+  if (!title || !title.trim()) return;
+  const updated = await state.api.json("PATCH", `/v1/conversations/${state.conversation.id}`, {
+    title: title.trim(),
+  });
+  state.conversation.title = updated.title;
+  $("chat-title").textContent = updated.title;
+  await loadConversations(true);
+}
+
+async function remove() {
+  if (!confirm("Delete this chat? This cannot be undone.")) return;
+  await state.api.json("DELETE", `/v1/conversations/${state.conversation.id}`);
+  showConversation(null);
+  await loadConversations(true);
+}
+
+// ---- helpers ---------------------------------------------------------------------
+
+function setBusy(busy) {
+  state.busy = busy;
+  $("send").hidden = busy;
+  $("stop").hidden = !busy;
+  const hasReply = $("messages").querySelector(".message.assistant") !== null;
+  $("regenerate").hidden = busy || !hasReply;
+}
+
+function notify(error) {
+  if (error instanceof ApiError && error.status === 401) signOut();
+  $("notice").textContent = explain(error);
+  $("notice").hidden = false;
+}
+
+function hideNotice() {
+  $("notice").hidden = true;
+}
+
+function scrollToEnd() {
+  $("messages").scrollTop = $("messages").scrollHeight;
+}
+
+const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
+
+// ---- wiring --------------------------------------------------------------------------
+
+function wire() {
+  $("signin-form").addEventListener("submit", async (e) => {
+    e.preventDefault();
+    $("signin-error").textContent = "";
+    try {
+      await signIn($("api-key").value.trim());
+    } catch (error) {
+      $("signin-error").textContent = explain(error);
+    }
+  });
+  $("composer").addEventListener("submit", (e) => {
+    e.preventDefault();
+    const text = $("prompt").value.trim();
+    if (!text || state.busy) return;
+    $("prompt").value = "";
+    setBusy(true); // at once: a second Enter must not send twice
+    send(text).catch(notify).finally(() => setBusy(Boolean(state.reply)));
+  });
+  $("prompt").addEventListener("keydown", (e) => {
+    if (e.key === "Enter" && !e.shiftKey) {
+      e.preventDefault();
+      $("composer").requestSubmit();
+    }
+  });
+  document.addEventListener("keydown", (e) => {
+    if (e.key === "Escape" && state.reply) stop().catch(notify);
+  });
+  $("stop").addEventListener("click", () => stop().catch(notify));
+  $("regenerate").addEventListener("click", () => regenerate().catch(notify));
+  $("new-chat").addEventListener("click", () => {
+    showConversation(null);
+    $("prompt").focus();
+  });
+  $("more-conversations").addEventListener("click", () => loadConversations(false).catch(notify));
+  $("rename").addEventListener("click", () => rename().catch(notify));
+  $("delete").addEventListener("click", () => remove().catch(notify));
+  $("sign-out").addEventListener("click", signOut);
+}
+
+wire();
+const saved = sessionStorage.getItem(KEY_STORAGE);
+if (saved) {
+  signIn(saved).catch(() => signOut());
+} else {
+  $("signin").hidden = false;
+  $("api-key").focus();
+}

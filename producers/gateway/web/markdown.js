@@ -1,0 +1,92 @@
+// A small Markdown renderer for replies. Everything is HTML-escaped first, so model
+// output can never inject markup; only the constructs below become elements.
+
+const ESCAPES = { "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" };
+
+export function escapeHtml(text) {
+  return text.replace(/[&<>"']/g, (c) => ESCAPES[c]);
+}
+
+function inline(text) {
+  // `text` is already escaped; code spans are cut out first so nothing inside them changes.
+  return text
+    .split(/(`[^`\n]+`)/g)
+    .map((part) => {
+      if (/^`[^`\n]+`$/.test(part)) return `<code>${part.slice(1, -1)}</code>`;
+      return part
+        .replace(/\*\*([^*\n]+)\*\*/g, "<strong>$1</strong>")
+        .replace(/(^|[^*])\*([^*\n]+)\*/g, "$1<em>$2</em>")
+        .replace(/\[([^\]\n]+)\]\((https?:\/\/[^\s)]+)\)/g,
+          '<a href="$2" rel="noopener noreferrer nofollow" target="_blank">$1</a>');
+    })
+    .join("");
+}
+
+function flushParagraph(lines, out) {
+  if (lines.length) out.push(`<p>${lines.map(inline).join("<br>")}</p>`);
+  lines.length = 0;
+}
+
+function flushList(items, ordered, out) {
+  if (!items.length) return;
+  const tag = ordered ? "ol" : "ul";
+  out.push(`<${tag}>${items.map((i) => `<li>${inline(i)}</li>`).join("")}</${tag}>`);
+  items.length = 0;
+}
+
+export function renderMarkdown(source) {
+  const out = [];
+  const paragraph = [];
+  const items = [];
+  let ordered = false;
+  let code = null; // lines of an open fenced block (it may still be streaming)
+  let language = "";
+  for (const line of escapeHtml(source).split("\n")) {
+    const fence = line.match(/^\s*```\s*([\w+-]*)\s*$/);
+    if (code !== null) {
+      if (fence) {
+        out.push(codeBlock(code, language));
+        code = null;
+      } else {
+        code.push(line);
+      }
+      continue;
+    }
+    if (fence) {
+      flushParagraph(paragraph, out);
+      flushList(items, ordered, out);
+      code = [];
+      language = fence[1];
+      continue;
+    }
+    const heading = line.match(/^(#{1,4})\s+(.*)$/);
+    const bullet = line.match(/^\s*[-*+]\s+(.*)$/);
+    const numbered = line.match(/^\s*\d+[.)]\s+(.*)$/);
+    if (heading) {
+      flushParagraph(paragraph, out);
+      flushList(items, ordered, out);
+      const level = heading[1].length + 2; // h3..h6 inside a message
+      out.push(`<h${level}>${inline(heading[2])}</h${level}>`);
+    } else if (bullet || numbered) {
+      flushParagraph(paragraph, out);
+      if (items.length && ordered !== Boolean(numbered)) flushList(items, ordered, out);
+      ordered = Boolean(numbered);
+      items.push((bullet || numbered)[1]);
+    } else if (line.trim() === "") {
+      flushParagraph(paragraph, out);
+      flushList(items, ordered, out);
+    } else {
+      flushList(items, ordered, out);
+      paragraph.push(line);
+    }
+  }
+  flushParagraph(paragraph, out);
+  flushList(items, ordered, out);
+  if (code !== null) out.push(codeBlock(code, language));
+  return out.join("");
+}
+
+function codeBlock(lines, language) {
+  const cls = language ? ` class="language-${language}"` : "";
+  return `<pre><code${cls}>${lines.join("\n")}</code></pre>`;
+}

@@ -1,0 +1,26 @@
+// Server-sent events over fetch (EventSource cannot POST or send an Authorization
+// header): yields {id, data} for each event, data parsed from JSON or "[DONE]".
+
+export async function* readEvents(response) {
+  const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
+  let buffer = "";
+  let id = null;
+  let data = [];
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buffer += value;
+    let end;
+    while ((end = buffer.indexOf("\n")) >= 0) {
+      const line = buffer.slice(0, end).replace(/\r$/, "");
+      buffer = buffer.slice(end + 1);
+      if (line.startsWith("id: ")) id = line.slice(4);
+      else if (line.startsWith("data: ")) data.push(line.slice(6));
+      else if (line === "" && data.length) {
+        const text = data.join("\n");
+        yield { id, data: text === "[DONE]" ? text : JSON.parse(text) };
+        data = [];
+      }
+    }
+  }
+}

@@ -1,0 +1,181 @@
+"""The chat page in headless Chromium (Debian's, driven by Playwright) against the
+whole stack: sign in, watch a reply stream, stop, regenerate, reload and find the
+chat in the sidebar. Screenshots go to test-artifacts/screenshots/."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from playwright.async_api import Browser, Page, async_playwright, expect
+
+from tandoor import PROJECT_ROOT
+from tests.e2e.helpers import Stack, auth
+
+pytestmark = pytest.mark.integration
+
+CHROMIUM = "/usr/bin/chromium"
+# Headless on a machine without outside network: no background fetches, no GPU.
+CHROMIUM_FLAGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+SHOTS = PROJECT_ROOT / "test-artifacts" / "screenshots"
+REPLY_S = 120_000  # ms: a whole reply on this CPU
+
+
+def chromium() -> str:
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"{CHROMIUM} is missing: scripts/bootstrap.sh installs Debian's chromium")
+    return CHROMIUM
+
+
+@pytest.fixture(scope="module")
+async def browser() -> AsyncIterator[Browser]:
+    async with async_playwright() as playwright:
+        browser = await playwright.chromium.launch(executable_path=chromium(), args=CHROMIUM_FLAGS)
+        yield browser
+        await browser.close()
+
+
+@pytest.fixture
+async def page(browser: Browser) -> AsyncIterator[Page]:
+    context = await browser.new_context(viewport={"width": 1200, "height": 800})
+    page = await context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    page.on("console", lambda message: print("console:", message.text))
+    page.on("response", lambda r: print("response:", r.request.method, r.url, r.status))
+    yield page
+    await context.close()
+    assert not errors, f"JavaScript errors on the page: {errors}"
+
+
+async def shot(page: Page, name: str) -> None:
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    await page.screenshot(path=SHOTS / f"{name}.png", full_page=True)
+
+
+async def sign_in(page: Page, stack: Stack, tier: str = "plus") -> None:
+    key = (await auth(stack, tier))["Authorization"].removeprefix("Bearer ")
+    await page.goto(stack.url)
+    await page.get_by_label("API key").fill(key)
+    await page.get_by_role("button", name="Sign in").click()
+    await expect(page.locator("#app")).to_be_visible()
+    await page.get_by_label("Model", exact=True).select_option(stack.model)
+
+
+async def ask(page: Page, text: str) -> None:
+    """Send once the previous reply is over (while one streams, Send is Stop)."""
+    await expect(page.get_by_role("button", name="Send")).to_be_visible(timeout=REPLY_S)
+    await page.get_by_label("Message", exact=True).fill(text)
+    await page.get_by_label("Message", exact=True).press("Enter")
+
+
+async def test_chat_stop_regenerate_and_reload(stack: Stack, page: Page) -> None:
+    await sign_in(page, stack)
+    await shot(page, "01-signed-in")
+
+    # Tokens arrive one update after another, then the reply is complete.
+    await page.evaluate(
+        """() => {
+        window.seen = [];
+        new MutationObserver(() => {
+          const body = document.querySelector('.message.assistant .body');
+          if (body) window.seen.push(body.textContent.length);
+        }).observe(document.getElementById('messages'), {subtree: true, childList: true,
+                                                         characterData: true});
+      }"""
+    )
+    await ask(page, "What is the capital of France? Answer in one sentence.")
+    reply = page.locator(".message.assistant").last
+    await expect(reply).not_to_have_class(re.compile("streaming"), timeout=REPLY_S)
+    await expect(reply.locator(".body")).to_contain_text("Paris")
+    lengths = await page.evaluate("window.seen")
+    assert len({n for n in lengths if n}) >= 2, f"the reply did not stream: {lengths}"
+    await shot(page, "02-reply")
+
+    # Stop mid-answer: the partial reply stays, marked stopped.
+    await ask(page, "Write a very long story about the sea, with many chapters.")
+    streaming = page.locator(".message.assistant.streaming")
+    await expect(streaming.locator(".body")).not_to_be_empty(timeout=REPLY_S)
+    await page.get_by_role("button", name="Stop").click()
+    stopped = page.locator(".message.assistant").last
+    await expect(stopped).not_to_have_class(re.compile("streaming"), timeout=30_000)
+    await expect(stopped.locator(".meta")).to_contain_text("stopped")
+    await shot(page, "03-stopped")
+
+    # Regenerate: the stopped reply is replaced by a fresh one.
+    await page.get_by_role("button", name="Regenerate").click()
+    await expect(page.locator(".message.assistant.streaming")).to_have_count(1)
+    await page.keyboard.press("Escape")  # stop it too, from the keyboard
+    await expect(page.locator(".message.assistant.streaming")).to_have_count(0, timeout=30_000)
+    await expect(page.locator(".message.assistant")).to_have_count(2)
+    await shot(page, "04-regenerated")
+
+    # Reload: still signed in for this tab, and the chat is in the sidebar.
+    await page.reload()
+    chat = page.locator("#conversation-list button", has_text="What is the capital of France")
+    await expect(chat).to_be_visible()
+    await chat.click()
+    await expect(page.locator(".message.assistant").first).to_contain_text("Paris")
+    await expect(page.locator(".message.user")).to_have_count(2)
+    await shot(page, "05-reloaded")
+
+
+async def test_over_quota_says_when_to_retry(stack: Stack, page: Page) -> None:
+    await sign_in(page, stack, tier="free")  # two requests a minute in this stack
+    for question in ["Say hi.", "Say bye."]:
+        await ask(page, question)
+    await ask(page, "Say hello again.")
+    await expect(page.locator(".message.assistant")).to_have_count(2)
+    notice = page.get_by_role("alert").filter(has_text="Too many requests")
+    await expect(notice).to_be_visible()
+    await expect(notice).to_contain_text(re.compile(r"Try again in \d+ seconds"))
+    await shot(page, "06-over-quota")
+
+
+async def test_replies_are_rendered_as_escaped_markdown(stack: Stack, page: Page) -> None:
+    await page.goto(stack.url)
+    html = await page.evaluate(
+        """async () => (await import('/web/markdown.js')).renderMarkdown(
+          '<img src=x onerror=alert(1)> **bold** and `<b>`\\n```py\\nprint("<hi>")\\n```')"""
+    )
+    assert "<img" not in html and "&lt;img src=x onerror=alert(1)&gt;" in html
+    assert "<strong>bold</strong>" in html and "<code>&lt;b&gt;</code>" in html
+    assert '<pre><code class="language-py">print(&quot;&lt;hi&gt;&quot;)</code></pre>' in html
+
+
+async def test_edit_rename_and_delete(stack: Stack, page: Page) -> None:
+    await sign_in(page, stack)
+    await ask(page, "What is 2 + 2?")
+    await expect(page.get_by_role("button", name="Send")).to_be_visible(timeout=REPLY_S)
+
+    await page.get_by_role("button", name="Edit this message").click()
+    await page.get_by_label("Edited message").fill("What is the capital of Italy?")
+    await page.get_by_role("button", name="Save and rerun").click()
+    await expect(page.get_by_role("button", name="Send")).to_be_visible(timeout=REPLY_S)
+    await expect(page.locator(".message.user")).to_have_text(re.compile("capital of Italy"))
+    await expect(page.locator(".message.assistant")).to_have_count(1)
+    await expect(page.locator(".message.assistant .body")).not_to_be_empty()
+    await page.reload()  # what was stored: the edited question and its one reply
+    await page.locator("#conversation-list button", has_text="What is 2 + 2?").click()
+    await expect(page.locator(".message.user")).to_have_text(re.compile("capital of Italy"))
+    await expect(page.locator(".message.assistant")).to_have_count(1)
+
+    page.once("dialog", lambda dialog: dialog.accept("Italian geography"))
+    await page.get_by_role("button", name="Rename").click()
+    await expect(page.locator("#conversation-list")).to_contain_text("Italian geography")
+    await shot(page, "07-edited-and-renamed")
+
+    page.once("dialog", lambda dialog: dialog.accept())
+    await page.get_by_role("button", name="Delete").click()
+    await expect(page.locator("#conversation-list button")).to_have_count(0)
+    await expect(page.locator("#chat-title")).to_have_text("New chat")
