@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 from playwright.async_api import Browser, Page, async_playwright, expect
 
+from infra.process import free_port
+from infra.roles import GatewayProcess
 from tandoor import PROJECT_ROOT
 from tests.e2e.helpers import Stack, auth
 
@@ -63,9 +65,9 @@ async def shot(page: Page, name: str) -> None:
     await page.screenshot(path=SHOTS / f"{name}.png", full_page=True)
 
 
-async def sign_in(page: Page, stack: Stack, tier: str = "plus") -> None:
+async def sign_in(page: Page, stack: Stack, tier: str = "plus", url: str | None = None) -> None:
     key = (await auth(stack, tier))["Authorization"].removeprefix("Bearer ")
-    await page.goto(stack.url)
+    await page.goto(url or stack.url)
     await page.get_by_label("API key").fill(key)
     await page.get_by_role("button", name="Sign in").click()
     await expect(page.locator("#app")).to_be_visible()
@@ -179,3 +181,34 @@ async def test_edit_rename_and_delete(stack: Stack, page: Page) -> None:
     await page.get_by_role("button", name="Delete").click()
     await expect(page.locator("#conversation-list button")).to_have_count(0)
     await expect(page.locator("#chat-title")).to_have_text("New chat")
+
+
+async def test_a_gateway_restart_mid_reply_resumes_it(stack: Stack, page: Page) -> None:
+    """kill -9 of the page's gateway mid-reply: the page reconnects to its successor
+    with Last-Event-ID and shows the whole reply, nothing twice."""
+    port = free_port()
+    first, second = (GatewayProcess(stack.logs, port, stack.env) for _ in range(2))
+    first.start()
+    try:
+        await first.wait_ready()
+        await sign_in(page, stack, url=f"http://127.0.0.1:{port}")
+        requested: list[str] = []
+        page.on("request", lambda request: requested.append(request.url))
+        await ask(page, "Write a long story about a lighthouse keeper.")
+        streaming = page.locator(".message.assistant.streaming .body")
+        await expect(streaming).not_to_be_empty(timeout=REPLY_S)
+        first.kill()
+        second.start()
+        await second.wait_ready()
+        await expect(page.get_by_role("button", name="Send")).to_be_visible(timeout=REPLY_S)
+        assert any(url.endswith("/stream") for url in requested), "the page never reconnected"
+        shown = await page.locator(".message.assistant .body").inner_text()
+        await page.reload()
+        await page.locator("#conversation-list button", has_text="lighthouse").click()
+        stored = await page.locator(".message.assistant .body").inner_text()
+        assert shown == stored and len(stored) > 100, "the whole reply, nothing twice"
+        await page.get_by_role("button", name="Regenerate").click()  # no reply left running
+        await expect(page.locator(".message.assistant.streaming")).to_have_count(1)
+    finally:
+        first.kill()
+        second.terminate()

@@ -222,9 +222,22 @@ class ChatService:
                 404, "no reply is being generated in this conversation", kind="not_found_error"
             )
         record = orjson.loads(inflight)
-        return read_request(
+        events = read_request(
             self.deps.settings, record["request_id"], record["partition"], record["offset"]
         )
+        return self._clearing_when_final(conversation_id, record["request_id"], events)
+
+    async def _clearing_when_final(
+        self, conversation_id: str, request_id: str, events: AsyncIterator[Delivered]
+    ) -> AsyncIterator[Delivered]:
+        """A resumed reply whose gateway died: nobody else will mark it finished."""
+        async for item in events:
+            if isinstance(item.event, FinalEvent):  # before the client may close the stream
+                key = _inflight_key(conversation_id)
+                current = await self.deps.redis.get(key)
+                if current is not None and orjson.loads(current)["request_id"] == request_id:
+                    await self.deps.redis.delete(key)
+            yield item
 
     async def _admit(self, caller: Principal, request_id: str, tokens: int, now: int) -> Admission:
         policy = self.deps.settings.tiers[caller.tier]
