@@ -103,6 +103,13 @@ class PersistProcess(RoleProcess):
         super().__init__("persist", ["persist"], "persist ready", log_dir, env)
 
 
+class StreamsProcess(RoleProcess):
+    """`tandoor streams`; its HTTP port comes from TANDOOR_STREAMS_WEB_PORT."""
+
+    def __init__(self, log_dir: Path, env: dict[str, str]) -> None:
+        super().__init__("streams", ["streams"], "[^Worker]: Ready", log_dir, env)
+
+
 class GatewayProcess(RoleProcess):
     """`tandoor gateway --port P`."""
 

@@ -35,6 +35,7 @@ def declared_topics(settings: Settings) -> list[TopicSpec]:
         TopicSpec(topics.TOKENS, settings.tokens_partitions, {"retention.ms": str(DAY_MS)}),
         TopicSpec(topics.CONTROL, 4, {"retention.ms": str(HOUR_MS)}),
         TopicSpec(topics.USAGE, 4, {"retention.ms": str(30 * DAY_MS)}),
+        TopicSpec(topics.USAGE_ROLLUPS, 4, {"retention.ms": str(30 * DAY_MS)}),
         TopicSpec(topics.DEAD_LETTER, 1, {"retention.ms": str(30 * DAY_MS)}),
     ]
 

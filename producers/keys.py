@@ -5,6 +5,8 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import secrets
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,9 +96,21 @@ def _cache_key(digest: str) -> str:
 
 async def create_key(settings: Settings, user_id: str, tier: str) -> tuple[str, Principal]:
     """One-shot key creation with its own connections (the CLI's)."""
+    async with _one_shot(settings) as store:
+        return await store.create(user_id, tier)
+
+
+async def resolve_key(settings: Settings, key: str) -> Principal | None:
+    """Who a key acts for, with its own connections (the CLI's)."""
+    async with _one_shot(settings) as store:
+        return await store.resolve(key)
+
+
+@asynccontextmanager
+async def _one_shot(settings: Settings) -> AsyncIterator[KeyStore]:
     cache = redis_client(settings)
     try:
         with cassandra_session(settings, settings.keyspace) as session:
-            return await KeyStore(session, cache, set(settings.tiers)).create(user_id, tier)
+            yield KeyStore(session, cache, set(settings.tiers))
     finally:
         await cache.aclose()

@@ -25,10 +25,10 @@ ADMIT = """
 local now, window_end = tonumber(ARGV[1]), tonumber(ARGV[2])
 local rpm, tpm, streams = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 local tokens, request_id, lease = tonumber(ARGV[6]), ARGV[7], tonumber(ARGV[8])
-local minute = tonumber(ARGV[10])
+local minute, holds_stream = tonumber(ARGV[10]), ARGV[11] == '1'
 redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - minute)
-if redis.call('ZCARD', KEYS[3]) >= streams then
+if holds_stream and redis.call('ZCARD', KEYS[3]) >= streams then
   return {0, 'concurrent_streams', tonumber(ARGV[9])}
 end
 if redis.call('ZCARD', KEYS[1]) >= rpm then
@@ -42,8 +42,10 @@ redis.call('ZADD', KEYS[1], now, request_id)
 redis.call('PEXPIRE', KEYS[1], minute)
 redis.call('INCRBY', KEYS[2], tokens)
 redis.call('PEXPIREAT', KEYS[2], window_end)
-redis.call('ZADD', KEYS[3], now + lease, request_id)
-redis.call('PEXPIRE', KEYS[3], lease)
+if holds_stream then
+  redis.call('ZADD', KEYS[3], now + lease, request_id)
+  redis.call('PEXPIRE', KEYS[3], lease)
+end
 return {1, 'ok', 0}
 """
 
@@ -82,9 +84,16 @@ class Quotas:
         self._settle = client.register_script(SETTLE)
 
     async def admit(
-        self, user_id: str, policy: TierPolicy, request_id: str, tokens: int, now_ms: int
+        self,
+        user_id: str,
+        policy: TierPolicy,
+        request_id: str,
+        tokens: int,
+        now_ms: int,
+        holds_stream: bool = True,
     ) -> Admission:
-        """Charge one request and `tokens` estimated tokens, or raise QuotaExceeded."""
+        """Charge one request and `tokens` estimated tokens, or raise QuotaExceeded.
+        A batch line streams to nobody: it takes no concurrent-stream slot."""
         window = now_ms - now_ms % WINDOW_MS
         keys = [
             f"tandoor:quota:rpm:{user_id}",
@@ -102,6 +111,7 @@ class Quotas:
             STREAM_LEASE_MS,
             BUSY_RETRY_MS,
             WINDOW_MS,
+            int(holds_stream),
         ]
         allowed, limit, retry_ms = await self._admit(keys=keys, args=args)
         if not allowed:

@@ -112,6 +112,7 @@ class FinalEvent(Event):
     created_at_ms: int
     # The prompt's creation time: stable across attempts, so stores key on it.
     prompt_created_at_ms: int | None = None
+    batch_id: str | None = None
 
 
 class ControlEvent(Event):

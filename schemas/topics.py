@@ -9,6 +9,7 @@ from dataclasses import dataclass
 TOKENS = "tokens"
 CONTROL = "control"
 USAGE = "usage"
+USAGE_ROLLUPS = "usage.rollups"  # the streams app's output, keyed by rollup
 DEAD_LETTER = "dead-letter"  # not under prompts.: no model can shadow it
 PROMPTS_PREFIX = "prompts."
 

@@ -13,6 +13,7 @@ import typer
 from infra.errors import InfraError
 from infra.roles import GatewayProcess, PersistProcess, RoleProcess, WorkerProcess
 from infra.stack import Stack, bootstrap
+from tandoor.batch_cli import batch_app
 from tandoor.lifecycle import serve
 from tandoor.logs import configure_logging
 from tandoor.settings import get_settings
@@ -24,6 +25,7 @@ infra_app = typer.Typer(no_args_is_help=True, help="Local Kafka, Cassandra and R
 app.add_typer(infra_app, name="infra")
 keys_app = typer.Typer(no_args_is_help=True, help="API keys.")
 app.add_typer(keys_app, name="keys")
+app.add_typer(batch_app, name="batch")
 
 
 @app.callback()
@@ -162,6 +164,16 @@ def persist() -> None:
     from consumers.persist import Persister
 
     asyncio.run(serve(lambda: Persister(get_settings())))
+
+
+@app.command("streams")
+def streams() -> None:
+    """Usage rollups per user and model (faust-streaming), over HTTP on 127.0.0.1:6066."""
+    from faust import Worker
+
+    from streams.app import create_app
+
+    Worker(create_app(get_settings()), loglevel="INFO").execute_from_commandline()
 
 
 @keys_app.command("create")

@@ -138,6 +138,11 @@ class Settings(BaseSettings):
     context_window: int = Field(default=2048, ge=64)  # the served models' max_model_len
     moderation_blocklist: list[str] = Field(default_factory=list)
 
+    # The streams app (faust): its id names its group and internal topics.
+    streams_app_id: str = "tandoor-streams"
+    streams_web_port: int = 6066  # rollups over HTTP
+    streams_retention_windows: int = Field(default=48, ge=1)  # kept per key and window size
+
     # Persistence consumer: its group on `tokens`.
     persist_group: str = "persist"
 

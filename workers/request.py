@@ -222,6 +222,7 @@ class RequestRunner:
             kind=prompt.kind,
             created_at_ms=now_ms(),
             prompt_created_at_ms=prompt.created_at_ms,
+            batch_id=prompt.batch_id,
         )
         await self.publisher.final(final, prompt.reply_partition)
         await self.ledger.mark_done(prompt.request_id, attempt.number)

@@ -1,0 +1,63 @@
+"""Reading Tandoor's streams from any Kafka client: this example uses nothing but
+aiokafka and the json module, no Tandoor code, as an analytics job would.
+
+    python -m consumers.tail usage --from-beginning --limit 5
+    python -m consumers.tail usage.rollups
+    python -m consumers.tail tokens --bootstrap 127.0.0.1:9092
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+
+from aiokafka import AIOKafkaConsumer
+
+
+def describe(topic: str, event: dict[str, object]) -> str:
+    if topic == "usage":
+        return (
+            "{user_id} {model} {finish_reason}: {prompt_tokens}+{completion_tokens} tokens, "
+            "ttft {ttft_ms} ms".format(**event)
+        )
+    if topic == "usage.rollups":
+        return "{dimension}={key} {window}@{start_ms}: {requests} requests, {errors} errors".format(
+            **event
+        )
+    if event.get("type") == "token":
+        return "{request_id}#{attempt}.{seq} {delta!r}".format(**event)
+    return "{request_id}#{attempt} final {finish_reason}: {text!r}".format(**event)
+
+
+async def tail(bootstrap: str, topic: str, from_beginning: bool, limit: int | None) -> None:
+    consumer = AIOKafkaConsumer(
+        topic,
+        bootstrap_servers=bootstrap,
+        group_id=None,  # a reader of its own: commits nothing, disturbs no one
+        auto_offset_reset="earliest" if from_beginning else "latest",
+    )
+    await consumer.start()
+    try:
+        seen = 0
+        async for message in consumer:
+            print(describe(topic, json.loads(message.value)))
+            seen += 1
+            if limit is not None and seen >= limit:
+                return
+    finally:
+        await consumer.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("topic", choices=["tokens", "usage", "usage.rollups"])
+    parser.add_argument("--bootstrap", default="127.0.0.1:9092")
+    parser.add_argument("--from-beginning", action="store_true")
+    parser.add_argument("--limit", type=int)
+    args = parser.parse_args()
+    asyncio.run(tail(args.bootstrap, args.topic, args.from_beginning, args.limit))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""`tandoor streams`: faust-streaming agents that roll `usage` up per user and per
+model, in one-minute and one-hour tumbling windows (by the time each request
+finished).
+
+`usage` is keyed by user, so the per-user table is filled straight from it; the
+per-model table is filled from `<app id>-usage-by-model`, the same records keyed by
+model. Tables live in memory with changelog topics in Kafka, so a restarted app
+recovers them; a record replayed after a restart is recognised by its request id and
+not counted again. Every change is published to `usage.rollups` (keyed by rollup,
+the latest message per key is current) and readable over HTTP:
+`GET /rollups/user/<user>` and `GET /rollups/model/<model>`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import faust
+import orjson
+from faust.web import Request, Response, View
+
+from schemas import topics
+from schemas.codec import SchemaError, decode
+from schemas.events import UsageRecord
+from streams.rollups import WINDOWS_S, Rollup, rollup_keys, table_key
+from tandoor.settings import Settings
+
+log = logging.getLogger(__name__)
+USAGE_PARTITIONS = 4  # as declared in infra/topics.py: the tables are co-partitioned
+
+
+def create_app(settings: Settings) -> faust.App:
+    app = faust.App(
+        settings.streams_app_id,
+        broker=f"kafka://{settings.kafka_bootstrap}",
+        store="memory://",
+        autodiscover=False,
+        datadir=str(settings.home / "streams"),
+        web_enabled=True,
+        web_bind=settings.host,
+        web_host=settings.host,
+        web_port=settings.streams_web_port,
+        topic_partitions=USAGE_PARTITIONS,
+        topic_replication_factor=settings.cassandra_replication_factor,
+        producer_acks=-1,
+        key_serializer="raw",
+        value_serializer="raw",
+        consumer_auto_offset_reset="earliest",
+    )
+    usage = app.topic(topics.USAGE, key_type=bytes, value_type=bytes)
+    by_model = app.topic(
+        f"{settings.streams_app_id}-usage-by-model",
+        key_type=bytes,
+        value_type=bytes,
+        partitions=USAGE_PARTITIONS,
+        internal=True,
+    )
+    rollups_out = app.topic(topics.USAGE_ROLLUPS, key_type=bytes, value_type=bytes)
+    tables = {
+        dimension: app.Table(
+            f"rollups-by-{dimension}",
+            default=None,
+            partitions=USAGE_PARTITIONS,
+            key_type=bytes,
+            value_type=bytes,  # orjson of Rollup.dump(), the app's raw serializer
+        )
+        for dimension in ("user", "model")
+    }
+
+    async def count(dimension: str, payload: bytes) -> None:
+        record = _usage_record(payload)
+        if record is None:
+            return
+        table = tables[dimension]
+        for window, start, dim, key in rollup_keys(record):
+            if dim != dimension:
+                continue
+            name = table_key(window, start, dim, key)
+            stored = table.get(name.encode())
+            rollup = (
+                Rollup.load(orjson.loads(stored)) if stored else Rollup(window, start, dim, key)
+            )
+            if not rollup.add(record):
+                continue  # replayed after a restart: already counted
+            table[name.encode()] = orjson.dumps(rollup.dump())
+            expired = start - settings.streams_retention_windows * WINDOWS_S[window] * 1000
+            table.pop(table_key(window, expired, dim, key).encode(), None)
+            await rollups_out.send(key=name.encode(), value=orjson.dumps(rollup.summary()))
+
+    @app.agent(usage, name="rollups-by-user")
+    async def by_user_agent(stream: faust.StreamT[bytes]) -> None:
+        async for payload in stream:
+            await count("user", payload)
+            record = _usage_record(payload)
+            if record is not None:
+                await by_model.send(key=record.model.encode(), value=payload)
+
+    @app.agent(by_model, name="rollups-by-model")
+    async def by_model_agent(stream: faust.StreamT[bytes]) -> None:
+        async for payload in stream:
+            await count("model", payload)
+
+    @app.page("/rollups/{dimension}/{key}")
+    class Rollups(View):
+        async def get(self, request: Request, dimension: str, key: str) -> Response:
+            table = tables.get(dimension)
+            if table is None:
+                return self.json(
+                    {"error": f"dimension is 'user' or 'model', not {dimension!r}"}, status=404
+                )
+            prefix = f"{dimension}/{key}/".encode()
+            found = [
+                Rollup.load(orjson.loads(v)).summary()
+                for k, v in table.items()
+                if k.startswith(prefix)
+            ]
+            found.sort(key=lambda s: (s["window"], -s["start_ms"]))
+            return self.json({"data": found})
+
+    return app
+
+
+def _usage_record(payload: bytes) -> UsageRecord | None:
+    try:
+        return decode(UsageRecord, payload)
+    except SchemaError as exc:
+        log.error("skipping an undecodable usage record: %s", exc)
+        return None

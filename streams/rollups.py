@@ -1,0 +1,136 @@
+"""Usage rollups: what one window of one user's (or one model's) traffic adds up to.
+
+A rollup is plain data that merges: counts, token sums, and latency histograms on
+fixed log-spaced buckets, so percentiles come from bounded state however many
+requests a window holds. It remembers which requests it counted, so a record seen
+twice (a replay after a restart) is not counted twice.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Any
+
+from schemas.events import UsageRecord
+
+WINDOWS_S = {"1m": 60, "1h": 3600}
+# Bucket upper bounds: milliseconds for time to first token, tokens/s for decoding.
+TTFT_BOUNDS_MS = [5 * 1.25**i for i in range(48)]  # 5 ms .. ~200 s
+SPEED_BOUNDS_TPS = [0.5 * 1.25**i for i in range(40)]  # 0.5 .. ~3000 tokens/s
+FAILED = {"error", "expired"}
+
+
+def window_start_ms(at_ms: int, size_s: int) -> int:
+    return at_ms - at_ms % (size_s * 1000)
+
+
+@dataclass
+class Histogram:
+    bounds: list[float]
+    counts: list[int] = field(default_factory=list)
+
+    def add(self, value: float) -> None:
+        if not self.counts:
+            self.counts = [0] * (len(self.bounds) + 1)
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+
+    def percentile(self, q: float) -> float | None:
+        """The upper bound of the bucket holding the q-th quantile (within 25%)."""
+        total = sum(self.counts)
+        if not total:
+            return None
+        rank, seen = q * total, 0
+        for index, count in enumerate(self.counts):
+            seen += count
+            if seen >= rank and count:
+                return self.bounds[min(index, len(self.bounds) - 1)]
+        return self.bounds[-1]
+
+
+@dataclass
+class Rollup:
+    window: str
+    start_ms: int
+    dimension: str  # "user" or "model"
+    key: str
+    requests: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    errors: int = 0
+    stops: int = 0
+    ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BOUNDS_MS))
+    speed: Histogram = field(default_factory=lambda: Histogram(SPEED_BOUNDS_TPS))
+    counted: set[str] = field(default_factory=set)  # request ids: replays count once
+
+    def add(self, record: UsageRecord) -> bool:
+        """Count the record; False if it was already counted."""
+        if record.request_id in self.counted:
+            return False
+        self.counted.add(record.request_id)
+        self.requests += 1
+        self.prompt_tokens += record.prompt_tokens
+        self.completion_tokens += record.completion_tokens
+        self.errors += record.finish_reason in FAILED
+        self.stops += record.finish_reason == "cancelled"
+        if record.ttft_ms is not None:
+            self.ttft.add(record.ttft_ms)
+            decoding_s = (record.duration_ms - record.ttft_ms) / 1000
+            if record.completion_tokens > 1 and decoding_s > 0:
+                self.speed.add((record.completion_tokens - 1) / decoding_s)
+        return True
+
+    def summary(self) -> dict[str, Any]:
+        """What analytics read: counts, sums and percentiles, no request ids."""
+        return {
+            "window": self.window,
+            "start_ms": self.start_ms,
+            "end_ms": self.start_ms + WINDOWS_S[self.window] * 1000,
+            "dimension": self.dimension,
+            "key": self.key,
+            "requests": self.requests,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "errors": self.errors,
+            "stops": self.stops,
+            "ttft_ms": {f"p{int(q * 100)}": self.ttft.percentile(q) for q in (0.5, 0.95, 0.99)},
+            "decode_tokens_per_s": {
+                f"p{int(q * 100)}": self.speed.percentile(q) for q in (0.5, 0.95, 0.99)
+            },
+        }
+
+    def dump(self) -> dict[str, Any]:
+        """The whole state, for the table's changelog."""
+        return {
+            **{
+                k: v
+                for k, v in self.summary().items()
+                if k not in ("ttft_ms", "decode_tokens_per_s", "end_ms")
+            },
+            "ttft": self.ttft.counts,
+            "speed": self.speed.counts,
+            "counted": sorted(self.counted),
+        }
+
+    @classmethod
+    def load(cls, data: dict[str, Any]) -> Rollup:
+        rollup = cls(data["window"], data["start_ms"], data["dimension"], data["key"])
+        for name in ("requests", "prompt_tokens", "completion_tokens", "errors", "stops"):
+            setattr(rollup, name, data[name])
+        rollup.ttft.counts = list(data["ttft"])
+        rollup.speed.counts = list(data["speed"])
+        rollup.counted = set(data["counted"])
+        return rollup
+
+
+def rollup_keys(record: UsageRecord) -> list[tuple[str, int, str, str]]:
+    """(window, start, dimension, key) of every rollup one record belongs to."""
+    return [
+        (window, window_start_ms(record.finished_at_ms, size), dimension, key)
+        for window, size in WINDOWS_S.items()
+        for dimension, key in (("user", record.user_id), ("model", record.model))
+    ]
+
+
+def table_key(window: str, start_ms: int, dimension: str, key: str) -> str:
+    return f"{dimension}/{key}/{window}/{start_ms}"

@@ -1,0 +1,73 @@
+"""`tandoor batch submit|collect`: batch jobs from the command line, with progress."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
+
+import typer
+
+from producers.batch import BatchClient, BatchError, Progress
+from producers.keys import resolve_key
+from tandoor.settings import get_settings
+
+T = TypeVar("T")
+
+batch_app = typer.Typer(no_args_is_help=True, help="Batch jobs: JSONL prompts in, JSONL out.")
+API_KEY = typer.Option(..., envvar="TANDOOR_API_KEY", help="Your key; its quota is charged.")
+IN_FILE = typer.Argument(..., exists=True, dir_okay=False, help="One prompt per line.")
+OUT_FILE = typer.Argument(..., dir_okay=False, help="Results, one per input line.")
+
+
+@batch_app.command("submit")
+def submit(
+    file: Path = IN_FILE,
+    model: str = typer.Option(..., help="A served model (TANDOOR_MODELS)."),
+    api_key: str = API_KEY,
+) -> None:
+    """Queue every line in the batch band; run it again to resume an interrupted submit.
+    Prints the batch id as the last line."""
+    batch_id = _run(api_key, "submitting", lambda c, p: c.submit(file, model, p))
+    typer.echo(batch_id)
+
+
+@batch_app.command("collect")
+def collect(
+    batch_id: str,
+    out: Path = OUT_FILE,
+    wait: float = typer.Option(3600, help="Seconds to wait for unanswered lines."),
+    api_key: str = API_KEY,
+) -> None:
+    """Write results in input order, with usage, and an error for each failed line."""
+    done = _run(api_key, "answered", lambda c, p: c.collect(batch_id, out, wait, p))
+    typer.echo(f"{out}: {done.answered} of {done.lines} lines answered, {done.failed} failed")
+    if done.answered < done.lines:
+        raise typer.Exit(3)
+
+
+def _run(
+    api_key: str,
+    label: str,
+    work: Callable[[BatchClient, Progress], Coroutine[Any, Any, T]],
+) -> T:
+    settings = get_settings()
+
+    async def main() -> T:
+        caller = await resolve_key(settings, api_key)
+        if caller is None:
+            raise BatchError("invalid or revoked API key")
+        with typer.progressbar(length=1, label=label) as bar:
+
+            def progress(done: int, total: int) -> None:
+                bar.length = total
+                bar.update(done - bar.pos)
+
+            return await work(BatchClient(settings, caller), progress)
+
+    try:
+        return asyncio.run(main())
+    except BatchError as exc:
+        typer.secho(f"error: {exc}", err=True, fg=typer.colors.RED)
+        raise typer.Exit(2) from exc

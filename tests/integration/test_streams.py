@@ -1,0 +1,170 @@
+"""The streams app against the real broker: rollups match numbers worked out by hand,
+and a kill -9 and restart (with a replayed record) counts nothing twice."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+from aiokafka import AIOKafkaConsumer
+
+from infra.process import free_port
+from infra.roles import StreamsProcess
+from schemas import topics
+from schemas.codec import encode
+from schemas.events import FinishReason, UsageRecord, now_ms
+from tandoor.clients import kafka_producer
+from tandoor.settings import Settings
+
+pytestmark = pytest.mark.integration
+HOUR_MS = 3_600_000
+
+
+def record(
+    user: str, model: str, at: int, prompt: int, completion: int, reason: FinishReason = "stop"
+) -> UsageRecord:
+    return UsageRecord(
+        request_id=f"req-{uuid.uuid4().hex[:10]}",
+        attempt=1,
+        user_id=user,
+        tier="plus",
+        model=model,
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        queue_ms=2,
+        ttft_ms=40,
+        duration_ms=40 + max(completion - 1, 0) * 50,  # after the first token, 20 tokens/s
+        finish_reason=reason,
+        finished_at_ms=at,
+    )
+
+
+async def publish(settings: Settings, *records: UsageRecord) -> None:
+    async with kafka_producer(settings, "streams-test") as producer:
+        for r in records:
+            await producer.send_and_wait(topics.USAGE, encode(r), key=r.user_id.encode())
+
+
+async def rollups(url: str, dimension: str, key: str, expect: int) -> dict[str, dict[str, Any]]:
+    """`window/start -> summary` once the 1 h rollup has counted `expect` requests."""
+    found: dict[str, dict[str, Any]] = {}
+    async with httpx.AsyncClient(base_url=url, timeout=10) as http:
+        for _ in range(240):
+            response = await http.get(f"/rollups/{dimension}/{key}")
+            if response.status_code == 200:
+                found = {f"{s['window']}/{s['start_ms']}": s for s in response.json()["data"]}
+                hours = [s for s in found.values() if s["window"] == "1h"]
+                if hours and hours[0]["requests"] >= expect:
+                    return found
+            await asyncio.sleep(0.5)
+    raise AssertionError(f"{dimension} {key}: never {expect} requests; last seen {found}")
+
+
+async def published(settings: Settings, key_prefix: str) -> dict[str, dict[str, Any]]:
+    """The latest `usage.rollups` message per key, for keys under `key_prefix`."""
+    consumer = AIOKafkaConsumer(
+        topics.USAGE_ROLLUPS,
+        bootstrap_servers=settings.kafka_bootstrap,
+        auto_offset_reset="earliest",
+        enable_auto_commit=False,
+    )
+    await consumer.start()
+    latest: dict[str, dict[str, Any]] = {}
+    try:
+        while batch := await consumer.getmany(timeout_ms=2000):
+            for records in batch.values():
+                for r in records:
+                    if r.key and r.key.decode().startswith(key_prefix) and r.value:
+                        latest[r.key.decode()] = orjson.loads(r.value)
+    finally:
+        await consumer.stop()
+    return latest
+
+
+async def test_rollups_match_by_hand_and_survive_a_kill_9(
+    settings: Settings, kafka: str, tmp_path: Path
+) -> None:
+    user, model = f"ada-{uuid.uuid4().hex[:6]}", f"m-{uuid.uuid4().hex[:6]}"
+    hour = (now_ms() // HOUR_MS - 2) * HOUR_MS  # a closed hour: nothing else lands there
+    first = [
+        record(user, model, hour + 5_000, prompt=10, completion=20),
+        record(user, model, hour + 20_000, prompt=7, completion=3, reason="cancelled"),
+        record(user, model, hour + 59_999, prompt=5, completion=0, reason="error"),
+    ]
+    second = record(user, model, hour + 60_000, prompt=1, completion=2)
+    await publish(settings, *first, second)
+
+    port = free_port()
+    env = {
+        "TANDOOR_STREAMS_APP_ID": f"streams-{uuid.uuid4().hex[:6]}",
+        "TANDOOR_STREAMS_WEB_PORT": str(port),
+    }
+    url = f"http://127.0.0.1:{port}"
+    app = StreamsProcess(tmp_path, env)
+    app.start()
+    try:
+        await app.wait_ready()
+        for dimension, key in (("user", user), ("model", model)):
+            got = await rollups(url, dimension, key, expect=4)
+            minute = got[f"1m/{hour}"]
+            assert (minute["requests"], minute["prompt_tokens"], minute["completion_tokens"]) == (
+                3,
+                22,
+                23,
+            )
+            assert (minute["errors"], minute["stops"]) == (1, 1)
+            assert got[f"1m/{hour + 60_000}"]["requests"] == 1
+            assert got[f"1h/{hour}"]["requests"] == 4
+            assert got[f"1h/{hour}"]["ttft_ms"]["p50"] == pytest.approx(40, rel=0.25)
+            assert got[f"1h/{hour}"]["decode_tokens_per_s"]["p50"] == pytest.approx(20, rel=0.25)
+        app.kill()
+
+        # Replayed and new records while it is down: the replay must not count.
+        later = record(user, model, hour + 61_000, prompt=4, completion=4)
+        await publish(settings, first[0], later)
+        app = StreamsProcess(tmp_path, env)
+        app.start()
+        await app.wait_ready()
+        got = await rollups(url, "user", user, expect=5)
+        assert got[f"1h/{hour}"]["requests"] == 5
+        assert got[f"1m/{hour}"]["requests"] == 3
+        assert got[f"1m/{hour + 60_000}"]["requests"] == 2
+    finally:
+        app.terminate()
+
+    latest = await published(settings, f"user/{user}/")
+    assert latest[f"user/{user}/1h/{hour}"]["requests"] == 5
+    assert latest[f"user/{user}/1m/{hour}"]["prompt_tokens"] == 22
+
+
+async def test_the_analytics_example_reads_the_streams(settings: Settings, kafka: str) -> None:
+    user = f"bob-{uuid.uuid4().hex[:6]}"
+    await publish(settings, record(user, "m", now_ms(), prompt=3, completion=4))
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "consumers.tail",
+        "usage",
+        "--from-beginning",
+        "--limit",
+        "100000",
+        "--bootstrap",
+        settings.kafka_bootstrap,
+        stdout=asyncio.subprocess.PIPE,
+    )
+    assert process.stdout is not None
+    try:
+        async with asyncio.timeout(60):
+            while line := (await process.stdout.readline()).decode():
+                if line.startswith(f"{user} m stop: 3+4 tokens"):
+                    return
+    finally:
+        process.kill()
+        await process.wait()
+    raise AssertionError("the example never printed the record")

@@ -1,0 +1,77 @@
+"""Rollup arithmetic, checked against numbers worked out by hand."""
+
+from __future__ import annotations
+
+from schemas.events import FinishReason, UsageRecord
+from streams.rollups import Rollup, rollup_keys, window_start_ms
+
+
+def usage(
+    request_id: str,
+    *,
+    prompt: int = 10,
+    completion: int = 21,
+    ttft: float | None = 100,
+    duration: float = 1100,
+    reason: FinishReason = "stop",
+    at: int = 125_000,
+) -> UsageRecord:
+    return UsageRecord(
+        request_id=request_id,
+        attempt=1,
+        user_id="ada",
+        tier="plus",
+        model="smollm2",
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        queue_ms=1,
+        ttft_ms=ttft,
+        duration_ms=duration,
+        finish_reason=reason,
+        finished_at_ms=at,
+    )
+
+
+def test_counts_sums_and_outcomes() -> None:
+    rollup = Rollup("1m", 120_000, "user", "ada")
+    rollup.add(usage("a"))
+    rollup.add(usage("b", prompt=5, completion=0, ttft=None, reason="error"))
+    rollup.add(usage("c", completion=3, reason="cancelled"))
+    s = rollup.summary()
+    assert (s["requests"], s["prompt_tokens"], s["completion_tokens"]) == (3, 25, 24)
+    assert (s["errors"], s["stops"]) == (1, 1)
+    assert s["end_ms"] == 180_000
+
+
+def test_a_replayed_record_counts_once() -> None:
+    rollup = Rollup("1m", 120_000, "user", "ada")
+    assert rollup.add(usage("a")) and not rollup.add(usage("a"))
+    assert rollup.summary()["requests"] == 1
+
+
+def test_percentiles_land_in_the_right_bucket() -> None:
+    rollup = Rollup("1h", 0, "model", "smollm2")
+    for i in range(100):  # TTFT 1..100 ms; 20 tokens decoded in 1 s: 20 tokens/s
+        rollup.add(usage(f"r{i}", ttft=i + 1, duration=i + 1 + 1000))
+    s = rollup.summary()
+    p50, p95 = s["ttft_ms"]["p50"], s["ttft_ms"]["p95"]
+    assert 50 <= p50 <= 50 * 1.25 and 95 <= p95 <= 95 * 1.25
+    assert 20 <= s["decode_tokens_per_s"]["p50"] <= 25
+
+
+def test_state_survives_a_round_trip() -> None:
+    rollup = Rollup("1m", 120_000, "user", "ada")
+    rollup.add(usage("a"))
+    again = Rollup.load(rollup.dump())
+    assert again.summary() == rollup.summary() and not again.add(usage("a"))
+
+
+def test_each_record_feeds_both_windows_of_both_dimensions() -> None:
+    keys = rollup_keys(usage("a", at=3_725_000))
+    assert sorted(keys) == [
+        ("1h", 3_600_000, "model", "smollm2"),
+        ("1h", 3_600_000, "user", "ada"),
+        ("1m", 3_720_000, "model", "smollm2"),
+        ("1m", 3_720_000, "user", "ada"),
+    ]
+    assert window_start_ms(59_999, 60) == 0
