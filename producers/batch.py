@@ -148,9 +148,10 @@ class BatchClient:
         policy = self.settings.tiers[self.caller.tier]
         estimate = sum(count_tokens(m.content) + 6 for m in line.chat()) + line.max_tokens
         while True:  # charged to the caller's quota; over it, wait as told
+            admitted_at = now_ms()
             try:
                 await quotas.admit(
-                    self.caller.user_id, policy, request_id, estimate, now_ms(), holds_stream=False
+                    self.caller.user_id, policy, request_id, estimate, admitted_at, False
                 )
                 break
             except QuotaExceeded as exc:
@@ -165,10 +166,11 @@ class BatchClient:
                 conversation_id=request_id,  # spreads the lines over the band's partitions
                 messages=line.chat(),
                 sampling=Sampling(max_tokens=line.max_tokens, temperature=line.temperature),
-                created_at_ms=now_ms(),
+                created_at_ms=admitted_at,  # the minute its quota was charged in
                 kind="batch",
                 batch_id=batch_id,
                 prompt_tokens_estimate=estimate - line.max_tokens,
+                charged_tokens=estimate,
             )
         )
 

@@ -49,13 +49,18 @@ end
 return {1, 'ok', 0}
 """
 
-# Adjust the admission window's token count by (actual - estimate), if it still exists.
+# Once per request (the gateway and the streams app may both try): adjust the admission
+# window's token count by (actual - estimate), if the window still exists.
 SETTLE = """
+if not redis.call('SET', KEYS[2], '1', 'NX', 'PX', ARGV[2]) then
+  return 0
+end
 if redis.call('EXISTS', KEYS[1]) == 1 then
   return redis.call('INCRBY', KEYS[1], ARGV[1])
 end
 return 0
 """
+SETTLED_TTL_MS = 2 * WINDOW_MS  # past this the window's key is gone anyway
 
 Limit = Literal["requests_per_minute", "tokens_per_minute", "concurrent_streams"]
 
@@ -75,6 +80,11 @@ class QuotaExceeded(Exception):
         super().__init__(f"{limit.replace('_', ' ')} quota exceeded")
         self.limit = limit
         self.retry_after_s = max(1, -(-retry_after_ms // 1000))  # whole seconds, rounded up
+
+
+def charged(user_id: str, request_id: str, charged_at_ms: int, tokens: int) -> Admission:
+    """The admission a usage record describes, for settling it from the usage stream."""
+    return Admission(user_id, request_id, charged_at_ms - charged_at_ms % WINDOW_MS, tokens)
 
 
 class Quotas:
@@ -120,11 +130,14 @@ class Quotas:
         return Admission(user_id, request_id, window, tokens)
 
     async def settle(self, admission: Admission, actual_tokens: int) -> None:
-        """Replace the estimate with the real usage in the window it was charged to."""
+        """Replace the estimate with the real usage in the window it was charged to;
+        only the first settlement of a request counts."""
+        keys = [
+            _key("tpm", admission.user_id, admission.window_start_ms),
+            f"tandoor:quota:settled:{admission.request_id}",
+        ]
         delta = actual_tokens - admission.estimated_tokens
-        if delta:
-            key = _key("tpm", admission.user_id, admission.window_start_ms)
-            await self._settle(keys=[key], args=[delta])
+        await self._settle(keys=keys, args=[delta, SETTLED_TTL_MS])
 
     async def release(self, admission: Admission) -> None:
         """The stream ended: free its concurrent-stream slot."""

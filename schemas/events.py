@@ -68,6 +68,9 @@ class PromptRequest(Event):
     kind: PromptKind = "chat"
     batch_id: str | None = None
     prompt_tokens_estimate: int = Field(default=0, ge=0)
+    # What admission charged to the tokens-per-minute quota (prompt + max_tokens), in
+    # the minute of created_at_ms; settled against the real usage once it is known.
+    charged_tokens: int = Field(default=0, ge=0)
 
 
 class TokenEvent(Event):
@@ -143,6 +146,8 @@ class UsageRecord(Event):
     duration_ms: float = Field(ge=0)
     finish_reason: FinishReason
     finished_at_ms: int
+    charged_tokens: int = Field(default=0, ge=0)  # from the prompt: see PromptRequest
+    charged_at_ms: int | None = None
 
 
 TokenStreamEvent = TokenEvent | FinalEvent

@@ -6,7 +6,8 @@ finished).
 per-model table is filled from `<app id>-usage-by-model`, the same records keyed by
 model. Tables live in memory with changelog topics in Kafka, so a restarted app
 recovers them; a record replayed after a restart is recognised by its request id and
-not counted again. Every change is published to `usage.rollups` (keyed by rollup,
+not counted again. The same records settle the tokens-per-minute quota in Redis with
+the real usage, batch lines included. Every change is published to `usage.rollups` (keyed by rollup,
 the latest message per key is current) and readable over HTTP:
 `GET /rollups/user/<user>` and `GET /rollups/model/<model>`.
 """
@@ -19,10 +20,12 @@ import faust
 import orjson
 from faust.web import Request, Response, View
 
+from producers.quota import Quotas, charged
 from schemas import topics
 from schemas.codec import SchemaError, decode
 from schemas.events import UsageRecord
 from streams.rollups import WINDOWS_S, Rollup, rollup_keys, table_key
+from tandoor.clients import redis_client
 from tandoor.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -87,6 +90,8 @@ def create_app(settings: Settings) -> faust.App:
             table.pop(table_key(window, expired, dim, key).encode(), None)
             await rollups_out.send(key=name.encode(), value=orjson.dumps(rollup.summary()))
 
+    quotas = Quotas(redis_client(settings))
+
     @app.agent(usage, name="rollups-by-user")
     async def by_user_agent(stream: faust.StreamT[bytes]) -> None:
         async for payload in stream:
@@ -94,6 +99,7 @@ def create_app(settings: Settings) -> faust.App:
             record = _usage_record(payload)
             if record is not None:
                 await by_model.send(key=record.model.encode(), value=payload)
+                await settle_quota(quotas, record)
 
     @app.agent(by_model, name="rollups-by-model")
     async def by_model_agent(stream: faust.StreamT[bytes]) -> None:
@@ -118,6 +124,16 @@ def create_app(settings: Settings) -> faust.App:
             return self.json({"data": found})
 
     return app
+
+
+async def settle_quota(quotas: Quotas, record: UsageRecord) -> None:
+    """Settle the tokens-per-minute charge with the real usage (once per request,
+    whoever comes first: this app, or the gateway that followed the reply)."""
+    if record.charged_tokens and record.charged_at_ms is not None and record.user_id:
+        admission = charged(
+            record.user_id, record.request_id, record.charged_at_ms, record.charged_tokens
+        )
+        await quotas.settle(admission, record.prompt_tokens + record.completion_tokens)
 
 
 def _usage_record(payload: bytes) -> UsageRecord | None:

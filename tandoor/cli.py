@@ -11,7 +11,13 @@ from typing import TypeVar
 import typer
 
 from infra.errors import InfraError
-from infra.roles import GatewayProcess, PersistProcess, RoleProcess, WorkerProcess
+from infra.roles import (
+    GatewayProcess,
+    PersistProcess,
+    RoleProcess,
+    StreamsProcess,
+    WorkerProcess,
+)
 from infra.stack import Stack, bootstrap
 from tandoor.batch_cli import batch_app
 from tandoor.lifecycle import serve
@@ -73,12 +79,14 @@ def bootstrap_command() -> None:
 
 @app.command("run")
 def run() -> None:
-    """The main job: servers, a worker per model, persistence, gateway; Ctrl-C stops all."""
+    """The main job: servers, a worker per model, persistence, streams, gateway; Ctrl-C
+    stops all."""
     settings = get_settings()
     stack = Stack(settings)
     logs = settings.home / "logs"
     roles: list[RoleProcess] = [WorkerProcess(m, logs, {}) for m in settings.models]
     roles.append(PersistProcess(logs, {}))
+    roles.append(StreamsProcess(logs, {}))
     roles.append(GatewayProcess(logs, settings.gateway_port, {}))
     try:
         _guard(stack.up)
@@ -93,6 +101,7 @@ def run() -> None:
         key, _ = asyncio.run(create_key(settings, "local", "plus"))
         typer.echo(f"chat page: http://{settings.host}:{settings.gateway_port}/")
         typer.echo(f"API: http://{settings.host}:{settings.gateway_port}/v1 (API key {key})")
+        typer.echo(f"usage rollups: http://{settings.host}:{settings.streams_web_port}/rollups/")
         typer.echo('Tandoor is up. Try: tandoor ask "What is the capital of France?"')
         typer.echo("Press Ctrl-C to stop everything.")
         _wait_for_stop_signal()

@@ -273,4 +273,6 @@ def _usage_record(prompt: PromptRequest, final: FinalEvent) -> UsageRecord:
         duration_ms=max(0.0, final.created_at_ms - prompt.created_at_ms),
         finish_reason=final.finish_reason,
         finished_at_ms=final.created_at_ms,
+        charged_tokens=prompt.charged_tokens,
+        charged_at_ms=prompt.created_at_ms,
     )

@@ -16,14 +16,18 @@ from aiokafka import AIOKafkaConsumer
 
 from infra.process import free_port
 from infra.roles import StreamsProcess
+from producers.quota import Quotas
 from schemas import topics
 from schemas.codec import encode
 from schemas.events import FinishReason, UsageRecord, now_ms
-from tandoor.clients import kafka_producer
-from tandoor.settings import Settings
+from tandoor.clients import kafka_producer, redis_client
+from tandoor.settings import Settings, TierPolicy
 
 pytestmark = pytest.mark.integration
 HOUR_MS = 3_600_000
+POLICY = TierPolicy(
+    band="batch", requests_per_minute=9, tokens_per_minute=9_000, concurrent_streams=9
+)
 
 
 def record(
@@ -51,16 +55,17 @@ async def publish(settings: Settings, *records: UsageRecord) -> None:
             await producer.send_and_wait(topics.USAGE, encode(r), key=r.user_id.encode())
 
 
-async def rollups(url: str, dimension: str, key: str, expect: int) -> dict[str, dict[str, Any]]:
-    """`window/start -> summary` once the 1 h rollup has counted `expect` requests."""
+async def rollups(
+    url: str, dimension: str, key: str, hour: int, expect: int
+) -> dict[str, dict[str, Any]]:
+    """`window/start -> summary` once the rollup of `hour` has counted `expect` requests."""
     found: dict[str, dict[str, Any]] = {}
     async with httpx.AsyncClient(base_url=url, timeout=10) as http:
         for _ in range(240):
             response = await http.get(f"/rollups/{dimension}/{key}")
             if response.status_code == 200:
                 found = {f"{s['window']}/{s['start_ms']}": s for s in response.json()["data"]}
-                hours = [s for s in found.values() if s["window"] == "1h"]
-                if hours and hours[0]["requests"] >= expect:
+                if found.get(f"1h/{hour}", {}).get("requests", 0) >= expect:
                     return found
             await asyncio.sleep(0.5)
     raise AssertionError(f"{dimension} {key}: never {expect} requests; last seen {found}")
@@ -98,7 +103,14 @@ async def test_rollups_match_by_hand_and_survive_a_kill_9(
         record(user, model, hour + 59_999, prompt=5, completion=0, reason="error"),
     ]
     second = record(user, model, hour + 60_000, prompt=1, completion=2)
-    await publish(settings, *first, second)
+    # A request charged 500 tokens at admission that really used 60.
+    cache = redis_client(settings)
+    admitted = now_ms()
+    charge = await Quotas(cache).admit(user, POLICY, "charged", 500, admitted)
+    used = record(user, model, now_ms(), prompt=40, completion=20).model_copy(
+        update={"request_id": "charged", "charged_tokens": 500, "charged_at_ms": admitted}
+    )
+    await publish(settings, *first, second, used, used)  # and a replay of it
 
     port = free_port()
     env = {
@@ -111,7 +123,7 @@ async def test_rollups_match_by_hand_and_survive_a_kill_9(
     try:
         await app.wait_ready()
         for dimension, key in (("user", user), ("model", model)):
-            got = await rollups(url, dimension, key, expect=4)
+            got = await rollups(url, dimension, key, hour, expect=4)
             minute = got[f"1m/{hour}"]
             assert (minute["requests"], minute["prompt_tokens"], minute["completion_tokens"]) == (
                 3,
@@ -123,6 +135,8 @@ async def test_rollups_match_by_hand_and_survive_a_kill_9(
             assert got[f"1h/{hour}"]["requests"] == 4
             assert got[f"1h/{hour}"]["ttft_ms"]["p50"] == pytest.approx(40, rel=0.25)
             assert got[f"1h/{hour}"]["decode_tokens_per_s"]["p50"] == pytest.approx(20, rel=0.25)
+        tpm = f"tandoor:quota:tpm:{user}:{charge.window_start_ms}"
+        assert int(await cache.get(tpm) or 0) == 60, "settled once with the real usage"
         app.kill()
 
         # Replayed and new records while it is down: the replay must not count.
@@ -131,12 +145,13 @@ async def test_rollups_match_by_hand_and_survive_a_kill_9(
         app = StreamsProcess(tmp_path, env)
         app.start()
         await app.wait_ready()
-        got = await rollups(url, "user", user, expect=5)
+        got = await rollups(url, "user", user, hour, expect=5)
         assert got[f"1h/{hour}"]["requests"] == 5
         assert got[f"1m/{hour}"]["requests"] == 3
         assert got[f"1m/{hour + 60_000}"]["requests"] == 2
     finally:
         app.terminate()
+        await cache.aclose()
 
     latest = await published(settings, f"user/{user}/")
     assert latest[f"user/{user}/1h/{hour}"]["requests"] == 5

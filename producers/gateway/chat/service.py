@@ -277,7 +277,8 @@ class ChatService:
             created_at_ms=p.now,
             deadline_ms=p.now + int(d.settings.queue_timeout_s * 1000),
             reply_partition=sub.partition,
-            prompt_tokens_estimate=p.admission.estimated_tokens,
+            prompt_tokens_estimate=p.admission.estimated_tokens - p.max_tokens,
+            charged_tokens=p.admission.estimated_tokens,
         )
         try:
             await asyncio.wait_for(d.submitter.submit(prompt), d.settings.kafka_send_timeout_s)
