@@ -12,6 +12,7 @@ from fastapi import Request
 
 from consumers.fanout import TokenFanout
 from producers.gateway.chat.service import ChatDeps, ChatService
+from producers.gateway.chat.titles import TitleJobs
 from producers.gateway.conversations.service import ConversationService
 from producers.gateway.streaming import StreamSlots
 from producers.keys import KeyStore
@@ -47,18 +48,22 @@ async def open_services(settings: Settings) -> AsyncIterator[Services]:
         await backlog.start()
         stack.push_async_callback(backlog.stop)
         conversations = ConversationService(session, settings.models)
+        submitter = PromptSubmitter(settings, producer)
+        titles = TitleJobs(settings, fanout, submitter, conversations)
+        stack.push_async_callback(titles.stop)
         chat = ChatService(
             ChatDeps(
                 settings=settings,
                 conversations=conversations,
                 fanout=fanout,
                 producer=producer,
-                submitter=PromptSubmitter(settings, producer),
+                submitter=submitter,
                 redis=cache,
                 quotas=Quotas(cache),
                 moderator=DefaultModerator(settings.moderation_blocklist),
                 router=ModelRouter(settings, backlog.backlog),
                 streams=StreamSlots(settings.gateway_max_streams),
+                titles=titles,
             )
         )
         yield Services(settings, KeyStore(session, cache, set(settings.tiers)), conversations, chat)

@@ -241,3 +241,27 @@ async def test_two_replicas_share_the_token_traffic(stack: Stack) -> None:
     for events in replies:  # each replica streamed whole replies from its own partitions
         assert events[0]["type"] == "start" and events[-1] == "[DONE]"
         assert events[-2]["finish_reason"] in ("stop", "length") and reply_text(events)
+
+
+async def test_a_new_conversation_gets_a_title_from_the_model(
+    stack: Stack, http: httpx.AsyncClient
+) -> None:
+    headers = await auth(stack)
+    conversation = await new_conversation(http, headers)  # no title yet
+    named = (await http.post("/v1/conversations", json={"title": "Mine"}, headers=headers)).json()[
+        "id"
+    ]
+    await chat(http, headers, conversation, "How do volcanoes form?")
+    await chat(http, headers, named, "How do volcanoes form?")
+    title = None
+    for _ in range(240):  # a background job in the batch band
+        title = (await http.get(f"/v1/conversations/{conversation}", headers=headers)).json()[
+            "title"
+        ]
+        if title:
+            break
+        await asyncio.sleep(0.25)
+    assert title and len(title) <= 60 and "\n" not in title
+    sidebar = (await http.get("/v1/conversations", headers=headers)).json()["data"]
+    assert {c["id"]: c["title"] for c in sidebar}[conversation] == title
+    assert {c["id"]: c["title"] for c in sidebar}[named] == "Mine", "a chosen title stays"

@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.helpers import Stack, auth
+from tests.e2e.helpers import Stack, auth, stored_reply
 
 pytestmark = pytest.mark.integration
 
@@ -46,11 +46,15 @@ async def test_streaming_with_usage_and_the_chat_is_stored(stack: Stack) -> None
         text, usage, reasons = await streamed_completion(api, stack)
     assert "Paris" in text and reasons in (["stop"], ["length"])
     assert usage is not None and usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    headers = {"Authorization": f"Bearer {key}"}
     async with httpx.AsyncClient(base_url=stack.url) as http:
-        listed = (
-            await http.get("/v1/conversations", headers={"Authorization": f"Bearer {key}"})
-        ).json()
-    assert listed["data"][0]["title"] == "What is the capital of France?"
+        listed = (await http.get("/v1/conversations", headers=headers)).json()["data"]
+        assert len(listed) == 1 and listed[0]["title"]  # the question, or the model's title
+        messages = await stored_reply(http, headers, listed[0]["id"])
+    assert [(m["role"], m["content"]) for m in messages] == [
+        ("user", "What is the capital of France?"),
+        ("assistant", text),
+    ]
 
 
 async def streamed_completion(api: openai.AsyncOpenAI, stack: Stack) -> tuple[str, Any, list[str]]:

@@ -17,6 +17,7 @@ from consumers.fanout import Delivered, Subscription, TokenFanout, read_request
 from producers.context import Context, ContextTooLong, assemble
 from producers.control import request_cancel
 from producers.gateway.chat.protocol import PostMessage, ReplyOptions
+from producers.gateway.chat.titles import TitleJobs
 from producers.gateway.chat.watch import ReplyWatch
 from producers.gateway.conversations.protocol import Conversation, Message
 from producers.gateway.conversations.service import ConversationService
@@ -71,6 +72,7 @@ class ChatDeps:
     moderator: Moderator
     router: ModelRouter
     streams: StreamSlots
+    titles: TitleJobs
 
 
 class ChatService:
@@ -291,14 +293,14 @@ class ChatService:
                 "the prompt queue is unreachable; your message is saved as failed, please retry",
                 kind="service_unavailable",
             ) from exc
-        watch = await self._follow(p.conversation.id, sub, p.admission)
+        watch = await self._follow(p, sub)
         return Reply(p.request_id, p.conversation, p.model, user_message_id, watch)
 
-    async def _follow(
-        self, conversation_id: str, sub: Subscription, admission: Admission
-    ) -> ReplyWatch:
-        """Record the reply as in flight, and settle its quota when it ends."""
+    async def _follow(self, p: _Prompt, sub: Subscription) -> ReplyWatch:
+        """Record the reply as in flight; when it ends, settle its quota and, after a
+        conversation's first reply, ask for its title."""
         d = self.deps
+        conversation_id = p.conversation.id
         inflight = {
             "request_id": sub.request_id,
             "partition": sub.partition,
@@ -310,11 +312,22 @@ class ChatService:
             d.fanout.unsubscribe(sub)
             await d.redis.delete(_inflight_key(conversation_id))
             used = final.usage.prompt_tokens + final.usage.completion_tokens if final else 0
-            await d.quotas.settle(admission, used)
-            await d.quotas.release(admission)
+            await d.quotas.settle(p.admission, used)
+            await d.quotas.release(p.admission)
+            if final and final.finish_reason in ("stop", "length") and p.text is not None:
+                await self._title_once(p, final.text)
 
         # The worker answers an expired prompt itself; silence past that means no worker.
         return ReplyWatch(sub, d.settings.queue_timeout_s + d.settings.no_worker_grace_s, finished)
+
+    async def _title_once(self, p: _Prompt, answer: str) -> None:
+        """Only a title nobody chose: none yet, or the first message's opening words."""
+        question = p.text or ""
+        if p.conversation.title not in (None, question[:60]):
+            return
+        key = f"tandoor:titled:{p.conversation.id}"
+        if await self.deps.redis.set(key, 1, nx=True, ex=30 * 24 * 3600):
+            self.deps.titles.start(p.caller.user_id, p.conversation, question, answer)
 
 
 def _usable(messages: list[Message]) -> list[ChatMessage]:

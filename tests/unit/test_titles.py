@@ -1,0 +1,25 @@
+"""Turning the model's answer into a conversation title."""
+
+from __future__ import annotations
+
+import pytest
+
+from producers.gateway.chat.titles import TITLE_MAX_CHARS, clean_title
+
+
+@pytest.mark.parametrize(
+    ("answer", "title"),
+    [
+        ('"Volcano Formation Basics"', "Volcano Formation Basics"),
+        ("Title: How Volcanoes Form.\nThey form when...", "How Volcanoes Form"),
+        ("\n\n**Magma and Plates**", "Magma and Plates"),
+        ("   ", None),
+    ],
+)
+def test_the_first_line_without_decoration(answer: str, title: str | None) -> None:
+    assert clean_title(answer) == title
+
+
+def test_a_long_answer_is_cut_to_fit() -> None:
+    title = clean_title("word " * 40)
+    assert title is not None and len(title) <= TITLE_MAX_CHARS
