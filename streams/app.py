@@ -15,6 +15,9 @@ the latest message per key is current) and readable over HTTP:
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
 
 import faust
 import orjson
@@ -32,7 +35,19 @@ log = logging.getLogger(__name__)
 USAGE_PARTITIONS = 4  # as declared in infra/topics.py: the tables are co-partitioned
 
 
-def create_app(settings: Settings) -> faust.App:
+Send = Callable[[bytes, bytes], Awaitable[Any]]  # (key, value)
+
+
+@dataclass
+class Outputs:
+    """Where the agents write besides their tables; unit tests pass in-memory ones."""
+
+    rollups: Send  # to usage.rollups
+    by_model: Send  # the record again, keyed by model
+    settle: Callable[[UsageRecord], Awaitable[None]]  # the tokens-per-minute quota
+
+
+def create_app(settings: Settings, outputs: Outputs | None = None) -> faust.App:
     app = faust.App(
         settings.streams_app_id,
         broker=f"kafka://{settings.kafka_bootstrap}",
@@ -59,6 +74,7 @@ def create_app(settings: Settings) -> faust.App:
         internal=True,
     )
     rollups_out = app.topic(topics.USAGE_ROLLUPS, key_type=bytes, value_type=bytes)
+    out = outputs or _kafka_outputs(settings, by_model, rollups_out)
     tables = {
         dimension: app.Table(
             f"rollups-by-{dimension}",
@@ -88,9 +104,7 @@ def create_app(settings: Settings) -> faust.App:
             table[name.encode()] = orjson.dumps(rollup.dump())
             expired = start - settings.streams_retention_windows * WINDOWS_S[window] * 1000
             table.pop(table_key(window, expired, dim, key).encode(), None)
-            await rollups_out.send(key=name.encode(), value=orjson.dumps(rollup.summary()))
-
-    quotas = Quotas(redis_client(settings))
+            await out.rollups(name.encode(), orjson.dumps(rollup.summary()))
 
     @app.agent(usage, name="rollups-by-user")
     async def by_user_agent(stream: faust.StreamT[bytes]) -> None:
@@ -98,8 +112,8 @@ def create_app(settings: Settings) -> faust.App:
             await count("user", payload)
             record = _usage_record(payload)
             if record is not None:
-                await by_model.send(key=record.model.encode(), value=payload)
-                await settle_quota(quotas, record)
+                await out.by_model(record.model.encode(), payload)
+                await out.settle(record)
 
     @app.agent(by_model, name="rollups-by-model")
     async def by_model_agent(stream: faust.StreamT[bytes]) -> None:
@@ -124,6 +138,19 @@ def create_app(settings: Settings) -> faust.App:
             return self.json({"data": found})
 
     return app
+
+
+def _kafka_outputs(settings: Settings, by_model: faust.TopicT, rollups: faust.TopicT) -> Outputs:
+    quotas = Quotas(redis_client(settings))
+
+    async def settle(record: UsageRecord) -> None:
+        await settle_quota(quotas, record)
+
+    return Outputs(
+        rollups=lambda key, value: rollups.send(key=key, value=value),
+        by_model=lambda key, value: by_model.send(key=key, value=value),
+        settle=settle,
+    )
 
 
 async def settle_quota(quotas: Quotas, record: UsageRecord) -> None:

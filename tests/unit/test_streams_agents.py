@@ -1,0 +1,88 @@
+"""The rollup agents in faust's test context (no broker): what they count, publish,
+forward and settle for each usage record."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import faust
+import orjson
+import pytest
+
+from schemas.codec import encode
+from schemas.events import UsageRecord
+from streams.app import Outputs, create_app
+from tandoor.settings import Settings
+
+
+def usage(request_id: str, user: str = "ada", at: int = 125_000) -> UsageRecord:
+    return UsageRecord(
+        request_id=request_id,
+        attempt=1,
+        user_id=user,
+        tier="plus",
+        model="smollm2",
+        prompt_tokens=3,
+        completion_tokens=4,
+        queue_ms=1,
+        ttft_ms=10,
+        duration_ms=100,
+        finish_reason="stop",
+        finished_at_ms=at,
+    )
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.rollups: dict[str, dict[str, Any]] = {}
+        self.forwarded: list[bytes] = []
+        self.settled: list[str] = []
+
+    def outputs(self) -> Outputs:
+        async def rollup(key: bytes, value: bytes) -> None:
+            self.rollups[key.decode()] = orjson.loads(value)
+
+        async def forward(key: bytes, value: bytes) -> None:
+            self.forwarded.append(key)
+
+        async def settle(record: UsageRecord) -> None:
+            self.settled.append(record.request_id)
+
+        return Outputs(rollups=rollup, by_model=forward, settle=settle)
+
+
+@pytest.fixture
+async def app_and_sink() -> AsyncIterator[tuple[faust.App, Sink]]:
+    sink = Sink()
+    app = create_app(Settings(streams_app_id=f"unit-{uuid.uuid4().hex[:6]}"), sink.outputs())
+    yield app, sink
+    # Iterating a stream made faust's consumer, whose thread has an event loop of its own
+    # that never ran (no broker here); close it, or it leaks its sockets.
+    consumer: Any = app.consumer
+    consumer._thread.thread_loop.close()
+
+
+async def test_the_user_agent_counts_forwards_and_settles(
+    app_and_sink: tuple[faust.App, Sink],
+) -> None:
+    app, sink = app_and_sink
+    async with app.agents["rollups-by-user"].test_context() as agent:
+        await agent.put(encode(usage("a")))
+        await agent.put(encode(usage("b", at=130_000)))
+        await agent.put(encode(usage("a")))  # a replay
+    minute = sink.rollups["user/ada/1m/120000"]
+    assert (minute["requests"], minute["prompt_tokens"], minute["completion_tokens"]) == (2, 6, 8)
+    assert sink.rollups["user/ada/1h/0"]["requests"] == 2
+    assert sink.forwarded == [b"smollm2"] * 3 and sink.settled == ["a", "b", "a"]
+
+
+async def test_the_model_agent_counts_per_model(app_and_sink: tuple[faust.App, Sink]) -> None:
+    app, sink = app_and_sink
+    async with app.agents["rollups-by-model"].test_context() as agent:
+        await agent.put(encode(usage("a", user="ada")))
+        await agent.put(encode(usage("b", user="bob")))
+        await agent.put(b"not an event")  # skipped, not fatal
+    assert sink.rollups["model/smollm2/1m/120000"]["requests"] == 2
+    assert "user/ada/1m/120000" not in sink.rollups
