@@ -11,8 +11,8 @@ from typing import Any
 from fastapi import Request
 
 from consumers.fanout import TokenFanout
+from producers.gateway.chat.jobs import ConversationJobs
 from producers.gateway.chat.service import ChatDeps, ChatService
-from producers.gateway.chat.titles import TitleJobs
 from producers.gateway.conversations.service import ConversationService
 from producers.gateway.streaming import StreamSlots
 from producers.keys import KeyStore
@@ -49,8 +49,8 @@ async def open_services(settings: Settings) -> AsyncIterator[Services]:
         stack.push_async_callback(backlog.stop)
         conversations = ConversationService(session, settings.models)
         submitter = PromptSubmitter(settings, producer)
-        titles = TitleJobs(settings, fanout, submitter, conversations)
-        stack.push_async_callback(titles.stop)
+        jobs = ConversationJobs(settings, fanout, submitter, conversations)
+        stack.push_async_callback(jobs.stop)
         chat = ChatService(
             ChatDeps(
                 settings=settings,
@@ -63,7 +63,7 @@ async def open_services(settings: Settings) -> AsyncIterator[Services]:
                 moderator=DefaultModerator(settings.moderation_blocklist),
                 router=ModelRouter(settings, backlog.backlog),
                 streams=StreamSlots(settings.gateway_max_streams),
-                titles=titles,
+                jobs=jobs,
             )
         )
         yield Services(settings, KeyStore(session, cache, set(settings.tiers)), conversations, chat)

@@ -28,6 +28,8 @@ def test_migrations_apply_once(cassandra: Settings, keyspace: str) -> None:
             "0001_initial",
             "0002_api_keys",
             "0003_conversation_last_reply",
+            "0004_batches",
+            "0005_conversation_summary",
         ]
         assert migrate(session, keyspace) == []
         rows = session.execute(
@@ -41,6 +43,8 @@ def test_migrations_apply_once(cassandra: Settings, keyspace: str) -> None:
         "messages_by_conversation",
         "usage_by_user_day",
         "api_keys",
+        "batches",
+        "batch_results",
     } <= tables
 
 

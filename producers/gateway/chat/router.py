@@ -62,6 +62,7 @@ def _streamed(reply: Reply, svc: ChatService, slot: Slot) -> ReplyStream:
             "conversation_id": reply.conversation.id,
             "model": reply.model,
             "user_message_id": reply.user_message_id,
+            "summarized": reply.summarized,  # older turns went in as a summary
         }
     )
 

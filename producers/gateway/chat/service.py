@@ -16,10 +16,14 @@ from aiokafka.errors import KafkaError
 from consumers.fanout import Delivered, Subscription, TokenFanout, read_request
 from producers.context import Context, ContextTooLong, assemble
 from producers.control import request_cancel
+from producers.gateway.chat.jobs import ConversationJobs
 from producers.gateway.chat.protocol import PostMessage, ReplyOptions
-from producers.gateway.chat.titles import TitleJobs
 from producers.gateway.chat.watch import ReplyWatch
-from producers.gateway.conversations.protocol import Conversation, Message
+from producers.gateway.conversations.protocol import (
+    Conversation,
+    ConversationWithMessages,
+    Message,
+)
 from producers.gateway.conversations.service import ConversationService
 from producers.gateway.errors import ApiError, not_found
 from producers.gateway.streaming import StreamSlots
@@ -42,6 +46,8 @@ class Reply:
     model: str  # the one answering: the conversation's, or its fallback under load
     user_message_id: str | None  # None when regenerating: no new user message
     watch: ReplyWatch
+    dropped: int = 0  # older turns left out of the context
+    summarized: bool = False  # a summary stood in for turns before them
 
 
 @dataclass
@@ -58,6 +64,8 @@ class _Prompt:
     request_id: str
     now: int
     admission: Admission
+    dropped: int
+    summarized: bool
 
 
 @dataclass
@@ -72,7 +80,7 @@ class ChatDeps:
     moderator: Moderator
     router: ModelRouter
     streams: StreamSlots
-    titles: TitleJobs
+    jobs: ConversationJobs
 
 
 class ChatService:
@@ -82,8 +90,14 @@ class ChatService:
     async def post(self, caller: Principal, conversation_id: str, body: PostMessage) -> Reply:
         conversation = await self.deps.conversations.owned(caller.user_id, conversation_id)
         text = self.moderated(body.content)
-        visible = await self._visible(caller, conversation_id)
-        return await self.reply(caller, conversation, _usable(visible), text, body)
+        opened = await self.deps.conversations.get(caller.user_id, conversation_id)
+        summary, turns = _after_summary(opened)
+        reply = await self.reply(
+            caller, conversation, [_chat(m) for m in turns], text, body, summary=summary
+        )
+        if reply.dropped:  # older turns no longer fit: have them summarized for next time
+            self.deps.jobs.summary(caller.user_id, conversation, summary, turns[: reply.dropped])
+        return reply
 
     async def regenerate(
         self, caller: Principal, conversation_id: str, body: ReplyOptions
@@ -122,6 +136,7 @@ class ChatService:
         new_text: str | None,
         options: ReplyOptions,
         client_context: bool = False,
+        summary: str | None = None,
     ) -> Reply:
         """Context, quota, then the prompt: the part every way of asking shares."""
         d = self.deps
@@ -130,7 +145,7 @@ class ChatService:
             *history,
             *([ChatMessage(role="user", content=new_text)] if new_text is not None else []),
         ]
-        context = self._context(asked, max_tokens, client_context)
+        context = self._context(asked, max_tokens, client_context, summary)
         request_id, now = f"r_{uuid.uuid4().hex}", now_ms()
         admission = await self._admit(caller, request_id, context.prompt_tokens + max_tokens, now)
         model = d.router.answering(conversation.model, caller.tier)
@@ -147,6 +162,8 @@ class ChatService:
                     request_id,
                     now,
                     admission,
+                    context.dropped,
+                    summary is not None and not client_context,
                 )
             )
         except BaseException:
@@ -154,12 +171,20 @@ class ChatService:
             await d.quotas.release(admission)
             raise
 
-    def _context(self, asked: list[ChatMessage], max_tokens: int, client_context: bool) -> Context:
+    def _context(
+        self,
+        asked: list[ChatMessage],
+        max_tokens: int,
+        client_context: bool,
+        summary: str | None = None,
+    ) -> Context:
         """The chat page's history is trimmed to fit, oldest first, under the configured
         system prompt. An API client sends the whole context itself, system prompt
         included: if it does not fit, it is refused, never silently cut."""
         settings = self.deps.settings
         system = None if client_context else settings.system_prompt
+        if summary and not client_context:
+            system = f"{system or ''}\n\nSummary of the earlier conversation: {summary}".strip()
         try:
             context = assemble(system, asked, settings.context_window, max_tokens)
         except ContextTooLong as exc:
@@ -294,7 +319,9 @@ class ChatService:
                 kind="service_unavailable",
             ) from exc
         watch = await self._follow(p, sub)
-        return Reply(p.request_id, p.conversation, p.model, user_message_id, watch)
+        return Reply(
+            p.request_id, p.conversation, p.model, user_message_id, watch, p.dropped, p.summarized
+        )
 
     async def _follow(self, p: _Prompt, sub: Subscription) -> ReplyWatch:
         """Record the reply as in flight; when it ends, settle its quota and, after a
@@ -327,16 +354,29 @@ class ChatService:
             return
         key = f"tandoor:titled:{p.conversation.id}"
         if await self.deps.redis.set(key, 1, nx=True, ex=30 * 24 * 3600):
-            self.deps.titles.start(p.caller.user_id, p.conversation, question, answer)
+            self.deps.jobs.title(p.caller.user_id, p.conversation, question, answer)
 
 
 def _usable(messages: list[Message]) -> list[ChatMessage]:
     """Turns that go into the context: the user's, and replies that were shown."""
-    return [
-        ChatMessage(role="user" if m.role == "user" else "assistant", content=m.content)
-        for m in messages
-        if _shown(m)
+    return [_chat(m) for m in messages if _shown(m)]
+
+
+def _chat(message: Message) -> ChatMessage:
+    if message.role == "user":
+        return ChatMessage(role="user", content=message.content)
+    return ChatMessage(role="assistant", content=message.content)
+
+
+def _after_summary(opened: ConversationWithMessages) -> tuple[str | None, list[Message]]:
+    """The summary, if any, and the usable turns it does not cover."""
+    until = opened.summary_until
+    turns = [
+        m
+        for m in opened.messages
+        if m.status != "replaced" and _shown(m) and (until is None or m.created_at > until)
     ]
+    return (opened.summary if until else None), turns
 
 
 def _shown(message: Message) -> bool:

@@ -43,6 +43,10 @@ class Message(BaseModel):
 
 class ConversationWithMessages(Conversation):
     messages: list[Message]
+    summary: str | None = Field(
+        default=None, description="The model's summary of the turns up to summary_until."
+    )
+    summary_until: dt.datetime | None = None
 
 
 class ConversationPage(BaseModel):

@@ -90,7 +90,35 @@ class ConversationService:
             )
             for r in rows
         ]
-        return ConversationWithMessages(**conversation.model_dump(), messages=messages)
+        summary = await cql(
+            self._session,
+            "SELECT summary, summary_until FROM conversations WHERE conversation_id = %s",
+            (conversation_id,),
+        )
+        return ConversationWithMessages(
+            **conversation.model_dump(),
+            messages=messages,
+            summary=summary[0].summary if summary else None,
+            summary_until=_utc(summary[0].summary_until)
+            if summary and summary[0].summary_until
+            else None,
+        )
+
+    async def set_summary(self, conversation_id: str, text: str, until: dt.datetime) -> None:
+        """Store a summary unless one reaching as far or further is there already (the
+        jobs of one conversation are rare and far apart: read, then write, is enough)."""
+        rows = await cql(
+            self._session,
+            "SELECT summary_until FROM conversations WHERE conversation_id = %s",
+            (conversation_id,),
+        )
+        if rows and rows[0].summary_until and _utc(rows[0].summary_until) >= until:
+            return
+        await cql(
+            self._session,
+            "UPDATE conversations SET summary = %s, summary_until = %s WHERE conversation_id = %s",
+            (text, until, conversation_id),
+        )
 
     async def rename(self, user_id: str, conversation_id: str, title: str) -> Conversation:
         conversation = await self._owned(user_id, conversation_id)

@@ -1,10 +1,10 @@
-"""Turning the model's answer into a conversation title."""
+"""Conversation jobs: turning model answers into titles, and what a job is shown."""
 
 from __future__ import annotations
 
 import pytest
 
-from producers.gateway.chat.titles import TITLE_MAX_CHARS, clean_title
+from producers.gateway.chat.jobs import TITLE_MAX_CHARS, clean_title, transcript
 
 
 @pytest.mark.parametrize(
@@ -23,3 +23,8 @@ def test_the_first_line_without_decoration(answer: str, title: str | None) -> No
 def test_a_long_answer_is_cut_to_fit() -> None:
     title = clean_title("word " * 40)
     assert title is not None and len(title) <= TITLE_MAX_CHARS
+
+
+def test_a_transcript_starts_from_the_previous_summary() -> None:
+    text = transcript([("user", "Hi"), ("assistant", "Hello")], previous_summary="We met.")
+    assert text == "Earlier: We met.\nUser: Hi\nAssistant: Hello"

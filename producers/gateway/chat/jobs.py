@@ -1,0 +1,178 @@
+"""Background jobs for conversations, run by the model through the same pipeline in
+the lowest band (never ahead of anyone's chat), and followed by the replica that
+asked, like a reply:
+
+- a short title once a conversation's first reply is done (unless the user chose
+  one, or renames it meanwhile);
+- a summary of the older turns once they no longer fit the model's context, which
+  context assembly then uses in their place.
+
+If the replica dies first the job's result is simply not stored: a title stays as it
+was, and the next reply that cannot fit its history asks for the summary again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Coroutine
+from typing import Any
+
+from aiokafka.errors import KafkaError
+
+from consumers.fanout import TokenFanout
+from producers.gateway.conversations.protocol import Conversation, Message
+from producers.gateway.conversations.service import ConversationService
+from producers.prompts import PromptSubmitter
+from schemas.events import ChatMessage, FinalEvent, PromptKind, PromptRequest, Sampling, now_ms
+from tandoor.settings import Settings
+
+log = logging.getLogger(__name__)
+
+JOB_BAND = "batch"
+JOB_WAIT_S = 600.0  # the batch band may be busy; nobody waits on a job
+TITLE_MAX_CHARS = 60
+TITLE_INSTRUCTION = (
+    "Write a title of at most six words for this conversation. "
+    "Reply with the title only, no quotes."
+)
+SUMMARY_INSTRUCTION = (
+    "Summarize this conversation in at most five sentences, keeping names, facts and "
+    "decisions the user may refer to later."
+)
+EXCERPT_CHARS = 1500  # of each message, in a job's prompt
+
+
+def clean_title(text: str) -> str | None:
+    """The model's first line, without quotes or a 'Title:' label, cut to fit."""
+    line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
+    if line.lower().startswith("title:"):
+        line = line[6:].strip()
+    line = line.strip("\"'*#` ").rstrip(".")
+    return line[:TITLE_MAX_CHARS].strip() or None
+
+
+def transcript(turns: list[tuple[str, str]], previous_summary: str | None = None) -> str:
+    lines = [f"Earlier: {previous_summary}"] if previous_summary else []
+    lines += [f"{role.capitalize()}: {text[:EXCERPT_CHARS]}" for role, text in turns]
+    return "\n".join(lines)
+
+
+class ConversationJobs:
+    def __init__(
+        self,
+        settings: Settings,
+        fanout: TokenFanout,
+        submitter: PromptSubmitter,
+        conversations: ConversationService,
+    ) -> None:
+        self.settings = settings
+        self.fanout = fanout
+        self.submitter = submitter
+        self.conversations = conversations
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def title(self, user_id: str, conversation: Conversation, question: str, answer: str) -> None:
+        self._spawn(self._title(user_id, conversation, question, answer))
+
+    def summary(
+        self, user_id: str, conversation: Conversation, previous: str | None, turns: list[Message]
+    ) -> None:
+        """Summarize `turns` (and the summary of what came before them)."""
+        self._spawn(self._summary(user_id, conversation, previous, turns))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _spawn(self, job: Coroutine[Any, Any, None]) -> None:
+        async def guarded() -> None:
+            try:
+                await job
+            except Exception as exc:  # a job is a nicety: never let it disturb a chat
+                log.warning("conversation job failed: %r", exc)
+
+        task = asyncio.create_task(guarded())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _title(
+        self, user_id: str, conversation: Conversation, question: str, answer: str
+    ) -> None:
+        text = await self._ask(
+            "title",
+            f"title_{conversation.id}",
+            conversation,
+            user_id,
+            [
+                ChatMessage(role="system", content=TITLE_INSTRUCTION),
+                ChatMessage(
+                    role="user", content=transcript([("user", question), ("assistant", answer)])
+                ),
+            ],
+            max_tokens=16,
+        )
+        title = clean_title(text or "")
+        current = await self.conversations.owned(user_id, conversation.id)
+        if title and current.title == conversation.title:  # the user has not renamed it
+            await self.conversations.rename(user_id, conversation.id, title)
+
+    async def _summary(
+        self, user_id: str, conversation: Conversation, previous: str | None, turns: list[Message]
+    ) -> None:
+        until = turns[-1].created_at
+        text = await self._ask(
+            "summary",
+            f"summary_{conversation.id}_{int(until.timestamp() * 1000)}",
+            conversation,
+            user_id,
+            [
+                ChatMessage(role="system", content=SUMMARY_INSTRUCTION),
+                ChatMessage(
+                    role="user",
+                    content=transcript([(m.role, m.content) for m in turns], previous),
+                ),
+            ],
+            max_tokens=160,
+        )
+        if text and text.strip():
+            await self.conversations.set_summary(conversation.id, text.strip(), until)
+
+    async def _ask(
+        self,
+        kind: PromptKind,
+        request_id: str,
+        conversation: Conversation,
+        user_id: str,
+        messages: list[ChatMessage],
+        max_tokens: int,
+    ) -> str | None:
+        """The model's answer to a job, or None (it failed, or took too long)."""
+        sub = await self.fanout.subscribe(request_id)
+        try:
+            await self.submitter.submit(
+                PromptRequest(
+                    request_id=request_id,
+                    model=conversation.model,
+                    user_id=user_id,
+                    tier="batch",
+                    band=JOB_BAND,
+                    conversation_id=conversation.id,
+                    messages=messages,
+                    sampling=Sampling(max_tokens=max_tokens, temperature=0.0),
+                    created_at_ms=now_ms(),
+                    reply_partition=sub.partition,
+                    kind=kind,
+                )
+            )
+            async with asyncio.timeout(JOB_WAIT_S):
+                while not isinstance((item := await sub.queue.get()).event, FinalEvent):
+                    pass
+            final = item.event
+            return final.text if final.finish_reason in ("stop", "length") else None
+        except (TimeoutError, KafkaError) as exc:
+            log.warning("%s job %s: no answer (%r)", kind, request_id, exc)
+            return None
+        finally:
+            self.fanout.unsubscribe(sub)

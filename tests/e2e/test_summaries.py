@@ -1,0 +1,57 @@
+"""A conversation longer than the model's context: once older turns stop fitting, a
+background job summarizes them, and later prompts carry the summary in their place."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any
+
+import httpx
+import pytest
+
+from infra.process import free_port
+from infra.roles import GatewayProcess, running
+from tests.e2e.helpers import Stack, auth, new_conversation, sse
+
+pytestmark = pytest.mark.integration
+TOPICS = ["volcanoes", "glaciers", "deserts", "rainforests"]
+
+
+async def post(
+    http: httpx.AsyncClient, headers: dict[str, str], conversation: str, text: str
+) -> list[Any]:
+    path = f"/v1/conversations/{conversation}/messages"
+    body = {"content": text, "max_tokens": 16, "temperature": 0}
+    async with http.stream("POST", path, json=body, headers=headers) as response:
+        assert response.status_code == 200, await response.aread()
+        return [data async for _, data in sse(response)]
+
+
+async def test_older_turns_are_summarized_and_used(stack: Stack) -> None:
+    # A replica that budgets a small window: a few turns fill it.
+    env = {
+        **stack.env,
+        "TANDOOR_CONTEXT_WINDOW": "400",
+        "TANDOOR_GATEWAY_GROUP": f"gateway-summary-{uuid.uuid4().hex[:6]}",
+    }
+    gateway = GatewayProcess(stack.logs, free_port(), env)
+    headers = await auth(stack)
+    async with (
+        running([gateway]),
+        httpx.AsyncClient(base_url=f"http://127.0.0.1:{gateway.port}", timeout=120) as http,
+    ):
+        conversation = await new_conversation(http, headers)
+        for topic in TOPICS:  # about 135 tokens a turn: the third no longer fits them all
+            question = f"Tell me about {topic}. " + "Please be detailed. " * 25
+            assert (await post(http, headers, conversation, question))[-2]["type"] == "final"
+        opened: dict[str, Any] = {}
+        for _ in range(240):  # the summary job runs in the batch band
+            opened = (await http.get(f"/v1/conversations/{conversation}", headers=headers)).json()
+            if opened["summary"]:
+                break
+            await asyncio.sleep(0.25)
+        assert opened["summary"] and opened["summary_until"], "no summary was made"
+        later = await post(http, headers, conversation, "Which topic did we start with?")
+    assert later[0]["type"] == "start" and later[0]["summarized"] is True
+    assert later[-2]["type"] == "final" and later[-2]["finish_reason"] in ("stop", "length")

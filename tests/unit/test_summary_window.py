@@ -1,0 +1,49 @@
+"""Which turns a summary stands in for, and which still go into the context."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from producers.gateway.chat.service import _after_summary
+from producers.gateway.conversations.protocol import ConversationWithMessages, Message
+
+T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+
+
+def message(n: int, role: str, status: str = "complete") -> Message:
+    return Message(
+        id=f"m{n}",
+        role=role,
+        content=f"text {n}",
+        status="sent" if role == "user" else status,
+        created_at=T0 + dt.timedelta(seconds=n),
+    )
+
+
+def opened(summary: str | None, until: int | None) -> ConversationWithMessages:
+    return ConversationWithMessages(
+        id="c",
+        model="m",
+        title=None,
+        created_at=T0,
+        updated_at=T0,
+        messages=[
+            message(1, "user"),
+            message(2, "assistant"),
+            message(3, "user"),
+            message(4, "assistant", status="replaced"),
+            message(5, "assistant"),
+        ],
+        summary=summary,
+        summary_until=None if until is None else T0 + dt.timedelta(seconds=until),
+    )
+
+
+def test_without_a_summary_every_shown_turn_counts() -> None:
+    summary, turns = _after_summary(opened(None, None))
+    assert summary is None and [m.id for m in turns] == ["m1", "m2", "m3", "m5"]
+
+
+def test_a_summary_stands_in_for_the_turns_it_covers() -> None:
+    summary, turns = _after_summary(opened("They said hello.", until=2))
+    assert summary == "They said hello." and [m.id for m in turns] == ["m3", "m5"]
