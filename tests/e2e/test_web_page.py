@@ -99,7 +99,8 @@ async def test_chat_stop_regenerate_and_reload(stack: Stack, page: Page) -> None
     await ask(page, "What is the capital of France? Answer in one sentence.")
     reply = page.locator(".message.assistant").last
     await expect(reply).not_to_have_class(re.compile("streaming"), timeout=REPLY_S)
-    await expect(reply.locator(".body")).to_contain_text("Paris")
+    await expect(reply.locator(".body")).not_to_be_empty()  # sampled: the words may vary
+    first_answer = await reply.locator(".body").inner_text()
     lengths = await page.evaluate("window.seen")
     assert len({n for n in lengths if n}) >= 2, f"the reply did not stream: {lengths}"
     await shot(page, "02-reply")
@@ -127,7 +128,7 @@ async def test_chat_stop_regenerate_and_reload(stack: Stack, page: Page) -> None
     newest = page.locator("#conversation-list button").first  # its title may be the model's now
     await expect(newest).to_be_visible()
     await newest.click()
-    await expect(page.locator(".message.assistant").first).to_contain_text("Paris")
+    await expect(page.locator(".message.assistant .body").first).to_have_text(first_answer)
     await expect(page.locator(".message.user")).to_have_count(2)
     await shot(page, "05-reloaded")
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Coroutine
+from dataclasses import dataclass
 from typing import Any
 
 from aiokafka.errors import KafkaError
@@ -56,6 +57,15 @@ def transcript(turns: list[tuple[str, str]], previous_summary: str | None = None
     lines = [f"Earlier: {previous_summary}"] if previous_summary else []
     lines += [f"{role.capitalize()}: {text[:EXCERPT_CHARS]}" for role, text in turns]
     return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class PromptJob:
+    kind: PromptKind
+    request_id: str  # one per job: asking twice never runs it twice
+    instruction: str
+    content: str
+    max_tokens: int
 
 
 class ConversationJobs:
@@ -100,19 +110,9 @@ class ConversationJobs:
     async def _title(
         self, user_id: str, conversation: Conversation, question: str, answer: str
     ) -> None:
-        text = await self._ask(
-            "title",
-            f"title_{conversation.id}",
-            conversation,
-            user_id,
-            [
-                ChatMessage(role="system", content=TITLE_INSTRUCTION),
-                ChatMessage(
-                    role="user", content=transcript([("user", question), ("assistant", answer)])
-                ),
-            ],
-            max_tokens=16,
-        )
+        exchange = transcript([("user", question), ("assistant", answer)])
+        job = PromptJob("title", f"title_{conversation.id}", TITLE_INSTRUCTION, exchange, 16)
+        text = await self._ask(job, conversation, user_id)
         title = clean_title(text or "")
         current = await self.conversations.owned(user_id, conversation.id)
         if title and current.title == conversation.title:  # the user has not renamed it
@@ -122,33 +122,20 @@ class ConversationJobs:
         self, user_id: str, conversation: Conversation, previous: str | None, turns: list[Message]
     ) -> None:
         until = turns[-1].created_at
-        text = await self._ask(
+        job = PromptJob(
             "summary",
             f"summary_{conversation.id}_{int(until.timestamp() * 1000)}",
-            conversation,
-            user_id,
-            [
-                ChatMessage(role="system", content=SUMMARY_INSTRUCTION),
-                ChatMessage(
-                    role="user",
-                    content=transcript([(m.role, m.content) for m in turns], previous),
-                ),
-            ],
-            max_tokens=160,
+            SUMMARY_INSTRUCTION,
+            transcript([(m.role, m.content) for m in turns], previous),
+            160,
         )
+        text = await self._ask(job, conversation, user_id)
         if text and text.strip():
             await self.conversations.set_summary(conversation.id, text.strip(), until)
 
-    async def _ask(
-        self,
-        kind: PromptKind,
-        request_id: str,
-        conversation: Conversation,
-        user_id: str,
-        messages: list[ChatMessage],
-        max_tokens: int,
-    ) -> str | None:
+    async def _ask(self, job: PromptJob, conversation: Conversation, user_id: str) -> str | None:
         """The model's answer to a job, or None (it failed, or took too long)."""
+        kind, request_id = job.kind, job.request_id
         sub = await self.fanout.subscribe(request_id)
         try:
             await self.submitter.submit(
@@ -159,8 +146,11 @@ class ConversationJobs:
                     tier="batch",
                     band=JOB_BAND,
                     conversation_id=conversation.id,
-                    messages=messages,
-                    sampling=Sampling(max_tokens=max_tokens, temperature=0.0),
+                    messages=[
+                        ChatMessage(role="system", content=job.instruction),
+                        ChatMessage(role="user", content=job.content),
+                    ],
+                    sampling=Sampling(max_tokens=job.max_tokens, temperature=0.0),
                     created_at_ms=now_ms(),
                     reply_partition=sub.partition,
                     kind=kind,
