@@ -1,6 +1,6 @@
 """`tandoor streams`: faust-streaming agents that roll `usage` up per user and per
 model, in one-minute and one-hour tumbling windows (by the time each request
-finished).
+finished), and count re-runs (a worker died mid-reply) from `tokens`.
 
 `usage` is keyed by user, so the per-user table is filled straight from it; the
 per-model table is filled from `<app id>-usage-by-model`, the same records keyed by
@@ -17,7 +17,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from operator import methodcaller
+from typing import Any, TypeVar
 
 import faust
 import orjson
@@ -26,12 +27,13 @@ from faust.web import Request, Response, View
 from producers.quota import Quotas, charged
 from schemas import topics
 from schemas.codec import SchemaError, decode
-from schemas.events import UsageRecord
-from streams.rollups import WINDOWS_S, Rollup, rollup_keys, table_key
+from schemas.events import Event, FinalEvent, UsageRecord
+from streams.rollups import WINDOWS_S, Rollup, restart_keys, rollup_keys, table_key
 from tandoor.clients import redis_client
 from tandoor.settings import Settings
 
 log = logging.getLogger(__name__)
+E = TypeVar("E", bound=Event)
 USAGE_PARTITIONS = 4  # as declared in infra/topics.py: the tables are co-partitioned
 
 
@@ -66,6 +68,7 @@ def create_app(settings: Settings, outputs: Outputs | None = None) -> faust.App:
         consumer_auto_offset_reset="earliest",
     )
     usage = app.topic(topics.USAGE, key_type=bytes, value_type=bytes)
+    tokens = app.topic(topics.TOKENS, key_type=bytes, value_type=bytes)
     by_model = app.topic(
         f"{settings.streams_app_id}-usage-by-model",
         key_type=bytes,
@@ -86,39 +89,59 @@ def create_app(settings: Settings, outputs: Outputs | None = None) -> faust.App:
         for dimension in ("user", "model")
     }
 
-    async def count(dimension: str, payload: bytes) -> None:
-        record = _usage_record(payload)
-        if record is None:
-            return
-        table = tables[dimension]
-        for window, start, dim, key in rollup_keys(record):
-            if dim != dimension:
-                continue
+    async def update(
+        keys: list[tuple[str, int, str, str]], apply: Callable[[Rollup], bool]
+    ) -> None:
+        """Apply one record to each rollup it belongs to, and publish what changed."""
+        for window, start, dim, key in keys:
+            table = tables[dim]
             name = table_key(window, start, dim, key)
             stored = table.get(name.encode())
             rollup = (
                 Rollup.load(orjson.loads(stored)) if stored else Rollup(window, start, dim, key)
             )
-            if not rollup.add(record):
+            if not apply(rollup):
                 continue  # replayed after a restart: already counted
             table[name.encode()] = orjson.dumps(rollup.dump())
             expired = start - settings.streams_retention_windows * WINDOWS_S[window] * 1000
             table.pop(table_key(window, expired, dim, key).encode(), None)
             await out.rollups(name.encode(), orjson.dumps(rollup.summary()))
 
+    async def count(dimension: str, record: UsageRecord) -> None:
+        keys = [k for k in rollup_keys(record) if k[2] == dimension]
+        await update(keys, methodcaller("add", record))
+
     @app.agent(usage, name="rollups-by-user")
     async def by_user_agent(stream: faust.StreamT[bytes]) -> None:
         async for payload in stream:
-            await count("user", payload)
-            record = _usage_record(payload)
+            record = _decoded(UsageRecord, payload)
             if record is not None:
+                await count("user", record)
                 await out.by_model(record.model.encode(), payload)
                 await out.settle(record)
+
+    @app.agent(tokens, name="restarts-from-tokens")
+    async def restarts_agent(stream: faust.StreamT[bytes]) -> None:
+        """From the token stream, the re-runs: final events of an attempt after the first
+        (a worker died mid-reply). Token events are skipped without being parsed."""
+        async for payload in stream:
+            if b'"type":"final"' not in payload:
+                continue
+            final = _decoded(FinalEvent, payload)
+            if final is not None and final.attempt > 1:
+                await out.by_model(final.model.encode(), payload)
 
     @app.agent(by_model, name="rollups-by-model")
     async def by_model_agent(stream: faust.StreamT[bytes]) -> None:
         async for payload in stream:
-            await count("model", payload)
+            if b'"type":"final"' in payload:
+                final = _decoded(FinalEvent, payload)
+                if final is not None:
+                    await update(restart_keys(final), methodcaller("add_restart", final))
+                continue
+            record = _decoded(UsageRecord, payload)
+            if record is not None:
+                await count("model", record)
 
     @app.page("/rollups/{dimension}/{key}")
     class Rollups(View):
@@ -163,9 +186,9 @@ async def settle_quota(quotas: Quotas, record: UsageRecord) -> None:
         await quotas.settle(admission, record.prompt_tokens + record.completion_tokens)
 
 
-def _usage_record(payload: bytes) -> UsageRecord | None:
+def _decoded(model: type[E], payload: bytes) -> E | None:
     try:
-        return decode(UsageRecord, payload)
+        return decode(model, payload)
     except SchemaError as exc:
-        log.error("skipping an undecodable usage record: %s", exc)
+        log.error("skipping an undecodable %s: %s", model.__name__, exc)
         return None

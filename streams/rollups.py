@@ -12,7 +12,7 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Any
 
-from schemas.events import UsageRecord
+from schemas.events import FinalEvent, UsageRecord
 
 WINDOWS_S = {"1m": 60, "1h": 3600}
 # Bucket upper bounds: milliseconds for time to first token, tokens/s for decoding.
@@ -59,6 +59,7 @@ class Rollup:
     completion_tokens: int = 0
     errors: int = 0
     stops: int = 0
+    restarts: int = 0  # requests re-run after their worker died (from `tokens`)
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BOUNDS_MS))
     speed: Histogram = field(default_factory=lambda: Histogram(SPEED_BOUNDS_TPS))
     counted: set[str] = field(default_factory=set)  # request ids: replays count once
@@ -80,6 +81,15 @@ class Rollup:
                 self.speed.add((record.completion_tokens - 1) / decoding_s)
         return True
 
+    def add_restart(self, final: FinalEvent) -> bool:
+        """Count a re-run's final event (attempt > 1); False if already counted."""
+        key = f"{final.request_id}#{final.attempt}"
+        if final.attempt < 2 or key in self.counted:
+            return False
+        self.counted.add(key)
+        self.restarts += 1
+        return True
+
     def summary(self) -> dict[str, Any]:
         """What analytics read: counts, sums and percentiles, no request ids."""
         return {
@@ -93,6 +103,7 @@ class Rollup:
             "completion_tokens": self.completion_tokens,
             "errors": self.errors,
             "stops": self.stops,
+            "restarts": self.restarts,
             "ttft_ms": {f"p{int(q * 100)}": self.ttft.percentile(q) for q in (0.5, 0.95, 0.99)},
             "decode_tokens_per_s": {
                 f"p{int(q * 100)}": self.speed.percentile(q) for q in (0.5, 0.95, 0.99)
@@ -117,6 +128,7 @@ class Rollup:
         rollup = cls(data["window"], data["start_ms"], data["dimension"], data["key"])
         for name in ("requests", "prompt_tokens", "completion_tokens", "errors", "stops"):
             setattr(rollup, name, data[name])
+        rollup.restarts = data.get("restarts", 0)
         rollup.ttft.counts = list(data["ttft"])
         rollup.speed.counts = list(data["speed"])
         rollup.counted = set(data["counted"])
@@ -129,6 +141,14 @@ def rollup_keys(record: UsageRecord) -> list[tuple[str, int, str, str]]:
         (window, window_start_ms(record.finished_at_ms, size), dimension, key)
         for window, size in WINDOWS_S.items()
         for dimension, key in (("user", record.user_id), ("model", record.model))
+    ]
+
+
+def restart_keys(final: FinalEvent) -> list[tuple[str, int, str, str]]:
+    """The model rollups a re-run's final event belongs to (by when it finished)."""
+    return [
+        (window, window_start_ms(final.created_at_ms, size), "model", final.model)
+        for window, size in WINDOWS_S.items()
     ]
 
 

@@ -19,7 +19,7 @@ from infra.roles import StreamsProcess
 from producers.quota import Quotas
 from schemas import topics
 from schemas.codec import encode
-from schemas.events import FinishReason, UsageRecord, now_ms
+from schemas.events import FinalEvent, FinishReason, Usage, UsageRecord, now_ms
 from tandoor.clients import kafka_producer, redis_client
 from tandoor.settings import Settings, TierPolicy
 
@@ -46,6 +46,22 @@ def record(
         duration_ms=40 + max(completion - 1, 0) * 50,  # after the first token, 20 tokens/s
         finish_reason=reason,
         finished_at_ms=at,
+    )
+
+
+def rerun_final(model: str, at: int) -> FinalEvent:
+    return FinalEvent(
+        request_id=f"req-{uuid.uuid4().hex[:10]}",
+        attempt=2,
+        seq=4,
+        finish_reason="stop",
+        text="again",
+        usage=Usage(prompt_tokens=1, completion_tokens=1, queue_ms=0, decode_ms=0),
+        model=model,
+        user_id="someone",
+        tier="plus",
+        conversation_id="c",
+        created_at_ms=at,
     )
 
 
@@ -110,6 +126,10 @@ async def test_rollups_match_by_hand_and_survive_a_kill_9(
     charge = await Quotas(cache).admit(user, POLICY, used.request_id, 500, admitted)
     used = used.model_copy(update={"charged_tokens": 500, "charged_at_ms": admitted})
     await publish(settings, *first, second, used, used)  # and a replay of it
+    rerun = rerun_final(model, hour + 5_000)  # a worker died: the token stream shows attempt 2
+    async with kafka_producer(settings, "streams-test") as producer:
+        for _ in range(2):  # and a replay of that too
+            await producer.send_and_wait(topics.TOKENS, encode(rerun), key=b"rerun")
 
     port = free_port()
     env = {
@@ -134,6 +154,12 @@ async def test_rollups_match_by_hand_and_survive_a_kill_9(
             assert got[f"1h/{hour}"]["requests"] == 4
             assert got[f"1h/{hour}"]["ttft_ms"]["p50"] == pytest.approx(40, rel=0.25)
             assert got[f"1h/{hour}"]["decode_tokens_per_s"]["p50"] == pytest.approx(20, rel=0.25)
+        for _ in range(120):  # from `tokens`, by another agent
+            got = await rollups(url, "model", model, hour, expect=4)
+            if got[f"1m/{hour}"]["restarts"]:
+                break
+            await asyncio.sleep(0.5)
+        assert got[f"1m/{hour}"]["restarts"] == 1 and got[f"1h/{hour}"]["restarts"] == 1
         tpm = f"tandoor:quota:tpm:{user}:{charge.window_start_ms}"
         for _ in range(120):  # the charged record comes after the ones above
             if int(await cache.get(tpm) or 0) != 500:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from schemas.events import FinishReason, UsageRecord
-from streams.rollups import Rollup, rollup_keys, window_start_ms
+from schemas.events import FinalEvent, FinishReason, Usage, UsageRecord
+from streams.rollups import Rollup, restart_keys, rollup_keys, window_start_ms
 
 
 def usage(
@@ -75,3 +75,28 @@ def test_each_record_feeds_both_windows_of_both_dimensions() -> None:
         ("1m", 3_720_000, "user", "ada"),
     ]
     assert window_start_ms(59_999, 60) == 0
+
+
+def test_re_runs_count_as_restarts_once() -> None:
+    rollup = Rollup("1m", 0, "model", "smollm2")
+    first, rerun = final_event("a", attempt=1), final_event("a", attempt=2)
+    assert not rollup.add_restart(first)  # a first attempt is no restart
+    assert rollup.add_restart(rerun) and not rollup.add_restart(rerun)
+    assert rollup.summary()["restarts"] == 1
+    assert restart_keys(rerun) == [("1m", 0, "model", "smollm2"), ("1h", 0, "model", "smollm2")]
+
+
+def final_event(request_id: str, attempt: int) -> FinalEvent:
+    return FinalEvent(
+        request_id=request_id,
+        attempt=attempt,
+        seq=3,
+        finish_reason="stop",
+        text="hi",
+        usage=Usage(prompt_tokens=1, completion_tokens=1, queue_ms=0, decode_ms=0),
+        model="smollm2",
+        user_id="ada",
+        tier="plus",
+        conversation_id="c",
+        created_at_ms=30_000,
+    )

@@ -15,6 +15,7 @@ from schemas.codec import encode
 from schemas.events import UsageRecord
 from streams.app import Outputs, create_app
 from tandoor.settings import Settings
+from tests.unit.test_rollups import final_event
 
 
 def usage(request_id: str, user: str = "ada", at: int = 125_000) -> UsageRecord:
@@ -76,6 +77,18 @@ async def test_the_user_agent_counts_forwards_and_settles(
     assert (minute["requests"], minute["prompt_tokens"], minute["completion_tokens"]) == (2, 6, 8)
     assert sink.rollups["user/ada/1h/0"]["requests"] == 2
     assert sink.forwarded == [b"smollm2"] * 3 and sink.settled == ["a", "b", "a"]
+
+
+async def test_the_token_stream_yields_re_runs_only(app_and_sink: tuple[faust.App, Sink]) -> None:
+    app, sink = app_and_sink
+    async with app.agents["restarts-from-tokens"].test_context() as agent:
+        for attempt in (1, 2):
+            await agent.put(encode(final_event("a", attempt)))
+    assert sink.forwarded == [b"smollm2"]  # only the re-run goes on to the model rollups
+    async with app.agents["rollups-by-model"].test_context() as agent:
+        await agent.put(encode(final_event("a", 2)))
+        await agent.put(encode(final_event("a", 2)))  # a replay
+    assert sink.rollups["model/smollm2/1m/0"]["restarts"] == 1
 
 
 async def test_the_model_agent_counts_per_model(app_and_sink: tuple[faust.App, Sink]) -> None:
