@@ -19,6 +19,19 @@ WINDOWS_S = {"1m": 60, "1h": 3600}
 TTFT_BOUNDS_MS = [5 * 1.25**i for i in range(48)]  # 5 ms .. ~200 s
 SPEED_BOUNDS_TPS = [0.5 * 1.25**i for i in range(40)]  # 0.5 .. ~3000 tokens/s
 FAILED = {"error", "expired"}
+# A rollup's plain fields: its identity (window, start_ms, dimension, key), then counts.
+STATE_FIELDS = (
+    "window",
+    "start_ms",
+    "dimension",
+    "key",
+    "requests",
+    "prompt_tokens",
+    "completion_tokens",
+    "errors",
+    "stops",
+    "restarts",
+)
 
 
 def window_start_ms(at_ms: int, size_s: int) -> int:
@@ -113,11 +126,7 @@ class Rollup:
     def dump(self) -> dict[str, Any]:
         """The whole state, for the table's changelog."""
         return {
-            **{
-                k: v
-                for k, v in self.summary().items()
-                if k not in ("ttft_ms", "decode_tokens_per_s", "end_ms")
-            },
+            **{name: getattr(self, name) for name in STATE_FIELDS},
             "ttft": self.ttft.counts,
             "speed": self.speed.counts,
             "counted": sorted(self.counted),
@@ -126,9 +135,8 @@ class Rollup:
     @classmethod
     def load(cls, data: dict[str, Any]) -> Rollup:
         rollup = cls(data["window"], data["start_ms"], data["dimension"], data["key"])
-        for name in ("requests", "prompt_tokens", "completion_tokens", "errors", "stops"):
-            setattr(rollup, name, data[name])
-        rollup.restarts = data.get("restarts", 0)
+        for name in STATE_FIELDS[4:]:
+            setattr(rollup, name, data.get(name, 0))
         rollup.ttft.counts = list(data["ttft"])
         rollup.speed.counts = list(data["speed"])
         rollup.counted = set(data["counted"])

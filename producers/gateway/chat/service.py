@@ -88,9 +88,9 @@ class ChatService:
         self.deps = deps
 
     async def post(self, caller: Principal, conversation_id: str, body: PostMessage) -> Reply:
-        conversation = await self.deps.conversations.owned(caller.user_id, conversation_id)
-        text = self.moderated(body.content)
         opened = await self.deps.conversations.get(caller.user_id, conversation_id)
+        conversation = Conversation(**opened.model_dump(include=set(Conversation.model_fields)))
+        text = self.moderated(body.content)
         summary, turns = _after_summary(opened)
         reply = await self.reply(
             caller, conversation, [_chat(m) for m in turns], text, body, summary=summary

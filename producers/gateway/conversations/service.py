@@ -70,7 +70,7 @@ class ConversationService:
         return [*same_ms, *older][:count]
 
     async def get(self, user_id: str, conversation_id: str) -> ConversationWithMessages:
-        conversation = await self._owned(user_id, conversation_id)
+        row = await self._owned_row(user_id, conversation_id)
         rows = await cql(
             self._session,
             "SELECT message_id, role, content, status, created_at, model, attempt, "
@@ -90,18 +90,11 @@ class ConversationService:
             )
             for r in rows
         ]
-        summary = await cql(
-            self._session,
-            "SELECT summary, summary_until FROM conversations WHERE conversation_id = %s",
-            (conversation_id,),
-        )
         return ConversationWithMessages(
-            **conversation.model_dump(),
+            **_conversation(conversation_id, row).model_dump(),
             messages=messages,
-            summary=summary[0].summary if summary else None,
-            summary_until=_utc(summary[0].summary_until)
-            if summary and summary[0].summary_until
-            else None,
+            summary=row.summary,
+            summary_until=_utc(row.summary_until) if row.summary_until else None,
         )
 
     async def set_summary(self, conversation_id: str, text: str, until: dt.datetime) -> None:
@@ -208,24 +201,21 @@ class ConversationService:
         await asyncio.gather(*writes)
 
     async def _owned(self, user_id: str, conversation_id: str) -> Conversation:
-        """The conversation if `user_id` owns it; a 404 otherwise, never a 403 (an
+        return _conversation(conversation_id, await self._owned_row(user_id, conversation_id))
+
+    async def _owned_row(self, user_id: str, conversation_id: str) -> Any:
+        """The conversation's row if `user_id` owns it; a 404 otherwise, never a 403 (an
         outsider must not learn that the id exists)."""
         rows = await cql(
             self._session,
-            "SELECT user_id, model, title, created_at, updated_at FROM conversations "
-            "WHERE conversation_id = %s",
+            "SELECT user_id, model, title, created_at, updated_at, summary, summary_until "
+            "FROM conversations WHERE conversation_id = %s",
             (conversation_id,),
         )
         row = rows[0] if rows else None
         if row is None or row.user_id != user_id:
             raise not_found("conversation")
-        return Conversation(
-            id=conversation_id,
-            model=row.model,
-            title=row.title,
-            created_at=_utc(row.created_at),
-            updated_at=_utc(row.updated_at),
-        )
+        return row
 
     async def _index(self, user_id: str, conversation: Conversation) -> None:
         """The sidebar row, clustered by updated_at (newest first)."""
@@ -241,6 +231,16 @@ class ConversationService:
                 conversation.title,
             ),
         )
+
+
+def _conversation(conversation_id: str, row: Any) -> Conversation:
+    return Conversation(
+        id=conversation_id,
+        model=row.model,
+        title=row.title,
+        created_at=_utc(row.created_at),
+        updated_at=_utc(row.updated_at),
+    )
 
 
 def _now() -> dt.datetime:
