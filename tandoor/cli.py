@@ -157,10 +157,12 @@ def gateway(port: int = typer.Option(0, help="Default: TANDOOR_GATEWAY_PORT (800
     import uvicorn
 
     from producers.gateway.app import create_app
+    from producers.gateway.limits import bounded_protocol
 
     settings = get_settings()
     uvicorn.run(
         create_app(settings),
+        http=bounded_protocol(settings.gateway_max_header_bytes),
         host=settings.host,
         port=port or settings.gateway_port,
         log_level="info",

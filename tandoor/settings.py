@@ -135,6 +135,14 @@ class Settings(BaseSettings):
     gateway_max_streams: int = Field(default=1000, ge=1)
     gateway_write_timeout_s: float = Field(default=30, gt=0)
     kafka_send_timeout_s: float = Field(default=5, gt=0)  # then 503, message marked failed
+    # Request limits: a larger body is a 413; a larger head (request line and headers)
+    # or more headers a 431.
+    gateway_max_body_bytes: int = Field(default=1024 * 1024, ge=1)
+    gateway_max_header_bytes: int = Field(default=64 * 1024, ge=1024)
+    gateway_max_headers: int = Field(default=100, ge=10)
+    # Origins whose pages may call the API (CORS); none by default, so a browser lets
+    # only the gateway's own chat page use it. E.g. '["https://chat.example.com"]'.
+    cors_origins: list[str] = Field(default_factory=list)
     context_window: int = Field(default=2048, ge=64)  # the served models' max_model_len
     moderation_blocklist: list[str] = Field(default_factory=list)
 

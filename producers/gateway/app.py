@@ -10,6 +10,7 @@ from fastapi import FastAPI
 from producers.gateway.chat.router import router as chat_router
 from producers.gateway.conversations.router import router as conversations_router
 from producers.gateway.errors import install_error_handlers
+from producers.gateway.middleware import install_middleware
 from producers.gateway.openai_api.router import router as openai_router
 from producers.gateway.services import open_services
 from producers.gateway.web_page import install_page
@@ -25,6 +26,7 @@ def create_app(settings: Settings) -> FastAPI:
 
     app = FastAPI(title="Tandoor", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
+    install_middleware(app, settings)
     app.include_router(conversations_router)
     app.include_router(chat_router)
     app.include_router(openai_router)

@@ -1,0 +1,155 @@
+"""Size limits on requests, each refused with the project's JSON error body:
+
+- the head (request line and headers): uvicorn's httptools parser buffers it without a
+  bound (measured: a 10 MB header and 200,000 headers were both accepted), so the
+  gateway runs `BoundedHttpToolsProtocol`, which answers 431 and closes the connection
+  once a head grows past `gateway_max_header_bytes`;
+- the number of headers: past `gateway_max_headers`, 431;
+- the body: past `gateway_max_body_bytes`, 413; from Content-Length before anything is
+  read, or while a chunked body streams in (counted, never buffered here).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from producers.gateway.errors import error_body
+
+DISCONNECT: Message = {"type": "http.disconnect"}
+
+
+def refusal(status: int, message: str) -> JSONResponse:
+    """The connection is closed after it: an unread body is not worth draining."""
+    body = error_body(message, "invalid_request_error")
+    return JSONResponse(body, status_code=status, headers={"Connection": "close"})
+
+
+class RequestLimits:
+    """Pure ASGI middleware: header count and body size."""
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int, max_headers: int) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+        self.max_headers = max_headers
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        refused = self._check_head(scope["headers"])
+        if refused is not None:
+            await refused(scope, receive, send)
+            return
+        guard = _BodyGuard(receive, send, self.max_body_bytes)
+        try:
+            await self.app(scope, guard.receive, guard.send)
+        except Exception:
+            if not guard.refused:
+                raise
+            # The app failed on the cut-off body (ClientDisconnect): already answered.
+
+    def _check_head(self, headers: list[tuple[bytes, bytes]]) -> JSONResponse | None:
+        if len(headers) > self.max_headers:
+            return refusal(431, f"more than {self.max_headers} request headers")
+        for name, value in headers:
+            if name != b"content-length":
+                continue
+            if not value.strip().isdigit():
+                return refusal(400, "Content-Length is not a number")
+            if int(value) > self.max_body_bytes:
+                return refusal(413, f"request body larger than {self.max_body_bytes} bytes")
+        return None
+
+
+class _BodyGuard:
+    """Counts the body as the app reads it. Past the limit it answers 413 itself, tells
+    the app the client left, and drops whatever the app sends afterwards."""
+
+    def __init__(self, receive: Receive, send: Send, limit: int) -> None:
+        self._receive = receive
+        self._send = send
+        self._limit = limit
+        self._read = 0
+        self._started = False
+        self.refused = False
+
+    async def receive(self) -> Message:
+        if self.refused:
+            return DISCONNECT
+        message = await self._receive()
+        if message["type"] == "http.request":
+            self._read += len(message.get("body", b""))
+            if self._read > self._limit:
+                await self._refuse()
+                return DISCONNECT
+        return message
+
+    async def send(self, message: Message) -> None:
+        if self.refused:
+            return
+        self._started = self._started or message["type"] == "http.response.start"
+        await self._send(message)
+
+    async def _refuse(self) -> None:
+        self.refused = True
+        if self._started:  # too late for a status: the response just stops
+            return
+        response = refusal(413, f"request body larger than {self._limit} bytes")
+        await response({"type": "http"}, self._receive, self._send)
+
+
+class BoundedHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with a bound on a request's head. Each read that
+    leaves a head unfinished is counted, so the parser never buffers more than the limit
+    plus one read. Set `max_head_bytes` on a subclass (see `bounded_protocol`)."""
+
+    max_head_bytes = 64 * 1024
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._in_body = False
+        self._progress = False  # a head or a message ended during this read
+        self._head_bytes = 0
+
+    def data_received(self, data: bytes) -> None:
+        self._progress = False
+        super().data_received(data)
+        if self._progress or self.transport.is_closing():
+            self._head_bytes = 0  # what follows in this read is under one read: bounded
+        elif not self._in_body:
+            self._head_bytes += len(data)
+            if self._head_bytes > self.max_head_bytes:
+                self._refuse_head()
+
+    def on_headers_complete(self) -> None:
+        self._in_body = self._progress = True
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._in_body, self._progress = False, True
+        super().on_message_complete()
+
+    def _refuse_head(self) -> None:
+        self.logger.warning("Request head over %d bytes: refused.", self.max_head_bytes)
+        if self.cycle is not None and not self.cycle.response_complete:
+            self.transport.close()  # mid-response: a status line now would corrupt it
+            return
+        message = f"request line and headers larger than {self.max_head_bytes} bytes"
+        body = orjson.dumps(error_body(message, "invalid_request_error"))
+        head = (
+            b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+            b"content-type: application/json\r\n"
+            b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body)
+        )
+        self.transport.write(head + body)
+        self.transport.close()
+
+
+def bounded_protocol(max_head_bytes: int) -> type[BoundedHttpToolsProtocol]:
+    """The protocol class to hand uvicorn (`http=`) for this limit."""
+    return type("BoundedHttpTools", (BoundedHttpToolsProtocol,), {"max_head_bytes": max_head_bytes})

@@ -1,0 +1,32 @@
+"""The gateway's middleware, installed in one call: request limits, and CORS only for
+the origins listed in `cors_origins` (none by default: no cross-origin access)."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+from starlette.middleware.cors import CORSMiddleware
+
+from producers.gateway.limits import RequestLimits
+from tandoor.settings import Settings
+
+CORS_METHODS = ["GET", "POST", "PATCH", "DELETE"]
+CORS_HEADERS = ["Authorization", "Content-Type", "Last-Event-ID"]
+CORS_EXPOSED = ["X-Request-Id", "Retry-After"]
+
+
+def install_middleware(app: FastAPI, settings: Settings) -> None:
+    app.add_middleware(
+        RequestLimits,
+        max_body_bytes=settings.gateway_max_body_bytes,
+        max_headers=settings.gateway_max_headers,
+    )
+    if settings.cors_origins:
+        # Added last, so it runs first: a listed origin's page can read a 413 too.
+        # Keys travel in the Authorization header, never in cookies: no credentials mode.
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.cors_origins,
+            allow_methods=CORS_METHODS,
+            allow_headers=CORS_HEADERS,
+            expose_headers=CORS_EXPOSED,
+        )
