@@ -1,0 +1,108 @@
+"""What the benchmarks sample from outside the roles: memory and file descriptors
+from /proc, and consumer-group lag from Kafka."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
+
+from infra.roles import RoleProcess
+from producers.shedding import backlog_clients, count_backlog
+from schemas import topics
+from tandoor.settings import Settings
+
+
+def rss_mib(pid: int) -> float:
+    """VmRSS of one process."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def descendants(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        children = (task / "children").read_text().split()
+        for child in map(int, children):
+            found += [child, *descendants(child)]
+    return found
+
+
+def tree_rss_mib(pid: int) -> float:
+    """A role with its children (a worker's vLLM engine core is one)."""
+    total = 0.0
+    for p in [pid, *descendants(pid)]:
+        try:
+            total += rss_mib(p)
+        except FileNotFoundError:  # exited meanwhile
+            continue
+    return total
+
+
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def pid_of(role: RoleProcess) -> int:
+    assert role.proc is not None, f"{role.name} was not started"
+    return role.proc.pid
+
+
+@dataclass
+class LagProbe:
+    """Lag of the model's worker group on its prompt topic (prompts waiting or in
+    flight) and of the persist group on `tokens` (events not yet stored)."""
+
+    settings: Settings
+    admin: AIOKafkaAdminClient
+    offsets: AIOKafkaConsumer
+
+    async def worker_lag(self, model: str) -> int:
+        partitions = sum(band.partitions for band in self.settings.bands)
+        return await count_backlog(self.admin, self.offsets, partitions, model)
+
+    async def persist_lag(self) -> int:
+        tps = await self._token_partitions()
+        ends = await self.offsets.end_offsets(tps)
+        committed = await self.admin.list_consumer_group_offsets(self.settings.persist_group)
+        return sum(
+            max(0, ends[tp] - committed[tp].offset) if tp in committed else ends[tp] for tp in tps
+        )
+
+    async def _token_partitions(self) -> list[TopicPartition]:
+        return await token_partitions(self.offsets)
+
+
+async def token_partitions(consumer: AIOKafkaConsumer) -> list[TopicPartition]:
+    await consumer.topics()  # loads the metadata partitions_for_topic reads
+    parts = consumer.partitions_for_topic(topics.TOKENS) or set()
+    return [TopicPartition(topics.TOKENS, p) for p in sorted(parts)]
+
+
+@asynccontextmanager
+async def lag_probe(settings: Settings) -> AsyncIterator[LagProbe]:
+    async with backlog_clients(settings) as (admin, offsets):
+        yield LagProbe(settings, admin, offsets)
+
+
+async def start_group_at_end(settings: Settings, group: str) -> None:
+    """Commit the end of `tokens` for a fresh group, so a persist consumer started in
+    it stores only what comes next instead of replaying the shared topic."""
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=settings.kafka_bootstrap, group_id=group, enable_auto_commit=False
+    )
+    await consumer.start()
+    try:
+        tps = await token_partitions(consumer)
+        consumer.assign(tps)  # commit() needs the partitions assigned
+        ends = await consumer.end_offsets(tps)
+        await consumer.commit(dict(ends))
+    finally:
+        await consumer.stop()
