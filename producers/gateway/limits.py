@@ -104,9 +104,10 @@ class _BodyGuard:
 
 
 class BoundedHttpToolsProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with a bound on a request's head. Each read that
-    leaves a head unfinished is counted, so the parser never buffers more than the limit
-    plus one read. Set `max_head_bytes` on a subclass (see `bounded_protocol`)."""
+    """uvicorn's httptools protocol with a bound on a request's head. A head that ends
+    within the reads is measured; one still unfinished is counted read by read, so the
+    parser never buffers more than the limit plus one read (asyncio reads 256 KiB at
+    most). Set `max_head_bytes` on a subclass (see `bounded_protocol`)."""
 
     max_head_bytes = 64 * 1024
 
@@ -114,12 +115,17 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self._in_body = False
         self._progress = False  # a head or a message ended during this read
+        self._oversized = False
         self._head_bytes = 0
 
     def data_received(self, data: bytes) -> None:
         self._progress = False
         super().data_received(data)
-        if self._progress or self.transport.is_closing():
+        if self.transport.is_closing():
+            return
+        if self._oversized:
+            self._refuse_head()
+        elif self._progress:
             self._head_bytes = 0  # what follows in this read is under one read: bounded
         elif not self._in_body:
             self._head_bytes += len(data)
@@ -128,11 +134,19 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._in_body = self._progress = True
-        super().on_headers_complete()
+        size = len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
+        self._oversized = size > self.max_head_bytes
+        if not self._oversized:  # else the request never reaches the app
+            super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        if not self._oversized:
+            super().on_body(body)
 
     def on_message_complete(self) -> None:
         self._in_body, self._progress = False, True
-        super().on_message_complete()
+        if not self._oversized:
+            super().on_message_complete()
 
     def _refuse_head(self) -> None:
         self.logger.warning("Request head over %d bytes: refused.", self.max_head_bytes)

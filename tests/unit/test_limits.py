@@ -195,8 +195,11 @@ async def server() -> AsyncIterator[int]:
         await task
 
 
-def request(body: bytes = b"{}", extra: bytes = b"") -> bytes:
-    return b"POST /echo HTTP/1.1\r\nHost: gw\r\n%sContent-Length: %d\r\n\r\n%s" % (
+def request(body: bytes = b"{}", extra: bytes = b"", close: bool = True) -> bytes:
+    """A raw POST /echo; the server closes the connection after answering it if `close`."""
+    connection = b"Connection: close\r\n" if close else b""
+    return b"POST /echo HTTP/1.1\r\nHost: gw\r\n%s%sContent-Length: %d\r\n\r\n%s" % (
+        connection,
         extra,
         len(body),
         body,
@@ -226,7 +229,6 @@ async def exchange(port: int, writes: list[bytes]) -> bytes:
             writer.write(data)
             await writer.drain()
             await asyncio.sleep(0.002)
-        writer.write_eof()
     await reading
     writer.close()
     return bytes(answer)
@@ -243,10 +245,21 @@ async def test_a_huge_header_is_431_and_the_connection_closed() -> None:
     assert message == f"request line and headers larger than {HEAD_LIMIT} bytes"
 
 
-async def test_large_bodies_and_keep_alive_requests_are_not_mistaken_for_heads() -> None:
-    big = request(b"z" * 500_000)  # many reads of body, some sharing one with the head
+async def test_a_head_over_the_limit_in_one_read_is_431_and_one_under_is_served() -> None:
+    over = request(extra=b"X-Big: " + b"a" * HEAD_LIMIT + b"\r\n")
+    under = request(extra=b"X-Big: " + b"a" * (HEAD_LIMIT - 200) + b"\r\n")
     async with server() as port:
-        answer = await exchange(port, [big + request(), request(b"q" * 10)])
+        refused = await exchange(port, [over])
+        served = await exchange(port, [under])
+    assert refused.startswith(b"HTTP/1.1 431 ")
+    assert served.startswith(b"HTTP/1.1 200 OK")
+
+
+async def test_large_bodies_and_keep_alive_requests_are_not_mistaken_for_heads() -> None:
+    # Many reads of body, the first sharing one with the head.
+    big = request(b"z" * 500_000, close=False)
+    async with server() as port:
+        answer = await exchange(port, [big + request(close=False), request(b"q" * 10)])
     assert answer.count(b"HTTP/1.1 200 OK") == 3
     assert b'{"length":500000}' in answer
     assert b'{"length":10}' in answer
