@@ -1,0 +1,454 @@
+"""The Kubernetes manifests (infra/k8s) against the Kubernetes schemas and the vendored
+CRD schemas, offline, strictly (an unknown field is an error, as with kubectl's
+strict field validation), and against the code they deploy: topics, group names,
+settings, commands, labels."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import shlex
+from collections.abc import Iterator
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import jsonschema  # type: ignore[import-untyped]
+import pytest
+import typer
+import yaml  # type: ignore[import-untyped]
+from kubernetes_validate.utils import schema_contents  # type: ignore[import-untyped]
+from referencing import Registry, Resource
+
+from infra.topics import declared_topics
+from schemas import topics
+from tandoor import PROJECT_ROOT
+from tandoor.cli import app
+from tandoor.settings import Settings
+
+K8S = PROJECT_ROOT / "infra" / "k8s"
+SCHEMAS = K8S / "schemas"
+KUBERNETES_VERSION = "1.33"  # the oldest we target: native sidecars, preStop sleep
+CRD_SCHEMAS = {
+    ("kafka.strimzi.io/v1beta2", "Kafka"): "kafka.strimzi.io_v1beta2_kafka.yaml",
+    ("kafka.strimzi.io/v1beta2", "KafkaNodePool"): "kafka.strimzi.io_v1beta2_kafkanodepool.yaml",
+    ("kafka.strimzi.io/v1beta2", "KafkaTopic"): "kafka.strimzi.io_v1beta2_kafkatopic.yaml",
+    ("keda.sh/v1alpha1", "ScaledObject"): "keda.sh_v1alpha1_scaledobject.yaml",
+}
+NOT_APPLIED_BY_KUSTOMIZE = {"bootstrap-job.yaml"}  # runs after the topics exist
+Doc = dict[str, Any]
+
+
+# --- loading and validating ---------------------------------------------------------------
+
+
+def manifest_files() -> list[Path]:
+    return sorted(p for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
+
+
+def load(path: Path) -> list[Doc]:
+    with path.open() as f:
+        return [doc for doc in yaml.safe_load_all(f) if doc is not None]
+
+
+@cache
+def all_docs() -> tuple[Doc, ...]:
+    return tuple(doc for path in manifest_files() for doc in load(path))
+
+
+def of_kind(kind: str) -> list[Doc]:
+    return [doc for doc in all_docs() if doc["kind"] == kind]
+
+
+def named(kind: str, name: str) -> Doc:
+    found = [doc for doc in of_kind(kind) if doc["metadata"]["name"] == name]
+    assert len(found) == 1, f"expected one {kind} {name}, found {len(found)}"
+    return found[0]
+
+
+@cache
+def crd_validator(file: str) -> jsonschema.Draft202012Validator:
+    with (SCHEMAS / file).open() as f:
+        return jsonschema.Draft202012Validator(structural_to_strict(yaml.safe_load(f)))
+
+
+def structural_to_strict(node: Any) -> Any:
+    """A CRD's openAPIV3Schema as a JSON schema that refuses unknown fields, as the API
+    server does under strict field validation (it prunes them otherwise)."""
+    if isinstance(node, list):
+        return [structural_to_strict(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    out = {key: structural_to_strict(value) for key, value in node.items()}
+    if out.pop("x-kubernetes-int-or-string", False) and "anyOf" not in out:
+        out["anyOf"] = [{"type": "integer"}, {"type": "string"}]
+    if out.pop("nullable", False) and "type" in out:
+        out["type"] = [out["type"], "null"]
+    preserve = out.pop("x-kubernetes-preserve-unknown-fields", False)
+    if "properties" in out and "additionalProperties" not in out and not preserve:
+        out["additionalProperties"] = False
+    return out
+
+
+def errors(doc: Doc) -> list[str]:
+    """Every schema violation of one manifest document ([] when valid)."""
+    key = (doc.get("apiVersion"), doc.get("kind"))
+    if key in CRD_SCHEMAS:
+        found = [_describe(e) for e in crd_validator(CRD_SCHEMAS[key]).iter_errors(doc)]
+        # The CRD schemas say only `metadata: object`; the API server checks ObjectMeta.
+        meta = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": doc.get("metadata", {})}
+        return found + kubernetes_errors(meta)
+    return kubernetes_errors(doc)
+
+
+def kubernetes_errors(doc: Doc) -> list[str]:
+    validator = kubernetes_validator(str(doc.get("apiVersion")), str(doc.get("kind")))
+    if validator is None:
+        return [f"no Kubernetes {KUBERNETES_VERSION} schema for {doc.get('kind')}"]
+    return [_describe(error) for error in validator.iter_errors(doc)]
+
+
+@cache
+def kubernetes_validator(api_version: str, kind: str) -> jsonschema.Draft202012Validator | None:
+    """kubernetes-validate's strict schemas (additionalProperties: false throughout),
+    used directly so that every violation is reported, not only the first."""
+    group_version = re.sub(r"^([^./]*)(?:\.[^/]*)?/", r"\1-", api_version)
+    folder = f"kubernetes-json-schema/v{KUBERNETES_VERSION}.0-local-strict"
+    try:
+        schema = schema_contents(f"{folder}/{kind.lower()}-{group_version}.json", "")
+    except FileNotFoundError:
+        return None
+    definitions = schema_contents(f"{folder}/_definitions.json", "")
+    registry: Registry[Any] = Resource.from_contents(definitions) @ Registry()
+    return jsonschema.Draft202012Validator(schema, registry=registry)
+
+
+def _describe(error: jsonschema.ValidationError) -> str:
+    return f"{'.'.join(str(p) for p in error.absolute_path) or '$'}: {error.message}"
+
+
+def doc_id(doc: Doc) -> str:
+    return f"{doc['kind']}/{doc['metadata']['name']}"
+
+
+# --- the settings and pods the manifests describe --------------------------------------------
+
+
+def config_env() -> dict[str, str]:
+    return {k: str(v) for k, v in named("ConfigMap", "tandoor-config")["data"].items()}
+
+
+def settings_from(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Settings:
+    with monkeypatch.context() as m:
+        for key in [k for k in os.environ if k.startswith("TANDOOR_")]:
+            m.delenv(key)
+        for key, value in env.items():
+            m.setenv(key, value)
+        return Settings()
+
+
+def workloads() -> list[Doc]:
+    return [d for d in all_docs() if d["kind"] in {"Deployment", "StatefulSet", "Job"}]
+
+
+def pod_spec(workload: Doc) -> Doc:
+    spec: Doc = workload["spec"]["template"]["spec"]
+    return spec
+
+
+def tandoor_containers() -> Iterator[tuple[Doc, Doc]]:
+    for workload in workloads():
+        for container in pod_spec(workload)["containers"]:
+            if container.get("command", [""])[0] == "tandoor":
+                yield workload, container
+
+
+def container_env(container: Doc) -> dict[str, str]:
+    return {item["name"]: item["value"] for item in container.get("env", [])}
+
+
+def role_settings(container: Doc, monkeypatch: pytest.MonkeyPatch) -> Settings:
+    return settings_from({**config_env(), **container_env(container)}, monkeypatch)
+
+
+def port_names(workload: Doc) -> set[str]:
+    pod = pod_spec(workload)
+    containers = pod["containers"] + pod.get("initContainers", [])
+    return {p["name"] for c in containers for p in c.get("ports", []) if "name" in p}
+
+
+def worker_model(container: Doc) -> str:
+    args = container["command"]
+    return str(args[args.index("--model") + 1])
+
+
+# --- schema validation ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("doc", all_docs(), ids=doc_id)
+def test_every_manifest_is_valid_against_its_schema(doc: Doc) -> None:
+    assert errors(doc) == []
+
+
+def test_every_kind_has_a_schema_here() -> None:
+    kinds = {(d["apiVersion"], d["kind"]) for d in all_docs()}
+    custom = {k for k in kinds if "strimzi" in k[0] or "keda" in k[0]}
+    assert custom == set(CRD_SCHEMAS), "vendor a schema for every custom resource we use"
+
+
+def _first_container(doc: Doc) -> Doc:
+    container: Doc = pod_spec(doc)["containers"][0]
+    return container
+
+
+BREAKAGES = [
+    # (manifest, what is broken, how)
+    (
+        "Deployment/gateway",
+        "misspelled container field",
+        lambda d: _first_container(d).update({"imagePullPolicyy": "Always"}),
+    ),
+    (
+        "Deployment/gateway",
+        "port as a word",
+        lambda d: _first_container(d)["ports"][0].update({"containerPort": "eight thousand"}),
+    ),
+    (
+        "HorizontalPodAutoscaler/gateway",
+        "misspelled spec field",
+        lambda d: d["spec"].update({"maxReplica": 3}),
+    ),
+    ("KafkaTopic/tokens", "misspelled spec field", lambda d: d["spec"].update({"partition": 8})),
+    ("KafkaTopic/tokens", "zero partitions", lambda d: d["spec"].update({"partitions": 0})),
+    (
+        "Kafka/tandoor",
+        "listener field typo",
+        lambda d: d["spec"]["kafka"]["listeners"][0].update({"tsl": True}),
+    ),
+    (
+        "Kafka/tandoor",
+        "unknown listener type",
+        lambda d: d["spec"]["kafka"]["listeners"][0].update({"type": "internl"}),
+    ),
+    ("Kafka/tandoor", "no listeners", lambda d: d["spec"]["kafka"].pop("listeners")),
+    ("KafkaNodePool/brokers", "unknown role", lambda d: d["spec"].update({"roles": ["worker"]})),
+    (
+        "ScaledObject/worker-llama-8b",
+        "misspelled spec field",
+        lambda d: d["spec"].update({"maxReplicas": 10}),
+    ),
+    ("ScaledObject/worker-llama-8b", "no triggers", lambda d: d["spec"].pop("triggers")),
+    (
+        "ScaledObject/worker-llama-8b",
+        "metadata value not a string",
+        lambda d: d["spec"]["triggers"][0]["metadata"].update({"lagThreshold": 200}),
+    ),
+    (
+        "ScaledObject/worker-llama-8b",
+        "bad label in metadata",
+        lambda d: d["metadata"].update({"labels": {"tier": ["gpu"]}}),
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("target", "what", "break_it"), BREAKAGES, ids=[f"{t}: {w}" for t, w, _ in BREAKAGES]
+)
+def test_a_broken_manifest_is_rejected(target: str, what: str, break_it: Any) -> None:
+    kind, name = target.split("/")
+    doc = copy.deepcopy(named(kind, name))
+    assert errors(doc) == []
+    break_it(doc)
+    assert errors(doc), f"{target} with {what} was accepted"
+
+
+def test_a_broken_copy_of_a_manifest_file_is_rejected(tmp_path: Path) -> None:
+    broken = tmp_path / "gateway.yaml"
+    broken.write_text((K8S / "gateway.yaml").read_text().replace("containerPort", "containerPrt"))
+    found = [e for doc in load(broken) for e in errors(doc)]
+    assert any("containerPrt" in e for e in found), found
+
+
+# --- cross-references with the code -------------------------------------------------------
+
+
+def test_kustomization_applies_every_manifest_but_the_bootstrap_job() -> None:
+    with (K8S / "kustomization.yaml").open() as f:
+        listed = set(yaml.safe_load(f)["resources"])
+    assert listed == {p.name for p in manifest_files()} - NOT_APPLIED_BY_KUSTOMIZE
+
+
+def test_every_declared_topic_has_a_matching_kafka_topic(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    settings = settings_from(config_env(), monkeypatch)
+    manifests = {d["spec"]["topicName"]: d["spec"] for d in of_kind("KafkaTopic")}
+    declared = declared_topics(settings)
+    assert set(manifests) == {spec.name for spec in declared}
+    for spec in declared:
+        topic = manifests[spec.name]
+        assert topic["partitions"] == spec.partitions, spec.name
+        config = {k: str(v) for k, v in topic["config"].items()}
+        assert {k: config.get(k) for k in spec.config} == spec.config, spec.name
+        assert topic["replicas"] == settings.cassandra_replication_factor == 3
+
+
+def test_every_tandoor_setting_in_the_manifests_is_a_settings_field() -> None:
+    keys = set(config_env())
+    for _, container in tandoor_containers():
+        keys |= set(container_env(container))
+    unknown = {k for k in keys if not k.startswith("TANDOOR_")}
+    unknown |= {k for k in keys if k.removeprefix("TANDOOR_").lower() not in Settings.model_fields}
+    assert unknown == set()
+
+
+def test_every_role_gets_settings_that_validate(monkeypatch: pytest.MonkeyPatch) -> None:
+    for _, container in tandoor_containers():
+        settings = role_settings(container, monkeypatch)  # raises if any value is refused
+        assert settings.env == "production"
+        assert {"configMapRef": {"name": "tandoor-config"}} in container["envFrom"]
+
+
+def test_every_role_runs_a_real_tandoor_command() -> None:
+    commands: dict[str, Any] = getattr(typer.main.get_command(app), "commands", {})
+    for workload, container in tandoor_containers():
+        command = commands.get(container["command"][1])
+        assert command is not None, f"{doc_id(workload)}: {shlex.join(container['command'])}"
+        options = {opt for param in command.params for opt in getattr(param, "opts", [])}
+        given = {arg for arg in container["command"][2:] if arg.startswith("--")}
+        assert given <= options, f"{doc_id(workload)}: unknown options {given - options}"
+
+
+def test_keda_scales_workers_on_their_own_group_and_topic(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    objects = of_kind("ScaledObject")
+    assert objects
+    for scaled in objects:
+        target = named("Deployment", scaled["spec"]["scaleTargetRef"]["name"])
+        container = _first_container(target)
+        model, settings = worker_model(container), role_settings(container, monkeypatch)
+        (trigger,) = scaled["spec"]["triggers"]
+        meta = trigger["metadata"]
+        assert trigger["type"] == "kafka"
+        assert model in settings.models
+        assert meta["topic"] == topics.prompts_topic(model)
+        assert meta["consumerGroup"] == topics.worker_group(model)
+        kafka = of_kind("Kafka")[0]["metadata"]["name"]
+        assert meta["bootstrapServers"].startswith(f"{kafka}-kafka-bootstrap.")
+        # Every worker must hold partitions of every band (schemas/topics.py, intake.py).
+        assert scaled["spec"]["maxReplicaCount"] <= min(b.partitions for b in settings.bands)
+        # In-flight prompts count as lag: a threshold above the slots would never fire
+        # before the average worker is full.
+        assert int(meta["lagThreshold"]) <= settings.worker_max_seqs
+
+
+def test_workers_hold_a_gpu_and_drain_before_they_are_killed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    workers = [(w, c) for w, c in tandoor_containers() if c["command"][1] == "worker"]
+    assert workers
+    for workload, container in workers:
+        pod = pod_spec(workload)
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod[
+            "tolerations"
+        ]
+        settings = role_settings(container, monkeypatch)
+        # Drain: the grace period of in-flight prompts, then commit and engine shutdown.
+        assert pod["terminationGracePeriodSeconds"] >= settings.worker_grace_s + 30
+        metrics = {p["containerPort"] for p in container["ports"] if p["name"] == "metrics"}
+        assert metrics == {settings.worker_metrics_port}
+
+
+def test_every_role_has_probes_and_is_scraped_where_they_answer() -> None:
+    for workload, container in tandoor_containers():
+        if workload["kind"] == "Job":
+            continue
+        name, ports = doc_id(workload), {p["name"]: p["containerPort"] for p in container["ports"]}
+        live, ready = container["livenessProbe"]["httpGet"], container["readinessProbe"]["httpGet"]
+        assert (live["path"], ready["path"]) == ("/health", "/ready"), name
+        # One ops endpoint per role serves /metrics, /health and /ready (tandoor/ops.py).
+        assert live["port"] == ready["port"] and live["port"] in ports, name
+        annotations = workload["spec"]["template"]["metadata"]["annotations"]
+        assert annotations["prometheus.io/scrape"] == "true", name
+        assert annotations["prometheus.io/port"] == str(ports[live["port"]]), name
+
+
+def test_services_select_pods_that_exist_and_name_their_ports() -> None:
+    for service in of_kind("Service"):
+        selector = service["spec"]["selector"]
+        pods = [w for w in workloads() if _selects(selector, w)]
+        assert pods, f"Service {service['metadata']['name']} selects no pod"
+        for port in service["spec"]["ports"]:
+            target = port.get("targetPort", port["port"])
+            if isinstance(target, str):
+                assert all(target in port_names(w) for w in pods), (service, target)
+
+
+def test_disruption_budgets_and_scalers_point_at_workloads() -> None:
+    for budget in of_kind("PodDisruptionBudget"):
+        assert any(_selects(budget["spec"]["selector"]["matchLabels"], w) for w in workloads())
+    for hpa in of_kind("HorizontalPodAutoscaler"):
+        named(hpa["spec"]["scaleTargetRef"]["kind"], hpa["spec"]["scaleTargetRef"]["name"])
+    for workload in workloads():
+        if workload["kind"] != "Job":
+            labels = workload["spec"]["template"]["metadata"]["labels"]
+            assert _selects(workload["spec"]["selector"]["matchLabels"], workload), labels
+
+
+def test_consumers_fit_the_partitions_they_share(monkeypatch: pytest.MonkeyPatch) -> None:
+    settings = settings_from(config_env(), monkeypatch)
+    partitions = {spec.name: spec.partitions for spec in declared_topics(settings)}
+    # A gateway replica without a `tokens` partition cannot serve replies.
+    assert (
+        named("HorizontalPodAutoscaler", "gateway")["spec"]["maxReplicas"]
+        <= partitions[topics.TOKENS]
+    )
+    assert named("Deployment", "persist")["spec"]["replicas"] <= partitions[topics.TOKENS]
+    assert named("Deployment", "streams")["spec"]["replicas"] <= partitions[topics.USAGE]
+
+
+def test_store_proxy_forwards_the_ports_the_settings_dial(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    settings = settings_from(config_env(), monkeypatch)
+    config = named("ConfigMap", "store-proxy")["data"]["haproxy.cfg"]
+    binds = {line.split()[1] for line in config.splitlines() if line.strip().startswith("bind")}
+    ports = (settings.kafka_port, settings.cassandra_port, settings.redis_port)
+    assert binds == {f"127.0.0.1:{port}" for port in ports}
+    kafka = of_kind("Kafka")[0]["metadata"]["name"]
+    assert f"{kafka}-kafka-bootstrap.tandoor.svc" in config
+    for service in ("cassandra", "redis"):
+        named("Service", service)
+        assert f" {service}.tandoor.svc" in config
+    for workload, _ in tandoor_containers():
+        sidecars = pod_spec(workload).get("initContainers", [])
+        assert [s["restartPolicy"] for s in sidecars if s["name"] == "store-proxy"] == ["Always"], (
+            doc_id(workload)
+        )
+
+
+def _selects(selector: dict[str, str], workload: Doc) -> bool:
+    labels = workload["spec"]["template"]["metadata"].get("labels", {})
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def test_strict_schemas_refuse_unknown_fields_but_keep_open_maps() -> None:
+    schema = structural_to_strict(
+        {
+            "type": "object",
+            "properties": {
+                "config": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
+                "size": {"x-kubernetes-int-or-string": True},
+            },
+        }
+    )
+    validator = jsonschema.Draft202012Validator(schema)
+    assert validator.is_valid({"config": {"any.thing": 1}, "size": "1Gi"})
+    assert validator.is_valid({"size": 3})
+    assert not validator.is_valid({"sise": 3})
+    assert not validator.is_valid({"size": 1.5})
+    json.dumps(schema)  # plain data: nothing left that jsonschema cannot read
