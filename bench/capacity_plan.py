@@ -7,7 +7,8 @@ Every input is a named constant below, marked MEASURED (on this project's 2-CPU
 machine), FROM bench/gateway_load.py (provisional until that benchmark reports), or
 ASSUMPTION (a public figure or a rule of thumb). Event sizes are measured here by
 encoding representative events with schemas.codec. docs/CAPACITY.md explains each
-line; change a figure here and rerun to get the new table.
+line; change a figure here and rerun to get the new table. The manifests in infra/k8s
+carry these numbers (tests/unit/test_capacity_plan.py checks it): update them with it.
 """
 
 from __future__ import annotations
