@@ -39,12 +39,13 @@ TARGET_TOKENS_PER_S = 5_800_000  # generated tokens per second, fleet-wide
 GATEWAY_VS_VLLM_TOKENS_PER_S = (536.9, 555.9)  # MEASURED: full path vs vLLM, 32 streams
 WORKER_VS_VLLM = 1.003  # MEASURED: the worker alone reached 100.3% of vLLM at 32 streams
 MEASURED_CPUS = 2
-TTFT_ADDED_AT_LOAD_S = 0.117  # MEASURED: pipeline's TTFT p50 over vLLM's, 32 streams
 
 # --- From bench/gateway_load.py (provisional until that benchmark reports) --------------
 GATEWAY_STREAMS_PER_PROCESS = 1_000  # FROM bench/gateway_load.py; provisional
 GATEWAY_MEMORY_PER_STREAM_KIB = 64  # FROM bench/gateway_load.py; provisional
-GATEWAY_CPU_S_PER_REQUEST = 0.004  # FROM bench/gateway_load.py; provisional (auth..produce)
+# ASSUMPTION until measured: CPU a gateway spends per message (auth, quota, Cassandra
+# writes, context, produce); bench/gateway_load.py's sustained phase can give it.
+GATEWAY_CPU_S_PER_REQUEST = 0.004
 
 # --- GPU: never measured here (no GPU); a public figure, labelled ------------------------
 # ASSUMPTION: vLLM serving Llama 3.1 8B (BF16) on one H100 80GB peaks at ~12,500 output
