@@ -30,7 +30,7 @@ from tandoor.settings import Settings
 
 K8S = PROJECT_ROOT / "infra" / "k8s"
 SCHEMAS = K8S / "schemas"
-KUBERNETES_VERSION = "1.33"  # the oldest we target: native sidecars, preStop sleep
+KUBERNETES_VERSION = "1.33"  # checked against; native sidecars and preStop sleep need 1.30+
 CRD_SCHEMAS = {
     ("kafka.strimzi.io/v1beta2", "Kafka"): "kafka.strimzi.io_v1beta2_kafka.yaml",
     ("kafka.strimzi.io/v1beta2", "KafkaNodePool"): "kafka.strimzi.io_v1beta2_kafkanodepool.yaml",
