@@ -85,6 +85,15 @@ class TokenFanout(ConsumerRebalanceListener):  # type: ignore[misc]
         self._task = None
         await self._consumer.stop()
 
+    @property
+    def ready(self) -> bool:
+        """Owns tokens partitions, so replies can be routed to this replica."""
+        return self._ready.is_set()
+
+    @property
+    def following(self) -> int:
+        return len(self._subs)
+
     async def subscribe(self, request_id: str) -> Subscription:
         """Register before the prompt is produced, so no event can slip past."""
         await self._ready.wait()

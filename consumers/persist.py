@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 
 from aiokafka import AIOKafkaConsumer
 from aiokafka.errors import KafkaError
@@ -13,11 +14,13 @@ from aiokafka.structs import ConsumerRecord
 from cassandra.cluster import Cluster
 
 from consumers.history import HistoryWriter
+from consumers.metrics import PersistMetrics
 from producers.moderation import DefaultModerator
 from schemas import topics
 from schemas.codec import SchemaError, decode
 from schemas.events import FinalEvent
 from tandoor.clients import cassandra_cluster
+from tandoor.ops import OpsServer
 from tandoor.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -41,6 +44,8 @@ class Persister:
         self._cluster: Cluster | None = None
         self._writer: HistoryWriter | None = None
         self._stopping = asyncio.Event()
+        self.metrics = PersistMetrics()
+        self.ops = OpsServer("persist", self.metrics.registry, self._readiness)
 
     async def start(self) -> None:
         self._cluster = cassandra_cluster(self.settings)
@@ -48,6 +53,7 @@ class Persister:
         moderator = DefaultModerator(self.settings.moderation_blocklist)
         self._writer = HistoryWriter(session, moderator.check_output)
         await self._consumer.start()
+        await self.ops.start(self.settings.host, self.settings.persist_metrics_port)
         log.info("persist ready: %s -> keyspace %s", topics.TOKENS, self.settings.keyspace)
 
     def request_stop(self) -> None:
@@ -61,6 +67,7 @@ class Persister:
                 return  # stopping before the batch was stored: leave it uncommitted
             if batch:
                 await self._commit()
+                self.metrics.lag.set(await self._lag())
 
     async def _commit(self) -> None:
         """Commit what was fetched, all of it stored by now."""
@@ -69,8 +76,27 @@ class Persister:
         except KafkaError as exc:  # a rebalance: the new owner replays, idempotently
             log.warning("commit failed (%s); the next owner replays those replies", exc)
 
+    async def _lag(self) -> int:
+        """Records behind the newest, over the partitions fetched from so far."""
+        consumer, behind = self._consumer, 0
+        for tp in consumer.assignment():
+            highwater = consumer.highwater(tp)
+            if highwater is not None:
+                behind += max(0, highwater - await consumer.position(tp))
+        return behind
+
+    async def _readiness(self) -> dict[str, bool]:
+        hosts = self._cluster.metadata.all_hosts() if self._cluster is not None else []
+        return {
+            "cassandra": any(host.is_up for host in hosts),
+            # A member beyond the tokens partition count gets none, and idles unready.
+            "kafka": bool(self._consumer.assignment()),
+            "accepting": not self._stopping.is_set(),
+        }
+
     async def close(self) -> None:
         """Leave the group and disconnect; safe to call twice."""
+        await self.ops.close()
         await self._consumer.stop()
         if self._cluster is not None:
             await asyncio.to_thread(self._cluster.shutdown)
@@ -81,18 +107,35 @@ class Persister:
         assert self._writer is not None
         delay = 0.1
         while not self._stopping.is_set():
+            started = time.perf_counter()
             try:
                 await asyncio.gather(*(self._writer.store(final) for final in finals))
-                log.debug("stored %d final events", len(finals))
-                return True
             except Exception as exc:  # the driver's errors share no useful base class
+                self.metrics.failed_writes.inc()
                 log.warning(
                     "storing %d replies failed (%s); retrying in %.1f s", len(finals), exc, delay
                 )
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stopping.wait(), delay)
                 delay = min(MAX_BACKOFF_S, delay * 2)
+            else:
+                self.metrics.write_seconds.observe(time.perf_counter() - started)
+                self.metrics.stored.inc(len(finals))
+                for final in finals:
+                    _log_stored(final)
+                return True
         return False
+
+
+def _log_stored(final: FinalEvent) -> None:
+    log.info(
+        "stored %s reply, attempt %d, %s: %d completion tokens",
+        final.kind,
+        final.attempt,
+        final.finish_reason,
+        final.usage.completion_tokens,
+        extra={"request_id": final.request_id},
+    )
 
 
 def _finals(records: list[ConsumerRecord[bytes, bytes]]) -> list[FinalEvent]:

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -58,6 +59,13 @@ class RoleProcess:
     def log(self) -> str:
         return self.log_file.read_text(errors="replace") if self.log_file.exists() else ""
 
+    def ops_port(self) -> int:
+        """The port of its /metrics, /health and /ready, as its log announced it."""
+        found = OPS_ADDRESS.search(self.log())
+        if found is None:
+            raise RuntimeError(f"{self.name} never logged its metrics address")
+        return int(found.group(1))
+
     def kill(self) -> None:
         """kill -9 the whole process tree (a worker's vLLM engine core is a child)."""
         if self.proc is None:
@@ -80,8 +88,11 @@ class RoleProcess:
                 self.proc.wait()
 
 
+OPS_ADDRESS = re.compile(r"metrics on http://[\d.]+:(\d+)/metrics")
+
+
 class WorkerProcess(RoleProcess):
-    """`tandoor worker --model M`; its metrics port is picked free and logged."""
+    """`tandoor worker --model M`; its ops port is picked free and logged."""
 
     def __init__(self, model: str, log_dir: Path, env: dict[str, str]) -> None:
         env = {"TANDOOR_WORKER_METRICS_PORT": "0", **env}
@@ -89,17 +100,12 @@ class WorkerProcess(RoleProcess):
         super().__init__(f"worker-{model}", ["worker", "--model", model], ready, log_dir, env)
         self.model = model
 
-    def metrics_port(self) -> int:
-        for line in self.log().splitlines():
-            if "/metrics" in line and "http://" in line:
-                return int(line.rsplit(":", 1)[1].split("/")[0])
-        raise RuntimeError("worker never logged its metrics address")
-
 
 class PersistProcess(RoleProcess):
     """`tandoor persist`."""
 
     def __init__(self, log_dir: Path, env: dict[str, str]) -> None:
+        env = {"TANDOOR_PERSIST_METRICS_PORT": "0", **env}
         super().__init__("persist", ["persist"], "persist ready", log_dir, env)
 
 
@@ -109,12 +115,17 @@ class StreamsProcess(RoleProcess):
     def __init__(self, log_dir: Path, env: dict[str, str]) -> None:
         super().__init__("streams", ["streams"], "[^Worker]: Ready", log_dir, env)
 
+    def ops_port(self) -> int:
+        """Its web port serves /metrics, /health and /ready next to the rollups."""
+        return int(self._env.get("TANDOOR_STREAMS_WEB_PORT", Settings().streams_web_port))
+
 
 class GatewayProcess(RoleProcess):
     """`tandoor gateway --port P`."""
 
     def __init__(self, log_dir: Path, port: int, env: dict[str, str]) -> None:
         args = ["gateway", "--port", str(port)]
+        env = {"TANDOOR_GATEWAY_METRICS_PORT": "0", **env}
         super().__init__("gateway", args, "Application startup complete", log_dir, env)
         self.port = port
 

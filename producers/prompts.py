@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import logging
+
 from aiokafka import AIOKafkaProducer
 
 from schemas.codec import encode
 from schemas.events import PromptRequest
 from schemas.topics import BandLayout, prompts_topic
+from tandoor.logs import bind_request_id
 from tandoor.settings import Settings
+
+log = logging.getLogger(__name__)
 
 
 class PromptSubmitter:
@@ -17,11 +22,20 @@ class PromptSubmitter:
 
     async def submit(self, prompt: PromptRequest) -> int:
         """Deliver the prompt durably; return the partition it went to."""
+        bind_request_id(prompt.request_id)  # the rest of this request's lines carry it
         partition = self._layout.partition_for(prompt.band, prompt.conversation_id)
         await self._producer.send_and_wait(
             prompts_topic(prompt.model),
             encode(prompt),
             key=prompt.conversation_id.encode(),
             partition=partition,
+        )
+        log.info(
+            "queued %s prompt for %s: band %s, partition %d, up to %d new tokens",
+            prompt.kind,
+            prompt.model,
+            prompt.band,
+            partition,
+            prompt.sampling.max_tokens,
         )
         return partition

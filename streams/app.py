@@ -22,7 +22,9 @@ from typing import Any, TypeVar
 
 import faust
 import orjson
+from faust.sensors.prometheus import setup_prometheus_sensors
 from faust.web import Request, Response, View
+from prometheus_client import CollectorRegistry
 
 from producers.quota import Quotas, charged
 from schemas import topics
@@ -30,6 +32,7 @@ from schemas.codec import SchemaError, decode
 from schemas.events import Event, FinalEvent, UsageRecord
 from streams.rollups import WINDOWS_S, Rollup, restart_keys, rollup_keys, table_key
 from tandoor.clients import redis_client
+from tandoor.ops import readiness_body
 from tandoor.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -160,7 +163,28 @@ def create_app(settings: Settings, outputs: Outputs | None = None) -> faust.App:
             found.sort(key=lambda s: (s["window"], -s["start_ms"]))
             return self.json({"data": found})
 
+    _install_ops_pages(app)
     return app
+
+
+def _install_ops_pages(app: faust.App) -> None:
+    """/metrics (faust's Prometheus sensors: events, lag, commits...), /health, /ready."""
+    setup_prometheus_sensors(app, registry=CollectorRegistry(), name_prefix="tandoor_streams")
+
+    @app.page("/health")
+    class Health(View):
+        async def get(self, request: Request) -> Response:
+            return self.json({"role": "streams", "status": "ok"})
+
+    @app.page("/ready")
+    class Ready(View):
+        async def get(self, request: Request) -> Response:
+            checks = {
+                "kafka": bool(app.consumer.assignment()),
+                "rebalanced": not app.rebalancing,
+            }
+            ready = all(checks.values())
+            return self.json(readiness_body("streams", ready, checks), status=200 if ready else 503)
 
 
 def _kafka_outputs(settings: Settings, by_model: faust.TopicT, rollups: faust.TopicT) -> Outputs:

@@ -35,8 +35,11 @@ app.add_typer(batch_app, name="batch")
 
 
 @app.callback()
-def _setup(log_level: str = typer.Option("INFO", help="Python log level.")) -> None:
-    configure_logging(log_level.upper())
+def _setup(
+    ctx: typer.Context, log_level: str = typer.Option("INFO", help="Python log level.")
+) -> None:
+    role = ctx.invoked_subcommand or "tandoor"
+    configure_logging(log_level.upper(), role, get_settings().log_format)
 
 
 @infra_app.command("fetch")
@@ -115,7 +118,7 @@ def run() -> None:
 async def _all_ready(roles: list[RoleProcess]) -> None:
     await asyncio.gather(*(role.wait_ready() for role in roles))
     for role in roles:
-        typer.echo(f"{role.name} ready")
+        typer.echo(f"{role.name} ready (metrics http://127.0.0.1:{role.ops_port()}/metrics)")
 
 
 @app.command("worker")
@@ -153,20 +156,11 @@ def ask(
 
 @app.command("gateway")
 def gateway(port: int = typer.Option(0, help="Default: TANDOOR_GATEWAY_PORT (8000).")) -> None:
-    """The HTTP gateway (FastAPI) on 127.0.0.1."""
-    import uvicorn
-
-    from producers.gateway.app import create_app
-    from producers.gateway.limits import bounded_protocol
+    """The HTTP gateway (FastAPI) on 127.0.0.1; SIGTERM drains it."""
+    from producers.gateway.server import serve_gateway
 
     settings = get_settings()
-    uvicorn.run(
-        create_app(settings),
-        http=bounded_protocol(settings.gateway_max_header_bytes),
-        host=settings.host,
-        port=port or settings.gateway_port,
-        log_level="info",
-    )
+    serve_gateway(settings, port or settings.gateway_port)
 
 
 @app.command("persist")

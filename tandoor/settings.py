@@ -121,7 +121,12 @@ class Settings(BaseSettings):
     worker_memory_share: float = Field(default=0.3, gt=0, le=1)
     worker_grace_s: float = Field(default=20.0, ge=0)  # SIGTERM: finish, then hand back
     worker_band_reserve: float = Field(default=0.1, ge=0, le=1)  # share kept for lower bands
-    worker_metrics_port: int = 9400  # 0 picks a free port
+    # Each role's /metrics, /health and /ready (the streams app serves them on its web
+    # port); 0 picks a free port, logged as "<role> metrics on http://...".
+    worker_metrics_port: int = 9400
+    gateway_metrics_port: int = 9401
+    persist_metrics_port: int = 9402
+    log_format: Literal["text", "json"] = "text"  # json: one object per line
     # The HTTP gateway.
     gateway_port: int = 8000
     gateway_group: str = "gateway"  # replicas share `tokens` as one consumer group
@@ -134,6 +139,8 @@ class Settings(BaseSettings):
     # (a stuck client is cut off; it can resume with Last-Event-ID).
     gateway_max_streams: int = Field(default=1000, ge=1)
     gateway_write_timeout_s: float = Field(default=30, gt=0)
+    # At SIGTERM: how long streams that cannot resume (OpenAI API) may take to finish.
+    gateway_drain_s: float = Field(default=30, ge=1)
     kafka_send_timeout_s: float = Field(default=5, gt=0)  # then 503, message marked failed
     # Request limits: a larger body is a 413; a larger head (request line and headers)
     # or more headers a 431.

@@ -157,6 +157,11 @@ class Engine:
             del llm
         log.info("vLLM engine shut down")
 
+    @property
+    def healthy(self) -> bool:
+        """Running, and its engine-core process has not died."""
+        return self._llm is not None and not self._llm.errored
+
     def _running(self) -> AsyncLLM:
         if self._llm is None:
             raise RuntimeError("the engine has been shut down")

@@ -1,12 +1,8 @@
-"""Prometheus metrics of an inference worker, served on /metrics."""
+"""Prometheus metrics of an inference worker, served on /metrics (tandoor.ops)."""
 
 from __future__ import annotations
 
-import logging
-
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-
-log = logging.getLogger(__name__)
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
@@ -60,10 +56,3 @@ class WorkerMetrics:
     def lag(self, backlog: dict[str, int]) -> None:
         for band, count in backlog.items():
             self._lag.labels(model=self._model, band=band).set(count)
-
-    def serve(self, host: str, port: int) -> int:
-        """Start the /metrics endpoint; return its port (useful when `port` is 0)."""
-        server, _ = start_http_server(port, addr=host, registry=self.registry)
-        bound = int(server.server_port)
-        log.info("metrics on http://%s:%d/metrics", host, bound)
-        return bound

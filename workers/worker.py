@@ -14,6 +14,8 @@ import orjson
 from schemas.codec import SchemaError, decode
 from schemas.events import ControlEvent, FinalEvent, PromptRequest, Usage, now_ms
 from tandoor.clients import kafka_producer, redis_client
+from tandoor.logs import bind_request_id
+from tandoor.ops import OpsServer
 from tandoor.settings import Settings
 from workers.capacity import Capacity
 from workers.control import ControlListener
@@ -53,6 +55,7 @@ class Worker:
         self._stopping = asyncio.Event()
         self._failure: BaseException | None = None
         self._resources = contextlib.AsyncExitStack()  # what start() opened, closed in reverse
+        self.ops = OpsServer("worker", self.metrics.registry, self._readiness)
 
     async def start(self) -> None:
         self._resources.push_async_callback(self._redis.aclose)
@@ -77,7 +80,8 @@ class Worker:
         self._resources.push_async_callback(self.control.stop)
         await self.intake.start()
         self._resources.push_async_callback(self.intake.stop)
-        self.metrics.serve(self.settings.host, self.settings.worker_metrics_port)
+        await self.ops.start(self.settings.host, self.settings.worker_metrics_port)
+        self._resources.push_async_callback(self.ops.close)
         log.info("worker for %s ready (%d slots)", self.model, self.capacity.max_seqs)
 
     async def run(self) -> None:
@@ -98,6 +102,13 @@ class Worker:
     async def close(self) -> None:
         """Release what start() opened, in reverse order; safe to call twice."""
         await self._resources.aclose()
+
+    async def _readiness(self) -> dict[str, bool]:
+        return {
+            "engine": self._engine is not None and self._engine.healthy,
+            "kafka": bool(self.intake.consumer.assignment()),
+            "accepting": not self._stopping.is_set(),
+        }
 
     async def _intake_loop(self) -> None:
         while not self._stopping.is_set():
@@ -121,6 +132,7 @@ class Worker:
             except SchemaError as exc:
                 await self._reject(record, exc)
             else:
+                bind_request_id(prompt.request_id)
                 tracked = self._tracked.setdefault(prompt.request_id, Tracked(prompt.request_id))
                 try:
                     await self._runner.run(prompt, tracked)

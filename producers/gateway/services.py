@@ -30,10 +30,20 @@ class Services:
     keys: KeyStore
     conversations: ConversationService
     chat: ChatService
+    cluster: Any  # the Cassandra cluster, for readiness
+
+    async def readiness(self) -> dict[str, bool]:
+        deps = self.chat.deps
+        return {
+            "redis": bool(await deps.redis.ping()),
+            "cassandra": any(host.is_up for host in self.cluster.metadata.all_hosts()),
+            "kafka": deps.fanout.ready,
+            "accepting": not deps.streams.draining.is_set(),
+        }
 
 
 @asynccontextmanager
-async def open_services(settings: Settings) -> AsyncIterator[Services]:
+async def open_services(settings: Settings, slots: StreamSlots) -> AsyncIterator[Services]:
     async with AsyncExitStack() as stack:
         cluster = cassandra_cluster(settings)
         stack.push_async_callback(asyncio.to_thread, cluster.shutdown)
@@ -62,11 +72,12 @@ async def open_services(settings: Settings) -> AsyncIterator[Services]:
                 quotas=Quotas(cache),
                 moderator=DefaultModerator(settings.moderation_blocklist),
                 router=ModelRouter(settings, backlog.backlog),
-                streams=StreamSlots(settings.gateway_max_streams),
+                streams=slots,
                 jobs=jobs,
             )
         )
-        yield Services(settings, KeyStore(session, cache, set(settings.tiers)), conversations, chat)
+        keys = KeyStore(session, cache, set(settings.tiers))
+        yield Services(settings, keys, conversations, chat, cluster)
 
 
 def services(request: Request) -> Services:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterable, Iterator, Mapping
+from collections.abc import AsyncIterable, Awaitable, Iterator, Mapping
 from contextlib import contextmanager
 
 from starlette.responses import StreamingResponse
@@ -30,6 +30,7 @@ class Slot:
 
     def __init__(self, owner: StreamSlots) -> None:
         self._owner: StreamSlots | None = owner
+        self.draining = owner.draining
 
     def release(self) -> None:
         if self._owner is not None:
@@ -41,9 +42,19 @@ class StreamSlots:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.open = 0
+        # Set at SIGTERM: resumable streams end so their clients resume on another
+        # replica, and no new stream starts here.
+        self.draining = asyncio.Event()
 
     def take(self) -> Slot:
         """A slot, or a 503 before anything is charged or produced."""
+        if self.draining.is_set():
+            raise ApiError(
+                503,
+                "this gateway replica is shutting down; retry (another replica answers)",
+                kind="service_unavailable",
+                headers={"Retry-After": "1"},
+            )
         if self.open >= self.limit:
             raise ApiError(
                 503,
@@ -65,9 +76,16 @@ class StreamSlots:
             raise
 
 
+DRAINED = b": this replica is shutting down; resume with Last-Event-ID\n\n"
+
+
 class ReplyStream(StreamingResponse):
     """Server-sent events holding `slot` while open; a write that blocks for longer
-    than `write_timeout_s` ends the stream (the reply itself goes on and is stored)."""
+    than `write_timeout_s` ends the stream (the reply itself goes on and is stored).
+
+    A `resumable` stream also ends when the replica starts draining: its client resumes
+    with Last-Event-ID elsewhere. One that cannot resume (the OpenAI API) runs to its end
+    within the shutdown grace period."""
 
     def __init__(
         self,
@@ -75,20 +93,31 @@ class ReplyStream(StreamingResponse):
         slot: Slot,
         write_timeout_s: float,
         headers: Mapping[str, str],
+        resumable: bool = True,
     ) -> None:
         super().__init__(content, media_type="text/event-stream", headers=headers)
         self.slot = slot
         self.write_timeout_s = write_timeout_s
+        self.resumable = resumable
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = False
+
         async def timed_send(message: Message) -> None:
+            nonlocal started
+            started = True
             try:
                 await asyncio.wait_for(send(message), self.write_timeout_s)
             except TimeoutError:
                 raise ClientTooSlow from None
 
         try:
-            await super().__call__(scope, receive, timed_send)
+            if self.resumable:
+                body = super().__call__(scope, receive, timed_send)
+                if not await self._until_drained(body):
+                    await self._end_drained(send, started)
+            else:
+                await super().__call__(scope, receive, timed_send)
         except* ClientTooSlow:
             log.warning(
                 "client %s stopped reading for %.0f s: stream closed",
@@ -97,3 +126,28 @@ class ReplyStream(StreamingResponse):
             )
         finally:
             self.slot.release()
+
+    async def _until_drained(self, body: Awaitable[None]) -> bool:
+        """Stream `body`; False if draining cut it short."""
+        streaming = asyncio.ensure_future(body)
+        drained = asyncio.ensure_future(self.slot.draining.wait())
+        try:
+            await asyncio.wait({streaming, drained}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # the client went away: the body goes too
+            streaming.cancel()
+            raise
+        finally:
+            drained.cancel()
+        if streaming.done():
+            streaming.result()  # its exceptions are the caller's
+            return True
+        streaming.cancel()
+        await asyncio.gather(streaming, return_exceptions=True)
+        return False
+
+    async def _end_drained(self, send: Send, started: bool) -> None:
+        """End the body cleanly: the client sees the stream close, not an error."""
+        if not started:
+            start = {"type": "http.response.start", "status": self.status_code}
+            await send({**start, "headers": self.raw_headers})
+        await send({"type": "http.response.body", "body": DRAINED, "more_body": False})

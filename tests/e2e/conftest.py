@@ -49,13 +49,15 @@ async def stack(
     fallbacks = {big: Fallback(model=model, backlog=SHED_BACKLOG, tiers=["free"])}
     env["TANDOOR_FALLBACKS"] = json.dumps({m: f.model_dump() for m, f in fallbacks.items()})
     env["TANDOOR_BACKLOG_POLL_S"] = "0.5"
+    env["TANDOOR_LOG_FORMAT"] = "json"  # test_operations follows request ids through them
     gateways = [GatewayProcess(logs, free_port(), env) for _ in range(2)]  # two replicas
-    async with running([WorkerProcess(model, logs, env), PersistProcess(logs, env), *gateways]):
+    worker, persist = WorkerProcess(model, logs, env), PersistProcess(logs, env)
+    async with running([worker, persist, *gateways]):
         settings = cassandra.model_copy(
             update={"models": [model, big, crash], "fallbacks": fallbacks, "tiers": tiers}
         )
         url = f"http://127.0.0.1:{gateways[0].port}"
-        yield Stack(url, settings, gateways, env, logs, model, big, crash)
+        yield Stack(url, settings, gateways, env, logs, model, big, crash, worker, persist)
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 
-from infra.roles import GatewayProcess
+from infra.roles import GatewayProcess, PersistProcess, WorkerProcess
 from producers.keys import create_key
 from tandoor.settings import Settings
 
@@ -29,6 +29,8 @@ class Stack:
     model: str  # served by the stack's worker
     big: str  # no worker: prompts wait, and the free tier falls back to `model`
     crash: str  # no worker but the ones a test starts
+    worker: WorkerProcess  # serves `model`
+    persist: PersistProcess
 
 
 async def auth(stack: Stack, tier: str = "plus") -> dict[str, str]:

@@ -255,7 +255,7 @@ async def test_ask_command_streams_a_reply(worker: WorkerProcess) -> None:
 
 
 async def test_metrics_endpoint(worker: WorkerProcess) -> None:
-    url = f"http://127.0.0.1:{worker.metrics_port()}/metrics"
+    url = f"http://127.0.0.1:{worker.ops_port()}/metrics"
     body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read().decode())
     for name in (
         "tandoor_worker_requests_waiting",

@@ -43,4 +43,5 @@ async def chat_completions(
         reply = await start_completion(svc, caller, body)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunks = completion_chunks(reply, include_usage)
-        return ReplyStream(chunks, slot, svc.deps.settings.gateway_write_timeout_s, SSE_HEADERS)
+        timeout = svc.deps.settings.gateway_write_timeout_s
+        return ReplyStream(chunks, slot, timeout, SSE_HEADERS, resumable=False)

@@ -1,0 +1,53 @@
+"""The gateway's Prometheus metrics: every HTTP request by route, method and status,
+with its latency (prometheus-fastapi-instrumentator), and what is open right now,
+read when scraped rather than counted on the hot path."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from fastapi import FastAPI
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from prometheus_fastapi_instrumentator import Instrumentator
+
+from producers.gateway.services import Services
+from producers.gateway.streaming import StreamSlots
+
+UNMETERED = ["/health", "/ready"]  # probes: frequent, and not what users do
+
+
+class OpenNow(Collector):
+    def __init__(self, slots: StreamSlots, services: Callable[[], Services | None]) -> None:
+        self._slots = slots
+        self._services = services
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(
+            "tandoor_gateway_open_streams", "Reply streams open on this replica", self._slots.open
+        )
+        yield GaugeMetricFamily(
+            "tandoor_gateway_draining", "1 while shutting down", self._slots.draining.is_set()
+        )
+        deps = self._services()
+        if deps is not None:
+            yield GaugeMetricFamily(
+                "tandoor_gateway_followed_replies",
+                "Replies whose token events this replica routes",
+                deps.chat.deps.fanout.following,
+            )
+
+
+def gateway_metrics(
+    app: FastAPI, slots: StreamSlots, services: Callable[[], Services | None]
+) -> CollectorRegistry:
+    """Instrument `app`; the registry to serve on the ops port."""
+    registry = CollectorRegistry()
+    Instrumentator(
+        should_group_status_codes=False,
+        excluded_handlers=UNMETERED,
+        registry=registry,
+    ).instrument(app, metric_namespace="tandoor", metric_subsystem="gateway")
+    registry.register(OpenNow(slots, services))
+    return registry

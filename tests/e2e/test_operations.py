@@ -1,0 +1,187 @@
+"""Operating the roles: metrics, health and readiness on each role's ops port, request
+ids followed through the JSON logs, and a gateway that drains at SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from infra.process import free_port
+from infra.roles import GatewayProcess, RoleProcess, running
+from tests.e2e.helpers import Stack, auth, chat, new_conversation, reply_text, sse, stored_reply
+
+pytestmark = pytest.mark.integration
+
+
+async def ops_get(role: RoleProcess, path: str) -> httpx.Response:
+    async with httpx.AsyncClient(timeout=10) as client:
+        return await client.get(f"http://127.0.0.1:{role.ops_port()}{path}")
+
+
+async def samples(role: RoleProcess) -> dict[str, float]:
+    """Each metric sample, by name, summed over its labels."""
+    response = await ops_get(role, "/metrics")
+    assert response.status_code == 200, response.text
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    return totals
+
+
+def roles_of(stack: Stack) -> list[RoleProcess]:
+    return [*stack.gateways, stack.worker, stack.persist]
+
+
+async def test_every_role_is_healthy_ready_and_counts_what_it_did(
+    stack: Stack, http: httpx.AsyncClient
+) -> None:
+    headers = await auth(stack)
+    conversation = await new_conversation(http, headers)
+    events = await chat(http, headers, conversation, "Name a colour.", max_tokens=8)
+    await stored_reply(http, headers, conversation)
+    for role in roles_of(stack):
+        assert (await ops_get(role, "/health")).json()["status"] == "ok"
+        ready = await ops_get(role, "/ready")
+        assert ready.status_code == 200, (role.name, ready.text)
+        assert all(ready.json()["checks"].values()), ready.json()
+    assert (await http.get("/ready")).json()["status"] == "ready"  # the gateway's own port
+
+    gateway = await samples(stack.gateways[0])
+    assert gateway["tandoor_gateway_http_requests_total"] >= 3  # key check, create, post
+    assert "tandoor_gateway_open_streams" in gateway
+    worker = await samples(stack.worker)
+    completion = events[-2]["usage"]["completion_tokens"]
+    assert worker["tandoor_worker_generated_tokens_total"] >= completion
+    assert worker["tandoor_worker_requests_finished_total"] >= 1
+    persist = await samples(stack.persist)
+    assert persist["tandoor_persist_replies_stored_total"] >= 1
+    assert persist["tandoor_persist_write_seconds_count"] >= 1
+
+
+def logged(role: RoleProcess) -> list[dict[str, Any]]:
+    """The role's own JSON log lines (vLLM and the JVMs print their own formats)."""
+    lines = []
+    for line in role.log().splitlines():
+        if line.startswith("{"):
+            entry = json.loads(line)
+            if "role" in entry:
+                lines.append(entry)
+    return lines
+
+
+async def test_one_request_is_followed_through_gateway_worker_and_persist(
+    stack: Stack, http: httpx.AsyncClient
+) -> None:
+    headers = await auth(stack)
+    conversation = await new_conversation(http, headers)
+    events = await chat(http, headers, conversation, "Say hello.", max_tokens=8)
+    request_id = events[0]["request_id"]
+    await stored_reply(http, headers, conversation)
+    for _ in range(40):  # persist logs right after the write that made it visible
+        if any(e.get("request_id") == request_id for e in logged(stack.persist)):
+            break
+        await asyncio.sleep(0.25)
+    by_role: dict[str, list[str]] = {}
+    for role in roles_of(stack):
+        for entry in logged(role):
+            if entry.get("request_id") == request_id:
+                by_role.setdefault(entry["role"], []).append(entry["msg"])
+    assert set(by_role) == {"gateway", "worker", "persist"}, by_role
+    assert any("queued chat prompt" in m for m in by_role["gateway"])
+    assert any("attempt 1" in m and "completion tokens" in m for m in by_role["worker"])
+    assert any(m.startswith("stored chat reply") for m in by_role["persist"])
+
+
+@asynccontextmanager
+async def spare_gateway(stack: Stack) -> AsyncIterator[tuple[GatewayProcess, httpx.AsyncClient]]:
+    """A gateway of its own group, so its shutdown moves no partitions of the others."""
+    env = {**stack.env, "TANDOOR_GATEWAY_GROUP": f"spare-{uuid.uuid4().hex[:8]}"}
+    gateway = GatewayProcess(stack.logs, free_port(), env)
+    async with running([gateway]):
+        url = f"http://127.0.0.1:{gateway.port}"
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            yield gateway, client
+
+
+async def exit_code(gateway: GatewayProcess) -> int:
+    assert gateway.proc is not None
+    return await asyncio.to_thread(gateway.proc.wait, 60)
+
+
+async def test_sigterm_ends_chat_streams_and_they_resume_on_another_replica(
+    stack: Stack, http: httpx.AsyncClient
+) -> None:
+    headers = await auth(stack)
+    conversation = await new_conversation(http, headers)
+    body = {"content": "Count from one to forty in words.", "max_tokens": 120, "temperature": 0}
+    seen: list[Any] = []
+    ids: list[str] = []  # "attempt.characters sent so far"
+    last_id = None
+    async with spare_gateway(stack) as (gateway, client):
+        path = f"/v1/conversations/{conversation}/messages"
+        async with client.stream("POST", path, json=body, headers=headers) as response:
+            assert response.status_code == 200
+            async for event_id, data in sse(response):
+                last_id = event_id or last_id
+                ids += [event_id] if event_id else []
+                seen.append(data)
+                if len(seen) == 4:
+                    assert gateway.proc is not None
+                    gateway.proc.send_signal(signal.SIGTERM)
+        # uvicorn finishes its shutdown, then re-raises SIGTERM: the usual status.
+        assert await exit_code(gateway) in (0, -signal.SIGTERM)
+    assert all(e["type"] != "final" for e in seen), "the stream ran to its end: no drain"
+    resumed = {**headers, "Last-Event-ID": str(last_id)}
+    path = f"/v1/conversations/{conversation}/stream"
+    async with http.stream("GET", path, headers=resumed) as response:
+        assert response.status_code == 200
+        rest = []
+        async for event_id, data in sse(response):
+            ids += [event_id] if event_id else []
+            rest.append(data)
+    assert rest[-2]["type"] == "final" and rest[-1] == "[DONE]"
+    assert all(e["type"] != "restart" for e in rest if isinstance(e, dict))
+    offsets = [int(i.split(".")[1]) for i in ids]
+    assert offsets == sorted(offsets) and len(set(offsets[:-1])) == len(offsets) - 1  # no repeats
+    stored = await stored_reply(http, headers, conversation)
+    assert stored[1]["content"] == reply_text(seen) + reply_text(rest)
+
+
+async def test_an_openai_stream_finishes_while_its_gateway_drains(stack: Stack) -> None:
+    headers = await auth(stack)
+    body = {
+        "model": stack.model,
+        "messages": [{"role": "user", "content": "Count from one to forty in words."}],
+        "max_tokens": 96,
+        "temperature": 0,
+        "stream": True,
+    }
+    readiness: list[int] = []
+    async with spare_gateway(stack) as (gateway, client):
+        chunks: list[Any] = []
+        async with client.stream(
+            "POST", "/v1/chat/completions", json=body, headers=headers
+        ) as response:
+            async for _, data in sse(response):
+                chunks.append(data)
+                if len(chunks) == 2:
+                    assert gateway.proc is not None
+                    gateway.proc.send_signal(signal.SIGTERM)
+                if len(chunks) >= 2 and not readiness:
+                    await asyncio.sleep(0.3)  # the loop has taken the signal by now
+                    readiness.append((await ops_get(gateway, "/ready")).status_code)
+        assert await exit_code(gateway) in (0, -signal.SIGTERM)
+    assert readiness == [503]  # draining: no new traffic, but this stream goes on
+    assert chunks[-1] == "[DONE]"
+    finish = [c["choices"][0]["finish_reason"] for c in chunks[:-1] if c["choices"]]
+    assert finish[-1] in ("stop", "length")  # it ran to its end, not cut off
