@@ -46,6 +46,9 @@ class ReplyTimes:
     ttft_s: float  # from sending the message to the first token event
     total_s: float
     tokens: int  # completion tokens of the final event
+    # From the final event's usage, both counted from the gateway producing the prompt:
+    queue_s: float  # until the worker handed it to the engine (Kafka, waiting for a slot)
+    worker_ttft_s: float  # until the engine's first token
 
 
 async def events(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
@@ -71,8 +74,10 @@ async def timed_reply(
             elif event["type"] == "final":
                 if event["finish_reason"] not in ("stop", "length") or ttft is None:
                     raise ChatError(f"final {event['finish_reason']}: {event['error']}")
-                tokens = int(event["usage"]["completion_tokens"])
-                return ReplyTimes(ttft, time.perf_counter() - started, tokens)
+                usage = event["usage"]
+                total = time.perf_counter() - started
+                queue_s, worker_ttft_s = usage["queue_ms"] / 1000, usage["ttft_ms"] / 1000
+                return ReplyTimes(ttft, total, usage["completion_tokens"], queue_s, worker_ttft_s)
     raise ChatError("stream ended without a final event")
 
 

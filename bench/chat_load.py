@@ -7,6 +7,7 @@ import asyncio
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -63,6 +64,9 @@ class Outcomes:
 
     def total_ms(self, pct: int) -> float:
         return percentile([t.total_s * 1000 for _, t in self.replies], pct)
+
+    def part_ms(self, pct: int, part: Callable[[ReplyTimes], float]) -> float:
+        return percentile([part(t) * 1000 for _, t in self.replies], pct)
 
 
 def percentile(values: list[float], pct: int) -> float:

@@ -69,21 +69,17 @@ class LagProbe:
         return await count_backlog(self.admin, self.offsets, partitions, model)
 
     async def persist_lag(self) -> int:
-        tps = await self._token_partitions()
+        tps = token_partitions(self.settings)
         ends = await self.offsets.end_offsets(tps)
         committed = await self.admin.list_consumer_group_offsets(self.settings.persist_group)
         return sum(
             max(0, ends[tp] - committed[tp].offset) if tp in committed else ends[tp] for tp in tps
         )
 
-    async def _token_partitions(self) -> list[TopicPartition]:
-        return await token_partitions(self.offsets)
 
-
-async def token_partitions(consumer: AIOKafkaConsumer) -> list[TopicPartition]:
-    await consumer.topics()  # loads the metadata partitions_for_topic reads
-    parts = consumer.partitions_for_topic(topics.TOKENS) or set()
-    return [TopicPartition(topics.TOKENS, p) for p in sorted(parts)]
+def token_partitions(settings: Settings) -> list[TopicPartition]:
+    """`tokens` is created with settings.tokens_partitions (infra/topics.py)."""
+    return [TopicPartition(topics.TOKENS, p) for p in range(settings.tokens_partitions)]
 
 
 @asynccontextmanager
@@ -100,7 +96,7 @@ async def start_group_at_end(settings: Settings, group: str) -> None:
     )
     await consumer.start()
     try:
-        tps = await token_partitions(consumer)
+        tps = token_partitions(settings)
         consumer.assign(tps)  # commit() needs the partitions assigned
         ends = await consumer.end_offsets(tps)
         await consumer.commit(dict(ends))
