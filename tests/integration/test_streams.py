@@ -13,6 +13,7 @@ import httpx
 import orjson
 import pytest
 from aiokafka import AIOKafkaConsumer
+from prometheus_client.parser import text_string_to_metric_families
 
 from infra.process import free_port
 from infra.roles import StreamsProcess
@@ -108,6 +109,21 @@ async def published(settings: Settings, key_prefix: str) -> dict[str, dict[str, 
     return latest
 
 
+async def check_ops_pages(url: str) -> None:
+    """Health, readiness and Prometheus metrics beside the rollups."""
+    async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+        assert (await client.get("/health")).json()["status"] == "ok"
+        ready = await client.get("/ready")
+        assert ready.status_code == 200 and all(ready.json()["checks"].values()), ready.text
+        metrics = (await client.get("/metrics")).text
+    names = {
+        sample.name
+        for family in text_string_to_metric_families(metrics)
+        for sample in family.samples
+    }
+    assert "tandoor_streams_messages_received_total" in names, sorted(names)[:20]
+
+
 async def test_rollups_match_by_hand_and_survive_a_kill_9(
     settings: Settings, kafka: str, tmp_path: Path
 ) -> None:
@@ -179,9 +195,11 @@ async def test_rollups_match_by_hand_and_survive_a_kill_9(
         assert got[f"1m/{hour}"]["requests"] == 3
         assert got[f"1m/{hour + 60_000}"]["requests"] == 2
         assert int(await cache.get(tpm) or 0) == 60, "settled once, replays or not"
+        await check_ops_pages(url)
     finally:
-        app.terminate()
+        code = app.terminate()
         await cache.aclose()
+    assert code == 0, "SIGTERM: a clean exit"
 
     latest = await published(settings, f"user/{user}/")
     assert latest[f"user/{user}/1h/{hour}"]["requests"] == 5
