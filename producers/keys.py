@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import re
 import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -17,6 +18,8 @@ from tandoor.clients import cassandra_session, cql, redis_client
 from tandoor.settings import Settings
 
 KEY_PREFIX = "tdr_"
+# What new_key makes: 32 random bytes, URL-safe base64 without padding.
+KEY_SHAPE = re.compile(r"tdr_[A-Za-z0-9_-]{43}")
 CACHE_TTL_S = 60  # a revoked key stops working within a minute
 
 
@@ -60,7 +63,11 @@ class KeyStore:
         return key, principal
 
     async def resolve(self, key: str) -> Principal | None:
-        """The principal of a valid key, or None; looked up in Redis before Cassandra."""
+        """The principal of a valid key, or None; looked up in Redis before Cassandra.
+        Something not shaped like a key is refused without either: no lookups and no
+        cache entries for garbage."""
+        if KEY_SHAPE.fullmatch(key) is None:
+            return None
         digest = key_hash(key)
         cached = await self._cache.get(_cache_key(digest))
         if cached is not None:

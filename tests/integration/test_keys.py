@@ -52,6 +52,21 @@ async def test_unknown_and_revoked_keys_do_not_resolve(store: KeyStore) -> None:
     assert await store.resolve(key) is None
 
 
+async def test_a_malformed_key_is_refused_without_a_lookup(store: KeyStore, redis_url: str) -> None:
+    key, _ = await store.create("erin", "free")
+    malformed = ["tdr_short", key + "x", key[:-1] + "!", "x" * 5000, key.upper()]
+    unknown = "tdr_" + "A" * 43
+    cache = aioredis.Redis.from_url(redis_url)
+    try:
+        for bad in [*malformed, unknown]:
+            assert await store.resolve(bad) is None
+        cached = [await cache.exists(f"tandoor:apikey:{key_hash(k)}") for k in malformed]
+        assert cached == [0] * len(malformed)
+        assert await cache.exists(f"tandoor:apikey:{key_hash(unknown)}")  # well-shaped: looked up
+    finally:
+        await cache.aclose()
+
+
 async def test_unknown_tier_and_empty_user_are_refused(store: KeyStore) -> None:
     with pytest.raises(ValueError, match="unknown tier 'gold'"):
         await store.create("carol", "gold")
