@@ -163,7 +163,11 @@ class Holder:
     async def measure(self, target: int, probes: int) -> Level:
         await asyncio.sleep(SETTLE_S)
         pid = pid_of(self.gateway)
-        health = await asyncio.to_thread(health_ms, self.gateway.port, probes)
+        try:
+            health = await asyncio.to_thread(health_ms, self.gateway.port, probes)
+        except (OSError, RuntimeError, http.client.HTTPException) as exc:
+            print(f"  /health failed: {exc!r}", file=sys.stderr)
+            health = [float("inf")]  # over any limit: the ramp stops here
         alive = sum(not task.done() for task in self.held)
         return Level(
             target,
