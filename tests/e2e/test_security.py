@@ -130,8 +130,10 @@ async def owned_conversation(http: httpx.AsyncClient, headers: dict[str, str]) -
 
 
 def concrete(path: str, conversation: str, message: str) -> list[str]:
+    """The URLs to call for a route: each of the page's files for its mount."""
     if path == "/web/{path}":
         return [f"/web/{f.name}" for f in sorted(WEB_DIR.iterdir()) if f.is_file()]
+    assert "{path}" not in path, f"a new mount at {path}: say here what it serves"
     return [path.format(conversation_id=conversation, message_id=message)]
 
 
