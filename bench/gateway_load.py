@@ -305,21 +305,30 @@ async def full_stack(args: argparse.Namespace) -> AsyncIterator[FullStack]:
 class Sample:
     t_s: float
     gateway_mib: float
-    worker_mib: float  # with its engine core
+    worker_mib: float  # the worker process (asyncio, Kafka, detokenizing)
+    engine_mib: float  # its children: vLLM's engine core (weights, KV cache)
     persist_mib: float
     worker_lag: int
     persist_lag: int
     replies: int
     errors: int
 
-    FIELDS = ("gateway_mib", "worker_mib", "persist_mib", "worker_lag", "persist_lag")
+    FIELDS = (
+        "gateway_mib",
+        "worker_mib",
+        "engine_mib",
+        "persist_mib",
+        "worker_lag",
+        "persist_lag",
+    )
 
 
 async def sample(stack: FullStack, lag: LagProbe, t_s: float, out: Outcomes) -> Sample:
     return Sample(
         t_s,
         rss_mib(pid_of(stack.gateway)),
-        tree_rss_mib(pid_of(stack.worker)),
+        rss_mib(pid_of(stack.worker)),
+        tree_rss_mib(pid_of(stack.worker)) - rss_mib(pid_of(stack.worker)),
         rss_mib(pid_of(stack.persist)),
         await lag.worker_lag(stack.model),
         await lag.persist_lag(),
@@ -352,13 +361,14 @@ def thirds(samples: list[Sample]) -> tuple[list[Sample], list[Sample]]:
 
 def sustained_report(samples: list[Sample], out: Outcomes, started: float) -> str:
     head = (  # worker lag: prompts past the worker group's commits (waiting or in flight)
-        f"{'t s':>6}{'gateway MiB':>13}{'worker MiB':>12}{'persist MiB':>13}"
+        f"{'t s':>6}{'gateway MiB':>13}{'worker MiB':>12}{'engine MiB':>12}{'persist MiB':>13}"
         f"{'worker lag':>12}{'persist lag':>13}{'replies':>9}{'errors':>8}"
     )
     lines = ["sustained chat load: samples", head, "-" * len(head)]
     for s in samples:
         lines.append(
-            f"{s.t_s:>6.0f}{s.gateway_mib:>13.1f}{s.worker_mib:>12.1f}{s.persist_mib:>13.1f}"
+            f"{s.t_s:>6.0f}{s.gateway_mib:>13.1f}{s.worker_mib:>12.1f}{s.engine_mib:>12.1f}"
+            f"{s.persist_mib:>13.1f}"
             f"{s.worker_lag:>12}{s.persist_lag:>13}{s.replies:>9}{s.errors:>8}"
         )
     first, last = thirds(samples)
