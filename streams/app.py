@@ -14,6 +14,7 @@ the latest message per key is current) and readable over HTTP:
 
 from __future__ import annotations
 
+import hmac
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -149,6 +150,9 @@ def create_app(settings: Settings, outputs: Outputs | None = None) -> faust.App:
     @app.page("/rollups/{dimension}/{key}")
     class Rollups(View):
         async def get(self, request: Request, dimension: str, key: str) -> Response:
+            refused = _refusal(settings.analytics_token, request.headers.get("Authorization"))
+            if refused is not None:
+                return self.json({"error": refused}, status=401)
             table = tables.get(dimension)
             if table is None:
                 return self.json(
@@ -165,6 +169,16 @@ def create_app(settings: Settings, outputs: Outputs | None = None) -> faust.App:
 
     _install_ops_pages(app)
     return app
+
+
+def _refusal(token: str | None, authorization: str | None) -> str | None:
+    """Why a rollups request is refused, or None if its bearer token is the analytics one."""
+    if token is None:
+        return "rollups over HTTP are off: set TANDOOR_ANALYTICS_TOKEN"
+    scheme, _, given = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip(), token):
+        return "send 'Authorization: Bearer <TANDOOR_ANALYTICS_TOKEN>'"
+    return None
 
 
 def _install_ops_pages(app: faust.App) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import secrets
 import signal
 import threading
 from collections.abc import Callable
@@ -85,11 +86,13 @@ def run() -> None:
     """The main job: servers, a worker per model, persistence, streams, gateway; Ctrl-C
     stops all."""
     settings = get_settings()
+    if settings.analytics_token is None:  # this run's, for reading the rollups
+        settings = settings.model_copy(update={"analytics_token": secrets.token_urlsafe(24)})
     stack = Stack(settings)
     logs = settings.home / "logs"
     roles: list[RoleProcess] = [WorkerProcess(m, logs, {}) for m in settings.models]
     roles.append(PersistProcess(logs, {}))
-    roles.append(StreamsProcess(logs, {}))
+    roles.append(StreamsProcess(logs, {"TANDOOR_ANALYTICS_TOKEN": str(settings.analytics_token)}))
     roles.append(GatewayProcess(logs, settings.gateway_port, {}))
     try:
         _guard(stack.up)
@@ -104,7 +107,9 @@ def run() -> None:
         key, _ = asyncio.run(create_key(settings, "local", "plus"))
         typer.echo(f"chat page: http://{settings.host}:{settings.gateway_port}/")
         typer.echo(f"API: http://{settings.host}:{settings.gateway_port}/v1 (API key {key})")
-        typer.echo(f"usage rollups: http://{settings.host}:{settings.streams_web_port}/rollups/")
+        rollups = f"http://{settings.host}:{settings.streams_web_port}/rollups/user/local"
+        bearer = f"Authorization: Bearer {settings.analytics_token}"
+        typer.echo(f"usage rollups: curl -H '{bearer}' {rollups}")
         typer.echo('Tandoor is up. Try: tandoor ask "What is the capital of France?"')
         typer.echo("Press Ctrl-C to stop everything.")
         _wait_for_stop_signal()

@@ -72,12 +72,16 @@ async def publish(settings: Settings, *records: UsageRecord) -> None:
             await producer.send_and_wait(topics.USAGE, encode(r), key=r.user_id.encode())
 
 
+ANALYTICS_TOKEN = "analytics-" + uuid.uuid4().hex
+ANALYTICS = {"Authorization": f"Bearer {ANALYTICS_TOKEN}"}
+
+
 async def rollups(
     url: str, dimension: str, key: str, hour: int, expect: int
 ) -> dict[str, dict[str, Any]]:
     """`window/start -> summary` once the rollup of `hour` has counted `expect` requests."""
     found: dict[str, dict[str, Any]] = {}
-    async with httpx.AsyncClient(base_url=url, timeout=10) as http:
+    async with httpx.AsyncClient(base_url=url, headers=ANALYTICS, timeout=10) as http:
         for _ in range(240):
             response = await http.get(f"/rollups/{dimension}/{key}")
             if response.status_code == 200:
@@ -107,6 +111,13 @@ async def published(settings: Settings, key_prefix: str) -> dict[str, dict[str, 
     finally:
         await consumer.stop()
     return latest
+
+
+async def check_rollups_need_the_token(url: str, user: str) -> None:
+    async with httpx.AsyncClient(base_url=url, timeout=10) as http:
+        for headers in ({}, {"Authorization": "Bearer wrong-token-of-some-length"}):
+            refused = await http.get(f"/rollups/user/{user}", headers=headers)
+            assert refused.status_code == 401 and "error" in refused.json()
 
 
 async def check_ops_pages(url: str) -> None:
@@ -151,12 +162,14 @@ async def test_rollups_match_by_hand_and_survive_a_kill_9(
     env = {
         "TANDOOR_STREAMS_APP_ID": f"streams-{uuid.uuid4().hex[:6]}",
         "TANDOOR_STREAMS_WEB_PORT": str(port),
+        "TANDOOR_ANALYTICS_TOKEN": ANALYTICS_TOKEN,
     }
     url = f"http://127.0.0.1:{port}"
     app = StreamsProcess(tmp_path, env)
     app.start()
     try:
         await app.wait_ready()
+        await check_rollups_need_the_token(url, user)
         for dimension, key in (("user", user), ("model", model)):
             got = await rollups(url, dimension, key, hour, expect=4)
             minute = got[f"1m/{hour}"]
