@@ -121,6 +121,9 @@ class Settings(BaseSettings):
     worker_memory_share: float = Field(default=0.3, gt=0, le=1)
     worker_grace_s: float = Field(default=20.0, ge=0)  # SIGTERM: finish, then hand back
     worker_band_reserve: float = Field(default=0.1, ge=0, le=1)  # share kept for lower bands
+    # Share of a worker's slots only the top band may take, so a flood of lower bands
+    # never makes a top-band prompt wait for a slot.
+    worker_top_band_share: float = Field(default=0.25, ge=0, lt=1)
     # Each role's /metrics, /health and /ready (the streams app serves them on its web
     # port); 0 picks a free port, logged as "<role> metrics on http://...".
     worker_metrics_port: int = 9400
@@ -156,6 +159,9 @@ class Settings(BaseSettings):
     # The streams app (faust): its id names its group and internal topics.
     streams_app_id: str = "tandoor-streams"
     streams_web_port: int = 6066  # rollups over HTTP
+    # The bearer token GET /rollups/... requires; unset, rollups are not served over HTTP
+    # (they hold every user's usage). `tandoor run` makes one and prints it.
+    analytics_token: str | None = Field(default=None, min_length=16)
     streams_retention_windows: int = Field(default=48, ge=1)  # kept per key and window size
 
     # Persistence consumer: its group on `tokens`.

@@ -36,8 +36,12 @@ class PromptIntake(ConsumerRebalanceListener):  # type: ignore[misc]
         self.topic = prompts_topic(model)
         self.layout = BandLayout([(band.name, band.partitions) for band in settings.bands])
         self.scheduler = BandScheduler(
-            [b.name for b in self.layout.ranges], settings.worker_band_reserve
+            [b.name for b in self.layout.ranges],
+            settings.worker_band_reserve,
+            settings.worker_max_seqs,
+            round(settings.worker_max_seqs * settings.worker_top_band_share),
         )
+        self.held: dict[str, int] = defaultdict(int)  # prompts in flight per band
         self.offsets = OffsetTracker()
         self.consumer = AIOKafkaConsumer(
             bootstrap_servers=settings.kafka_bootstrap,
@@ -77,9 +81,17 @@ class PromptIntake(ConsumerRebalanceListener):  # type: ignore[misc]
     async def _take(self, free_slots: int) -> list[Record]:
         self._resume()
         await self._refresh_backlog()
-        plan = self.scheduler.plan(free_slots, self.backlog)
-        if not plan:
-            batch = await self.consumer.getmany(timeout_ms=IDLE_WAIT_MS, max_records=free_slots)
+        plan = self.scheduler.plan(free_slots, self.backlog, self.held)
+        if not plan:  # nothing known to wait: a long poll, wherever a prompt may go now
+            headroom = self.scheduler.lower_headroom(self.held)
+            anywhere = headroom is None or headroom >= free_slots
+            partitions = self.consumer.assignment() if anywhere else self._top_band()
+            if not partitions:
+                await asyncio.sleep(IDLE_WAIT_MS / 1000)
+                return []
+            batch = await self.consumer.getmany(
+                *partitions, timeout_ms=IDLE_WAIT_MS, max_records=free_slots
+            )
             return self._taken(batch)
         records: list[Record] = []
         for band, count in plan.items():
@@ -99,6 +111,7 @@ class PromptIntake(ConsumerRebalanceListener):  # type: ignore[misc]
 
     def finished(self, record: Record) -> None:
         self.offsets.finished(record.topic, record.partition, record.offset)
+        self.held[self.band_of(record)] -= 1
 
     async def commit(self) -> None:
         moves = self.offsets.to_commit()
@@ -129,12 +142,16 @@ class PromptIntake(ConsumerRebalanceListener):  # type: ignore[misc]
             self.offsets.taken(record.topic, record.partition, record.offset)
             band = self.band_of(record)
             self.backlog[band] = max(0, self.backlog.get(band, 0) - 1)
+            self.held[band] += 1
         return records
 
     def _resume(self) -> None:
         if self._paused:
             self.consumer.resume(*self.consumer.assignment())
             self._paused = False
+
+    def _top_band(self) -> list[TopicPartition]:
+        return self._assigned_in(self.layout.ranges[0].name)
 
     def _assigned_in(self, band: str) -> list[TopicPartition]:
         wanted = self.layout.band(band).partitions

@@ -37,6 +37,27 @@ def test_reserve_is_validated() -> None:
         BandScheduler(BANDS, reserve=1.5)
 
 
+def test_lower_bands_never_take_the_slots_kept_for_the_top_band() -> None:
+    scheduler = BandScheduler(BANDS, reserve=0.1, max_slots=8, kept_for_top=2)
+    assert scheduler.plan(8, {"free": 100, "batch": 100}) == {"free": 6}
+    held = {"free": 5, "batch": 1}  # the lower bands' 6 slots are taken
+    assert scheduler.plan(2, {"free": 100, "batch": 100}, held) == {}
+    assert scheduler.lower_headroom(held) == 0
+    assert scheduler.plan(2, {"paid": 1, "free": 100}, held) == {"paid": 1}
+    assert scheduler.plan(2, {"free": 100}, {"free": 5}) == {"free": 1}
+
+
+def test_without_kept_slots_lower_bands_may_take_all() -> None:
+    scheduler = BandScheduler(BANDS, max_slots=8)
+    assert scheduler.lower_headroom({"free": 8}) is None
+    assert scheduler.plan(8, {"free": 100}, {"free": 0}) == {"free": 8}
+
+
+def test_kept_slots_are_validated() -> None:
+    with pytest.raises(ValueError, match="kept_for_top"):
+        BandScheduler(BANDS, max_slots=4, kept_for_top=5)
+
+
 def test_first_delta_is_sent_at_once_then_coalesced() -> None:
     c = Coalescer(window_s=0.010, max_tokens=100)
     assert c.add("Hel", 1, now=0.000) == ("Hel", 1)
