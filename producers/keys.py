@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import hashlib
+import logging
 import re
 import secrets
 from collections.abc import AsyncIterator
@@ -13,10 +15,15 @@ from typing import Any
 
 import orjson
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tandoor.clients import cassandra_session, cql, redis_client
 from tandoor.settings import Settings
 
+log = logging.getLogger(__name__)
+
+REDIS_DOWN = (RedisConnectionError, RedisTimeoutError)
 KEY_PREFIX = "tdr_"
 # What new_key makes: 32 random bytes, URL-safe base64 without padding.
 KEY_SHAPE = re.compile(r"tdr_[A-Za-z0-9_-]{43}")
@@ -69,13 +76,18 @@ class KeyStore:
         if KEY_SHAPE.fullmatch(key) is None:
             return None
         digest = key_hash(key)
-        cached = await self._cache.get(_cache_key(digest))
+        try:
+            cached = await self._cache.get(_cache_key(digest))
+        except REDIS_DOWN as exc:  # Cassandra holds every key: slower, still right
+            log.warning("key cache unreachable (%s); reading the key from Cassandra", exc)
+            return await self._lookup(digest)
         if cached is not None:
             data = orjson.loads(cached)
             return Principal(**data) if data else None
         principal = await self._lookup(digest)
         payload = orjson.dumps(principal.__dict__ if principal else {})
-        await self._cache.set(_cache_key(digest), payload, ex=CACHE_TTL_S)
+        with contextlib.suppress(*REDIS_DOWN):
+            await self._cache.set(_cache_key(digest), payload, ex=CACHE_TTL_S)
         return principal
 
     async def revoke(self, key: str) -> None:

@@ -6,17 +6,38 @@ across a minute's boundary. Tokens per minute are fixed windows (keys expire wit
 window), charged with an estimate at admission and settled with the real usage later.
 A stream holds a slot until it is released, or until its lease runs out if the
 releaser died.
+
+When Redis is down, each tier follows its `redis_down` policy (tandoor/settings.py):
+
+- "open" (plus and api by default: paying interactive users keep chatting): the
+  request is served without being counted. Requests and tokens per minute are not
+  enforced during the outage and not charged afterwards; concurrent streams still are,
+  per gateway replica, from memory (so a user gets at most limit x replicas).
+- "closed" (free and batch): a 503 with Retry-After (QuotaUnavailable), before
+  anything is written. Abuse of the cheap tiers is what the limits are for.
+
+Settling and releasing never fail a request: a slot that Redis could not free runs out
+with its lease, a settlement that could not be made leaves the estimate charged.
+Once Redis answers again every tier is counted again, from where Redis left off.
 """
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
 from dataclasses import dataclass
 from typing import Literal, cast
 
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tandoor.settings import TierPolicy
 
+log = logging.getLogger(__name__)
+
+REDIS_DOWN = (RedisConnectionError, RedisTimeoutError)
+REDIS_DOWN_RETRY_S = 5  # fail-closed tiers: when to try again
 WINDOW_MS = 60_000
 STREAM_LEASE_MS = 15 * 60_000  # a stream longer than this no longer counts
 BUSY_RETRY_MS = 1_000  # all stream slots taken: try again soon
@@ -73,6 +94,16 @@ class Admission:
     request_id: str
     window_start_ms: int
     estimated_tokens: int
+    counted: bool = True  # False: admitted while Redis was down (nothing to settle there)
+
+
+class QuotaUnavailable(Exception):
+    """Redis is down and the tier fails closed."""
+
+    retry_after_s = REDIS_DOWN_RETRY_S
+
+    def __init__(self, tier_band: str) -> None:
+        super().__init__(f"quotas cannot be checked right now ({tier_band} fails closed)")
 
 
 class QuotaExceeded(Exception):
@@ -92,6 +123,7 @@ class Quotas:
         self._redis = client
         self._admit = client.register_script(ADMIT)
         self._settle = client.register_script(SETTLE)
+        self._uncounted: Counter[str] = Counter()  # streams admitted while Redis was down
 
     async def admit(
         self,
@@ -123,25 +155,54 @@ class Quotas:
             WINDOW_MS,
             int(holds_stream),
         ]
-        allowed, limit, retry_ms = await self._admit(keys=keys, args=args)
+        try:
+            allowed, limit, retry_ms = await self._admit(keys=keys, args=args)
+        except REDIS_DOWN as exc:
+            log.warning("quotas unreachable (%s): %s fails %s", exc, user_id, policy.redis_down)
+            return self._uncounted_admission(user_id, policy, request_id, tokens, holds_stream)
         if not allowed:
             name = limit.decode() if isinstance(limit, bytes) else str(limit)
             raise QuotaExceeded(cast(Limit, name), int(retry_ms))
         return Admission(user_id, request_id, window, tokens)
 
+    def _uncounted_admission(
+        self, user_id: str, policy: TierPolicy, request_id: str, tokens: int, holds_stream: bool
+    ) -> Admission:
+        if policy.redis_down == "closed":
+            raise QuotaUnavailable(policy.band)
+        if holds_stream:
+            if self._uncounted[user_id] >= policy.concurrent_streams:
+                raise QuotaExceeded("concurrent_streams", BUSY_RETRY_MS)
+            self._uncounted[user_id] += 1
+        return Admission(user_id, request_id, 0, tokens, counted=False)
+
     async def settle(self, admission: Admission, actual_tokens: int) -> None:
         """Replace the estimate with the real usage in the window it was charged to;
         only the first settlement of a request counts."""
+        if not admission.counted:
+            return
         keys = [
             _key("tpm", admission.user_id, admission.window_start_ms),
             f"tandoor:quota:settled:{admission.request_id}",
         ]
         delta = actual_tokens - admission.estimated_tokens
-        await self._settle(keys=keys, args=[delta, SETTLED_TTL_MS])
+        try:
+            await self._settle(keys=keys, args=[delta, SETTLED_TTL_MS])
+        except REDIS_DOWN as exc:
+            log.warning("%s: not settled, Redis unreachable (%s)", admission.request_id, exc)
 
     async def release(self, admission: Admission) -> None:
         """The stream ended: free its concurrent-stream slot."""
-        await self._redis.zrem(f"tandoor:quota:streams:{admission.user_id}", admission.request_id)
+        if not admission.counted:
+            self._uncounted[admission.user_id] -= 1
+            if self._uncounted[admission.user_id] <= 0:
+                del self._uncounted[admission.user_id]
+            return
+        key = f"tandoor:quota:streams:{admission.user_id}"
+        try:
+            await self._redis.zrem(key, admission.request_id)
+        except REDIS_DOWN as exc:  # the slot's lease frees it later
+            log.warning("%s: slot not released, Redis unreachable (%s)", admission.request_id, exc)
 
 
 def _key(kind: str, user_id: str, window_start_ms: int) -> str:

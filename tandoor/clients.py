@@ -10,9 +10,19 @@ from typing import Any
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from cassandra.cluster import EXEC_PROFILE_DEFAULT, Cluster, ExecutionProfile
-from cassandra.policies import DCAwareRoundRobinPolicy, TokenAwarePolicy
+from cassandra.policies import (
+    DCAwareRoundRobinPolicy,
+    ExponentialReconnectionPolicy,
+    TokenAwarePolicy,
+)
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
 
 from tandoor.settings import Settings
+
+CASSANDRA_RECONNECT_MAX_S = 5.0
+REDIS_CONNECT_TIMEOUT_S = 2.0
+REDIS_RETRIES = 2
 
 
 def cassandra_cluster(settings: Settings) -> Cluster:
@@ -22,6 +32,9 @@ def cassandra_cluster(settings: Settings) -> Cluster:
         port=settings.cassandra_port,
         protocol_version=5,
         connect_timeout=10,
+        # After a Cassandra restart, be back within seconds: the driver's default
+        # backoff grows to 10 minutes, leaving a role failing long after it is up.
+        reconnection_policy=ExponentialReconnectionPolicy(0.5, CASSANDRA_RECONNECT_MAX_S),
         execution_profiles={EXEC_PROFILE_DEFAULT: ExecutionProfile(load_balancing_policy=policy)},
     )
 
@@ -36,7 +49,15 @@ def cassandra_session(settings: Settings, keyspace: str | None = None) -> Iterat
 
 
 def redis_client(settings: Settings) -> aioredis.Redis:
-    return aioredis.Redis.from_url(settings.redis_url, decode_responses=False)
+    """Retries ride out a blip (a failover takes about a second) but give up within
+    half a second: the callers have a Redis-down policy (README "When Redis is down"),
+    and redis-py's default backoff added seconds to every request during an outage."""
+    return aioredis.Redis.from_url(
+        settings.redis_url,
+        decode_responses=False,
+        socket_connect_timeout=REDIS_CONNECT_TIMEOUT_S,
+        retry=Retry(ExponentialBackoff(cap=0.25, base=0.05), REDIS_RETRIES),
+    )
 
 
 def kafka_producer(settings: Settings, client_id: str) -> AIOKafkaProducer:

@@ -27,6 +27,9 @@ class TierPolicy(BaseModel):
     tokens_per_minute: int = Field(ge=1)
     concurrent_streams: int = Field(ge=1)
     max_reply_tokens: int = Field(default=4096, ge=1)  # a larger max_tokens is a 400
+    # Redis unreachable: serve uncounted ("open") or refuse with a 503 ("closed").
+    # See producers/quota.py and README "When Redis is down".
+    redis_down: Literal["open", "closed"] = "closed"
 
 
 DEFAULT_TIERS = {
@@ -38,12 +41,14 @@ DEFAULT_TIERS = {
     ),
     "plus": TierPolicy(
         band="interactive-paid",
+        redis_down="open",
         requests_per_minute=60,
         tokens_per_minute=200_000,
         concurrent_streams=4,
     ),
     "api": TierPolicy(
         band="interactive-paid",
+        redis_down="open",
         requests_per_minute=600,
         tokens_per_minute=2_000_000,
         concurrent_streams=32,

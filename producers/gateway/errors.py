@@ -4,10 +4,25 @@ from __future__ import annotations
 
 from typing import Any
 
+from cassandra import OperationTimedOut, RequestExecutionException
+from cassandra.cluster import NoHostAvailable
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+# A store that cannot be reached (restarting, overloaded): a 503 the client may retry,
+# never a bare 500. Where a request can be served without it, the route handles it first.
+UNREACHABLE = (
+    NoHostAvailable,
+    OperationTimedOut,
+    RequestExecutionException,
+    RedisConnectionError,
+    RedisTimeoutError,
+)
+UNREACHABLE_RETRY_S = 5
 
 
 class ApiError(Exception):
@@ -28,6 +43,15 @@ class ApiError(Exception):
         self.headers = headers or {}
 
 
+def unavailable(what: str, retry_after_s: int = UNREACHABLE_RETRY_S) -> ApiError:
+    return ApiError(
+        503,
+        f"{what}; nothing was changed, please retry in {retry_after_s} s",
+        kind="service_unavailable",
+        headers={"Retry-After": str(retry_after_s)},
+    )
+
+
 def not_found(what: str) -> ApiError:
     return ApiError(404, f"{what} not found", kind="not_found_error")
 
@@ -43,6 +67,15 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
         body = error_body(exc.message, exc.kind, exc.param)
         return JSONResponse(body, status_code=exc.status, headers=exc.headers)
+
+    async def _unreachable(request: Request, exc: Exception) -> JSONResponse:
+        redis = isinstance(exc, RedisConnectionError | RedisTimeoutError)
+        return await _api_error(
+            request, unavailable(f"{'Redis' if redis else 'Cassandra'} is unreachable")
+        )
+
+    for unreachable in UNREACHABLE:
+        app.add_exception_handler(unreachable, _unreachable)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -4,6 +4,8 @@ and the reply followed; stopping and resuming a reply."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -25,17 +27,21 @@ from producers.gateway.conversations.protocol import (
     Message,
 )
 from producers.gateway.conversations.service import ConversationService
-from producers.gateway.errors import ApiError, not_found
+from producers.gateway.errors import ApiError, not_found, unavailable
 from producers.gateway.streaming import StreamSlots
 from producers.keys import Principal
 from producers.moderation import Moderator
 from producers.prompts import PromptSubmitter
-from producers.quota import Admission, QuotaExceeded, Quotas
+from producers.quota import REDIS_DOWN, Admission, QuotaExceeded, Quotas, QuotaUnavailable
 from producers.shedding import ModelRouter
 from schemas.events import ChatMessage, FinalEvent, PromptRequest, Sampling, now_ms
+from schemas.keys import ATTEMPT_TTL_S, done_key
 from tandoor.settings import Settings
 
+log = logging.getLogger(__name__)
+
 INFLIGHT_TTL_S = 3600
+QUEUE_RETRY_S = 2  # Kafka did not take the prompt: a broker restart takes seconds
 REPLY_STATUSES = {"complete", "stopped"}
 
 
@@ -270,6 +276,12 @@ class ChatService:
         policy = self.deps.settings.tiers[caller.tier]
         try:
             return await self.deps.quotas.admit(caller.user_id, policy, request_id, tokens, now)
+        except QuotaUnavailable as exc:
+            raise unavailable(
+                f"quotas cannot be checked right now and tier {caller.tier!r} is not served "
+                "without them",
+                exc.retry_after_s,
+            ) from exc
         except QuotaExceeded as exc:
             raise ApiError(
                 429,
@@ -311,17 +323,26 @@ class ChatService:
             await asyncio.wait_for(d.submitter.submit(prompt), d.settings.kafka_send_timeout_s)
         except (KafkaError, TimeoutError) as exc:
             d.fanout.unsubscribe(sub)
+            await self._withdraw(p.request_id)
             if user_message_id is not None:
                 await d.conversations.mark_failed(p.conversation.id, user_message_id, p.now)
             raise ApiError(
                 503,
                 "the prompt queue is unreachable; your message is saved as failed, please retry",
                 kind="service_unavailable",
+                headers={"Retry-After": str(QUEUE_RETRY_S)},
             ) from exc
         watch = await self._follow(p, sub)
         return Reply(
             p.request_id, p.conversation, p.model, user_message_id, watch, p.dropped, p.summarized
         )
+
+    async def _withdraw(self, request_id: str) -> None:
+        """The client is told its message failed, but the idempotent producer keeps the
+        prompt and delivers it once Kafka is back: mark it done, so workers drop it
+        instead of answering a message shown as failed."""
+        with contextlib.suppress(*REDIS_DOWN):
+            await self.deps.redis.set(done_key(request_id), 0, ex=ATTEMPT_TTL_S)
 
     async def _follow(self, p: _Prompt, sub: Subscription) -> ReplyWatch:
         """Record the reply as in flight; when it ends, settle its quota and, after a
@@ -333,11 +354,17 @@ class ChatService:
             "partition": sub.partition,
             "offset": sub.next_offset,
         }
-        await d.redis.set(_inflight_key(conversation_id), orjson.dumps(inflight), ex=INFLIGHT_TTL_S)
+        try:  # Redis down: the reply still streams; stop and resume wait for Redis
+            await d.redis.set(
+                _inflight_key(conversation_id), orjson.dumps(inflight), ex=INFLIGHT_TTL_S
+            )
+        except REDIS_DOWN as exc:
+            log.warning("%s: not marked in flight, Redis unreachable (%s)", sub.request_id, exc)
 
         async def finished(final: FinalEvent | None) -> None:
             d.fanout.unsubscribe(sub)
-            await d.redis.delete(_inflight_key(conversation_id))
+            with contextlib.suppress(*REDIS_DOWN):  # then the mark expires by itself
+                await d.redis.delete(_inflight_key(conversation_id))
             used = final.usage.prompt_tokens + final.usage.completion_tokens if final else 0
             await d.quotas.settle(p.admission, used)
             await d.quotas.release(p.admission)

@@ -1,0 +1,94 @@
+"""The one assertion every fault test ends with: each conversation is complete, in
+order and without duplicates, through the API and in Cassandra, and what each client
+saw is what was stored."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+from typing import Any
+
+from tandoor.clients import cassandra_session
+from tandoor.settings import Settings
+from tests.faults.driver import ChatClient, Turn
+from tests.faults.stack import FaultStack, until
+
+FINISHED = ("stop", "length")
+
+
+async def mid_stream(users: list[ChatClient], count: int) -> None:
+    """Until `count` clients are receiving tokens."""
+    await until(lambda: sum(u.streaming.is_set() for u in users) >= count, 0.05)
+
+
+async def assert_conversations_complete(stack: FaultStack, users: list[ChatClient]) -> None:
+    for user in users:
+        messages = await _all_replies_stored(user)
+        check_conversation(user, messages)
+        rows = await asyncio.to_thread(_stored_rows, stack.settings, user.conversation)
+        assert rows == [(m["id"], m["role"], m["content"], m["status"]) for m in messages]
+        usage = await asyncio.to_thread(_usage_ids, stack.settings, user.name)
+        # Usage is keyed by request: a replay cannot double it, a lost write shows here.
+        # (The conversation's title job is charged too.)
+        missing = {t.request_id for t in user.turns} - set(usage)
+        assert not missing, f"{user.name}: no usage stored for {missing}"
+
+
+def check_conversation(user: ChatClient, messages: list[dict[str, Any]]) -> None:
+    ids = [m["id"] for m in messages]
+    assert len(set(ids)) == len(ids), f"{user.name}: duplicate messages {ids}"
+    times = [dt.datetime.fromisoformat(m["created_at"]) for m in messages]  # not as text:
+    # "...:01Z" sorts after "...:01.001000Z"
+    assert times == sorted(times) and len(set(times)) == len(times), (
+        f"{user.name}: order {[(m['role'], m['status'], m['created_at']) for m in messages]}"
+    )
+    failed = [m for m in messages if m["role"] == "user" and m["status"] == "failed"]
+    refused = sum(t.refused.count(503) for t in user.turns)
+    assert len(failed) <= refused, f"{user.name}: messages failed without a 503: {failed}"
+    shown = [m for m in messages if m not in failed]
+    assert [m["role"] for m in shown] == ["user", "assistant"] * len(user.turns), (
+        f"{user.name}: not one reply per message: {[(m['role'], m['status']) for m in shown]}"
+    )
+    pairs = zip(shown[::2], shown[1::2], strict=True)
+    for turn, (asked, answer) in zip(user.turns, pairs, strict=True):
+        check_turn(user.name, turn, asked, answer)
+
+
+def check_turn(name: str, turn: Turn, asked: dict[str, Any], answer: dict[str, Any]) -> None:
+    assert (asked["content"], asked["status"]) == (turn.content, "sent"), (name, asked)
+    assert turn.final is not None and turn.final["finish_reason"] in FINISHED, (name, turn)
+    assert answer["id"] == turn.request_id, (name, answer, turn)
+    assert answer["status"] == "complete" and answer["finish_reason"] in FINISHED, (name, answer)
+    assert answer["attempt"] == turn.final["attempt"], (name, answer, turn.final)
+    assert answer["content"] and answer["content"] == turn.text, (name, answer, turn.text)
+
+
+async def _all_replies_stored(user: ChatClient, timeout_s: float = 60) -> list[dict[str, Any]]:
+    """The conversation once a reply is stored for every turn (persist may lag)."""
+    messages: list[dict[str, Any]] = []
+    async with asyncio.timeout(timeout_s):
+        while True:
+            messages = list((await user.open())["messages"])
+            if sum(m["role"] == "assistant" for m in messages) >= len(user.turns):
+                return messages
+            await asyncio.sleep(0.25)
+
+
+def _stored_rows(settings: Settings, conversation: str) -> list[tuple[str, str, str, str]]:
+    with cassandra_session(settings, settings.keyspace) as session:
+        rows = session.execute(
+            "SELECT message_id, role, content, status FROM messages_by_conversation "
+            "WHERE conversation_id = %s",
+            (conversation,),
+        )
+        return [(r.message_id, r.role, r.content, r.status) for r in rows]
+
+
+def _usage_ids(settings: Settings, user_id: str) -> list[str]:
+    today = dt.datetime.now(dt.UTC).date()
+    with cassandra_session(settings, settings.keyspace) as session:
+        rows = session.execute(
+            "SELECT request_id FROM usage_by_user_day WHERE user_id = %s AND day IN (%s, %s)",
+            (user_id, today - dt.timedelta(days=1), today),
+        )
+        return [r.request_id for r in rows]

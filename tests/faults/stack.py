@@ -1,0 +1,140 @@
+"""The fault tests' stack: roles that can be killed and replaced, and servers that can
+be stopped and brought back with the same data."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+import httpx
+
+from infra.cassandra_server import CassandraServer
+from infra.kafka_server import KafkaServer
+from infra.redis_server import RedisServer
+from infra.roles import GatewayProcess, PersistProcess, RoleProcess, WorkerProcess
+from infra.server import LocalServer
+from infra.stack import Stack
+from producers.keys import create_key
+from tandoor.settings import Settings
+
+SERVERS: dict[str, Callable[[Settings], LocalServer]] = {
+    "kafka": KafkaServer,
+    "cassandra": CassandraServer,
+    "redis": RedisServer,
+}
+Role = TypeVar("Role", bound=RoleProcess)
+
+
+@dataclass
+class FaultStack:
+    settings: Settings
+    env: dict[str, str]  # what makes a role serve this stack's model
+    logs: Path
+    model: str
+    worker: WorkerProcess
+    persist: PersistProcess
+    gateways: list[GatewayProcess]
+    retired: list[RoleProcess] = field(default_factory=list)  # killed, kept for their logs
+
+    @property
+    def urls(self) -> list[str]:
+        return [f"http://127.0.0.1:{g.port}" for g in self.gateways]
+
+    def roles(self) -> list[RoleProcess]:
+        return [self.worker, self.persist, *self.gateways]
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        for role in self.roles():
+            role.start()
+        try:
+            await asyncio.gather(*(role.wait_ready() for role in self.roles()))
+            yield
+        finally:
+            for role in self.roles():
+                await asyncio.to_thread(role.terminate, 30)
+
+    async def replace_worker(self) -> WorkerProcess:
+        """kill -9 the worker (its engine too) and start a new one."""
+        self.worker = await self._replace(
+            self.worker, WorkerProcess(self.model, self.logs, self.env)
+        )
+        return self.worker
+
+    async def replace_persist(self) -> PersistProcess:
+        self.persist = await self._replace(self.persist, PersistProcess(self.logs, self.env))
+        return self.persist
+
+    async def replace_gateway(self, index: int) -> GatewayProcess:
+        """kill -9 one replica and start it again on the same port."""
+        old = self.gateways[index]
+        self.gateways[index] = await self._replace(
+            old, GatewayProcess(self.logs, old.port, self.env)
+        )
+        return self.gateways[index]
+
+    async def _replace(self, old: RoleProcess, new: Role) -> Role:
+        old.kill()
+        self.retired.append(old)
+        new.start()
+        await new.wait_ready(120)
+        return new
+
+    async def usable(self, timeout_s: float = 90) -> None:
+        """Until every replica serves a request that needs Cassandra and Redis again."""
+        key, _ = await create_key(self.settings, f"probe-{uuid.uuid4().hex[:6]}", "plus")
+        headers = {"Authorization": f"Bearer {key}"}
+        async with httpx.AsyncClient(timeout=10) as http, asyncio.timeout(timeout_s):
+            for url in self.urls:
+                while True:
+                    if await _answers(http, f"{url}/v1/conversations", headers):
+                        break
+                    await asyncio.sleep(0.25)
+
+    async def revive(self) -> None:
+        """Start again any role that died: a failed test must not sink the next one."""
+        for role in self.roles():
+            if role.proc is not None and role.proc.poll() is not None:
+                role.start()
+                await role.wait_ready(120)
+
+
+async def _answers(http: httpx.AsyncClient, url: str, headers: dict[str, str]) -> bool:
+    try:
+        return (await http.get(url, headers=headers)).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def server(settings: Settings, name: str) -> LocalServer:
+    return SERVERS[name](settings)
+
+
+async def stop_server(settings: Settings, name: str) -> None:
+    """SIGTERM (SIGKILL after the grace period); its data stays where it is."""
+    stopped = await asyncio.to_thread(server(settings, name).stop)
+    assert stopped, f"{name} was not running"
+
+
+async def servers_back(settings: Settings) -> None:
+    """`tandoor infra up` in a child process (the servers it starts are not ours to
+    reap): starts whatever is stopped, on the same data, and waits until it is ready."""
+    if await asyncio.to_thread(Stack(settings).healthy):
+        return
+    argv = [sys.executable, "-m", "tandoor", "infra", "up", "--skip-bootstrap"]
+    await asyncio.to_thread(subprocess.run, argv, check=True, capture_output=True, timeout=240)
+
+
+async def until(condition: Callable[[], bool], poll_s: float = 0.1) -> None:
+    """Wait for `condition`; the caller bounds the wait with its own timeout."""
+    while True:
+        if condition():
+            return
+        await asyncio.sleep(poll_s)

@@ -1,0 +1,27 @@
+"""kill -9 of a gateway replica while six conversations stream through both: its
+clients resume with Last-Event-ID on the other replica (or on the restarted one) and
+get the whole reply."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tests.faults.checks import assert_conversations_complete, mid_stream
+from tests.faults.driver import chatting, clients
+from tests.faults.stack import FaultStack
+
+pytestmark = pytest.mark.integration
+
+
+async def test_a_gateway_killed_mid_stream_its_clients_resume_elsewhere(
+    stack: FaultStack,
+) -> None:
+    async with clients(stack, 6) as users, asyncio.timeout(150):
+        async with chatting(users, 2):
+            await mid_stream(users, 4)
+            await stack.replace_gateway(0)
+        resumed = [t for u in users for t in u.turns if t.resumes or t.from_history]
+        assert resumed, "no stream was cut"
+        await assert_conversations_complete(stack, users)

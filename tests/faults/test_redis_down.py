@@ -1,0 +1,52 @@
+"""Redis down: each tier follows its policy (README "When Redis is down"). Paid tiers
+fail open: their chats are served, uncounted, and stored. The free tier fails closed:
+a 503 with Retry-After and nothing written. Once Redis is back, quotas count again."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from tests.faults.checks import assert_conversations_complete
+from tests.faults.driver import ChatClient, chat_all, clients
+from tests.faults.stack import FaultStack, servers_back, stop_server
+
+pytestmark = pytest.mark.integration
+
+
+async def post(stack: FaultStack, user: ChatClient, content: str) -> httpx.Response:
+    async with httpx.AsyncClient(base_url=stack.urls[0], timeout=60) as http:
+        return await http.post(
+            f"/v1/conversations/{user.conversation}/messages",
+            json={"content": content, "max_tokens": 8},
+            headers=user.headers,
+        )
+
+
+async def test_redis_down_paid_tiers_are_served_and_the_free_tier_gets_a_503(
+    stack: FaultStack,
+) -> None:
+    async with (
+        clients(stack, 3, "plus") as paid,
+        clients(stack, 1, "free") as (free,),
+        clients(stack, 1, "tight") as (tight,),  # 2 requests a minute, fails open
+        asyncio.timeout(150),
+    ):
+        await stop_server(stack.settings, "redis")
+        try:
+            await chat_all([*paid, tight], 1)
+            refused = await post(stack, free, "Am I served?")
+        finally:
+            await servers_back(stack.settings)
+        assert refused.status_code == 503, refused.text
+        assert refused.json()["error"]["type"] == "service_unavailable"
+        assert int(refused.headers["Retry-After"]) >= 1
+
+        await tight.chat(2)  # the request during the outage was not counted...
+        over = await post(stack, tight, "One more?")  # ...and now the quota applies again
+        assert over.status_code == 429, over.text
+        assert over.json()["error"]["param"] == "requests_per_minute"
+        await free.chat(1)  # served again
+        await assert_conversations_complete(stack, [*paid, free, tight])
