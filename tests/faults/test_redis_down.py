@@ -1,6 +1,7 @@
 """Redis down: each tier follows its policy (README "When Redis is down"). Paid tiers
-fail open: their chats are served, uncounted, and stored. The free tier fails closed:
-a 503 with Retry-After and nothing written. Once Redis is back, quotas count again."""
+fail open: their chats are served, uncounted, and stored (stop answers a 503: it needs
+the in-flight record). The free tier fails closed: a 503 with Retry-After and nothing
+written. Once Redis is back, quotas count again."""
 
 from __future__ import annotations
 
@@ -16,11 +17,13 @@ from tests.faults.stack import FaultStack, servers_back, stop_server
 pytestmark = pytest.mark.integration
 
 
-async def post(stack: FaultStack, user: ChatClient, content: str) -> httpx.Response:
+async def post(
+    stack: FaultStack, user: ChatClient, content: str, path: str = "messages"
+) -> httpx.Response:
     async with httpx.AsyncClient(base_url=stack.urls[0], timeout=60) as http:
         return await http.post(
-            f"/v1/conversations/{user.conversation}/messages",
-            json={"content": content, "max_tokens": 8},
+            f"/v1/conversations/{user.conversation}/{path}",
+            json={"content": content, "max_tokens": 8} if content else None,
             headers=user.headers,
         )
 
@@ -38,11 +41,13 @@ async def test_redis_down_paid_tiers_are_served_and_the_free_tier_gets_a_503(
         try:
             await chat_all([*paid, tight], 1)
             refused = await post(stack, free, "Am I served?")
+            stop = await post(stack, paid[0], "", path="stop")  # no in-flight record to read
         finally:
             await servers_back(stack.settings)
         assert refused.status_code == 503, refused.text
         assert refused.json()["error"]["type"] == "service_unavailable"
         assert int(refused.headers["Retry-After"]) >= 1
+        assert stop.status_code == 503 and "Retry-After" in stop.headers, stop.text
 
         await tight.chat(2)  # the request during the outage was not counted...
         over = await post(stack, tight, "One more?")  # ...and now the quota applies again

@@ -317,7 +317,8 @@ class ChatService:
             deadline_ms=p.now + int(d.settings.queue_timeout_s * 1000),
             reply_partition=sub.partition,
             prompt_tokens_estimate=p.admission.estimated_tokens - p.max_tokens,
-            charged_tokens=p.admission.estimated_tokens,
+            # Admitted uncounted (Redis was down): nothing for the usage stream to settle.
+            charged_tokens=p.admission.estimated_tokens if p.admission.counted else 0,
         )
         try:
             await asyncio.wait_for(d.submitter.submit(prompt), d.settings.kafka_send_timeout_s)
