@@ -4,7 +4,7 @@ brokers, Cassandra nodes and Redis shards, computed from named figures.
     python -m bench.capacity_plan
 
 Every input is a named constant below, marked MEASURED (on this project's 2-CPU
-machine), FROM bench/gateway_load.py (provisional until that benchmark reports), or
+machine), FROM bench/gateway_load.py (measured by its streams phase), or
 ASSUMPTION (a public figure or a rule of thumb). Event sizes are measured here by
 encoding representative events with schemas.codec. docs/CAPACITY.md explains each
 line; change a figure here and rerun to get the new table. The manifests in infra/k8s
@@ -40,9 +40,12 @@ GATEWAY_VS_VLLM_TOKENS_PER_S = (536.9, 555.9)  # MEASURED: full path vs vLLM, 32
 WORKER_VS_VLLM = 1.003  # MEASURED: the worker alone reached 100.3% of vLLM at 32 streams
 MEASURED_CPUS = 2
 
-# --- From bench/gateway_load.py (provisional until that benchmark reports) --------------
-GATEWAY_STREAMS_PER_PROCESS = 1_000  # FROM bench/gateway_load.py; provisional
-GATEWAY_MEMORY_PER_STREAM_KIB = 64  # FROM bench/gateway_load.py; provisional
+# --- From bench/gateway_load.py's streams phase ------------------------------------------
+# MEASURED: one gateway process held 8,000 open streams (every one started, /health p50
+# 0.36 ms) at 56.5 KiB and one fd each. The plan keeps the configured per-replica cap,
+# TANDOOR_GATEWAY_MAX_STREAMS, well below what a process holds.
+GATEWAY_STREAMS_PER_PROCESS = 1_000  # the configured cap (8,000 measured to hold)
+GATEWAY_MEMORY_PER_STREAM_KIB = 56.5  # MEASURED
 # ASSUMPTION until measured: CPU a gateway spends per message (auth, quota, Cassandra
 # writes, context, produce); bench/gateway_load.py's sustained phase can give it.
 GATEWAY_CPU_S_PER_REQUEST = 0.004
