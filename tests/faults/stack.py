@@ -30,6 +30,8 @@ SERVERS: dict[str, Callable[[Settings], LocalServer]] = {
     "redis": RedisServer,
 }
 Role = TypeVar("Role", bound=RoleProcess)
+# A worker's engine takes 30-60 s to start here, minutes when the two cores are busy.
+ROLE_START_S = 300
 
 
 @dataclass
@@ -84,7 +86,7 @@ class FaultStack:
         old.kill()
         self.retired.append(old)
         new.start()
-        await new.wait_ready(120)
+        await new.wait_ready(ROLE_START_S)
         return new
 
     async def usable(self, timeout_s: float = 90) -> None:
@@ -103,7 +105,7 @@ class FaultStack:
         for role in self.roles():
             if role.proc is not None and role.proc.poll() is not None:
                 role.start()
-                await role.wait_ready(120)
+                await role.wait_ready(ROLE_START_S)
 
 
 async def _answers(http: httpx.AsyncClient, url: str, headers: dict[str, str]) -> bool:

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.integration
 async def test_a_worker_killed_mid_stream_is_replaced_and_every_reply_completes(
     stack: FaultStack,
 ) -> None:
-    async with clients(stack, 6) as users, asyncio.timeout(180):
+    async with clients(stack, 6) as users, asyncio.timeout(420):  # a new worker starts
         async with chatting(users, 2):
             await mid_stream(users, 3)
             await stack.replace_worker()
