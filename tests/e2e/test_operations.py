@@ -123,7 +123,9 @@ async def test_sigterm_ends_chat_streams_and_they_resume_on_another_replica(
 ) -> None:
     headers = await auth(stack)
     conversation = await new_conversation(http, headers)
-    body = {"content": "Count from one to forty in words.", "max_tokens": 120, "temperature": 0}
+    # Long enough to still be running when the client comes back (as a client would,
+    # at once), so the rest really comes from the other replica.
+    body = {"content": "Write a very long story about a dragon.", "max_tokens": 300}
     seen: list[Any] = []
     ids: list[str] = []  # "attempt.characters sent so far"
     last_id = None
@@ -138,17 +140,17 @@ async def test_sigterm_ends_chat_streams_and_they_resume_on_another_replica(
                 if len(seen) == 4:
                     assert gateway.proc is not None
                     gateway.proc.send_signal(signal.SIGTERM)
+        assert all(e["type"] != "final" for e in seen), "the stream ran to its end: no drain"
+        resumed = {**headers, "Last-Event-ID": str(last_id)}
+        path = f"/v1/conversations/{conversation}/stream"
+        async with http.stream("GET", path, headers=resumed) as response:
+            assert response.status_code == 200
+            rest = []
+            async for event_id, data in sse(response):
+                ids += [event_id] if event_id else []
+                rest.append(data)
         # uvicorn finishes its shutdown, then re-raises SIGTERM: the usual status.
         assert await exit_code(gateway) in (0, -signal.SIGTERM)
-    assert all(e["type"] != "final" for e in seen), "the stream ran to its end: no drain"
-    resumed = {**headers, "Last-Event-ID": str(last_id)}
-    path = f"/v1/conversations/{conversation}/stream"
-    async with http.stream("GET", path, headers=resumed) as response:
-        assert response.status_code == 200
-        rest = []
-        async for event_id, data in sse(response):
-            ids += [event_id] if event_id else []
-            rest.append(data)
     assert rest[-2]["type"] == "final" and rest[-1] == "[DONE]"
     assert all(e["type"] != "restart" for e in rest if isinstance(e, dict))
     offsets = [int(i.split(".")[1]) for i in ids]
