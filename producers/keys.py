@@ -15,15 +15,12 @@ from typing import Any
 
 import orjson
 import redis.asyncio as aioredis
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from tandoor.clients import cassandra_session, cql, redis_client
+from tandoor.clients import REDIS_DOWN, cassandra_session, cql, redis_client
 from tandoor.settings import Settings
 
 log = logging.getLogger(__name__)
 
-REDIS_DOWN = (RedisConnectionError, RedisTimeoutError)
 KEY_PREFIX = "tdr_"
 # What new_key makes: 32 random bytes, URL-safe base64 without padding.
 KEY_SHAPE = re.compile(r"tdr_[A-Za-z0-9_-]{43}")

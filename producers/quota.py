@@ -29,14 +29,12 @@ from dataclasses import dataclass
 from typing import Literal, cast
 
 import redis.asyncio as aioredis
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from tandoor.clients import REDIS_DOWN
 from tandoor.settings import TierPolicy
 
 log = logging.getLogger(__name__)
 
-REDIS_DOWN = (RedisConnectionError, RedisTimeoutError)
 REDIS_DOWN_RETRY_S = 5  # fail-closed tiers: when to try again
 WINDOW_MS = 60_000
 STREAM_LEASE_MS = 15 * 60_000  # a stream longer than this no longer counts

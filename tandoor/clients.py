@@ -17,6 +17,8 @@ from cassandra.policies import (
 )
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tandoor.settings import Settings
 
@@ -46,6 +48,10 @@ def cassandra_session(settings: Settings, keyspace: str | None = None) -> Iterat
         yield cluster.connect(keyspace)
     finally:
         cluster.shutdown()
+
+
+# What a call to an unreachable Redis raises (after redis_client's short retries).
+REDIS_DOWN = (RedisConnectionError, RedisTimeoutError)
 
 
 def redis_client(settings: Settings) -> aioredis.Redis:

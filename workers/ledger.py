@@ -15,14 +15,11 @@ import logging
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from schemas.keys import ATTEMPT_TTL_S, CANCEL_TTL_S, attempt_key, cancel_key, done_key
+from tandoor.clients import REDIS_DOWN
 
 log = logging.getLogger(__name__)
-
-REDIS_DOWN = (RedisConnectionError, RedisTimeoutError)
 
 
 @dataclass(frozen=True)

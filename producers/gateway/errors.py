@@ -9,9 +9,9 @@ from cassandra.cluster import NoHostAvailable
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tandoor.clients import REDIS_DOWN
 
 # A store that cannot be reached (restarting, overloaded): a 503 the client may retry,
 # never a bare 500. Where a request can be served without it, the route handles it first.
@@ -19,8 +19,7 @@ UNREACHABLE = (
     NoHostAvailable,
     OperationTimedOut,
     RequestExecutionException,
-    RedisConnectionError,
-    RedisTimeoutError,
+    *REDIS_DOWN,
 )
 UNREACHABLE_RETRY_S = 5
 
@@ -69,7 +68,7 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(body, status_code=exc.status, headers=exc.headers)
 
     async def _unreachable(request: Request, exc: Exception) -> JSONResponse:
-        redis = isinstance(exc, RedisConnectionError | RedisTimeoutError)
+        redis = isinstance(exc, REDIS_DOWN)
         return await _api_error(
             request, unavailable(f"{'Redis' if redis else 'Cassandra'} is unreachable")
         )

@@ -32,10 +32,11 @@ from producers.gateway.streaming import StreamSlots
 from producers.keys import Principal
 from producers.moderation import Moderator
 from producers.prompts import PromptSubmitter
-from producers.quota import REDIS_DOWN, Admission, QuotaExceeded, Quotas, QuotaUnavailable
+from producers.quota import Admission, QuotaExceeded, Quotas, QuotaUnavailable
 from producers.shedding import ModelRouter
 from schemas.events import ChatMessage, FinalEvent, PromptRequest, Sampling, now_ms
 from schemas.keys import ATTEMPT_TTL_S, done_key
+from tandoor.clients import REDIS_DOWN
 from tandoor.settings import Settings
 
 log = logging.getLogger(__name__)
