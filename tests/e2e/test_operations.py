@@ -87,19 +87,26 @@ async def test_one_request_is_followed_through_gateway_worker_and_persist(
     events = await chat(http, headers, conversation, "Say hello.", max_tokens=8)
     request_id = events[0]["request_id"]
     await stored_reply(http, headers, conversation)
-    for _ in range(40):  # persist logs right after the write that made it visible
-        if any(e.get("request_id") == request_id for e in logged(stack.persist)):
+    by_role: dict[str, list[str]] = {}
+    for _ in range(40):  # the worker logs after publishing its final: persist may be first
+        by_role = lines_about(request_id, roles_of(stack))
+        if len(by_role) == 3:
             break
         await asyncio.sleep(0.25)
-    by_role: dict[str, list[str]] = {}
-    for role in roles_of(stack):
-        for entry in logged(role):
-            if entry.get("request_id") == request_id:
-                by_role.setdefault(entry["role"], []).append(entry["msg"])
     assert set(by_role) == {"gateway", "worker", "persist"}, by_role
     assert any("queued chat prompt" in m for m in by_role["gateway"])
     assert any("attempt 1" in m and "completion tokens" in m for m in by_role["worker"])
     assert any(m.startswith("stored chat reply") for m in by_role["persist"])
+
+
+def lines_about(request_id: str, roles: list[RoleProcess]) -> dict[str, list[str]]:
+    """Each role's log messages about `request_id`."""
+    by_role: dict[str, list[str]] = {}
+    for role in roles:
+        for entry in logged(role):
+            if entry.get("request_id") == request_id:
+                by_role.setdefault(entry["role"], []).append(entry["msg"])
+    return by_role
 
 
 @asynccontextmanager
