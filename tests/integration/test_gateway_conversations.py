@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import uuid
 from collections.abc import AsyncIterator
@@ -13,6 +14,7 @@ import pytest
 from infra.process import free_port
 from infra.roles import GatewayProcess
 from producers.gateway.app import create_app
+from producers.gateway.conversations.service import ConversationService
 from producers.keys import create_key
 from tandoor.clients import cassandra_session
 from tandoor.settings import Settings
@@ -136,6 +138,50 @@ async def test_conversations_sharing_a_millisecond_page_cleanly(
             )
     seen = await every_page(client, auth, limit=1)
     assert sorted(seen) == sorted(c["id"] for c in created) and len(seen) == 4
+
+
+async def test_overlapping_moves_and_renames_leave_one_entry_each(
+    client: httpx.AsyncClient, settings: Settings
+) -> None:
+    """Two messages and a rename of one conversation at once (a user typing while the
+    title job runs): each starts from the same updated_at, so the sidebar gets a row per
+    move. The list still shows each conversation once, and a delete leaves no row."""
+    user = f"user-{uuid.uuid4().hex[:8]}"
+    auth = await user_key(settings, user)
+    created = [
+        (await client.post("/v1/conversations", json={}, headers=auth)).json()["id"]
+        for _ in range(3)
+    ]
+    now_ms = int(dt.datetime.now(dt.UTC).timestamp() * 1000)
+    with cassandra_session(settings, settings.keyspace) as session:
+        service = ConversationService(session, settings.models)
+        for n, conversation_id in enumerate(created):
+            before = await service.owned(user, conversation_id)
+            await asyncio.gather(
+                service.add_user_message(user, before, f"m_{n}a", "hi", now_ms + 10 * n),
+                service.rename(user, conversation_id, f"title {n}"),
+                service.add_user_message(user, before, f"m_{n}b", "hi", now_ms + 10 * n + 1),
+            )
+        sidebar_rows = list(
+            session.execute(
+                "SELECT conversation_id FROM conversations_by_user WHERE user_id = %s", (user,)
+            )
+        )
+        assert len(sidebar_rows) > len(created)  # the overlap left rows behind
+
+        listed = await every_page(client, auth, limit=2)
+        assert listed == list(reversed(created))  # once each, newest message first
+        titles = (await client.get("/v1/conversations", headers=auth)).json()["data"]
+        assert [c["title"] for c in titles] == ["title 2", "title 1", "title 0"]
+
+        for conversation_id in created:
+            path = f"/v1/conversations/{conversation_id}"
+            assert (await client.delete(path, headers=auth)).status_code == 204
+        assert await every_page(client, auth, limit=2) == []
+        left = session.execute(
+            "SELECT conversation_id FROM conversations_by_user WHERE user_id = %s", (user,)
+        )
+        assert list(left) == []
 
 
 async def test_users_never_see_each_others_conversations(

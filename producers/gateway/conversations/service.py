@@ -44,13 +44,46 @@ class ConversationService:
 
     async def page(self, user_id: str, limit: int, cursor: str | None) -> ConversationPage:
         """Newest first. A cursor is (updated_at, id) of the last row shown, so rows that
-        share a millisecond are neither skipped nor repeated."""
-        rows = await self._sidebar_after(user_id, _parse_cursor(cursor), limit + 1)
-        page = [await self._owned(user_id, row.conversation_id) for row in rows[:limit]]
-        more = len(rows) > limit
-        last = rows[limit - 1] if more else None
+        share a millisecond are neither skipped nor repeated. Sidebar rows that no longer
+        match their conversation are passed over (see `_listed`), so a page may take
+        several reads to fill."""
+        position = _parse_cursor(cursor)
+        shown: list[tuple[Any, Conversation]] = []
+        while len(shown) <= limit:
+            wanted = limit + 1 - len(shown)
+            rows = await self._sidebar_after(user_id, position, wanted)
+            for row in rows:
+                conversation = await self._listed(user_id, row)
+                if conversation is not None:
+                    shown.append((row, conversation))
+            if len(rows) < wanted:
+                break
+            position = (rows[-1].updated_at, rows[-1].conversation_id)
+        more = len(shown) > limit
+        last = shown[limit - 1][0] if more else None
         next_cursor = f"{_to_ms(last.updated_at)}~{last.conversation_id}" if last else None
-        return ConversationPage(data=page, next_cursor=next_cursor)
+        return ConversationPage(data=[c for _, c in shown[:limit]], next_cursor=next_cursor)
+
+    async def _listed(self, user_id: str, row: Any) -> Conversation | None:
+        """The conversation a sidebar row stands for, or None for a row left behind.
+        Moves to the top (a new message) and renames (by hand or by the title job) each
+        read the conversation, then rewrite its sidebar row; when they overlap, a row at
+        an old updated_at can outlive its delete, and a delete can miss a row a move
+        inserts. The conversations table is the truth: only the row at its updated_at is
+        shown. Left-behind rows are not deleted here: a row read mid-move, before the
+        conversation's new updated_at lands, would look left behind too."""
+        rows = await cql(
+            self._session,
+            "SELECT user_id, model, title, created_at, updated_at FROM conversations "
+            "WHERE conversation_id = %s",
+            (row.conversation_id,),
+        )
+        current = rows[0] if rows else None
+        if current is None or current.user_id != user_id:
+            return None
+        if _utc(current.updated_at) != _utc(row.updated_at):
+            return None
+        return _conversation(row.conversation_id, current)
 
     async def _sidebar_after(
         self, user_id: str, cursor: tuple[dt.datetime, str] | None, count: int
@@ -125,22 +158,38 @@ class ConversationService:
         return renamed
 
     async def delete(self, user_id: str, conversation_id: str) -> None:
-        conversation = await self._owned(user_id, conversation_id)
+        await self._owned(user_id, conversation_id)
         await cql(
             self._session,
-            "DELETE FROM conversations_by_user WHERE user_id = %s AND updated_at = %s "
-            "AND conversation_id = %s",
-            (user_id, conversation.updated_at, conversation_id),
+            "DELETE FROM conversations WHERE conversation_id = %s",
+            (conversation_id,),
         )
         await cql(
             self._session,
             "DELETE FROM messages_by_conversation WHERE conversation_id = %s",
             (conversation_id,),
         )
-        await cql(
+        await self._unindex(user_id, conversation_id)
+
+    async def _unindex(self, user_id: str, conversation_id: str) -> None:
+        """Every sidebar row of the conversation, the left-behind ones too (a delete is
+        rare; reading the user's sidebar once for it is cheap)."""
+        rows = await cql(
             self._session,
-            "DELETE FROM conversations WHERE conversation_id = %s",
-            (conversation_id,),
+            "SELECT updated_at, conversation_id FROM conversations_by_user WHERE user_id = %s",
+            (user_id,),
+        )
+        await asyncio.gather(
+            *(
+                cql(
+                    self._session,
+                    "DELETE FROM conversations_by_user WHERE user_id = %s AND updated_at = %s "
+                    "AND conversation_id = %s",
+                    (user_id, row.updated_at, conversation_id),
+                )
+                for row in rows
+                if row.conversation_id == conversation_id
+            )
         )
 
     async def owned(self, user_id: str, conversation_id: str) -> Conversation:
