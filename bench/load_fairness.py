@@ -6,23 +6,60 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from bench.chat_client import ChatUser, ReplyTimes
-from bench.chat_load import Outcomes, Turns, closed_loop, make_users, open_loop
+import orjson
+
+from bench.chat_client import ReplyTimes
+from bench.chat_load import Outcomes, Turns, make_users, open_loop
 from bench.load_stack import FullStack
 from bench.procstats import LagProbe, lag_probe
 
 FAIRNESS_TARGET = 0.25
 DRAIN_S = 120  # s at most, after the flood, before the second reference
+FLOOD_START_S = 120  # s for the flood client to create its users
 
 
 @dataclass
 class Flood:
+    """The free users' client: its own process (bench/flood_client.py), niced."""
+
+    process: asyncio.subprocess.Process
     out: Outcomes = field(default_factory=Outcomes)
-    stop: asyncio.Event = field(default_factory=asyncio.Event)
-    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    @classmethod
+    async def start(cls, stack: FullStack, args: argparse.Namespace) -> Flood:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            *("-m", "bench.flood_client", "--port", str(stack.gateway.port)),
+            *("--model", stack.model, "--users", str(args.flood_users)),
+            *("--tokens", str(args.flood_tokens), "--turns", str(args.turns)),
+            stdout=asyncio.subprocess.PIPE,
+        )
+        flood = cls(process)
+        assert process.stdout is not None
+        ready = await asyncio.wait_for(process.stdout.readline(), FLOOD_START_S)
+        if ready.strip() != b"ready":
+            await flood.kill()
+            raise RuntimeError(f"the flood client did not start (rc {process.returncode})")
+        return flood
+
+    async def stop(self) -> None:
+        """SIGTERM; its replies in flight end, then it reports what it got."""
+        self.process.send_signal(signal.SIGTERM)
+        assert self.process.stdout is not None
+        report = orjson.loads(await self.process.stdout.read())
+        await self.process.wait()
+        self.out.errors = report["errors"]
+        self.out.replies = [(row[0], ReplyTimes(*row[1:])) for row in report["replies"]]
+
+    async def kill(self) -> None:
+        if self.process.returncode is None:
+            self.process.kill()
+            await self.process.wait()
 
 
 async def probe(stack: FullStack, probes: list[Turns], args: argparse.Namespace) -> Outcomes:
@@ -92,24 +129,19 @@ def fairness_report(f: Fairness) -> str:
 
 
 async def flooded(
-    stack: FullStack, probes: list[Turns], free: list[ChatUser], args: argparse.Namespace
+    stack: FullStack, probes: list[Turns], args: argparse.Namespace
 ) -> tuple[Outcomes, Flood, list[int]]:
     """Paid probes while every free user asks again as soon as a reply ends."""
-    flood = Flood()
-    for user in free:
-        turns = Turns(user, stack.model, args.turns)
-        flood.tasks.append(
-            asyncio.create_task(closed_loop(turns, args.flood_tokens, flood.stop, flood.out))
-        )
+    flood = await Flood.start(stack, args)
     async with lag_probe(stack.settings) as lag:
         try:
             await asyncio.sleep(args.flood_warmup_s)  # its backlog builds up first
             backlog = [await lag.worker_lag(stack.model)]
             loaded = await probe(stack, probes, args)
             backlog.append(await lag.worker_lag(stack.model))
+            await flood.stop()
         finally:
-            flood.stop.set()
-            await asyncio.gather(*flood.tasks)
+            await flood.kill()
         await drained(lag, stack.model)
     return loaded, flood, backlog
 
@@ -124,10 +156,9 @@ async def drained(lag: LagProbe, model: str) -> None:
 
 async def phase_fairness(stack: FullStack, args: argparse.Namespace) -> None:
     paid = await make_users(stack.settings, stack.client, "plus", 2, stack.model)
-    free = await make_users(stack.settings, stack.client, "free", args.flood_users, stack.model)
     probes = [Turns(user, stack.model, args.turns) for user in paid]
     before = await probe(stack, probes, args)
-    loaded, flood, backlog = await flooded(stack, probes, free, args)
+    loaded, flood, backlog = await flooded(stack, probes, args)
     after = await probe(stack, probes, args)
     print(
         f"{args.probe_rate} paid probes/s for {args.probe_s} s; flood: {args.flood_users} "

@@ -4,7 +4,6 @@ client is still connected (closing the tab is not stop), then settles the quota.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -50,5 +49,7 @@ class ReplyWatch:
             log.warning("%s: no event for %.0f s; giving up", self.sub.request_id, self._give_up_s)
         finally:
             self._out.put_nowait(None)
-            with contextlib.suppress(Exception):
+            try:
                 await self._on_final(final)
+            except Exception:  # settling must not kill the task; but say what was missed
+                log.exception("%s: settling the finished reply failed", self.sub.request_id)
