@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import httpx
 
-from bench.procstats import start_group_at_end
 from infra.process import free_port
 from infra.roles import GatewayProcess, PersistProcess, WorkerProcess, model_aliases, running
 from tandoor.settings import Settings, TierPolicy
@@ -69,7 +68,6 @@ async def full_stack(args: argparse.Namespace) -> AsyncIterator[FullStack]:
     settings = settings.model_copy(
         update={"tiers": tiers, "persist_group": env["TANDOOR_PERSIST_GROUP"]}
     )
-    await start_group_at_end(settings, settings.persist_group)  # no replay of `tokens`
     gateway = GatewayProcess(args.log_dir, free_port(), env)
     worker, persist = WorkerProcess(model, args.log_dir, env), PersistProcess(args.log_dir, env)
     async with (

@@ -11,8 +11,9 @@ all, then samples the process's RSS and the rate (replies stored per second, fro
 first send to the last commit, all on this machine's cores). Reference: the first
 half of the blocks against the second half of the same run, after the first block
 (warm-up), and the slope in KiB per thousand replies. Runs against the servers of the
-environment (`tandoor infra up`); it writes its rows under bench-only conversation
-ids.
+environment (`tandoor infra up`), never a stack serving users: every persist group
+reads `tokens`, so a running persist stores these finals too (rows under bench-only
+ids, that no user owns), and lags until it has.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ from pathlib import Path
 
 from aiokafka import AIOKafkaProducer
 
-from bench.procstats import lag_probe, pid_of, rss_mib, start_group_at_end
+from bench.procstats import lag_probe, pid_of, rss_mib
 from infra.roles import PersistProcess, running
+from infra.topics import start_group_at_end
 from schemas.codec import encode
 from schemas.events import FinalEvent, Usage
 from schemas.topics import TOKENS

@@ -9,12 +9,12 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka import AIOKafkaConsumer
 from aiokafka.admin import AIOKafkaAdminClient
 
 from infra.roles import RoleProcess
+from infra.topics import token_partitions
 from producers.shedding import backlog_clients, count_backlog
-from schemas import topics
 from tandoor.settings import Settings
 
 
@@ -77,28 +77,7 @@ class LagProbe:
         )
 
 
-def token_partitions(settings: Settings) -> list[TopicPartition]:
-    """`tokens` is created with settings.tokens_partitions (infra/topics.py)."""
-    return [TopicPartition(topics.TOKENS, p) for p in range(settings.tokens_partitions)]
-
-
 @asynccontextmanager
 async def lag_probe(settings: Settings) -> AsyncIterator[LagProbe]:
     async with backlog_clients(settings) as (admin, offsets):
         yield LagProbe(settings, admin, offsets)
-
-
-async def start_group_at_end(settings: Settings, group: str) -> None:
-    """Commit the end of `tokens` for a fresh group, so a persist consumer started in
-    it stores only what comes next instead of replaying the shared topic."""
-    consumer = AIOKafkaConsumer(
-        bootstrap_servers=settings.kafka_bootstrap, group_id=group, enable_auto_commit=False
-    )
-    await consumer.start()
-    try:
-        tps = token_partitions(settings)
-        consumer.assign(tps)  # commit() needs the partitions assigned
-        ends = await consumer.end_offsets(tps)
-        await consumer.commit(dict(ends))
-    finally:
-        await consumer.stop()

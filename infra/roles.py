@@ -18,7 +18,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from infra.errors import StartError
-from infra.topics import TopicSpec, ensure_topics
+from infra.topics import TopicSpec, ensure_topics, start_group_at_end
 from schemas.topics import prompts_topic
 from tandoor.settings import Settings
 
@@ -167,4 +167,7 @@ async def model_aliases(
         "TANDOOR_GATEWAY_GROUP": f"gateway-{models[0]}",
         "TANDOOR_PERSIST_GROUP": f"persist-{models[0]}",
     }
+    # A new persist group would store all `tokens` still retains (earliest), which on a
+    # machine that ran benchmarks is minutes of others' replies: it starts at the end.
+    await start_group_at_end(settings, env["TANDOOR_PERSIST_GROUP"])
     return models, env

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewPartitions, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError
 
@@ -117,3 +118,24 @@ async def _grow(
 
 def _new_topic(spec: TopicSpec) -> NewTopic:
     return NewTopic(spec.name, spec.partitions, replication_factor=1, topic_configs=spec.config)
+
+
+def token_partitions(settings: Settings) -> list[TopicPartition]:
+    """`tokens` is created with settings.tokens_partitions (declared_topics above)."""
+    return [TopicPartition(topics.TOKENS, p) for p in range(settings.tokens_partitions)]
+
+
+async def start_group_at_end(settings: Settings, group: str) -> None:
+    """Commit the end of `tokens` for a fresh group, so a persist consumer started in
+    it stores only what comes next instead of replaying the shared topic."""
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=settings.kafka_bootstrap, group_id=group, enable_auto_commit=False
+    )
+    await consumer.start()
+    try:
+        tps = token_partitions(settings)
+        consumer.assign(tps)  # commit() needs the partitions assigned
+        ends = await consumer.end_offsets(tps)
+        await consumer.commit(dict(ends))
+    finally:
+        await consumer.stop()

@@ -7,6 +7,9 @@
 - the number of headers: past `gateway_max_headers`, 431;
 - the body: past `gateway_max_body_bytes`, 413; from Content-Length before anything is
   read, or while a chunked body streams in (counted, never buffered here).
+
+Each refusal counts in `REFUSED` by reason: most never reach a route, so the HTTP
+metrics would not see them.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 import orjson
+from prometheus_client import Counter
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -21,10 +25,17 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from producers.gateway.errors import error_body
 
 DISCONNECT: Message = {"type": "http.disconnect"}
+REFUSED = Counter(
+    "tandoor_gateway_refused_requests",
+    "Requests refused for their size or shape before any route",
+    ["reason"],
+    registry=None,  # registered with the gateway's registry (producers/gateway/metrics.py)
+)
 
 
-def refusal(status: int, message: str) -> JSONResponse:
+def refusal(status: int, message: str, reason: str) -> JSONResponse:
     """The connection is closed after it: an unread body is not worth draining."""
+    REFUSED.labels(reason).inc()
     body = error_body(message, "invalid_request_error")
     return JSONResponse(body, status_code=status, headers={"Connection": "close"})
 
@@ -55,14 +66,14 @@ class RequestLimits:
 
     def _check_head(self, headers: list[tuple[bytes, bytes]]) -> JSONResponse | None:
         if len(headers) > self.max_headers:
-            return refusal(431, f"more than {self.max_headers} request headers")
+            return refusal(431, f"more than {self.max_headers} request headers", "headers")
         for name, value in headers:
             if name != b"content-length":
                 continue
             if not value.strip().isdigit():
-                return refusal(400, "Content-Length is not a number")
+                return refusal(400, "Content-Length is not a number", "content_length")
             if int(value) > self.max_body_bytes:
-                return refusal(413, f"request body larger than {self.max_body_bytes} bytes")
+                return refusal(413, f"request body larger than {self.max_body_bytes} bytes", "body")
         return None
 
 
@@ -99,7 +110,7 @@ class _BodyGuard:
         self.refused = True
         if self._started:  # too late for a status: the response just stops
             return
-        response = refusal(413, f"request body larger than {self._limit} bytes")
+        response = refusal(413, f"request body larger than {self._limit} bytes", "body")
         await response({"type": "http"}, self._receive, self._send)
 
 
@@ -150,6 +161,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def _refuse_head(self) -> None:
         self.logger.warning("Request head over %d bytes: refused.", self.max_head_bytes)
+        REFUSED.labels("head").inc()
         if self.cycle is not None and not self.cycle.response_complete:
             self.transport.close()  # mid-response: a status line now would corrupt it
             return

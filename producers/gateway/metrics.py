@@ -12,6 +12,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_fastapi_instrumentator import Instrumentator
 
+from producers.gateway.limits import REFUSED
 from producers.gateway.services import Services
 from producers.gateway.streaming import StreamSlots
 
@@ -50,4 +51,5 @@ def gateway_metrics(
         registry=registry,
     ).instrument(app, metric_namespace="tandoor", metric_subsystem="gateway")
     registry.register(OpenNow(slots, services))
+    registry.register(REFUSED)
     return registry

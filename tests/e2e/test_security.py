@@ -23,6 +23,7 @@ import pytest
 from hypothesis import HealthCheck, example, given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
 from starlette.routing import Mount, Route
 
 from infra.process import free_port
@@ -352,10 +353,27 @@ async def test_oversized_requests_are_refused(guarded: Guarded) -> None:
     }
     many = [(b"X-H%d" % i, b"v") for i in range(120)]
     cases_many = raw(*post, [*auth, *many], b"{}")
+    before = await refused_counts(guarded.gateway)
     for status, request in cases.items():
         assert await asyncio.to_thread(exchange, port, request) == status
     assert await asyncio.to_thread(exchange, port, cases_many) == 431
     assert await asyncio.to_thread(exchange, port, raw(*post, auth, b"{}")) == 201
+    after = await refused_counts(guarded.gateway)
+    counted = {r: n - before.get(r, 0) for r, n in after.items() if n > before.get(r, 0)}
+    assert counted == {"body": 1, "head": 1, "headers": 1}, counted
+
+
+async def refused_counts(gateway: GatewayProcess) -> dict[str, float]:
+    """tandoor_gateway_refused_requests_total by reason, from the replica's /metrics."""
+    async with httpx.AsyncClient() as client:
+        page = await client.get(f"http://127.0.0.1:{gateway.ops_port()}/metrics")
+    return {
+        sample.labels["reason"]: sample.value
+        for family in text_string_to_metric_families(page.text)
+        if family.name == "tandoor_gateway_refused_requests"
+        for sample in family.samples
+        if sample.name.endswith("_total")
+    }
 
 
 # Hypothesis: random and malformed headers and bodies against the real gateway.
