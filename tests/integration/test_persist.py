@@ -14,6 +14,7 @@ import pytest
 from aiokafka import AIOKafkaProducer
 
 from infra.roles import PersistProcess
+from infra.topics import start_group_at_end
 from schemas import topics
 from schemas.codec import encode
 from schemas.events import FinalEvent, FinishReason, Usage, now_ms
@@ -29,8 +30,12 @@ def keyspace(migrated_keyspace: str) -> str:
 
 
 @pytest.fixture
-def persist_env(keyspace: str, unique: str) -> dict[str, str]:
-    return {"TANDOOR_KEYSPACE": keyspace, "TANDOOR_PERSIST_GROUP": f"persist-{unique}"}
+async def persist_env(kafka: str, settings: Settings, keyspace: str, unique: str) -> dict[str, str]:
+    """A group of its own, starting at the end of `tokens`: every test starts persist
+    before publishing, and a replay of what other tests left there only slows it."""
+    group = f"persist-{unique}"
+    await start_group_at_end(settings, group)
+    return {"TANDOOR_KEYSPACE": keyspace, "TANDOOR_PERSIST_GROUP": group}
 
 
 @pytest.fixture
