@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import time
+from collections.abc import Callable
 from contextvars import ContextVar
 from typing import Literal
 
@@ -18,6 +20,7 @@ LogFormat = Literal["text", "json"]
 current_request_id: ContextVar[str | None] = ContextVar("request_id", default=None)
 
 NOISY = ("aiokafka", "cassandra")
+REPEAT_EVERY_S = 5.0
 TEXT_FORMAT = "%(asctime)s %(levelname)-5s %(name)s: %(message)s%(request_suffix)s"
 
 
@@ -38,6 +41,38 @@ class RequestContext(logging.Filter):
         rid = getattr(record, "request_id", None) or current_request_id.get()
         record.request_id = rid
         record.request_suffix = f" [{rid}]" if rid else ""
+        return True
+
+
+class RepeatLimit(logging.Filter):
+    """At most one line per message template and `every_s` from the noisy libraries.
+    aiokafka retries a refused connection without backoff (aio-libs/aiokafka#496,
+    #1155): while Kafka restarts, a worker logged 15,000 lines a second of "Unable
+    connect to node". The next line let through says how many were held back."""
+
+    def __init__(
+        self,
+        prefixes: tuple[str, ...] = NOISY,
+        every_s: float = REPEAT_EVERY_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__()
+        self.prefixes = prefixes
+        self.every_s = every_s
+        self._clock = clock
+        self._seen: dict[tuple[str, str], tuple[float, int]] = {}  # -> (shown at, held)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.name.startswith(self.prefixes):
+            return True
+        key, now = (record.name, str(record.msg)), self._clock()
+        shown_at, held = self._seen.get(key, (float("-inf"), 0))
+        if now - shown_at < self.every_s:
+            self._seen[key] = (shown_at, held + 1)
+            return False
+        self._seen[key] = (now, 0)
+        if held:
+            record.msg = f"{record.msg} [{held} more like this held back]"
         return True
 
 
@@ -63,6 +98,7 @@ class JsonFormatter(logging.Formatter):
 def configure_logging(level: str = "INFO", role: str = "tandoor", fmt: LogFormat = "text") -> None:
     handler = logging.StreamHandler()
     handler.addFilter(RequestContext(role))
+    handler.addFilter(RepeatLimit())
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
     else:
