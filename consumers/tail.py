@@ -41,7 +41,8 @@ async def tail(bootstrap: str, topic: str, from_beginning: bool, limit: int | No
     try:
         seen = 0
         async for message in consumer:
-            print(describe(topic, json.loads(message.value)))
+            # Flushed per line: piped into another program, a tail must not sit on its output.
+            print(describe(topic, json.loads(message.value)), flush=True)
             seen += 1
             if limit is not None and seen >= limit:
                 return
