@@ -61,7 +61,7 @@ class KafkaServer(LocalServer):
         """KRaft needs formatted storage once; a formatted folder is left alone."""
         if (self.data_dir / "log" / "meta.properties").exists():
             return
-        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        cluster_id = new_cluster_id()
         argv = [
             *self._java(),
             "kafka.tools.StorageTool",
@@ -75,3 +75,12 @@ class KafkaServer(LocalServer):
         result = subprocess.run(argv, capture_output=True, text=True, check=False)
         if result.returncode != 0:
             raise StartError(f"kafka: formatting storage failed:\n{result.stdout}{result.stderr}")
+
+
+def new_cluster_id() -> str:
+    """A random KRaft cluster id: 16 bytes, URL-safe base64, never starting with "-"
+    (StorageTool would read it as an option; Kafka's own Uuid.randomUuid skips those too)."""
+    while True:
+        candidate = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        if not candidate.startswith("-"):
+            return candidate
