@@ -27,6 +27,17 @@ async def ops_get(role: RoleProcess, path: str) -> httpx.Response:
         return await client.get(f"http://127.0.0.1:{role.ops_port()}{path}")
 
 
+async def status_once_draining(role: RoleProcess, within_s: float = 3.0) -> int:
+    """/ready, polled from the moment the signal is sent until it says 503 (the loop
+    takes the signal within milliseconds; a fixed sleep raced the reply's end)."""
+    deadline = asyncio.get_running_loop().time() + within_s
+    while True:
+        status = (await ops_get(role, "/ready")).status_code
+        if status == 503 or asyncio.get_running_loop().time() > deadline:
+            return status
+        await asyncio.sleep(0.02)
+
+
 async def samples(role: RoleProcess) -> dict[str, float]:
     """Each metric sample, by name, summed over its labels."""
     response = await ops_get(role, "/metrics")
@@ -170,12 +181,13 @@ async def test_an_openai_stream_finishes_while_its_gateway_drains(stack: Stack) 
     headers = await auth(stack)
     body = {
         "model": stack.model,
-        "messages": [{"role": "user", "content": "Count from one to forty in words."}],
-        "max_tokens": 96,
+        "messages": [{"role": "user", "content": "Count from one to one hundred in words."}],
+        "max_tokens": 400,  # a few seconds here: the reply must outlast the probe below
         "temperature": 0,
         "stream": True,
     }
     readiness: list[int] = []
+    chunks_at_probe = 0
     async with spare_gateway(stack) as (gateway, client):
         chunks: list[Any] = []
         async with client.stream(
@@ -186,11 +198,11 @@ async def test_an_openai_stream_finishes_while_its_gateway_drains(stack: Stack) 
                 if len(chunks) == 2:
                     assert gateway.proc is not None
                     gateway.proc.send_signal(signal.SIGTERM)
-                if len(chunks) >= 2 and not readiness:
-                    await asyncio.sleep(0.3)  # the loop has taken the signal by now
-                    readiness.append((await ops_get(gateway, "/ready")).status_code)
+                    readiness.append(await status_once_draining(gateway))
+                    chunks_at_probe = len(chunks)
         assert await exit_code(gateway) in (0, -signal.SIGTERM)
     assert readiness == [503]  # draining: no new traffic, but this stream goes on
+    assert len(chunks) > chunks_at_probe + 1, "the stream did not go on after the probe"
     assert chunks[-1] == "[DONE]"
     finish = [c["choices"][0]["finish_reason"] for c in chunks[:-1] if c["choices"]]
     assert finish[-1] in ("stop", "length")  # it ran to its end, not cut off
