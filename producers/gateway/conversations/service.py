@@ -72,13 +72,7 @@ class ConversationService:
         inserts. The conversations table is the truth: only the row at its updated_at is
         shown. Left-behind rows are not deleted here: a row read mid-move, before the
         conversation's new updated_at lands, would look left behind too."""
-        rows = await cql(
-            self._session,
-            "SELECT user_id, model, title, created_at, updated_at FROM conversations "
-            "WHERE conversation_id = %s",
-            (row.conversation_id,),
-        )
-        current = rows[0] if rows else None
+        current = await self._row(row.conversation_id)
         if current is None or current.user_id != user_id:
             return None
         if _utc(current.updated_at) != _utc(row.updated_at):
@@ -255,16 +249,19 @@ class ConversationService:
     async def _owned_row(self, user_id: str, conversation_id: str) -> Any:
         """The conversation's row if `user_id` owns it; a 404 otherwise, never a 403 (an
         outsider must not learn that the id exists)."""
+        row = await self._row(conversation_id)
+        if row is None or row.user_id != user_id:
+            raise not_found("conversation")
+        return row
+
+    async def _row(self, conversation_id: str) -> Any | None:
         rows = await cql(
             self._session,
             "SELECT user_id, model, title, created_at, updated_at, summary, summary_until "
             "FROM conversations WHERE conversation_id = %s",
             (conversation_id,),
         )
-        row = rows[0] if rows else None
-        if row is None or row.user_id != user_id:
-            raise not_found("conversation")
-        return row
+        return rows[0] if rows else None
 
     async def _index(self, user_id: str, conversation: Conversation) -> None:
         """The sidebar row, clustered by updated_at (newest first)."""
