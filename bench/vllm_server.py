@@ -15,6 +15,8 @@ from pathlib import Path
 import httpx
 
 from bench.loadgen import RunStats, openai_sender, run_level
+from tandoor.settings import Settings
+from workers.dtype import resolve_dtype
 
 
 def start_vllm_server(
@@ -33,7 +35,7 @@ def start_vllm_server(
         "--port",
         str(port),
         "--dtype",
-        "bfloat16",
+        resolve_dtype(Settings().worker_dtype).dtype,  # what a worker here computes in
         "--max-model-len",
         "2048",
         "--enforce-eager",

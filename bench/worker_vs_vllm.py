@@ -43,9 +43,9 @@ def worker_sender(
         )
         started = time.perf_counter()
         await submitter.submit(request)
-        first = await stream.first_token(request.request_id, timeout_s=300)
+        first = await stream.first_token(request.request_id, idle_s=300)
         ttft = stream.arrival_of(first) - started
-        final = await stream.final(request.request_id, timeout_s=300)
+        final = await stream.final(request.request_id, idle_s=300)
         if final.finish_reason not in ("stop", "length"):
             raise RuntimeError(f"{final.finish_reason}: {final.error}")
         return ttft, final.usage.completion_tokens

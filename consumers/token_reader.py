@@ -15,6 +15,8 @@ from schemas.events import FinalEvent, TokenEvent
 from tandoor.clients import assign_from_end
 from tandoor.settings import Settings
 
+IDLE_S = 120.0  # a wait fails after this long without any event on `tokens`
+
 
 class TokenCollector:
     """Reads `tokens` from now on and keeps every event by request id: for batch
@@ -29,6 +31,7 @@ class TokenCollector:
         self.events: dict[str, list[TokenEvent | FinalEvent]] = defaultdict(list)
         self.arrival: dict[str, float] = {}  # request id -> monotonic time of its final
         self._seen: dict[int, float] = {}  # id(event) -> perf_counter when it arrived
+        self._last_read = time.monotonic()  # progress: when any event last arrived
         self._task: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> TokenCollector:
@@ -47,6 +50,7 @@ class TokenCollector:
         async for record in self._consumer:
             event = decode_token_stream(record.value)
             self._seen[id(event)] = time.perf_counter()
+            self._last_read = time.monotonic()
             self.events[event.request_id].append(event)
             if isinstance(event, FinalEvent):
                 self.arrival[event.request_id] = time.monotonic()
@@ -63,17 +67,22 @@ class TokenCollector:
             e for e in self.events[request_id] if isinstance(e, TokenEvent) and e.attempt == attempt
         ]
 
-    async def final(self, request_id: str, timeout_s: float = 120) -> FinalEvent:
-        await self.wait_for(lambda: bool(self.finals(request_id)), timeout_s, request_id)
+    async def final(self, request_id: str, idle_s: float = IDLE_S) -> FinalEvent:
+        await self.wait_for(lambda: bool(self.finals(request_id)), request_id, idle_s)
         return self.finals(request_id)[-1]
 
-    async def first_token(self, request_id: str, timeout_s: float = 120) -> TokenEvent:
-        await self.wait_for(lambda: bool(self.tokens(request_id, 1)), timeout_s, request_id)
+    async def first_token(self, request_id: str, idle_s: float = IDLE_S) -> TokenEvent:
+        await self.wait_for(lambda: bool(self.tokens(request_id, 1)), request_id, idle_s)
         return self.tokens(request_id, 1)[0]
 
-    async def wait_for(self, condition: Callable[[], bool], timeout_s: float, what: str) -> None:
-        deadline = time.monotonic() + timeout_s
+    async def wait_for(
+        self, condition: Callable[[], bool], what: str, idle_s: float = IDLE_S
+    ) -> None:
+        """Until `condition` holds; gives up only once `tokens` has been quiet for
+        `idle_s`, so a slow engine that keeps producing is waited for, a stalled one not."""
+        started = time.monotonic()
         while not condition():
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+            quiet_s = time.monotonic() - max(started, self._last_read)
+            if quiet_s > idle_s:
+                raise TimeoutError(f"nothing arrived for {idle_s:.0f} s waiting for {what}")
             await asyncio.sleep(0.02)

@@ -31,7 +31,7 @@ async def ask(settings: Settings, text: str, model: str, band: str, max_tokens: 
         printed = 0
         events = stream.events[request.request_id]
         while True:
-            await stream.wait_for(_grown_past(events, printed), 300, request.request_id)
+            await stream.wait_for(_grown_past(events, printed), request.request_id, 300)
             for event in events[printed:]:
                 printed += 1
                 if isinstance(event, TokenEvent):

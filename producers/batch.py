@@ -117,18 +117,22 @@ class BatchClient:
         return batch_id
 
     async def collect(
-        self, batch_id: str, out: Path, wait_s: float = 3600, progress: Progress | None = None
+        self, batch_id: str, out: Path, wait_s: float = 600, progress: Progress | None = None
     ) -> Collected:
-        """Wait until every line is answered (or `wait_s` passes), then write `out`
-        in input order, atomically: rerunning it only rewrites the same file."""
+        """Wait until every line is answered, or until none has been answered for
+        `wait_s` (a batch that is progressing, however slowly, is waited for); then write
+        `out` in input order, atomically: rerunning it only rewrites the same file."""
+        loop = asyncio.get_running_loop()
         async with self._connections() as (session, _, _):
             total = await self._owned_lines(session, batch_id)
-            deadline = asyncio.get_running_loop().time() + wait_s
+            answered, last_answer = -1, loop.time()
             while True:
                 rows = {r.line: r for r in await cql(session, SELECT_RESULTS, (batch_id,))}
                 if progress:
                     progress(len(rows), total)
-                if len(rows) >= total or asyncio.get_running_loop().time() > deadline:
+                if len(rows) > answered:
+                    answered, last_answer = len(rows), loop.time()
+                if len(rows) >= total or loop.time() - last_answer > wait_s:
                     break
                 await asyncio.sleep(1)
         _write_atomically(out, [_result_line(n, rows.get(n)) for n in range(total)])

@@ -27,5 +27,5 @@ trap 'echo "== stopping servers"; tandoor infra down' EXIT
 tandoor infra up
 
 echo "== pytest"
-pytest "$@"
+pytest --durations=25 "$@"
 echo "test command finished in $(( $(date +%s) - start )) s"

@@ -37,7 +37,9 @@ def submit(
 def collect(
     batch_id: str,
     out: Path = OUT_FILE,
-    wait: float = typer.Option(3600, help="Seconds to wait for unanswered lines."),
+    wait: float = typer.Option(
+        600, help="Give up once no line has been answered for this many seconds."
+    ),
     api_key: str = API_KEY,
 ) -> None:
     """Write results in input order, with usage, and an error for each failed line."""

@@ -11,6 +11,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from tandoor import PROJECT_ROOT
 
+Dtype = Literal["auto", "bfloat16", "float16", "float32"]
+
 
 class Band(BaseModel):
     """A priority band: a contiguous range of partitions of every prompt topic."""
@@ -123,6 +125,9 @@ class Settings(BaseSettings):
     # KV cache per worker (SmolLM2: ~22.5 KiB a token, so 1 GiB is ~46k tokens).
     # None sizes it from worker_memory_share instead (the usual choice on a GPU).
     worker_kv_cache_mib: int | None = 1024
+    # auto: bf16 on a GPU (float16 before compute capability 8.0) or a CPU that computes
+    # it natively (AVX-512 BF16, AMX, Arm BF16), float32 on other CPUs: see workers/dtype.py.
+    worker_dtype: Dtype = "auto"
     worker_memory_share: float = Field(default=0.3, gt=0, le=1)
     worker_grace_s: float = Field(default=20.0, ge=0)  # SIGTERM: finish, then hand back
     worker_band_reserve: float = Field(default=0.1, ge=0, le=1)  # share kept for lower bands

@@ -28,6 +28,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from schemas.events import ChatMessage, Sampling
+from tandoor.settings import Dtype
+from workers.dtype import resolve_dtype
 
 if TYPE_CHECKING:  # vLLM imports torch: loaded only when an engine starts
     from vllm import SamplingParams
@@ -48,7 +50,7 @@ class EngineOptions:
     model_dir: Path
     max_model_len: int = 2048
     max_num_seqs: int = 64
-    dtype: str = "bfloat16"
+    dtype: Dtype = "auto"  # auto: bf16 where the hardware computes it natively
     # On CPU: the share of the machine's memory for the worker, KV cache included; vLLM's
     # default 0.92 fails at start-up there. Ignored when kv_cache_memory_bytes is set.
     gpu_memory_utilization: float = 0.3
@@ -89,9 +91,12 @@ class Engine:
         await asyncio.to_thread(_import_vllm)
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        dtype = resolve_dtype(options.dtype)
+        log.info("engine dtype %s: %s", dtype.dtype, dtype.reason)
+        args = _engine_args(options, dtype.dtype)
         # In a thread: loading takes tens of seconds and must not stall the event loop.
         # AsyncLLM binds its asyncio tasks and zmq sockets to a loop lazily, on first use.
-        llm = await asyncio.to_thread(AsyncLLM.from_engine_args, _engine_args(options))
+        llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
         log.info("vLLM engine ready in %.1f s", time.monotonic() - started)
         return cls(llm, llm.get_tokenizer(), llm.model_config.max_model_len)
 
@@ -180,14 +185,14 @@ def _import_vllm() -> None:
     import vllm.v1.engine.async_llm  # noqa: F401
 
 
-def _engine_args(options: EngineOptions) -> AsyncEngineArgs:
+def _engine_args(options: EngineOptions, dtype: str) -> AsyncEngineArgs:
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     return AsyncEngineArgs(
         model=str(options.model_dir),
         max_model_len=options.max_model_len,
         max_num_seqs=options.max_num_seqs,
-        dtype=options.dtype,  # type: ignore[arg-type]  # a Literal there; vLLM validates it
+        dtype=dtype,  # type: ignore[arg-type]  # a Literal there; vLLM validates it
         gpu_memory_utilization=options.gpu_memory_utilization,
         kv_cache_memory_bytes=options.kv_cache_memory_bytes,
         enforce_eager=options.enforce_eager,

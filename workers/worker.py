@@ -192,6 +192,7 @@ def _engine_options(settings: Settings, model_dir: Path) -> EngineOptions:
     return EngineOptions(
         model_dir=model_dir,
         max_num_seqs=settings.worker_max_seqs,
+        dtype=settings.worker_dtype,
         gpu_memory_utilization=settings.worker_memory_share,
         kv_cache_memory_bytes=None if kv_mib is None else kv_mib * 1024 * 1024,
     )

@@ -4,6 +4,7 @@ ids followed through the JSON logs, and a gateway that drains at SIGTERM."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import uuid
@@ -27,15 +28,17 @@ async def ops_get(role: RoleProcess, path: str) -> httpx.Response:
         return await client.get(f"http://127.0.0.1:{role.ops_port()}{path}")
 
 
-async def status_once_draining(role: RoleProcess, within_s: float = 3.0) -> int:
-    """/ready, polled from the moment the signal is sent until it says 503 (the loop
-    takes the signal within milliseconds; a fixed sleep raced the reply's end)."""
-    deadline = asyncio.get_running_loop().time() + within_s
-    while True:
-        status = (await ops_get(role, "/ready")).status_code
-        if status == 503 or asyncio.get_running_loop().time() > deadline:
-            return status
+async def status_once_draining(gateway: GatewayProcess) -> int:
+    """/ready, polled from the moment the signal is sent until it says 503 or the gateway
+    has exited (the loop takes the signal within milliseconds; a fixed sleep raced the
+    reply's end)."""
+    assert gateway.proc is not None
+    while gateway.proc.poll() is None:
+        with contextlib.suppress(httpx.TransportError):  # it may exit while asked
+            if (status := (await ops_get(gateway, "/ready")).status_code) == 503:
+                return status
         await asyncio.sleep(0.02)
+    return 0  # exited without ever saying it drains
 
 
 async def samples(role: RoleProcess) -> dict[str, float]:
@@ -121,9 +124,11 @@ def lines_about(request_id: str, roles: list[RoleProcess]) -> dict[str, list[str
 
 
 @asynccontextmanager
-async def spare_gateway(stack: Stack) -> AsyncIterator[tuple[GatewayProcess, httpx.AsyncClient]]:
+async def spare_gateway(
+    stack: Stack, **env: str
+) -> AsyncIterator[tuple[GatewayProcess, httpx.AsyncClient]]:
     """A gateway of its own group, so its shutdown moves no partitions of the others."""
-    env = {**stack.env, "TANDOOR_GATEWAY_GROUP": f"spare-{uuid.uuid4().hex[:8]}"}
+    env = {**stack.env, "TANDOOR_GATEWAY_GROUP": f"spare-{uuid.uuid4().hex[:8]}", **env}
     gateway = GatewayProcess(stack.logs, free_port(), env)
     async with running([gateway]):
         url = f"http://127.0.0.1:{gateway.port}"
@@ -182,13 +187,14 @@ async def test_an_openai_stream_finishes_while_its_gateway_drains(stack: Stack) 
     body = {
         "model": stack.model,
         "messages": [{"role": "user", "content": "Count from one to one hundred in words."}],
-        "max_tokens": 400,  # a few seconds here: the reply must outlast the probe below
+        "max_tokens": 200,  # the reply must outlast the probe below
         "temperature": 0,
         "stream": True,
     }
     readiness: list[int] = []
     chunks_at_probe = 0
-    async with spare_gateway(stack) as (gateway, client):
+    # A drain longer than any reply on any CPU: the reply must end by itself.
+    async with spare_gateway(stack, TANDOOR_GATEWAY_DRAIN_S="3600") as (gateway, client):
         chunks: list[Any] = []
         async with client.stream(
             "POST", "/v1/chat/completions", json=body, headers=headers

@@ -1,4 +1,4 @@
-"""A 200-prompt batch end to end: submit (interrupted, then resumed), a real worker
+"""A 96-prompt batch end to end: submit (interrupted, then resumed), a real worker
 and the persistence consumer, then collect in input order with usage and errors."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from tandoor.settings import Settings
 from workers.model_store import resolve_model_dir
 
 pytestmark = pytest.mark.integration
-LINES = 200
+LINES = CHUNK + CHUNK // 2  # the resumed submission sends the second, partial chunk
 TOO_LONG = 7  # this line cannot fit the model's context: it fails, the rest do not
 
 
@@ -76,7 +76,7 @@ async def test_a_batch_resumes_without_duplicates_and_collects_in_order(
         await BatchClient(settings, stranger).collect(batch_id, out, wait_s=0)
 
     async with running([WorkerProcess(model, tmp_path, env), PersistProcess(tmp_path, env)]):
-        done = await client.collect(batch_id, out, wait_s=300)
+        done = await client.collect(batch_id, out, wait_s=120)  # waits while lines come
     assert (done.lines, done.answered, done.failed) == (LINES, LINES, 1)
 
     results = [orjson.loads(line) for line in out.read_bytes().splitlines()]

@@ -61,7 +61,7 @@ async def test_kill_9_mid_generation_reruns_on_the_other_worker(
             victim.kill()
             survivor = next(w for w in workers if w is not victim)
             for request in [victim_prompt, *others]:
-                await s.final(request.request_id, timeout_s=180)
+                await s.final(request.request_id)
             await asyncio.sleep(1)  # a duplicate final would arrive now
 
             # SIGTERM with a request longer than the grace period: it is handed back.
