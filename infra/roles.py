@@ -11,7 +11,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -21,6 +20,10 @@ from infra.errors import StartError
 from infra.topics import TopicSpec, ensure_topics, start_group_at_end
 from schemas.topics import prompts_topic
 from tandoor.settings import Settings
+
+# The longest silence of a start-up is an import of torch and vLLM (tens of seconds; a
+# worker's engine does it in three processes, one after the other).
+START_IDLE_S = 300.0
 
 
 class RoleProcess:
@@ -46,18 +49,33 @@ class RoleProcess:
                 start_new_session=True,
             )
 
-    async def wait_ready(self, timeout_s: float = 300) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.ready_line in self.log():
-                return
+    async def wait_ready(self, idle_s: float = START_IDLE_S) -> None:
+        """Until its log shows `ready_line`. Gives up when it exits, or when its log has
+        not grown for `idle_s`: a start that is slow but moving (vLLM on a busy CPU
+        takes minutes) is waited for, a stalled one is not."""
+        loop = asyncio.get_running_loop()
+        size, grew_at = -1, loop.time()
+        while self.ready_line not in self.log():
             if self.proc is None or self.proc.poll() is not None:
                 raise StartError(f"{self.name} exited during start-up:\n{self.log()[-4000:]}")
+            if self.log_size() != size:
+                size, grew_at = self.log_size(), loop.time()
+            elif loop.time() - grew_at > idle_s:
+                raise StartError(
+                    f"{self.name} not ready, its log silent for {idle_s:.0f} s:\n"
+                    f"{self.log()[-4000:]}"
+                )
             await asyncio.sleep(0.25)
-        raise StartError(f"{self.name} not ready in {timeout_s} s:\n{self.log()[-4000:]}")
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
 
     def log(self) -> str:
         return self.log_file.read_text(errors="replace") if self.log_file.exists() else ""
+
+    def log_size(self) -> int:
+        return self.log_file.stat().st_size if self.log_file.exists() else 0
 
     def ops_port(self) -> int:
         """The port of its /metrics, /health and /ready, as its log announced it."""

@@ -70,6 +70,7 @@ def create_app(settings: Settings, outputs: Outputs | None = None) -> faust.App:
         key_serializer="raw",
         value_serializer="raw",
         consumer_auto_offset_reset="earliest",
+        broker_session_timeout=settings.streams_session_timeout_s,
     )
     usage = app.topic(topics.USAGE, key_type=bytes, value_type=bytes)
     tokens = app.topic(topics.TOKENS, key_type=bytes, value_type=bytes)

@@ -173,6 +173,10 @@ class Settings(BaseSettings):
     # (they hold every user's usage). `tandoor run` makes one and prints it.
     analytics_token: str | None = Field(default=None, min_length=16)
     streams_retention_windows: int = Field(default=48, ge=1)  # kept per key and window size
+    # A streams process that died (kill -9, a lost node) keeps its partitions this long
+    # before the group moves them to the others; faust's own 60 s left them unserved for a
+    # minute. It heartbeats every 3 s from a thread of its own, so 10 s is not flaky.
+    streams_session_timeout_s: float = Field(default=10.0, ge=6)
 
     # Persistence consumer: its group on `tokens`.
     persist_group: str = "persist"

@@ -38,6 +38,20 @@ class OpenNow(Collector):
                 "Replies whose token events this replica routes",
                 deps.chat.deps.fanout.following,
             )
+            yield self._backlog(deps)
+
+    @staticmethod
+    def _backlog(deps: Services) -> Metric:
+        gauge = GaugeMetricFamily(
+            "tandoor_gateway_model_backlog",
+            "Prompts no worker has taken yet, per model with a fallback (the shedding signal)",
+            labels=["model"],
+        )
+        for model in deps.backlog.models:
+            backlog = deps.backlog.backlog(model)
+            if backlog is not None:  # unknown: not measured yet, or Kafka not answering
+                gauge.add_metric([model], backlog)
+        return gauge
 
 
 def gateway_metrics(

@@ -31,6 +31,7 @@ class Services:
     conversations: ConversationService
     chat: ChatService
     cluster: Any  # the Cassandra cluster, for readiness
+    backlog: BacklogMonitor
 
     async def readiness(self) -> dict[str, bool]:
         deps = self.chat.deps
@@ -77,7 +78,7 @@ async def open_services(settings: Settings, slots: StreamSlots) -> AsyncIterator
             )
         )
         keys = KeyStore(session, cache, set(settings.tiers))
-        yield Services(settings, keys, conversations, chat, cluster)
+        yield Services(settings, keys, conversations, chat, cluster, backlog)
 
 
 def services(request: Request) -> Services:

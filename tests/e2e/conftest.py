@@ -1,10 +1,9 @@
-"""The whole stack for end-to-end tests, started once for the package: two gateway
-processes, a worker with the bundled model, the persistence consumer, and the real
-Kafka, Cassandra and Redis.
+"""The whole stack for end-to-end tests (tests/e2e/stack.py), started once for the
+package and its fault tests: two gateway processes, a worker with the bundled model, the
+persistence consumer, and the real Kafka, Cassandra and Redis.
 
-Two more model names are served by the gateways without a worker of their own: `big`
-(the free tier falls back to the main model when it is backlogged) and `crash`, whose
-workers a test starts and kills itself."""
+A second model name, `big`, is served by the gateways without a worker: its prompts
+wait, and the free tier falls back to the main model while it is backlogged."""
 
 from __future__ import annotations
 
@@ -16,10 +15,36 @@ import httpx
 import pytest
 
 from infra.process import free_port
-from infra.roles import GatewayProcess, PersistProcess, WorkerProcess, model_aliases, running
+from infra.roles import GatewayProcess, PersistProcess, WorkerProcess, model_aliases
 from tandoor.settings import Fallback, Settings, TierPolicy
-from tests.e2e.helpers import SHED_BACKLOG, Stack
+from tests.e2e.stack import SHED_BACKLOG, Stack
 from workers.model_store import resolve_model_dir
+
+TIERS = {
+    "free": TierPolicy(
+        band="interactive-free",
+        requests_per_minute=2,
+        tokens_per_minute=100_000,
+        concurrent_streams=2,
+    ),
+    # For the API fuzzer: no rate limits in its way, and replies of a few tokens (it tests
+    # the HTTP surface; the engine's time would be all its time).
+    "fuzz": TierPolicy(
+        band="interactive-paid",
+        requests_per_minute=100_000,
+        tokens_per_minute=100_000_000,
+        concurrent_streams=8,
+        max_reply_tokens=4,
+    ),
+    # Two requests a minute, served while Redis is down: the quota applies again after.
+    "tight": TierPolicy(
+        band="interactive-paid",
+        redis_down="open",
+        requests_per_minute=2,
+        tokens_per_minute=10_000_000,
+        concurrent_streams=16,
+    ),
+}
 
 
 @pytest.fixture(scope="package")
@@ -28,36 +53,28 @@ async def stack(
 ) -> AsyncIterator[Stack]:
     logs = tmp_path_factory.mktemp("stack")
     model_dir = await asyncio.to_thread(resolve_model_dir, "smollm2", cassandra)
-    (model, big, crash), env = await model_aliases(cassandra, model_dir, ["gw", "big", "crash"])
-    tiers = cassandra.tiers | {
-        "free": TierPolicy(
-            band="interactive-free",
-            requests_per_minute=2,
-            tokens_per_minute=100_000,
-            concurrent_streams=2,
-        ),
-        # For the API fuzzer: no rate limits in its way, and short replies.
-        "fuzz": TierPolicy(
-            band="interactive-paid",
-            requests_per_minute=100_000,
-            tokens_per_minute=100_000_000,
-            concurrent_streams=8,
-            max_reply_tokens=16,
-        ),
-    }
+    (model, big), env = await model_aliases(cassandra, model_dir, ["gw", "big"])
+    tiers = cassandra.tiers | TIERS
     env["TANDOOR_TIERS"] = json.dumps({name: p.model_dump() for name, p in tiers.items()})
     fallbacks = {big: Fallback(model=model, backlog=SHED_BACKLOG, tiers=["free"])}
     env["TANDOOR_FALLBACKS"] = json.dumps({m: f.model_dump() for m, f in fallbacks.items()})
     env["TANDOOR_BACKLOG_POLL_S"] = "0.5"
     env["TANDOOR_LOG_FORMAT"] = "json"  # test_operations follows request ids through them
-    gateways = [GatewayProcess(logs, free_port(), env) for _ in range(2)]  # two replicas
-    worker, persist = WorkerProcess(model, logs, env), PersistProcess(logs, env)
-    async with running([worker, persist, *gateways]):
-        settings = cassandra.model_copy(
-            update={"models": [model, big, crash], "fallbacks": fallbacks, "tiers": tiers}
-        )
-        url = f"http://127.0.0.1:{gateways[0].port}"
-        yield Stack(url, settings, gateways, env, logs, model, big, crash, worker, persist)
+    settings = cassandra.model_copy(
+        update={"models": [model, big], "fallbacks": fallbacks, "tiers": tiers}
+    )
+    the_stack = Stack(
+        settings,
+        env,
+        logs,
+        model,
+        big,
+        worker=WorkerProcess(model, logs, env),
+        persist=PersistProcess(logs, env),
+        gateways=[GatewayProcess(logs, free_port(), env) for _ in range(2)],  # two replicas
+    )
+    async with the_stack.running():
+        yield the_stack
 
 
 @pytest.fixture

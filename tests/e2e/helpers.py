@@ -2,35 +2,16 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
 
-from infra.roles import GatewayProcess, PersistProcess, WorkerProcess
 from producers.keys import create_key
-from tandoor.settings import Settings
-
-SHED_BACKLOG = 2  # prompts waiting on the `big` model before the free tier is shed
-
-
-@dataclass
-class Stack:
-    url: str
-    settings: Settings
-    gateways: list[GatewayProcess]
-    env: dict[str, str]  # what makes a role serve this stack's models
-    logs: Path
-    model: str  # served by the stack's worker
-    big: str  # no worker: prompts wait, and the free tier falls back to `model`
-    crash: str  # no worker but the ones a test starts
-    worker: WorkerProcess  # serves `model`
-    persist: PersistProcess
+from tests.e2e.stack import Stack
+from tests.waiting import eventually
 
 
 async def auth(stack: Stack, tier: str = "plus") -> dict[str, str]:
@@ -83,10 +64,13 @@ async def stored_reply(
     http: httpx.AsyncClient, headers: dict[str, str], conversation: str, count: int = 1
 ) -> list[Any]:
     """The conversation's messages once `count` assistant replies are stored."""
-    for _ in range(120):
+
+    async def messages() -> list[Any]:
         opened = (await http.get(f"/v1/conversations/{conversation}", headers=headers)).json()
-        replies = [m for m in opened["messages"] if m["role"] == "assistant"]
-        if len(replies) >= count:
-            return list(opened["messages"])
-        await asyncio.sleep(0.25)
-    raise AssertionError(f"fewer than {count} replies stored")
+        return list(opened["messages"])
+
+    return await eventually(
+        messages,
+        lambda stored: sum(m["role"] == "assistant" for m in stored) >= count,
+        what=f"{count} stored replies in {conversation}",
+    )

@@ -15,7 +15,8 @@ import pytest
 
 from infra.process import free_port
 from infra.roles import GatewayProcess, running
-from tests.e2e.helpers import Stack, auth
+from tests.e2e.helpers import auth
+from tests.e2e.stack import Stack
 
 pytestmark = pytest.mark.integration
 

@@ -10,15 +10,9 @@ import httpx
 import pytest
 
 from infra.roles import GatewayProcess
-from tests.e2e.helpers import (
-    Stack,
-    auth,
-    chat,
-    new_conversation,
-    reply_text,
-    sse,
-    stored_reply,
-)
+from tests.e2e.helpers import auth, chat, new_conversation, reply_text, sse, stored_reply
+from tests.e2e.stack import Stack
+from tests.waiting import eventually, until
 
 pytestmark = pytest.mark.integration
 
@@ -83,7 +77,7 @@ async def test_closing_the_tab_does_not_stop_generation_and_resume_works(
 ) -> None:
     headers = await auth(stack)
     conversation = await new_conversation(http, headers)
-    body = {"content": "Write a long story about the sea.", "max_tokens": 300, "temperature": 0}
+    body = {"content": "Write a long story about the sea.", "max_tokens": 160, "temperature": 0}
     path = f"/v1/conversations/{conversation}/messages"
     seen: list[Any] = []
     last_id = None
@@ -216,11 +210,11 @@ def reads(gateway: GatewayProcess) -> set[int]:
 
 
 async def test_two_replicas_share_the_token_traffic(stack: Stack) -> None:
-    for _ in range(40):  # both joined the group and settled
-        if reads(stack.gateways[0]) and reads(stack.gateways[1]):
-            break
-        await asyncio.sleep(0.25)
-    first, second = reads(stack.gateways[0]), reads(stack.gateways[1])
+    first, second = await until(
+        lambda: (reads(stack.gateways[0]), reads(stack.gateways[1])),
+        lambda both: all(both),
+        what="both replicas reading tokens partitions",
+    )
     assert first and second and not first & second, (first, second)
     assert first | second == set(range(stack.settings.tokens_partitions))
     headers = await auth(stack)
@@ -253,14 +247,13 @@ async def test_a_new_conversation_gets_a_title_from_the_model(
     ]
     await chat(http, headers, conversation, "How do volcanoes form?")
     await chat(http, headers, named, "How do volcanoes form?")
-    title = None
-    for _ in range(240):  # a background job in the batch band
-        title = (await http.get(f"/v1/conversations/{conversation}", headers=headers)).json()[
-            "title"
-        ]
-        if title:
-            break
-        await asyncio.sleep(0.25)
+
+    async def title_of_conversation() -> str | None:
+        opened = await http.get(f"/v1/conversations/{conversation}", headers=headers)
+        return opened.json()["title"]  # type: ignore[no-any-return]
+
+    # A background job in the batch band.
+    title = await eventually(title_of_conversation, what=f"a title for {conversation}")
     assert title and len(title) <= 60 and "\n" not in title
     sidebar = (await http.get("/v1/conversations", headers=headers)).json()["data"]
     assert {c["id"]: c["title"] for c in sidebar}[conversation] == title

@@ -3,14 +3,15 @@ the stack's main model instead, and the reply says so."""
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import httpx
 import pytest
 
-from producers.shedding import backlog_clients, count_backlog
-from tests.e2e.helpers import SHED_BACKLOG, Stack, auth, new_conversation, sse, stored_reply
+from tests.e2e.helpers import auth, new_conversation, sse, stored_reply
+from tests.e2e.stack import SHED_BACKLOG, Stack
+from tests.ops import samples
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.integration
 
@@ -31,13 +32,17 @@ async def start_event(
 
 
 async def wait_for_backlog(stack: Stack, at_least: int) -> None:
-    partitions = sum(band.partitions for band in stack.settings.bands)
-    async with backlog_clients(stack.settings) as (admin, offsets):
-        for _ in range(60):
-            if await count_backlog(admin, offsets, partitions, stack.big) >= at_least:
-                return
-            await asyncio.sleep(0.5)
-    raise AssertionError(f"the backlog of {stack.big} never reached {at_least}")
+    """Until every replica has measured the backlog of `big` (its shedding signal)."""
+
+    async def measured() -> list[float]:
+        found = [await samples(g, model=stack.big) for g in stack.gateways]
+        return [s.get("tandoor_gateway_model_backlog", -1) for s in found]
+
+    await eventually(
+        measured,
+        lambda backlogs: min(backlogs) >= at_least,
+        what=f"a backlog of {at_least} on {stack.big} at every replica",
+    )
 
 
 async def test_the_free_tier_falls_back_while_the_big_model_is_backlogged(
@@ -48,7 +53,6 @@ async def test_the_free_tier_falls_back_while_the_big_model_is_backlogged(
         waiting = await new_conversation(http, paid, stack.big)
         assert (await start_event(http, paid, waiting))["model"] == stack.big
     await wait_for_backlog(stack, SHED_BACKLOG)
-    await asyncio.sleep(1.5)  # the gateways measure every 0.5 s
 
     paid_chat = await new_conversation(http, paid, stack.big)
     assert (await start_event(http, paid, paid_chat))["model"] == stack.big, "paid: no shedding"

@@ -8,7 +8,8 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.helpers import Stack, auth, stored_reply
+from tests.e2e.helpers import auth, stored_reply
+from tests.e2e.stack import Stack
 
 pytestmark = pytest.mark.integration
 

@@ -14,18 +14,15 @@ from typing import Any
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from infra.process import free_port
 from infra.roles import GatewayProcess, RoleProcess, running
-from tests.e2e.helpers import Stack, auth, chat, new_conversation, reply_text, sse, stored_reply
+from tests.e2e.helpers import auth, chat, new_conversation, reply_text, sse, stored_reply
+from tests.e2e.stack import Stack
+from tests.ops import ops_get, samples
+from tests.waiting import until
 
 pytestmark = pytest.mark.integration
-
-
-async def ops_get(role: RoleProcess, path: str) -> httpx.Response:
-    async with httpx.AsyncClient(timeout=10) as client:
-        return await client.get(f"http://127.0.0.1:{role.ops_port()}{path}")
 
 
 async def status_once_draining(gateway: GatewayProcess) -> int:
@@ -39,17 +36,6 @@ async def status_once_draining(gateway: GatewayProcess) -> int:
                 return status
         await asyncio.sleep(0.02)
     return 0  # exited without ever saying it drains
-
-
-async def samples(role: RoleProcess) -> dict[str, float]:
-    """Each metric sample, by name, summed over its labels."""
-    response = await ops_get(role, "/metrics")
-    assert response.status_code == 200, response.text
-    totals: dict[str, float] = {}
-    for family in text_string_to_metric_families(response.text):
-        for sample in family.samples:
-            totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
-    return totals
 
 
 def roles_of(stack: Stack) -> list[RoleProcess]:
@@ -101,12 +87,12 @@ async def test_one_request_is_followed_through_gateway_worker_and_persist(
     events = await chat(http, headers, conversation, "Say hello.", max_tokens=8)
     request_id = events[0]["request_id"]
     await stored_reply(http, headers, conversation)
-    by_role: dict[str, list[str]] = {}
-    for _ in range(40):  # the worker logs after publishing its final: persist may be first
-        by_role = lines_about(request_id, roles_of(stack))
-        if len(by_role) == 3:
-            break
-        await asyncio.sleep(0.25)
+    # The worker logs after publishing its final: persist may log first.
+    by_role = await until(
+        lambda: lines_about(request_id, roles_of(stack)),
+        lambda found: len(found) == 3,
+        what=f"every role logging {request_id}",
+    )
     assert set(by_role) == {"gateway", "worker", "persist"}, by_role
     assert any("queued chat prompt" in m for m in by_role["gateway"])
     assert any("attempt 1" in m and "completion tokens" in m for m in by_role["worker"])
@@ -148,7 +134,7 @@ async def test_sigterm_ends_chat_streams_and_they_resume_on_another_replica(
     conversation = await new_conversation(http, headers)
     # Long enough to still be running when the client comes back (as a client would,
     # at once), so the rest really comes from the other replica.
-    body = {"content": "Write a very long story about a dragon.", "max_tokens": 300}
+    body = {"content": "Write a very long story about a dragon.", "max_tokens": 160}
     seen: list[Any] = []
     ids: list[str] = []  # "attempt.characters sent so far"
     last_id = None

@@ -32,7 +32,8 @@ from producers.gateway.app import create_app
 from producers.gateway.web_page import WEB_DIR
 from producers.keys import KeyStore
 from tandoor.clients import cassandra_session, cql, redis_client
-from tests.e2e.helpers import Stack, sse, stored_reply
+from tests.e2e.helpers import sse, stored_reply
+from tests.e2e.stack import Stack
 
 pytestmark = pytest.mark.integration
 

@@ -10,7 +10,8 @@ import pytest
 
 from infra.process import free_port
 from infra.roles import GatewayProcess, running
-from tests.e2e.helpers import Stack, auth, new_conversation, sse
+from tests.e2e.helpers import auth, new_conversation, sse
+from tests.e2e.stack import Stack
 
 pytestmark = pytest.mark.integration
 

@@ -3,7 +3,6 @@ background job summarizes them, and later prompts carry the summary in their pla
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from typing import Any
 
@@ -12,7 +11,9 @@ import pytest
 
 from infra.process import free_port
 from infra.roles import GatewayProcess, running
-from tests.e2e.helpers import Stack, auth, new_conversation, sse
+from tests.e2e.helpers import auth, new_conversation, sse
+from tests.e2e.stack import Stack
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.integration
 TOPICS = ["volcanoes", "glaciers", "deserts", "rainforests"]
@@ -45,12 +46,15 @@ async def test_older_turns_are_summarized_and_used(stack: Stack) -> None:
         for topic in TOPICS:  # about 135 tokens a turn: the third no longer fits them all
             question = f"Tell me about {topic}. " + "Please be detailed. " * 25
             assert (await post(http, headers, conversation, question))[-2]["type"] == "final"
-        opened: dict[str, Any] = {}
-        for _ in range(240):  # the summary job runs in the batch band
-            opened = (await http.get(f"/v1/conversations/{conversation}", headers=headers)).json()
-            if opened["summary"]:
-                break
-            await asyncio.sleep(0.25)
+
+        async def opened_conversation() -> dict[str, Any]:
+            opened = await http.get(f"/v1/conversations/{conversation}", headers=headers)
+            return dict(opened.json())
+
+        # The summary job runs in the batch band.
+        opened = await eventually(
+            opened_conversation, lambda c: c["summary"], what=f"a summary of {conversation}"
+        )
         assert opened["summary"] and opened["summary_until"], "no summary was made"
         later = await post(http, headers, conversation, "Which topic did we start with?")
     assert later[0]["type"] == "start" and later[0]["summarized"] is True

@@ -1,1 +1,83 @@
-"""Integration tests use the server fixtures of tests/conftest.py."""
+"""Integration tests use the server fixtures of tests/conftest.py, and share one worker:
+an engine takes about a minute to start on a slow CPU."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from aiokafka import AIOKafkaProducer
+
+from infra.roles import WorkerProcess
+from infra.topics import TopicSpec, ensure_topics
+from schemas import topics
+from tandoor.clients import kafka_producer
+from tandoor.settings import Settings
+from workers.model_store import resolve_model_dir
+
+MAX_SEQS = 16
+MAX_TOKENS = 1200  # small, so a long request makes the next one wait inside the worker
+# Coalescing by count only (the window is longer than any reply), so how tokens are
+# grouped into events does not depend on how fast this CPU generates them.
+COALESCE_TOKENS = 4
+
+
+class SharedWorker:
+    """The package's worker, started when first needed; a test that stopped it (SIGTERM
+    is tested too) leaves the next test a new one of the same model."""
+
+    def __init__(self, model: str, logs: Path, env: dict[str, str]) -> None:
+        self.model, self.logs, self.env = model, logs, env
+        self.process: WorkerProcess | None = None
+
+    async def alive(self) -> WorkerProcess:
+        if (
+            self.process is None
+            or self.process.proc is None
+            or self.process.proc.poll() is not None
+        ):
+            self.process = WorkerProcess(self.model, self.logs, self.env)
+            self.process.start()
+            await self.process.wait_ready()
+        return self.process
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.terminate()
+
+
+@pytest.fixture(scope="package")
+async def shared_worker(
+    kafka: str, redis_url: str, settings: Settings, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[SharedWorker]:
+    model = f"wa-{uuid.uuid4().hex[:6]}"
+    bands = sum(b.partitions for b in settings.bands)
+    await ensure_topics(settings.kafka_bootstrap, [TopicSpec(topics.prompts_topic(model), bands)])
+    model_dir = await asyncio.to_thread(resolve_model_dir, "smollm2", settings)
+    env = {
+        "TANDOOR_MODEL_DIRS": json.dumps({model: str(model_dir)}),
+        "TANDOOR_WORKER_MAX_SEQS": str(MAX_SEQS),
+        "TANDOOR_WORKER_MAX_TOKENS": str(MAX_TOKENS),
+        "TANDOOR_COALESCE_MS": "3600000",
+        "TANDOOR_COALESCE_TOKENS": str(COALESCE_TOKENS),
+        "TANDOOR_WORKER_GRACE_S": "2",  # SIGTERM: longer replies are handed back
+    }
+    shared = SharedWorker(model, tmp_path_factory.mktemp("workers"), env)
+    yield shared
+    shared.stop()
+
+
+@pytest.fixture
+async def worker(shared_worker: SharedWorker) -> WorkerProcess:
+    """The shared worker, running."""
+    return await shared_worker.alive()
+
+
+@pytest.fixture(scope="package")
+async def producer(kafka: str, settings: Settings) -> AsyncIterator[AIOKafkaProducer]:
+    async with kafka_producer(settings, client_id="tests") as p:
+        yield p

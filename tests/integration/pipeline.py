@@ -1,14 +1,18 @@
-"""Test helpers: prompts for the real pipeline, and where a worker group has committed."""
+"""Test helpers: prompts for the real pipeline, where a worker group has committed, and
+knowing that nothing more is on its way."""
 
 from __future__ import annotations
 
 import uuid
 
-from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
+from consumers.token_reader import TokenCollector
 from schemas import topics
-from schemas.events import ChatMessage, PromptRequest, Sampling, now_ms
+from schemas.codec import encode
+from schemas.events import ChatMessage, PromptRequest, Sampling, TokenEvent, now_ms
 from tandoor.settings import Settings
+from tests.waiting import eventually
 
 
 def prompt(
@@ -56,3 +60,35 @@ async def end_offset(settings: Settings, model: str, partition: int) -> int:
         return int((await consumer.end_offsets([tp]))[tp])
     finally:
         await consumer.stop()
+
+
+async def caught_up(stream: TokenCollector, producer: AIOKafkaProducer, settings: Settings) -> None:
+    """Until `stream` has read everything published to `tokens` before this call: a
+    sentinel goes to every partition (Kafka keeps each partition's order)."""
+    marker = f"sentinel-{uuid.uuid4().hex[:8]}"
+    partitions = settings.tokens_partitions
+    for partition in range(partitions):
+        event = TokenEvent(
+            request_id=marker,
+            attempt=1,
+            seq=partition,
+            delta="",
+            token_count=0,
+            created_at_ms=now_ms(),
+        )
+        await producer.send_and_wait(topics.TOKENS, encode(event), partition=partition)
+    await stream.wait_for(lambda: len(stream.events[marker]) == partitions, marker)
+
+
+async def all_committed(settings: Settings, model: str) -> None:
+    """Until the workers of `model` have committed every prompt queued so far: each
+    one's final was published before its commit."""
+    partitions = sum(band.partitions for band in settings.bands)
+
+    async def behind() -> list[int]:
+        return [
+            await end_offset(settings, model, p) - (await committed_offset(settings, model, p) or 0)
+            for p in range(partitions)
+        ]
+
+    await eventually(behind, lambda lag: not any(lag), what=f"{model} prompts committed")

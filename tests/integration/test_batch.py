@@ -1,9 +1,9 @@
-"""A 96-prompt batch end to end: submit (interrupted, then resumed), a real worker
-and the persistence consumer, then collect in input order with usage and errors."""
+"""A 96-prompt batch end to end: submit (interrupted, then resumed), a real worker (the
+package's) and the persistence consumer, then collect in input order with usage and
+errors."""
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from pathlib import Path
 
@@ -11,12 +11,12 @@ import orjson
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from infra.roles import PersistProcess, WorkerProcess, model_alias, running
+from infra.roles import PersistProcess, WorkerProcess, running
+from infra.topics import start_group_at_end
 from producers.batch import CHUNK, BatchClient, BatchError
 from producers.keys import create_key
 from schemas.topics import prompts_topic
 from tandoor.settings import Settings
-from workers.model_store import resolve_model_dir
 
 pytestmark = pytest.mark.integration
 LINES = CHUNK + CHUNK // 2  # the resumed submission sends the second, partial chunk
@@ -54,28 +54,31 @@ def write_batch(path: Path) -> None:
 
 
 async def test_a_batch_resumes_without_duplicates_and_collects_in_order(
-    settings: Settings, kafka: str, cassandra: Settings, redis_url: str, tmp_path: Path
+    settings: Settings, worker: WorkerProcess, tmp_path: Path
 ) -> None:
-    model_dir = await asyncio.to_thread(resolve_model_dir, "smollm2", settings)
-    model, env = await model_alias(settings, model_dir, "batch")
+    model = worker.model
     settings = settings.model_copy(update={"models": [model]})
+    group = f"persist-batch-{uuid.uuid4().hex[:8]}"
+    await start_group_at_end(settings, group)
+    persist = PersistProcess(tmp_path, {"TANDOOR_PERSIST_GROUP": group})
     _, caller = await create_key(settings, f"batcher-{uuid.uuid4().hex[:8]}", "batch")
     client = BatchClient(settings, caller)
     source, out = tmp_path / "prompts.jsonl", tmp_path / "results.jsonl"
     write_batch(source)
 
+    before = await queued(settings, model)  # the worker serves other tests too
     with pytest.raises(Interrupted):
         await client.submit(source, model, stop_after_first_chunk)
-    assert await queued(settings, model) == CHUNK
+    assert await queued(settings, model) - before == CHUNK
     batch_id = await client.submit(source, model)  # the same file resumes the same batch
     assert await client.submit(source, model) == batch_id
-    assert await queued(settings, model) == LINES, "no line was queued twice"
+    assert await queued(settings, model) - before == LINES, "no line was queued twice"
 
     _, stranger = await create_key(settings, f"other-{uuid.uuid4().hex[:8]}", "batch")
     with pytest.raises(BatchError, match="not found"):
         await BatchClient(settings, stranger).collect(batch_id, out, wait_s=0)
 
-    async with running([WorkerProcess(model, tmp_path, env), PersistProcess(tmp_path, env)]):
+    async with running([persist]):
         done = await client.collect(batch_id, out, wait_s=120)  # waits while lines come
     assert (done.lines, done.answered, done.failed) == (LINES, LINES, 1)
 

@@ -227,7 +227,7 @@ async def test_tandoor_gateway_serves_over_http(
     gateway = GatewayProcess(tmp_path, port, {})
     gateway.start()
     try:
-        await gateway.wait_ready(timeout_s=60)
+        await gateway.wait_ready()
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
             assert (await http.get("/health")).json() == {"status": "ok"}
             assert (await http.get("/v1/conversations")).status_code == 401

@@ -20,6 +20,7 @@ from schemas.codec import encode
 from schemas.events import FinalEvent, FinishReason, Usage, now_ms
 from tandoor.clients import cassandra_session, kafka_producer
 from tandoor.settings import Settings
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.integration
 
@@ -91,25 +92,31 @@ def messages(settings: Settings, keyspace: str, conversation: str) -> list[Any]:
         )
 
 
-async def wait_rows(
-    settings: Settings, keyspace: str, conversation: str, count: int, timeout_s: float = 60
-) -> list[Any]:
-    rows: list[Any] = []
-    for _ in range(int(timeout_s / 0.25)):
-        rows = await asyncio.to_thread(messages, settings, keyspace, conversation)
-        if len(rows) >= count:
-            return rows
-        await asyncio.sleep(0.25)
-    raise AssertionError(f"{len(rows)} of {count} rows stored for {conversation}")
+async def wait_rows(settings: Settings, keyspace: str, conversation: str, count: int) -> list[Any]:
+    return await eventually(
+        lambda: asyncio.to_thread(messages, settings, keyspace, conversation),
+        lambda rows: len(rows) >= count,
+        what=f"{count} rows stored for {conversation}",
+    )
 
 
 async def settled_rows(
-    settings: Settings, keyspace: str, conversation: str, count: int
+    settings: Settings,
+    keyspace: str,
+    producer: AIOKafkaProducer,
+    conversation: str,
+    count: int,
 ) -> list[Any]:
-    """The rows once `count` are there and a late duplicate would have landed too."""
-    await wait_rows(settings, keyspace, conversation, count)
-    await asyncio.sleep(1.5)
-    return await asyncio.to_thread(messages, settings, keyspace, conversation)
+    """The rows once `count` are there and whatever was published before has been
+    processed: a sentinel reply goes to every partition of `tokens` after the events
+    (Kafka keeps each partition's order), and persist has stored them all."""
+    sentinels = f"{conversation}-sentinels"
+    partitions = settings.tokens_partitions
+    for partition in range(partitions):
+        sentinel = final(sentinels, f"sentinel {partition}")
+        await producer.send_and_wait(topics.TOKENS, encode(sentinel), partition=partition)
+    await wait_rows(settings, keyspace, sentinels, partitions)
+    return await wait_rows(settings, keyspace, conversation, count)
 
 
 StartPersist = Callable[[], Awaitable[PersistProcess]]
@@ -124,7 +131,7 @@ async def start_persist(persist_env: dict[str, str], tmp_path: Path) -> AsyncIte
         process = PersistProcess(tmp_path, persist_env)
         processes.append(process)
         process.start()
-        await process.wait_ready(timeout_s=60)
+        await process.wait_ready()
         return process
 
     yield start
@@ -141,7 +148,7 @@ async def test_replies_are_stored_once_with_their_status_and_usage(
     private = final(conversation, "Write to ada@example.com or call +44 20 7946 0958.")
     process = await start_persist()
     await publish(producer, done, stopped, private, done)  # replaying `done` changes nothing
-    rows = await settled_rows(settings, keyspace, conversation, 3)
+    rows = await settled_rows(settings, keyspace, producer, conversation, 3)
     assert process.terminate() == 0  # SIGTERM: a clean exit
     by_id = {row.message_id: row for row in rows}
     assert len(rows) == 3
@@ -189,7 +196,7 @@ async def test_the_highest_attempt_wins_in_any_order(
     )
     await start_persist()
     await publish(producer, second, late_first)
-    rows = await settled_rows(settings, keyspace, conversation, 1)
+    rows = await settled_rows(settings, keyspace, producer, conversation, 1)
     assert [(r.message_id, r.content, r.attempt) for r in rows] == [("r-x", "second attempt", 2)]
 
 
@@ -204,6 +211,6 @@ async def test_kill_9_and_restart_loses_and_duplicates_nothing(
     process.kill()  # mid-stream: some stored, maybe some stored but not committed
     await publish(producer, *replies[60:])
     await start_persist()
-    rows = await settled_rows(settings, keyspace, conversation, 120)
+    rows = await settled_rows(settings, keyspace, producer, conversation, 120)
     assert sorted(r.message_id for r in rows) == sorted(r.request_id for r in replies)
     assert {r.message_id: r.content for r in rows} == {r.request_id: r.text for r in replies}

@@ -23,6 +23,7 @@ from schemas.codec import encode
 from schemas.events import FinalEvent, FinishReason, Usage, UsageRecord, now_ms
 from tandoor.clients import kafka_producer, redis_client
 from tandoor.settings import Settings, TierPolicy
+from tests.waiting import eventually, while_progressing
 
 pytestmark = pytest.mark.integration
 HOUR_MS = 3_600_000
@@ -80,16 +81,19 @@ async def rollups(
     url: str, dimension: str, key: str, hour: int, expect: int
 ) -> dict[str, dict[str, Any]]:
     """`window/start -> summary` once the rollup of `hour` has counted `expect` requests."""
-    found: dict[str, dict[str, Any]] = {}
     async with httpx.AsyncClient(base_url=url, headers=ANALYTICS, timeout=10) as http:
-        for _ in range(240):
+
+        async def summaries() -> dict[str, dict[str, Any]]:
             response = await http.get(f"/rollups/{dimension}/{key}")
-            if response.status_code == 200:
-                found = {f"{s['window']}/{s['start_ms']}": s for s in response.json()["data"]}
-                if found.get(f"1h/{hour}", {}).get("requests", 0) >= expect:
-                    return found
-            await asyncio.sleep(0.5)
-    raise AssertionError(f"{dimension} {key}: never {expect} requests; last seen {found}")
+            if response.status_code != 200:
+                return {}
+            return {f"{s['window']}/{s['start_ms']}": s for s in response.json()["data"]}
+
+        return await eventually(
+            summaries,
+            lambda found: found.get(f"1h/{hour}", {}).get("requests", 0) >= expect,
+            what=f"{expect} requests in the {dimension} {key} rollup",
+        )
 
 
 async def published(settings: Settings, key_prefix: str) -> dict[str, dict[str, Any]]:
@@ -183,18 +187,19 @@ async def test_rollups_match_by_hand_and_survive_a_kill_9(
             assert got[f"1h/{hour}"]["requests"] == 4
             assert got[f"1h/{hour}"]["ttft_ms"]["p50"] == pytest.approx(40, rel=0.25)
             assert got[f"1h/{hour}"]["decode_tokens_per_s"]["p50"] == pytest.approx(20, rel=0.25)
-        for _ in range(120):  # from `tokens`, by another agent
-            got = await rollups(url, "model", model, hour, expect=4)
-            if got[f"1m/{hour}"]["restarts"]:
-                break
-            await asyncio.sleep(0.5)
+        got = await eventually(  # from `tokens`, by another agent
+            lambda: rollups(url, "model", model, hour, expect=4),
+            lambda found: found[f"1m/{hour}"]["restarts"],
+            what="the restart counted",
+        )
         assert got[f"1m/{hour}"]["restarts"] == 1 and got[f"1h/{hour}"]["restarts"] == 1
         tpm = f"tandoor:quota:tpm:{user}:{charge.window_start_ms}"
-        for _ in range(120):  # the charged record comes after the ones above
-            if int(await cache.get(tpm) or 0) != 500:
-                break
-            await asyncio.sleep(0.25)
-        assert int(await cache.get(tpm) or 0) == 60, "settled with the real usage"
+
+        async def charged() -> int:
+            return int(await cache.get(tpm) or 0)
+
+        # The charged record comes after the ones above.
+        assert await eventually(charged, lambda n: n != 500, what="the settlement") == 60
         app.kill()
 
         # Replayed and new records while it is down: the replay must not count.
@@ -235,9 +240,11 @@ async def test_the_analytics_example_reads_the_streams(settings: Settings, kafka
         stdout=asyncio.subprocess.PIPE,
     )
     assert process.stdout is not None
+    lines = [0]  # it reads `usage` from the start: waited for while it prints
     try:
-        async with asyncio.timeout(60):
+        async with while_progressing(lambda: lines[0], "the example printing records"):
             while line := (await process.stdout.readline()).decode():
+                lines[0] += 1
                 if line.startswith(f"{user} m stop: 3+4 tokens"):
                     return
     finally:

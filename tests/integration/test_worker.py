@@ -1,15 +1,12 @@
-"""The inference worker against real Kafka, Redis and vLLM with the bundled model."""
+"""The inference worker against real Kafka, Redis and vLLM with the bundled model (the
+package's shared worker: tests/integration/conftest.py)."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import subprocess
 import time
 import urllib.request
-import uuid
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
@@ -17,74 +14,19 @@ from aiokafka.structs import ConsumerRecord
 
 from consumers.token_reader import TokenCollector
 from infra.roles import WorkerProcess
-from infra.topics import TopicSpec, ensure_topics
 from producers.control import request_cancel
 from producers.prompts import PromptSubmitter
 from schemas import topics
 from schemas.codec import decode, encode
 from schemas.events import UsageRecord
-from tandoor.clients import assign_from_end, kafka_producer, redis_client
+from tandoor.clients import assign_from_end, redis_client
 from tandoor.settings import Settings
-from tests.integration.pipeline import committed_offset, end_offset, prompt
-from workers.model_store import resolve_model_dir
+from tests.integration.conftest import COALESCE_TOKENS, MAX_SEQS
+from tests.integration.pipeline import prompt
+from tests.ops import samples
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.integration
-MAX_SEQS = 4
-MAX_TOKENS = 1200  # small, so a long request makes the next one wait inside the worker
-# Coalescing by count only (the window is longer than any reply), so how tokens are
-# grouped into events does not depend on how fast this CPU generates them.
-COALESCE_TOKENS = 4
-
-
-@pytest.fixture(scope="module")
-def model_dir(settings: Settings) -> Path:
-    return resolve_model_dir("smollm2", settings)
-
-
-@pytest.fixture(scope="module")
-async def producer(kafka: str, settings: Settings) -> AsyncIterator[AIOKafkaProducer]:
-    async with kafka_producer(settings, client_id="tests") as p:
-        yield p
-
-
-async def start_worker(
-    settings: Settings, model_dir: Path, log_dir: Path, model: str, **env: str
-) -> WorkerProcess:
-    bands = sum(b.partitions for b in settings.bands)
-    await ensure_topics(settings.kafka_bootstrap, [TopicSpec(topics.prompts_topic(model), bands)])
-    worker = WorkerProcess(
-        model,
-        log_dir,
-        {
-            "TANDOOR_MODEL_DIRS": json.dumps({model: str(model_dir)}),
-            **env,
-        },
-    )
-    worker.start()
-    await worker.wait_ready()
-    return worker
-
-
-@pytest.fixture(scope="module")
-async def worker(
-    kafka: str,
-    redis_url: str,
-    settings: Settings,
-    model_dir: Path,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> AsyncIterator[WorkerProcess]:
-    process = await start_worker(
-        settings,
-        model_dir,
-        tmp_path_factory.mktemp("workers"),
-        f"wa-{uuid.uuid4().hex[:6]}",
-        TANDOOR_WORKER_MAX_SEQS=str(MAX_SEQS),
-        TANDOOR_WORKER_MAX_TOKENS=str(MAX_TOKENS),
-        TANDOOR_COALESCE_MS="3600000",
-        TANDOOR_COALESCE_TOKENS=str(COALESCE_TOKENS),
-    )
-    yield process
-    process.terminate()
 
 
 async def test_reply_streams_in_order_then_final_and_usage(
@@ -125,8 +67,8 @@ async def test_high_band_overtakes_a_flooded_low_band(
     submitter = PromptSubmitter(settings, producer)
     async with TokenCollector(settings) as stream:
         flood = [
-            prompt(worker.model, f"Count from 1 to {20 + i}.", band="batch", max_tokens=40)
-            for i in range(6 * MAX_SEQS)
+            prompt(worker.model, f"Count from 1 to {20 + i}.", band="batch", max_tokens=24)
+            for i in range(2 * MAX_SEQS)
         ]
         for request in flood:
             await submitter.submit(request)
@@ -153,15 +95,12 @@ async def test_cancel_while_generating_keeps_partial_usage(
             )
             await PromptSubmitter(settings, producer).submit(request)
             await stream.first_token(request.request_id)
-            sent = time.monotonic()
             await request_cancel(producer, client, request.request_id, "stop button")
             final = await stream.final(request.request_id)
-            elapsed = time.monotonic() - sent
     finally:
         await client.aclose()
     assert final.finish_reason == "cancelled"
-    assert elapsed < 1.0, f"cancel took {elapsed:.2f} s"
-    assert 0 < final.usage.completion_tokens < 1000
+    assert 0 < final.usage.completion_tokens < 1000  # cut short, whatever the engine's speed
     assert final.text and final.usage.prompt_tokens > 0
 
 
@@ -193,17 +132,21 @@ async def test_cancel_while_waiting_inside_the_worker(
             await stream.first_token(long.request_id)
             waiting = prompt(worker.model, "Write a poem.", max_tokens=500)  # does not fit
             await submitter.submit(waiting)
-            await asyncio.sleep(1.0)  # taken by the worker, held for lack of token budget
+            await eventually(  # taken by the worker, held for lack of token budget
+                lambda: samples(worker),
+                lambda found: found["tandoor_worker_requests_waiting"] >= 1,
+                what="the second prompt held in the worker",
+            )
             assert not stream.tokens(waiting.request_id, 1)
-            sent = time.monotonic()
             await request_cancel(producer, client, waiting.request_id)
             final = await stream.final(waiting.request_id)
-            elapsed = time.monotonic() - sent
+            # At once: not when the long reply ends and frees the budget it waits for.
+            assert not stream.finals(long.request_id), "the cancel waited for the long reply"
             await request_cancel(producer, client, long.request_id)
             await stream.final(long.request_id)
     finally:
         await client.aclose()
-    assert final.finish_reason == "cancelled" and elapsed < 1.0, elapsed
+    assert final.finish_reason == "cancelled"
     assert final.usage.completion_tokens == 0 and not stream.tokens(waiting.request_id, 1)
 
 
@@ -274,22 +217,6 @@ async def test_metrics_endpoint(worker: WorkerProcess) -> None:
         assert name in body, name
 
 
-async def test_sigterm_finishes_in_flight_work_and_exits_cleanly(
-    worker: WorkerProcess, producer: AIOKafkaProducer, settings: Settings
-) -> None:
-    async with TokenCollector(settings) as stream:
-        request = prompt(worker.model, "Name three colours.", max_tokens=40)
-        partition = await PromptSubmitter(settings, producer).submit(request)
-        await stream.first_token(request.request_id)
-        code = await asyncio.to_thread(worker.terminate)
-        final = await stream.final(request.request_id)
-    assert code == 0, worker.log()[-3000:]
-    assert final.finish_reason in ("stop", "length")
-    assert await committed_offset(settings, worker.model, partition) == await end_offset(
-        settings, worker.model, partition
-    )
-
-
 async def _usage_reader(settings: Settings) -> AIOKafkaConsumer:
     return await _reader_from_end(settings, topics.USAGE)
 
@@ -307,19 +234,26 @@ async def _reader_from_end(settings: Settings, topic: str) -> AIOKafkaConsumer:
 
 async def _records(consumer: AIOKafkaConsumer, count: int) -> list[ConsumerRecord[bytes, bytes]]:
     records: list[ConsumerRecord[bytes, bytes]] = []
-    deadline = time.monotonic() + 30
-    while len(records) < count and time.monotonic() < deadline:
+
+    async def read() -> int:
         batch = await consumer.getmany(timeout_ms=500)
-        records += [r for chunk in batch.values() for r in chunk]
+        records.extend(r for chunk in batch.values() for r in chunk)
+        return len(records)
+
+    await eventually(read, lambda n: n >= count, what=f"{count} records")
     return records
 
 
 async def _usage_for(consumer: AIOKafkaConsumer, request_id: str) -> UsageRecord:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
+    found: dict[str, UsageRecord] = {}
+
+    async def read() -> UsageRecord | None:
         for chunk in (await consumer.getmany(timeout_ms=500)).values():
             for record in chunk:
                 usage = decode(UsageRecord, record.value)
-                if usage.request_id == request_id:
-                    return usage
-    raise AssertionError(f"no usage record for {request_id}")
+                found[usage.request_id] = usage
+        return found.get(request_id)
+
+    usage = await eventually(read, what=f"the usage record of {request_id}")
+    assert usage is not None
+    return usage

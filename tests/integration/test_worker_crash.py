@@ -1,25 +1,33 @@
-"""Two workers share a model's prompts; kill -9 of one mid-generation loses nothing."""
+"""Two workers share a model's prompts; kill -9 of one mid-generation loses nothing, and
+SIGTERM of the other finishes what it can within its grace period and hands back the
+rest. The package's worker is the survivor (tests/integration/conftest.py): a second
+one joins its group to be killed."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import uuid
 from pathlib import Path
 
 import pytest
+from aiokafka import AIOKafkaProducer
 
 from consumers.token_reader import TokenCollector
 from infra.roles import WorkerProcess
-from infra.topics import TopicSpec, ensure_topics
 from producers.prompts import PromptSubmitter
-from schemas import topics
+from schemas.events import PromptRequest
 from schemas.topics import BandLayout
-from tandoor.clients import kafka_producer
 from tandoor.settings import Settings
-from tests.integration.pipeline import committed_offset, end_offset, prompt
-from workers.model_store import resolve_model_dir
+from tests.integration.conftest import SharedWorker
+from tests.integration.pipeline import (
+    all_committed,
+    caught_up,
+    committed_offset,
+    end_offset,
+    prompt,
+)
+from tests.waiting import until
 
 pytestmark = pytest.mark.integration
 
@@ -29,55 +37,72 @@ def assigned_partitions(worker: WorkerProcess) -> set[int]:
     return {int(p) for p in lines[-1].split(",") if p.strip()} if lines else set()
 
 
+def prompt_in(
+    layout: BandLayout, partitions: set[int], model: str, text: str, max_tokens: int
+) -> PromptRequest:
+    """A paid prompt whose conversation lands in one of `partitions`."""
+    while True:
+        request = prompt(model, text, max_tokens=max_tokens, conversation_id=uuid.uuid4().hex)
+        if layout.partition_for(request.band, request.conversation_id) in partitions:
+            return request
+
+
 async def test_kill_9_mid_generation_reruns_on_the_other_worker(
-    kafka: str, redis_url: str, settings: Settings, tmp_path: Path
+    worker: WorkerProcess,
+    shared_worker: SharedWorker,
+    producer: AIOKafkaProducer,
+    settings: Settings,
+    tmp_path: Path,
 ) -> None:
-    model = f"wb-{uuid.uuid4().hex[:6]}"
+    survivor, model = worker, worker.model
     layout = BandLayout([(b.name, b.partitions) for b in settings.bands])
-    await ensure_topics(kafka, [TopicSpec(topics.prompts_topic(model), layout.total_partitions)])
-    model_dir = await asyncio.to_thread(resolve_model_dir, "smollm2", settings)
-    env = {"TANDOOR_MODEL_DIRS": json.dumps({model: str(model_dir)}), "TANDOOR_WORKER_GRACE_S": "2"}
-    workers = [WorkerProcess(model, tmp_path, env) for _ in range(2)]
-    for w in workers:
-        w.start()
+    victim = WorkerProcess(model, tmp_path, shared_worker.env)
+    victim.start()
     try:
-        await asyncio.gather(*(w.wait_ready() for w in workers))
-        await _until(lambda: all(assigned_partitions(w) for w in workers))
-        for w in workers:  # the group spreads every band over both workers
-            held = assigned_partitions(w)
-            assert all(set(band.partitions) & held for band in layout.ranges), held
-        async with (
-            kafka_producer(settings, "crash-test") as producer,
-            TokenCollector(settings) as s,
-        ):
+        await victim.wait_ready()
+        held = await until(
+            lambda: (assigned_partitions(survivor), assigned_partitions(victim)),
+            lambda both: all(both) and not both[0] & both[1],
+            what="the group spreading the partitions over both workers",
+        )
+        for partitions in held:  # every band is spread over both workers
+            assert all(set(band.partitions) & partitions for band in layout.ranges), held
+        async with TokenCollector(settings) as s:
             submitter = PromptSubmitter(settings, producer)
-            victim_prompt = prompt(model, "Tell me a long story about the sea.", max_tokens=300)
+            victim_prompt = prompt_in(layout, held[1], model, "Tell me about the sea.", 100)
             others = [prompt(model, f"What is {i} + {i}?", max_tokens=24) for i in range(6)]
-            partition = await submitter.submit(victim_prompt)
-            for other in others:
-                await submitter.submit(other)
+            for request in [victim_prompt, *others]:
+                await submitter.submit(request)
             await s.first_token(victim_prompt.request_id)
-            victim = next(w for w in workers if partition in assigned_partitions(w))
             victim.kill()
-            survivor = next(w for w in workers if w is not victim)
             for request in [victim_prompt, *others]:
                 await s.final(request.request_id)
-            await asyncio.sleep(1)  # a duplicate final would arrive now
+            await all_committed(settings, model)  # the survivor is done with every prompt
+            await caught_up(s, producer, settings)  # and we read all it published
 
-            # SIGTERM with a request longer than the grace period: it is handed back.
+            # SIGTERM with two requests in flight: the short one finishes within the
+            # grace period (2 s), the one longer than that is handed back.
             handed_back = prompt(model, "Write a very long story.", max_tokens=1000)
             back_partition = await submitter.submit(handed_back)
+            elsewhere = set(layout.band(handed_back.band).partitions) - {back_partition}
+            short = prompt_in(layout, elsewhere, model, "Name a colour.", 8)
+            short_partition = await submitter.submit(short)
             await s.first_token(handed_back.request_id)
-            assert await asyncio.to_thread(survivor.terminate) == 0
-            await asyncio.sleep(1)
-        committed = await committed_offset(settings, model, back_partition)
-        last = await end_offset(settings, model, back_partition) - 1  # the handed-back prompt
-        assert committed is not None and committed <= last, "it must be redelivered"
-        assert not s.finals(handed_back.request_id), "handed back, not finished"
+            await s.first_token(short.request_id)
+            code = await asyncio.to_thread(survivor.terminate)
+            await caught_up(s, producer, settings)  # all it published before exiting
     finally:
-        for w in workers:
-            if w.proc is not None and w.proc.poll() is None:
-                w.kill()
+        victim.kill()
+
+    assert code == 0, survivor.log()[-3000:]
+    assert s.finals(short.request_id)[0].finish_reason in ("stop", "length")
+    assert await committed_offset(settings, model, short_partition) == await end_offset(
+        settings, model, short_partition
+    )
+    committed = await committed_offset(settings, model, back_partition)
+    last = await end_offset(settings, model, back_partition) - 1  # the handed-back prompt
+    assert committed is not None and committed <= last, "it must be redelivered"
+    assert not s.finals(handed_back.request_id), "handed back, not finished"
 
     finals = s.finals(victim_prompt.request_id)
     assert [f.attempt for f in finals] == [2], "exactly one final, from the second attempt"
@@ -88,12 +113,3 @@ async def test_kill_9_mid_generation_reruns_on_the_other_worker(
     for request in others:  # nothing lost, nothing answered twice per attempt
         attempts = [f.attempt for f in s.finals(request.request_id)]
         assert attempts and len(attempts) == len(set(attempts)), attempts
-
-
-async def _until(condition: object, timeout_s: float = 60) -> None:
-    assert callable(condition)
-    for _ in range(int(timeout_s / 0.2)):
-        if condition():
-            return
-        await asyncio.sleep(0.2)
-    raise AssertionError("condition not met in time")

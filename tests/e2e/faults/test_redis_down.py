@@ -5,20 +5,18 @@ written. Once Redis is back, quotas count again."""
 
 from __future__ import annotations
 
-import asyncio
-
 import httpx
 import pytest
 
-from tests.faults.checks import assert_conversations_complete
-from tests.faults.driver import ChatClient, chat_all, clients
-from tests.faults.stack import FaultStack, servers_back, stop_server
+from tests.e2e.faults.checks import assert_conversations_complete
+from tests.e2e.faults.driver import ChatClient, chat_all, clients, watching
+from tests.e2e.stack import Stack, servers_back, stop_server
 
 pytestmark = pytest.mark.integration
 
 
 async def post(
-    stack: FaultStack, user: ChatClient, content: str, path: str = "messages"
+    stack: Stack, user: ChatClient, content: str, path: str = "messages"
 ) -> httpx.Response:
     async with httpx.AsyncClient(base_url=stack.urls[0], timeout=60) as http:
         return await http.post(
@@ -29,13 +27,13 @@ async def post(
 
 
 async def test_redis_down_paid_tiers_are_served_and_the_free_tier_gets_a_503(
-    stack: FaultStack,
+    stack: Stack,
 ) -> None:
     async with (
         clients(stack, 3, "plus") as paid,
         clients(stack, 1, "free") as (free,),
         clients(stack, 1, "tight") as (tight,),  # 2 requests a minute, fails open
-        asyncio.timeout(150),
+        watching(stack, [*paid, free, tight], "Redis down and back"),
     ):
         await stop_server(stack.settings, "redis")
         try:

@@ -1,5 +1,7 @@
-"""The fault tests' stack: roles that can be killed and replaced, and servers that can
-be stopped and brought back with the same data."""
+"""The whole stack the end-to-end tests run against, started once for the package: two
+gateway replicas, a worker with the bundled model, the persistence consumer, over the
+test command's Kafka, Cassandra and Redis. The fault tests kill and replace its roles,
+and stop and bring back those servers with the same data."""
 
 from __future__ import annotations
 
@@ -20,9 +22,10 @@ from infra.kafka_server import KafkaServer
 from infra.redis_server import RedisServer
 from infra.roles import GatewayProcess, PersistProcess, RoleProcess, WorkerProcess
 from infra.server import LocalServer
-from infra.stack import Stack
+from infra.stack import Stack as LocalServers
 from producers.keys import create_key
 from tandoor.settings import Settings
+from tests.waiting import eventually
 
 SERVERS: dict[str, Callable[[Settings], LocalServer]] = {
     "kafka": KafkaServer,
@@ -30,20 +33,27 @@ SERVERS: dict[str, Callable[[Settings], LocalServer]] = {
     "redis": RedisServer,
 }
 Role = TypeVar("Role", bound=RoleProcess)
-# A worker's engine takes 30-60 s to start here, minutes when the two cores are busy.
-ROLE_START_S = 300
+
+
+SHED_BACKLOG = 2  # prompts waiting on the `big` model before the free tier is shed
 
 
 @dataclass
-class FaultStack:
+class Stack:
     settings: Settings
-    env: dict[str, str]  # what makes a role serve this stack's model
+    env: dict[str, str]  # what makes a role serve this stack's models
     logs: Path
-    model: str
+    model: str  # served by the stack's worker
+    big: str  # no worker: prompts wait, and the free tier falls back to `model`
     worker: WorkerProcess
     persist: PersistProcess
     gateways: list[GatewayProcess]
     retired: list[RoleProcess] = field(default_factory=list)  # killed, kept for their logs
+
+    @property
+    def url(self) -> str:
+        """The first replica's (a replaced replica keeps its port)."""
+        return self.urls[0]
 
     @property
     def urls(self) -> list[str]:
@@ -86,26 +96,26 @@ class FaultStack:
         old.kill()
         self.retired.append(old)
         new.start()
-        await new.wait_ready(ROLE_START_S)
+        await new.wait_ready()
         return new
 
-    async def usable(self, timeout_s: float = 90) -> None:
+    async def usable(self) -> None:
         """Until every replica serves a request that needs Cassandra and Redis again."""
         key, _ = await create_key(self.settings, f"probe-{uuid.uuid4().hex[:6]}", "plus")
         headers = {"Authorization": f"Bearer {key}"}
-        async with httpx.AsyncClient(timeout=10) as http, asyncio.timeout(timeout_s):
+        async with httpx.AsyncClient(timeout=10) as http:
             for url in self.urls:
-                while True:
-                    if await _answers(http, f"{url}/v1/conversations", headers):
-                        break
-                    await asyncio.sleep(0.25)
+                await eventually(
+                    lambda: _answers(http, f"{url}/v1/conversations", headers),  # noqa: B023
+                    what=f"{url} serving again",
+                )
 
     async def revive(self) -> None:
         """Start again any role that died: a failed test must not sink the next one."""
         for role in self.roles():
             if role.proc is not None and role.proc.poll() is not None:
                 role.start()
-                await role.wait_ready(ROLE_START_S)
+                await role.wait_ready()
 
 
 async def _answers(http: httpx.AsyncClient, url: str, headers: dict[str, str]) -> bool:
@@ -128,15 +138,7 @@ async def stop_server(settings: Settings, name: str) -> None:
 async def servers_back(settings: Settings) -> None:
     """`tandoor infra up` in a child process (the servers it starts are not ours to
     reap): starts whatever is stopped, on the same data, and waits until it is ready."""
-    if await asyncio.to_thread(Stack(settings).healthy):
+    if await asyncio.to_thread(LocalServers(settings).healthy):
         return
     argv = [sys.executable, "-m", "tandoor", "infra", "up", "--skip-bootstrap"]
     await asyncio.to_thread(subprocess.run, argv, check=True, capture_output=True, timeout=240)
-
-
-async def until(condition: Callable[[], bool], poll_s: float = 0.1) -> None:
-    """Wait for `condition`; the caller bounds the wait with its own timeout."""
-    while True:
-        if condition():
-            return
-        await asyncio.sleep(poll_s)

@@ -18,6 +18,7 @@ import contextlib
 import itertools
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +26,8 @@ import httpx
 
 from producers.keys import create_key
 from tests.e2e.helpers import sse
-from tests.faults.stack import FaultStack
+from tests.e2e.stack import Stack
+from tests.waiting import eventually, while_progressing
 
 RETRY_S = 0.5  # before trying the next replica
 MAX_TOKENS = 40
@@ -51,10 +53,15 @@ class Turn:
     resumes: int = 0  # streams reopened with Last-Event-ID
     refused: list[int] = field(default_factory=list)  # 503/429 answers before it was taken
     from_history: bool = False  # the reply ended while the client was away
+    events: list[tuple[str, int]] = field(default_factory=list)  # (type, attempt) as read
 
     @property
     def done(self) -> bool:
         return self.final is not None
+
+    def progress(self) -> tuple[int, bool, int, int, int]:
+        """What changes as the turn moves on, as the client sees it."""
+        return (len(self.text), self.done, self.restarts, self.resumes, len(self.refused))
 
 
 @dataclass
@@ -141,6 +148,7 @@ class ChatClient:
             if data == "[DONE]":
                 return
             kind = data["type"]
+            turn.events.append((kind, data.get("attempt", 0)))
             if kind == "start":
                 turn.request_id = data["request_id"]
             elif kind == "restart":
@@ -155,12 +163,13 @@ class ChatClient:
 
     async def _stored(self, turn: Turn) -> None:
         """The reply as reopening the chat shows it, once the persistence consumer has it."""
-        while True:
-            _, reply = _answer_to(await self.open(), turn.content)
-            if reply is not None:
-                self._from_history(turn, reply)
-                return
-            await asyncio.sleep(0.25)
+
+        async def stored_reply() -> dict[str, Any] | None:
+            return _answer_to(await self.open(), turn.content)[1]
+
+        reply = await eventually(stored_reply, what=f"{self.name}'s stored reply")
+        assert reply is not None
+        self._from_history(turn, reply)
 
     def _from_history(self, turn: Turn, reply: dict[str, Any]) -> None:
         if reply["attempt"] == turn.attempt:  # what was shown must be where it starts
@@ -202,15 +211,25 @@ async def chatting(users: list[ChatClient], turns: int) -> AsyncIterator[asyncio
         yield group
 
 
+def watching(stack: Stack, users: list[ChatClient], what: str) -> AbstractAsyncContextManager[None]:
+    """Fails the body once nothing has moved for a while: no client saw anything new and
+    the worker logged nothing (a replacement worker starts unseen by the clients)."""
+    return while_progressing(
+        lambda: (
+            tuple(turn.progress() for user in users for turn in user.turns),
+            stack.worker.log_size(),
+        ),
+        what,
+    )
+
+
 async def chat_all(users: list[ChatClient], turns: int) -> None:
     async with chatting(users, turns):
         pass
 
 
 @contextlib.asynccontextmanager
-async def clients(
-    stack: FaultStack, count: int, tier: str = "plus"
-) -> AsyncIterator[list[ChatClient]]:
+async def clients(stack: Stack, count: int, tier: str = "plus") -> AsyncIterator[list[ChatClient]]:
     """`count` users, each with a new conversation, spread over the replicas."""
     made: list[ChatClient] = []
     try:

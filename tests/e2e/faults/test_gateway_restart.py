@@ -4,21 +4,19 @@ get the whole reply."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
-from tests.faults.checks import assert_conversations_complete, mid_stream
-from tests.faults.driver import chatting, clients
-from tests.faults.stack import FaultStack
+from tests.e2e.faults.checks import assert_conversations_complete, mid_stream
+from tests.e2e.faults.driver import chatting, clients, watching
+from tests.e2e.stack import Stack
 
 pytestmark = pytest.mark.integration
 
 
 async def test_a_gateway_killed_mid_stream_its_clients_resume_elsewhere(
-    stack: FaultStack,
+    stack: Stack,
 ) -> None:
-    async with clients(stack, 6) as users, asyncio.timeout(150):
+    async with clients(stack, 6) as users, watching(stack, users, "a gateway replaced mid-stream"):
         async with chatting(users, 2):
             await mid_stream(users, 4)
             await stack.replace_gateway(0)

@@ -10,18 +10,24 @@ from typing import Any
 
 from tandoor.clients import cassandra_session
 from tandoor.settings import Settings
-from tests.faults.driver import ChatClient, Turn
-from tests.faults.stack import FaultStack, until
+from tests.e2e.faults.driver import ChatClient, Turn
+from tests.e2e.stack import Stack
+from tests.waiting import eventually, until
 
 FINISHED = ("stop", "length")
 
 
 async def mid_stream(users: list[ChatClient], count: int) -> None:
     """Until `count` clients are receiving tokens."""
-    await until(lambda: sum(u.streaming.is_set() for u in users) >= count, 0.05)
+    await until(
+        lambda: sum(u.streaming.is_set() for u in users),
+        lambda streaming: streaming >= count,
+        what=f"{count} clients receiving tokens",
+        poll_s=0.05,
+    )
 
 
-async def assert_conversations_complete(stack: FaultStack, users: list[ChatClient]) -> None:
+async def assert_conversations_complete(stack: Stack, users: list[ChatClient]) -> None:
     for user in users:
         messages = await _all_replies_stored(user)
         check_conversation(user, messages)
@@ -63,15 +69,17 @@ def check_turn(name: str, turn: Turn, asked: dict[str, Any], answer: dict[str, A
     assert answer["content"] and answer["content"] == turn.text, (name, answer, turn.text)
 
 
-async def _all_replies_stored(user: ChatClient, timeout_s: float = 60) -> list[dict[str, Any]]:
+async def _all_replies_stored(user: ChatClient) -> list[dict[str, Any]]:
     """The conversation once a reply is stored for every turn (persist may lag)."""
-    messages: list[dict[str, Any]] = []
-    async with asyncio.timeout(timeout_s):
-        while True:
-            messages = list((await user.open())["messages"])
-            if sum(m["role"] == "assistant" for m in messages) >= len(user.turns):
-                return messages
-            await asyncio.sleep(0.25)
+
+    async def messages() -> list[dict[str, Any]]:
+        return list((await user.open())["messages"])
+
+    return await eventually(
+        messages,
+        lambda stored: sum(m["role"] == "assistant" for m in stored) >= len(user.turns),
+        what=f"{user.name}'s replies stored",
+    )
 
 
 def _stored_rows(settings: Settings, conversation: str) -> list[tuple[str, str, str, str]]:

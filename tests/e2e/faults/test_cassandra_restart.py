@@ -4,14 +4,13 @@ outage loses nothing; once Cassandra is back every reply is stored exactly once.
 
 from __future__ import annotations
 
-import asyncio
-
 import httpx
 import pytest
 
-from tests.faults.checks import assert_conversations_complete, mid_stream
-from tests.faults.driver import ChatClient, chatting, clients
-from tests.faults.stack import FaultStack, servers_back, stop_server, until
+from tests.e2e.faults.checks import assert_conversations_complete, mid_stream
+from tests.e2e.faults.driver import ChatClient, chatting, clients, watching
+from tests.e2e.stack import Stack, servers_back, stop_server
+from tests.waiting import until
 
 pytestmark = pytest.mark.integration
 
@@ -19,21 +18,23 @@ WRITE_FAILED = "replies failed"  # persist's log line when a batch cannot be sto
 
 
 async def test_cassandra_restarted_while_replies_finish_stores_each_once(
-    stack: FaultStack,
+    stack: Stack,
 ) -> None:
-    async with clients(stack, 6) as users, asyncio.timeout(240):
+    async with clients(stack, 6) as users, watching(stack, users, "Cassandra restarted"):
         async with chatting(users, 1):  # streaming needs no Cassandra: replies finish
             await mid_stream(users, len(users))  # every message taken
             await stop_server(stack.settings, "cassandra")
             await refused_while_down(stack, users[0])
-        await until(lambda: WRITE_FAILED in stack.persist.log())  # held, uncommitted
+        await until(  # held, uncommitted
+            lambda: WRITE_FAILED in stack.persist.log(), what="persist failing to write"
+        )
         stack.persist.kill()  # what it fetched but could not write must be read again
         await servers_back(stack.settings)
         await stack.replace_persist()
         await assert_conversations_complete(stack, users)
 
 
-async def refused_while_down(stack: FaultStack, user: ChatClient) -> None:
+async def refused_while_down(stack: Stack, user: ChatClient) -> None:
     """A new message cannot be stored: a 503 to retry later, not a 500 (and, as the final
     check shows, nothing half-written)."""
     async with httpx.AsyncClient(base_url=stack.urls[1], timeout=60) as http:
