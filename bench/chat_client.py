@@ -12,6 +12,8 @@ from typing import Any
 
 import httpx
 
+from schemas.events import ANSWERED
+
 
 class ChatError(Exception):
     """The gateway refused, or the reply ended without a good final event."""
@@ -72,7 +74,7 @@ async def timed_reply(
             elif event["type"] == "error":
                 raise ChatError(event["error"])
             elif event["type"] == "final":
-                if event["finish_reason"] not in ("stop", "length") or ttft is None:
+                if event["finish_reason"] not in ANSWERED or ttft is None:
                     raise ChatError(f"final {event['finish_reason']}: {event['error']}")
                 usage = event["usage"]
                 total = time.perf_counter() - started

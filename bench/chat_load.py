@@ -14,8 +14,8 @@ import httpx
 
 from bench.chat_client import ChatError, ChatUser, ReplyTimes, timed_reply
 from bench.loadgen import question
-from producers.keys import KeyStore
 from tandoor.clients import cassandra_session, redis_client
+from tandoor.policies.api_keys import KeyStore
 from tandoor.settings import Settings
 
 SHOWN_ERRORS = 5  # the first few are printed; all are counted

@@ -34,6 +34,7 @@ from bench.load_fairness import phase_fairness
 from bench.load_stack import full_stack
 from bench.load_streams import phase_streams
 from bench.load_sustained import phase_sustained
+from bench.machine import describe_machine
 
 DEFAULT_LEVELS = [0, 250, 500, 1000, 2000]
 
@@ -79,7 +80,9 @@ async def run(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    asyncio.run(run(parse_args()))
+    args = parse_args()
+    print(describe_machine(), flush=True)
+    asyncio.run(run(args))
 
 
 if __name__ == "__main__":

@@ -16,10 +16,11 @@ from pathlib import Path
 import httpx
 
 from bench.loadgen import RunStats, compare, measure, openai_sender, parse_args
+from bench.machine import describe_machine
 from bench.vllm_server import bench_direct
 from infra.process import free_port
 from infra.roles import GatewayProcess, PersistProcess, WorkerProcess, model_alias, running
-from producers.keys import create_key
+from tandoor.policies.api_keys import create_key
 from tandoor.settings import Settings
 from workers.model_store import resolve_model_dir
 
@@ -47,6 +48,7 @@ async def bench_gateway(model_dir: Path, args: argparse.Namespace) -> list[tuple
 
 def main() -> None:
     args = parse_args(__doc__)
+    print(describe_machine(), flush=True)
     model_dir = resolve_model_dir("smollm2", Settings())
     direct = asyncio.run(bench_direct(model_dir, args))
     print(compare(direct, asyncio.run(bench_gateway(model_dir, args)), "gateway"))

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from aiokafka import AIOKafkaProducer
 
+from bench.machine import describe_machine
 from bench.procstats import lag_probe, pid_of, rss_mib
 from infra.roles import PersistProcess, running
 from infra.topics import start_group_at_end
@@ -128,6 +129,7 @@ def main() -> None:
     p.add_argument("--log-dir", type=Path, default=Path(".tandoor/bench"))
     args = p.parse_args()
     args.log_dir.mkdir(parents=True, exist_ok=True)
+    print(describe_machine(), flush=True)
     asyncio.run(run(args))
 
 

@@ -16,11 +16,12 @@ import uuid
 from pathlib import Path
 
 from bench.loadgen import RunStats, Send, compare, measure, parse_args, question
+from bench.machine import describe_machine
 from bench.vllm_server import bench_direct
 from consumers.token_reader import TokenCollector
 from infra.roles import WorkerProcess, model_alias, running
 from producers.prompts import PromptSubmitter
-from schemas.events import ChatMessage, PromptRequest, Sampling, now_ms
+from schemas.events import ANSWERED, ChatMessage, PromptRequest, Sampling, now_ms
 from tandoor.clients import kafka_producer
 from tandoor.settings import Settings
 from workers.model_store import resolve_model_dir
@@ -46,7 +47,7 @@ def worker_sender(
         first = await stream.first_token(request.request_id, idle_s=300)
         ttft = stream.arrival_of(first) - started
         final = await stream.final(request.request_id, idle_s=300)
-        if final.finish_reason not in ("stop", "length"):
+        if final.finish_reason not in ANSWERED:
             raise RuntimeError(f"{final.finish_reason}: {final.error}")
         return ttft, final.usage.completion_tokens
 
@@ -71,6 +72,7 @@ async def bench_worker(model_dir: Path, args: argparse.Namespace) -> list[tuple[
 
 def main() -> None:
     args = parse_args(__doc__)
+    print(describe_machine(), flush=True)
     model_dir = resolve_model_dir("smollm2", Settings())
     direct = asyncio.run(bench_direct(model_dir, args))
     print(compare(direct, asyncio.run(bench_worker(model_dir, args)), "worker"))

@@ -15,17 +15,16 @@ from cassandra.cluster import Cluster
 
 from consumers.history import HistoryWriter
 from consumers.metrics import PersistMetrics
-from producers.moderation import DefaultModerator
 from schemas import topics
-from schemas.codec import SchemaError, decode
+from schemas.codec import SchemaError, decode, is_final
 from schemas.events import FinalEvent
 from tandoor.clients import cassandra_cluster
 from tandoor.ops import OpsServer
+from tandoor.policies.moderation import DefaultModerator
 from tandoor.settings import Settings
 
 log = logging.getLogger(__name__)
 
-FINAL_MARKER = b'"type":"final"'  # cannot occur inside a JSON string (quotes are escaped)
 MAX_BACKOFF_S = 5.0
 
 
@@ -141,7 +140,7 @@ def _log_stored(final: FinalEvent) -> None:
 def _finals(records: list[ConsumerRecord[bytes, bytes]]) -> list[FinalEvent]:
     finals = []
     for record in records:
-        if FINAL_MARKER not in record.value:
+        if not is_final(record.value):
             continue  # a token event: the final carries the whole text
         try:
             finals.append(decode(FinalEvent, record.value))

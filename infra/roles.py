@@ -157,8 +157,12 @@ async def running(roles: Sequence[RoleProcess]) -> AsyncIterator[None]:
         await asyncio.gather(*(role.wait_ready() for role in roles))
         yield
     finally:
-        for role in roles:
-            role.terminate()
+        await terminate_all(roles)
+
+
+async def terminate_all(roles: Sequence[RoleProcess], timeout_s: float = 120) -> None:
+    """SIGTERM every role at once and wait for them all: their drains overlap."""
+    await asyncio.gather(*(asyncio.to_thread(role.terminate, timeout_s) for role in roles))
 
 
 async def model_alias(

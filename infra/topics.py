@@ -22,22 +22,24 @@ class TopicSpec:
     name: str
     partitions: int
     config: dict[str, str] = field(default_factory=dict)
+    replication: int = 1
 
 
 def declared_topics(settings: Settings) -> list[TopicSpec]:
     band_partitions = sum(band.partitions for band in settings.bands)
-    prompts = [
-        TopicSpec(topics.prompts_topic(model), band_partitions, {"retention.ms": str(7 * DAY_MS)})
-        for model in settings.models
+    week, month = str(7 * DAY_MS), str(30 * DAY_MS)
+    specs = [
+        *((topics.prompts_topic(model), band_partitions, week) for model in settings.models),
+        # Replies are re-read by reconnecting clients for a while, then dropped.
+        (topics.TOKENS, settings.tokens_partitions, str(DAY_MS)),
+        (topics.CONTROL, 4, str(HOUR_MS)),
+        (topics.USAGE, topics.USAGE_PARTITIONS, month),
+        (topics.USAGE_ROLLUPS, topics.USAGE_PARTITIONS, month),
+        (topics.DEAD_LETTER, 1, month),
     ]
     return [
-        *prompts,
-        # Replies are re-read by reconnecting clients for a while, then dropped.
-        TopicSpec(topics.TOKENS, settings.tokens_partitions, {"retention.ms": str(DAY_MS)}),
-        TopicSpec(topics.CONTROL, 4, {"retention.ms": str(HOUR_MS)}),
-        TopicSpec(topics.USAGE, 4, {"retention.ms": str(30 * DAY_MS)}),
-        TopicSpec(topics.USAGE_ROLLUPS, 4, {"retention.ms": str(30 * DAY_MS)}),
-        TopicSpec(topics.DEAD_LETTER, 1, {"retention.ms": str(30 * DAY_MS)}),
+        TopicSpec(name, partitions, {"retention.ms": retention}, settings.kafka_replication_factor)
+        for name, partitions, retention in specs
     ]
 
 
@@ -117,7 +119,9 @@ async def _grow(
 
 
 def _new_topic(spec: TopicSpec) -> NewTopic:
-    return NewTopic(spec.name, spec.partitions, replication_factor=1, topic_configs=spec.config)
+    return NewTopic(
+        spec.name, spec.partitions, replication_factor=spec.replication, topic_configs=spec.config
+    )
 
 
 def token_partitions(settings: Settings) -> list[TopicPartition]:

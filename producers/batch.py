@@ -23,13 +23,21 @@ from typing import Any
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from producers.context import count_tokens
-from producers.keys import Principal
 from producers.prompts import PromptSubmitter
-from producers.quota import QuotaExceeded, Quotas
 from schemas.batch import line_request_id
-from schemas.events import ChatMessage, PromptRequest, Sampling, now_ms
+from schemas.events import (
+    ANSWERED,
+    MAX_REPLY_TOKENS,
+    MAX_TEMPERATURE,
+    ChatMessage,
+    PromptRequest,
+    Sampling,
+    now_ms,
+)
 from tandoor.clients import cassandra_session, cql, kafka_producer, redis_client
+from tandoor.policies.api_keys import Principal
+from tandoor.policies.context import count_tokens
+from tandoor.policies.quota import QuotaExceeded, Quotas
 from tandoor.settings import Settings
 
 BATCH_BAND = "batch"
@@ -42,8 +50,8 @@ class BatchLine(BaseModel):
 
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     prompt: str | None = Field(default=None, min_length=1)
-    max_tokens: int = Field(default=256, ge=1, le=4096)
-    temperature: float = Field(default=0.0, ge=0.0, le=2.0)
+    max_tokens: int = Field(default=256, ge=1, le=MAX_REPLY_TOKENS)
+    temperature: float = Field(default=0.0, ge=0.0, le=MAX_TEMPERATURE)
 
     @model_validator(mode="after")
     def _one_input(self) -> BatchLine:
@@ -136,7 +144,7 @@ class BatchClient:
                     break
                 await asyncio.sleep(1)
         _write_atomically(out, [_result_line(n, rows.get(n)) for n in range(total)])
-        failed = sum(1 for r in rows.values() if r.finish_reason not in ("stop", "length"))
+        failed = sum(1 for r in rows.values() if r.finish_reason not in ANSWERED)
         return Collected(batch_id, total, len(rows), failed + total - len(rows))
 
     async def _send(
@@ -228,7 +236,7 @@ def _result_line(number: int, row: Any) -> dict[str, Any]:
         "text": row.text,
         "usage": {"prompt_tokens": row.prompt_tokens, "completion_tokens": row.completion_tokens},
     }
-    if row.finish_reason not in ("stop", "length"):
+    if row.finish_reason not in ANSWERED:
         result["error"] = row.error or row.finish_reason
     return result
 

@@ -8,8 +8,8 @@ from aiokafka import AIOKafkaProducer
 from schemas import topics
 from schemas.codec import encode
 from schemas.events import ControlEvent, now_ms
-from schemas.keys import CANCEL_TTL_S, cancel_key
 from tandoor.clients import kafka_producer, redis_client
+from tandoor.policies.redis_keys import CANCEL_TTL_S, cancel_key
 from tandoor.settings import Settings
 
 

@@ -12,6 +12,16 @@ from schemas.events import Event, FinalEvent, TokenEvent, TokenStreamEvent
 E = TypeVar("E", bound=Event)
 
 
+# How a final event is told from a token event in raw bytes, without decoding: orjson
+# writes this pair exactly, and it cannot occur inside a JSON string (quotes are escaped).
+FINAL_MARKER = b'"type":"final"'
+
+
+def is_final(payload: bytes) -> bool:
+    """Whether an encoded `tokens` event is a FinalEvent (cheap: no parsing)."""
+    return FINAL_MARKER in payload
+
+
 class SchemaError(ValueError):
     """A payload that cannot be decoded into the expected event; `field` names where."""
 

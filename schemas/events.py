@@ -14,7 +14,13 @@ from typing import ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 FinishReason = Literal["stop", "length", "cancelled", "expired", "error"]
+# A reply that ran to its end (the model stopped, or reached max_tokens): a successful one.
+ANSWERED: frozenset[FinishReason] = frozenset({"stop", "length"})
 PromptKind = Literal["chat", "title", "summary", "batch"]
+
+# What any surface (chat API, OpenAI API, batch lines) accepts for one reply.
+MAX_REPLY_TOKENS = 4096
+MAX_TEMPERATURE = 2.0
 
 
 def now_ms() -> int:
@@ -40,7 +46,7 @@ class Sampling(BaseModel):
     model_config = ConfigDict(frozen=True, extra="ignore", strict=True)
 
     max_tokens: int = Field(default=512, ge=1)
-    temperature: float = Field(default=0.7, ge=0.0, le=2.0)
+    temperature: float = Field(default=0.7, ge=0.0, le=MAX_TEMPERATURE)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     seed: int | None = None
     stop: list[str] = Field(default_factory=list)

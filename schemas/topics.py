@@ -12,6 +12,9 @@ USAGE = "usage"
 USAGE_ROLLUPS = "usage.rollups"  # the streams app's output, keyed by rollup
 DEAD_LETTER = "dead-letter"  # not under prompts.: no model can shadow it
 PROMPTS_PREFIX = "prompts."
+# `usage` and `usage.rollups`: the streams app's tables are co-partitioned with `usage`
+# (faust checks it and crashes otherwise), so bootstrap and the app share this number.
+USAGE_PARTITIONS = 4
 
 
 def prompts_topic(model: str) -> str:

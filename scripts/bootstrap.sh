@@ -30,7 +30,7 @@ install_virtualenv() {
     log "installing the virtualenv (first time: several GB, a few minutes)"
     [ -x .venv/bin/python ] || python3 -m venv .venv
     .venv/bin/pip install -q --upgrade pip
-    # The lock was resolved once by hand (see README: click); --no-deps keeps it exact.
+    # The lock was resolved once by hand (docs/operations.md: the click conflict); --no-deps keeps it exact.
     .venv/bin/pip install -q --no-deps -r infra/requirements/lock.txt
     .venv/bin/pip install -q --no-deps -e .
     echo "$want" > "$stamp"

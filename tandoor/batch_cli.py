@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 import typer
 
 from producers.batch import BatchClient, BatchError, Progress
-from producers.keys import resolve_key
+from tandoor.policies.api_keys import resolve_key
 from tandoor.settings import get_settings
 
 T = TypeVar("T")

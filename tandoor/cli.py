@@ -7,23 +7,20 @@ import secrets
 import signal
 import threading
 from collections.abc import Callable
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import typer
 
 from infra.errors import InfraError
-from infra.roles import (
-    GatewayProcess,
-    PersistProcess,
-    RoleProcess,
-    StreamsProcess,
-    WorkerProcess,
-)
-from infra.stack import Stack, bootstrap
 from tandoor.batch_cli import batch_app
 from tandoor.lifecycle import serve
 from tandoor.logs import configure_logging
 from tandoor.settings import get_settings
+
+if TYPE_CHECKING:  # the local-server tooling: imported by the commands that use it only,
+    # so a role's process (`tandoor worker`, ...) never loads it
+    from infra.roles import RoleProcess
+    from infra.stack import Stack
 
 T = TypeVar("T")
 
@@ -43,10 +40,16 @@ def _setup(
     configure_logging(log_level.upper(), role, get_settings().log_format)
 
 
+def _stack() -> Stack:
+    from infra.stack import Stack
+
+    return Stack(get_settings())
+
+
 @infra_app.command("fetch")
 def infra_fetch() -> None:
     """Download what the servers need (cached; quick the second time)."""
-    for server in Stack(get_settings()).servers:
+    for server in _stack().servers:
         _guard(server.fetch)
 
 
@@ -55,7 +58,7 @@ def infra_up(
     skip_bootstrap: bool = typer.Option(False, help="Do not create topics and tables."),
 ) -> None:
     """Start the servers that are not running, wait until ready, then bootstrap."""
-    stack = Stack(get_settings())
+    stack = _stack()
     _guard(stack.up)
     if not skip_bootstrap:
         _bootstrap()
@@ -65,13 +68,13 @@ def infra_up(
 @infra_app.command("down")
 def infra_down() -> None:
     """Stop every server this project started (safe to run twice)."""
-    Stack(get_settings()).down()
+    _stack().down()
 
 
 @infra_app.command("status")
 def infra_status() -> None:
     """Show each server; exit 1 unless all are ready."""
-    if not _print_status(Stack(get_settings())):
+    if not _print_status(_stack()):
         raise typer.Exit(1)
 
 
@@ -85,6 +88,15 @@ def bootstrap_command() -> None:
 def run() -> None:
     """The main job: servers, a worker per model, persistence, streams, gateway; Ctrl-C
     stops all."""
+    from infra.roles import (
+        GatewayProcess,
+        PersistProcess,
+        StreamsProcess,
+        WorkerProcess,
+        terminate_all,
+    )
+    from infra.stack import Stack
+
     settings = get_settings()
     if settings.analytics_token is None:  # this run's, for reading the rollups
         settings = settings.model_copy(update={"analytics_token": secrets.token_urlsafe(24)})
@@ -102,7 +114,7 @@ def run() -> None:
             typer.echo(f"{role.name} starting (log {role.log_file})")
         _guard(lambda: asyncio.run(_all_ready(roles)))
         _print_status(stack)
-        from producers.keys import create_key
+        from tandoor.policies.api_keys import create_key
 
         key, _ = asyncio.run(create_key(settings, "local", "plus"))
         typer.echo(f"chat page: http://{settings.host}:{settings.gateway_port}/")
@@ -115,8 +127,7 @@ def run() -> None:
         _wait_for_stop_signal()
     finally:
         typer.echo("stopping…")
-        for role in roles:
-            role.terminate()
+        asyncio.run(terminate_all(roles))
         stack.down()
 
 
@@ -192,7 +203,7 @@ def keys_create(
     tier: str = typer.Option("free", help="free, plus, api or batch (TANDOOR_TIERS)."),
 ) -> None:
     """Create an API key; the key is printed once, as the last line, and stored hashed."""
-    from producers.keys import create_key
+    from tandoor.policies.api_keys import create_key
 
     try:
         key, principal = asyncio.run(create_key(get_settings(), user, tier))
@@ -223,6 +234,8 @@ def cancel(
 
 
 def _bootstrap() -> None:
+    from infra.stack import bootstrap
+
     report = _guard(lambda: asyncio.run(bootstrap(get_settings())))
     typer.echo(f"bootstrap: {report.describe()}")
 

@@ -56,7 +56,7 @@ REDIS_DOWN = (RedisConnectionError, RedisTimeoutError)
 
 def redis_client(settings: Settings) -> aioredis.Redis:
     """Retries ride out a blip (a failover takes about a second) but give up within
-    half a second: the callers have a Redis-down policy (README "When Redis is down"),
+    half a second: the callers have a Redis-down policy (docs/architecture.md "When Redis is down"),
     and redis-py's default backoff added seconds to every request during an outage."""
     return aioredis.Redis.from_url(
         settings.redis_url,

@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import BaseModel, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from schemas.events import MAX_REPLY_TOKENS
 from tandoor import PROJECT_ROOT
 
 Dtype = Literal["auto", "bfloat16", "float16", "float32"]
@@ -28,9 +29,10 @@ class TierPolicy(BaseModel):
     requests_per_minute: int = Field(ge=1)
     tokens_per_minute: int = Field(ge=1)
     concurrent_streams: int = Field(ge=1)
-    max_reply_tokens: int = Field(default=4096, ge=1)  # a larger max_tokens is a 400
+    # A larger max_tokens is a 400 (at most MAX_REPLY_TOKENS, what any surface accepts).
+    max_reply_tokens: int = Field(default=MAX_REPLY_TOKENS, ge=1, le=MAX_REPLY_TOKENS)
     # Redis unreachable: serve uncounted ("open") or refuse with a 503 ("closed").
-    # See producers/quota.py and README "When Redis is down".
+    # See tandoor/policies/quota.py and docs/architecture.md "When Redis is down".
     redis_down: Literal["open", "closed"] = "closed"
 
 
@@ -101,7 +103,8 @@ class Settings(BaseSettings):
 
     keyspace: str = "tandoor"
     cassandra_datacenter: str = "datacenter1"
-    cassandra_replication_factor: int = Field(default=1, ge=1)
+    cassandra_replication_factor: int = Field(default=1, ge=1)  # the keyspace's
+    kafka_replication_factor: int = Field(default=1, ge=1)  # every topic's, internal ones too
     models: list[str] = ["smollm2"]
     # Model name -> Hugging Face folder (config.json, weights, tokenizer) to serve it from;
     # a name not listed here falls back to a bundled model (only "smollm2" is bundled).

@@ -12,6 +12,11 @@ from infra.cql import migrate
 from infra.process import port_open
 from tandoor.clients import cassandra_session
 from tandoor.settings import Settings
+from tests.seeds import seed_note
+
+
+def pytest_report_header() -> str:
+    return seed_note()
 
 
 @pytest.fixture(scope="session")

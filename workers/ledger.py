@@ -2,7 +2,7 @@
 number, whether it already has a final reply, and whether it was cancelled.
 
 Redis unreachable: the worker keeps serving (the gateway admitted the prompt under
-its tier's Redis-down policy, see producers/quota.py). The prompt is taken as a first
+its tier's Redis-down policy, see tandoor/policies/quota.py). The prompt is taken as a first
 attempt, neither done nor cancelled; marks that cannot be written are skipped. What is
 lost meanwhile: a prompt redelivered after a worker crash during the outage runs
 again as attempt 1 (clients skip what they already have by sequence number), and a
@@ -16,8 +16,14 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
-from schemas.keys import ATTEMPT_TTL_S, CANCEL_TTL_S, attempt_key, cancel_key, done_key
 from tandoor.clients import REDIS_DOWN
+from tandoor.policies.redis_keys import (
+    ATTEMPT_TTL_S,
+    CANCEL_TTL_S,
+    attempt_key,
+    cancel_key,
+    done_key,
+)
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from fastapi import Depends, Request
 
 from producers.gateway.errors import ApiError
 from producers.gateway.services import Services, services
-from producers.keys import Principal
+from tandoor.policies.api_keys import Principal
 
 UNAUTHORIZED = {"WWW-Authenticate": "Bearer"}
 

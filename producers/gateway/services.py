@@ -11,16 +11,17 @@ from typing import Any
 from fastapi import Request
 
 from consumers.fanout import TokenFanout
+from producers.gateway.chat.checks import ReplyChecks
 from producers.gateway.chat.jobs import ConversationJobs
 from producers.gateway.chat.service import ChatDeps, ChatService
 from producers.gateway.conversations.service import ConversationService
+from producers.gateway.shedding import BacklogMonitor, ModelRouter
 from producers.gateway.streaming import StreamSlots
-from producers.keys import KeyStore
-from producers.moderation import DefaultModerator
 from producers.prompts import PromptSubmitter
-from producers.quota import Quotas
-from producers.shedding import BacklogMonitor, ModelRouter
 from tandoor.clients import cassandra_cluster, kafka_producer, redis_client
+from tandoor.policies.api_keys import KeyStore
+from tandoor.policies.moderation import DefaultModerator
+from tandoor.policies.quota import Quotas
 from tandoor.settings import Settings
 
 
@@ -60,8 +61,9 @@ async def open_services(settings: Settings, slots: StreamSlots) -> AsyncIterator
         stack.push_async_callback(backlog.stop)
         conversations = ConversationService(session, settings.models)
         submitter = PromptSubmitter(settings, producer)
-        jobs = ConversationJobs(settings, fanout, submitter, conversations)
+        jobs = ConversationJobs(fanout, submitter, conversations, cache)
         stack.push_async_callback(jobs.stop)
+        quotas, moderator = Quotas(cache), DefaultModerator(settings.moderation_blocklist)
         chat = ChatService(
             ChatDeps(
                 settings=settings,
@@ -70,8 +72,8 @@ async def open_services(settings: Settings, slots: StreamSlots) -> AsyncIterator
                 producer=producer,
                 submitter=submitter,
                 redis=cache,
-                quotas=Quotas(cache),
-                moderator=DefaultModerator(settings.moderation_blocklist),
+                quotas=quotas,
+                checks=ReplyChecks(settings, moderator, quotas),
                 router=ModelRouter(settings, backlog.backlog),
                 streams=slots,
                 jobs=jobs,

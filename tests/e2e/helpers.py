@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 
-from producers.keys import create_key
+from tandoor.policies.api_keys import create_key
 from tests.e2e.stack import Stack
 from tests.waiting import eventually
 

@@ -20,10 +20,16 @@ import httpx
 from infra.cassandra_server import CassandraServer
 from infra.kafka_server import KafkaServer
 from infra.redis_server import RedisServer
-from infra.roles import GatewayProcess, PersistProcess, RoleProcess, WorkerProcess
+from infra.roles import (
+    GatewayProcess,
+    PersistProcess,
+    RoleProcess,
+    WorkerProcess,
+    terminate_all,
+)
 from infra.server import LocalServer
 from infra.stack import Stack as LocalServers
-from producers.keys import create_key
+from tandoor.policies.api_keys import create_key
 from tandoor.settings import Settings
 from tests.waiting import eventually
 
@@ -70,8 +76,7 @@ class Stack:
             await asyncio.gather(*(role.wait_ready() for role in self.roles()))
             yield
         finally:
-            for role in self.roles():
-                await asyncio.to_thread(role.terminate, 30)
+            await terminate_all(self.roles(), 30)
 
     async def replace_worker(self) -> WorkerProcess:
         """kill -9 the worker (its engine too) and start a new one."""

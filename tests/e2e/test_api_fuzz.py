@@ -17,6 +17,7 @@ from infra.process import free_port
 from infra.roles import GatewayProcess, running
 from tests.e2e.helpers import auth
 from tests.e2e.stack import Stack
+from tests.seeds import SEED, seed_note
 
 pytestmark = pytest.mark.integration
 
@@ -36,7 +37,7 @@ async def test_the_fuzzer_finds_no_server_errors(stack: Stack, tmp_path: Path) -
         result = await asyncio.to_thread(
             fuzz, f"http://127.0.0.1:{gateway.port}", headers, tmp_path
         )
-    assert result.returncode == 0, result.stdout[-6000:]
+    assert result.returncode == 0, f"{seed_note()}\n{result.stdout[-6000:]}"
     tested = re.search(r"Tested: (\d+)", result.stdout)
     assert tested and int(tested[1]) >= 10, result.stdout[-3000:]  # every operation ran
 
@@ -55,6 +56,8 @@ def fuzz(url: str, headers: dict[str, str], cwd: Path) -> subprocess.CompletedPr
         "examples,coverage,fuzzing,stateful",
         "--max-examples",
         "15",
+        "--seed",
+        str(SEED),
         "--request-timeout",
         "60",
         "--no-color",

@@ -14,8 +14,8 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from infra.roles import PersistProcess, WorkerProcess, running
 from infra.topics import start_group_at_end
 from producers.batch import CHUNK, BatchClient, BatchError
-from producers.keys import create_key
 from schemas.topics import prompts_topic
+from tandoor.policies.api_keys import create_key
 from tandoor.settings import Settings
 
 pytestmark = pytest.mark.integration

@@ -15,8 +15,8 @@ from infra.process import free_port
 from infra.roles import GatewayProcess
 from producers.gateway.app import create_app
 from producers.gateway.conversations.service import ConversationService
-from producers.keys import create_key
 from tandoor.clients import cassandra_session
+from tandoor.policies.api_keys import create_key
 from tandoor.settings import Settings
 
 pytestmark = pytest.mark.integration

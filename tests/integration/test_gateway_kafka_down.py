@@ -14,7 +14,7 @@ import pytest
 
 from infra.kafka_server import KafkaServer
 from producers.gateway.app import create_app
-from producers.keys import create_key
+from tandoor.policies.api_keys import create_key
 from tandoor.settings import Settings
 
 pytestmark = pytest.mark.integration

@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from producers.keys import KeyStore, Principal, key_hash
 from tandoor.clients import cassandra_session
+from tandoor.policies.api_keys import KeyStore, Principal, key_hash
+from tandoor.policies.redis_keys import api_key_cache_key
 from tandoor.settings import Settings
 
 pytestmark = pytest.mark.integration
@@ -60,9 +61,9 @@ async def test_a_malformed_key_is_refused_without_a_lookup(store: KeyStore, redi
     try:
         for bad in [*malformed, unknown]:
             assert await store.resolve(bad) is None
-        cached = [await cache.exists(f"tandoor:apikey:{key_hash(k)}") for k in malformed]
+        cached = [await cache.exists(api_key_cache_key(key_hash(k))) for k in malformed]
         assert cached == [0] * len(malformed)
-        assert await cache.exists(f"tandoor:apikey:{key_hash(unknown)}")  # well-shaped: looked up
+        assert await cache.exists(api_key_cache_key(key_hash(unknown)))  # well-shaped: looked up
     finally:
         await cache.aclose()
 

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as aioredis
 
-from producers.quota import STREAM_LEASE_MS, Admission, QuotaExceeded, Quotas
+from tandoor.policies.quota import STREAM_LEASE_MS, Admission, QuotaExceeded, Quotas
 from tandoor.settings import TierPolicy
 
 pytestmark = pytest.mark.integration

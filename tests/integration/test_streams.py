@@ -17,11 +17,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from infra.process import free_port
 from infra.roles import StreamsProcess
-from producers.quota import Quotas
 from schemas import topics
 from schemas.codec import encode
 from schemas.events import FinalEvent, FinishReason, Usage, UsageRecord, now_ms
 from tandoor.clients import kafka_producer, redis_client
+from tandoor.policies.quota import Quotas
+from tandoor.policies.redis_keys import tokens_window_key
 from tandoor.settings import Settings, TierPolicy
 from tests.waiting import eventually, while_progressing
 
@@ -193,7 +194,7 @@ async def test_rollups_match_by_hand_and_survive_a_kill_9(
             what="the restart counted",
         )
         assert got[f"1m/{hour}"]["restarts"] == 1 and got[f"1h/{hour}"]["restarts"] == 1
-        tpm = f"tandoor:quota:tpm:{user}:{charge.window_start_ms}"
+        tpm = tokens_window_key(user, charge.window_start_ms)
 
         async def charged() -> int:
             return int(await cache.get(tpm) or 0)

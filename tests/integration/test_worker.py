@@ -18,7 +18,7 @@ from producers.control import request_cancel
 from producers.prompts import PromptSubmitter
 from schemas import topics
 from schemas.codec import decode, encode
-from schemas.events import UsageRecord
+from schemas.events import ANSWERED, UsageRecord
 from tandoor.clients import assign_from_end, redis_client
 from tandoor.settings import Settings
 from tests.integration.conftest import COALESCE_TOKENS, MAX_SEQS
@@ -42,7 +42,7 @@ async def test_reply_streams_in_order_then_final_and_usage(
         record = await _usage_for(usage, request.request_id)
     finally:
         await usage.stop()
-    assert final.finish_reason in ("stop", "length") and final.attempt == 1
+    assert final.finish_reason in ANSWERED and final.attempt == 1
     assert "Paris" in final.text
     assert [t.seq for t in tokens] == list(range(len(tokens)))
     assert final.seq == len(tokens)
@@ -185,7 +185,7 @@ async def test_bad_input_gets_errors_and_the_worker_keeps_running(
     assert "unknown model 'no-such-model'" in (finals[wrong_model.request_id].error or "")
     assert "context window" in (finals[too_long.request_id].error or "")
     assert "malformed prompt" in (finals["bad-1"].error or "")
-    assert finals[healthy.request_id].finish_reason in ("stop", "length")
+    assert finals[healthy.request_id].finish_reason in ANSWERED
     # Both dead-lettered, each once (the worker sends them concurrently: any order).
     assert sorted(r.value for r in letters) == sorted(
         [b"\xff not json", b'{"v": 1, "request_id": "bad-1"}']

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from producers.context import MESSAGE_OVERHEAD, ContextTooLong, assemble, count_tokens
 from schemas.events import ChatMessage
+from tandoor.policies.context import MESSAGE_OVERHEAD, ContextTooLong, assemble, count_tokens
 
 
 def words(n: int) -> str:

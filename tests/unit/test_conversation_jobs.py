@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from producers.gateway.chat.jobs import TITLE_MAX_CHARS, clean_title, transcript
+from producers.gateway.chat.jobs import clean_title, transcript
+from producers.gateway.conversations.protocol import AUTO_TITLE_CHARS
 
 
 @pytest.mark.parametrize(
@@ -22,7 +23,7 @@ def test_the_first_line_without_decoration(answer: str, title: str | None) -> No
 
 def test_a_long_answer_is_cut_to_fit() -> None:
     title = clean_title("word " * 40)
-    assert title is not None and len(title) <= TITLE_MAX_CHARS
+    assert title is not None and len(title) <= AUTO_TITLE_CHARS
 
 
 def test_a_transcript_starts_from_the_previous_summary() -> None:

@@ -292,7 +292,7 @@ def test_every_declared_topic_has_a_matching_kafka_topic(
         assert topic["partitions"] == spec.partitions, spec.name
         config = {k: str(v) for k, v in topic["config"].items()}
         assert {k: config.get(k) for k in spec.config} == spec.config, spec.name
-        assert topic["replicas"] == settings.cassandra_replication_factor == 3
+        assert topic["replicas"] == spec.replication == settings.kafka_replication_factor == 3
 
 
 def test_every_tandoor_setting_in_the_manifests_is_a_settings_field() -> None:

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from producers.moderation import DefaultModerator, StreamRedactor, redact
+from tandoor.policies.moderation import DefaultModerator, StreamRedactor, redact
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from infra.process import free_port
-from producers.quota import Admission, QuotaExceeded, Quotas, QuotaUnavailable
+from tandoor.policies.quota import Admission, QuotaExceeded, Quotas, QuotaUnavailable
 from tandoor.settings import TierPolicy
 
 OPEN = TierPolicy(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from producers.shedding import ModelRouter
+from producers.gateway.shedding import ModelRouter
 from tandoor.settings import Fallback, Settings
 
 

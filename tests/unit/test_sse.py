@@ -7,8 +7,8 @@ import orjson
 
 from consumers.fanout import Delivered
 from producers.gateway.chat.sse import ResumePoint, reply_frames
-from producers.moderation import StreamRedactor
 from schemas.events import Event, FinalEvent, TokenEvent, Usage
+from tandoor.policies.moderation import StreamRedactor
 
 USAGE = Usage(prompt_tokens=5, completion_tokens=3, queue_ms=0, decode_ms=0)
 

@@ -13,7 +13,8 @@ import pytest
 
 from schemas.codec import encode
 from schemas.events import UsageRecord
-from streams.app import Outputs, create_app
+from streams.app import create_app
+from streams.outputs import Outputs
 from tandoor.settings import Settings
 from tests.unit.test_rollups import final_event
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 
-from producers.gateway.chat.service import _after_summary
+from producers.gateway.chat.history import after_summary
 from producers.gateway.conversations.protocol import ConversationWithMessages, Message
 
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
@@ -40,10 +40,10 @@ def opened(summary: str | None, until: int | None) -> ConversationWithMessages:
 
 
 def test_without_a_summary_every_shown_turn_counts() -> None:
-    summary, turns = _after_summary(opened(None, None))
+    summary, turns = after_summary(opened(None, None))
     assert summary is None and [m.id for m in turns] == ["m1", "m2", "m3", "m5"]
 
 
 def test_a_summary_stands_in_for_the_turns_it_covers() -> None:
-    summary, turns = _after_summary(opened("They said hello.", until=2))
+    summary, turns = after_summary(opened("They said hello.", until=2))
     assert summary == "They said hello." and [m.id for m in turns] == ["m3", "m5"]

@@ -19,20 +19,33 @@ from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 
+import redis.asyncio as aioredis
 from aiokafka.errors import KafkaError
 
 from consumers.fanout import TokenFanout
-from producers.gateway.conversations.protocol import Conversation, Message
+from producers.gateway.conversations.protocol import (
+    AUTO_TITLE_CHARS,
+    Conversation,
+    Message,
+    provisional_title,
+)
 from producers.gateway.conversations.service import ConversationService
 from producers.prompts import PromptSubmitter
-from schemas.events import ChatMessage, FinalEvent, PromptKind, PromptRequest, Sampling, now_ms
-from tandoor.settings import Settings
+from schemas.events import (
+    ANSWERED,
+    ChatMessage,
+    FinalEvent,
+    PromptKind,
+    PromptRequest,
+    Sampling,
+    now_ms,
+)
+from tandoor.policies.redis_keys import TITLED_TTL_S, titled_key
 
 log = logging.getLogger(__name__)
 
 JOB_BAND = "batch"
 JOB_WAIT_S = 600.0  # the batch band may be busy; nobody waits on a job
-TITLE_MAX_CHARS = 60
 TITLE_INSTRUCTION = (
     "Write a title of at most six words for this conversation. "
     "Reply with the title only, no quotes."
@@ -50,7 +63,7 @@ def clean_title(text: str) -> str | None:
     if line.lower().startswith("title:"):
         line = line[6:].strip()
     line = line.strip("\"'*#` ").rstrip(".")
-    return line[:TITLE_MAX_CHARS].strip() or None
+    return line[:AUTO_TITLE_CHARS].strip() or None
 
 
 def transcript(turns: list[tuple[str, str]], previous_summary: str | None = None) -> str:
@@ -71,24 +84,32 @@ class PromptJob:
 class ConversationJobs:
     def __init__(
         self,
-        settings: Settings,
         fanout: TokenFanout,
         submitter: PromptSubmitter,
         conversations: ConversationService,
+        redis: aioredis.Redis,
     ) -> None:
-        self.settings = settings
         self.fanout = fanout
         self.submitter = submitter
         self.conversations = conversations
+        self.redis = redis
         self._tasks: set[asyncio.Task[None]] = set()
 
-    def title(self, user_id: str, conversation: Conversation, question: str, answer: str) -> None:
-        self._spawn(self._title(user_id, conversation, question, answer))
+    async def after_reply(
+        self, user_id: str, conversation: Conversation, question: str, answer: str
+    ) -> None:
+        """A reply ran to its end: a conversation without a chosen title (none yet, or
+        its first message's opening words) gets one from the model, once."""
+        if conversation.title not in (None, provisional_title(question)):
+            return
+        if await self.redis.set(titled_key(conversation.id), 1, nx=True, ex=TITLED_TTL_S):
+            self._spawn(self._title(user_id, conversation, question, answer))
 
-    def summary(
+    def after_context_cut(
         self, user_id: str, conversation: Conversation, previous: str | None, turns: list[Message]
     ) -> None:
-        """Summarize `turns` (and the summary of what came before them)."""
+        """Older `turns` no longer fit the context: summarize them (and the summary of what
+        came before them) for the next reply."""
         self._spawn(self._summary(user_id, conversation, previous, turns))
 
     async def stop(self) -> None:
@@ -160,7 +181,7 @@ class ConversationJobs:
                 while not isinstance((item := await sub.queue.get()).event, FinalEvent):
                     pass
             final = item.event
-            return final.text if final.finish_reason in ("stop", "length") else None
+            return final.text if final.finish_reason in ANSWERED else None
         except (TimeoutError, KafkaError) as exc:
             log.warning("%s job %s: no answer (%r)", kind, request_id, exc)
             return None

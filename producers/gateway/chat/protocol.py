@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from schemas.events import MAX_REPLY_TOKENS, MAX_TEMPERATURE
+
 CONTENT_MAX_CHARS = 32_000
 
 
@@ -12,8 +14,8 @@ class ReplyOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    max_tokens: int | None = Field(default=None, ge=1, le=4096)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_REPLY_TOKENS)
+    temperature: float | None = Field(default=None, ge=0.0, le=MAX_TEMPERATURE)
     ignore_eos: bool = Field(default=False, description="Generate exactly max_tokens.")
 
 

@@ -68,7 +68,7 @@ def _streamed(reply: Reply, svc: ChatService, slot: Slot) -> ReplyStream:
 
     async def stream() -> AsyncIterator[str]:
         yield start
-        async for chunk in reply_frames(reply.watch.events(), svc.deps.moderator.output_filter):
+        async for chunk in reply_frames(reply.watch.events(), svc.output_filter):
             yield chunk
 
     headers = {**SSE_HEADERS, "X-Request-Id": reply.request_id}
@@ -93,5 +93,5 @@ async def resume(
     with svc.deps.streams.reserve() as slot:
         events = await svc.resume_events(caller, conversation_id)
         resume = ResumePoint.parse(last_event_id)
-        frames = reply_frames(events, svc.deps.moderator.output_filter, resume)
+        frames = reply_frames(events, svc.output_filter, resume)
         return ReplyStream(frames, slot, svc.deps.settings.gateway_write_timeout_s, SSE_HEADERS)

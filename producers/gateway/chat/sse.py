@@ -17,8 +17,8 @@ from typing import Any
 import orjson
 
 from consumers.fanout import Delivered
-from producers.moderation import OutputFilter
 from schemas.events import FinalEvent
+from tandoor.policies.moderation import OutputFilter
 
 DONE = "data: [DONE]\n\n"
 KEEPALIVE = ": keep-alive\n\n"

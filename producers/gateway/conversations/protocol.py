@@ -6,7 +6,15 @@ import datetime as dt
 
 from pydantic import BaseModel, ConfigDict, Field
 
-TITLE_MAX = 200
+TITLE_MAX = 200  # a title the user chooses
+# A title Tandoor makes: the model's (a background job), or until then the first message's
+# opening words, which the chat page sends too (web/app.js; a unit test keeps them equal).
+AUTO_TITLE_CHARS = 60
+
+
+def provisional_title(first_message: str) -> str | None:
+    """What a new conversation is called until the model names it."""
+    return first_message[:AUTO_TITLE_CHARS] or None
 
 
 class CreateConversation(BaseModel):

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from producers.gateway.chat.protocol import CONTENT_MAX_CHARS
+from schemas.events import MAX_REPLY_TOKENS, MAX_TEMPERATURE
 
 
 class InputMessage(BaseModel):
@@ -30,7 +31,7 @@ class ChatCompletionRequest(BaseModel):
     messages: list[InputMessage] = Field(min_length=1, max_length=500)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = Field(default=None, ge=1, le=4096)
-    max_completion_tokens: int | None = Field(default=None, ge=1, le=4096)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_REPLY_TOKENS)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_REPLY_TOKENS)
+    temperature: float | None = Field(default=None, ge=0.0, le=MAX_TEMPERATURE)
     ignore_eos: bool = False  # vLLM's extension, for load tests

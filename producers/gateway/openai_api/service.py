@@ -12,10 +12,11 @@ from consumers.fanout import Delivered
 from producers.gateway.chat.protocol import ReplyOptions
 from producers.gateway.chat.service import ChatService, Reply
 from producers.gateway.chat.sse import NO_ANSWER
+from producers.gateway.conversations.protocol import provisional_title
 from producers.gateway.errors import ApiError
 from producers.gateway.openai_api.protocol import ChatCompletionRequest
-from producers.keys import Principal
 from schemas.events import ChatMessage, FinalEvent, TokenEvent
+from tandoor.policies.api_keys import Principal
 
 FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}
 
@@ -33,7 +34,7 @@ async def start_completion(
     *history, last = [_message(m.role, m.content) for m in body.messages]
     if last.role != "user":
         raise ApiError(400, "the last message must be from the user", param="messages")
-    title = last.content[:60] or None
+    title = provisional_title(last.content)
     conversation = await chat.deps.conversations.create(caller.user_id, body.model, title)
     options = ReplyOptions(
         max_tokens=body.max_completion_tokens or body.max_tokens,

@@ -7,6 +7,9 @@ import { readEvents } from "/web/sse.js";
 
 const KEY_STORAGE = "tandoor.apiKey";
 const RESUME_TRIES = 5;
+// A new chat's title until the model names it: its first message's opening characters,
+// counted as the gateway counts them (code points), which then asks the model for a title.
+const AUTO_TITLE_CHARS = 60; // producers/gateway/conversations/protocol.py
 const $ = (id) => document.getElementById(id);
 
 const state = {
@@ -134,7 +137,7 @@ async function send(text) {
   if (!state.conversation) {
     const created = await state.api.json("POST", "/v1/conversations", {
       model: $("model-picker").value,
-      title: text.slice(0, 60),
+      title: Array.from(text).slice(0, AUTO_TITLE_CHARS).join(""),
     });
     showConversation({ ...created, messages: [] });
     await loadConversations(true);

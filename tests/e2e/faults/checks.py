@@ -8,13 +8,12 @@ import asyncio
 import datetime as dt
 from typing import Any
 
+from schemas.events import ANSWERED
 from tandoor.clients import cassandra_session
 from tandoor.settings import Settings
 from tests.e2e.faults.driver import ChatClient, Turn
 from tests.e2e.stack import Stack
 from tests.waiting import eventually, until
-
-FINISHED = ("stop", "length")
 
 
 async def mid_stream(users: list[ChatClient], count: int) -> None:
@@ -62,9 +61,9 @@ def check_conversation(user: ChatClient, messages: list[dict[str, Any]]) -> None
 
 def check_turn(name: str, turn: Turn, asked: dict[str, Any], answer: dict[str, Any]) -> None:
     assert (asked["content"], asked["status"]) == (turn.content, "sent"), (name, asked)
-    assert turn.final is not None and turn.final["finish_reason"] in FINISHED, (name, turn)
+    assert turn.final is not None and turn.final["finish_reason"] in ANSWERED, (name, turn)
     assert answer["id"] == turn.request_id, (name, answer, turn)
-    assert answer["status"] == "complete" and answer["finish_reason"] in FINISHED, (name, answer)
+    assert answer["status"] == "complete" and answer["finish_reason"] in ANSWERED, (name, answer)
     assert answer["attempt"] == turn.final["attempt"], (name, answer, turn.final)
     assert answer["content"] and answer["content"] == turn.text, (name, answer, turn.text)
 

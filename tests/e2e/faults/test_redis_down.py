@@ -1,4 +1,4 @@
-"""Redis down: each tier follows its policy (README "When Redis is down"). Paid tiers
+"""Redis down: each tier follows its policy (docs/architecture.md "When Redis is down"). Paid tiers
 fail open: their chats are served, uncounted, and stored (stop answers a 503: it needs
 the in-flight record). The free tier fails closed: a 503 with Retry-After and nothing
 written. Once Redis is back, quotas count again."""

@@ -31,6 +31,12 @@ from typing import Literal, cast
 import redis.asyncio as aioredis
 
 from tandoor.clients import REDIS_DOWN
+from tandoor.policies.redis_keys import (
+    requests_log_key,
+    settled_key,
+    streams_key,
+    tokens_window_key,
+)
 from tandoor.settings import TierPolicy
 
 log = logging.getLogger(__name__)
@@ -136,9 +142,9 @@ class Quotas:
         A batch line streams to nobody: it takes no concurrent-stream slot."""
         window = now_ms - now_ms % WINDOW_MS
         keys = [
-            f"tandoor:quota:rpm:{user_id}",
-            _key("tpm", user_id, window),
-            f"tandoor:quota:streams:{user_id}",
+            requests_log_key(user_id),
+            tokens_window_key(user_id, window),
+            streams_key(user_id),
         ]
         args: list[int | str] = [
             now_ms,
@@ -180,8 +186,8 @@ class Quotas:
         if not admission.counted:
             return
         keys = [
-            _key("tpm", admission.user_id, admission.window_start_ms),
-            f"tandoor:quota:settled:{admission.request_id}",
+            tokens_window_key(admission.user_id, admission.window_start_ms),
+            settled_key(admission.request_id),
         ]
         delta = actual_tokens - admission.estimated_tokens
         try:
@@ -196,12 +202,7 @@ class Quotas:
             if self._uncounted[admission.user_id] <= 0:
                 del self._uncounted[admission.user_id]
             return
-        key = f"tandoor:quota:streams:{admission.user_id}"
         try:
-            await self._redis.zrem(key, admission.request_id)
+            await self._redis.zrem(streams_key(admission.user_id), admission.request_id)
         except REDIS_DOWN as exc:  # the slot's lease frees it later
             log.warning("%s: slot not released, Redis unreachable (%s)", admission.request_id, exc)
-
-
-def _key(kind: str, user_id: str, window_start_ms: int) -> str:
-    return f"tandoor:quota:{kind}:{user_id}:{window_start_ms}"

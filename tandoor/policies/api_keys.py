@@ -17,6 +17,7 @@ import orjson
 import redis.asyncio as aioredis
 
 from tandoor.clients import REDIS_DOWN, cassandra_session, cql, redis_client
+from tandoor.policies.redis_keys import api_key_cache_key
 from tandoor.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ class KeyStore:
             return None
         digest = key_hash(key)
         try:
-            cached = await self._cache.get(_cache_key(digest))
+            cached = await self._cache.get(api_key_cache_key(digest))
         except REDIS_DOWN as exc:  # Cassandra holds every key: slower, still right
             log.warning("key cache unreachable (%s); reading the key from Cassandra", exc)
             return await self._lookup(digest)
@@ -84,7 +85,7 @@ class KeyStore:
         principal = await self._lookup(digest)
         payload = orjson.dumps(principal.__dict__ if principal else {})
         with contextlib.suppress(*REDIS_DOWN):
-            await self._cache.set(_cache_key(digest), payload, ex=CACHE_TTL_S)
+            await self._cache.set(api_key_cache_key(digest), payload, ex=CACHE_TTL_S)
         return principal
 
     async def revoke(self, key: str) -> None:
@@ -92,7 +93,7 @@ class KeyStore:
         await cql(
             self._session, "UPDATE api_keys SET revoked = true WHERE key_hash = %s", (digest,)
         )
-        await self._cache.delete(_cache_key(digest))
+        await self._cache.delete(api_key_cache_key(digest))
 
     async def _lookup(self, digest: str) -> Principal | None:
         rows = await cql(
@@ -104,10 +105,6 @@ class KeyStore:
         if row is None or row.revoked:
             return None
         return Principal(user_id=row.user_id, tier=row.tier, key_id=row.key_id)
-
-
-def _cache_key(digest: str) -> str:
-    return f"tandoor:apikey:{digest}"
 
 
 async def create_key(settings: Settings, user_id: str, tier: str) -> tuple[str, Principal]:

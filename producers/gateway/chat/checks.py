@@ -1,0 +1,88 @@
+"""What a reply must pass before its prompt is produced, as API errors: moderation of
+the new message, the reply's length, the context budget, and the caller's quota."""
+
+from __future__ import annotations
+
+from producers.gateway.chat.protocol import ReplyOptions
+from producers.gateway.errors import ApiError, unavailable
+from schemas.events import ChatMessage
+from tandoor.policies.api_keys import Principal
+from tandoor.policies.context import Context, ContextTooLong, assemble
+from tandoor.policies.moderation import Moderator
+from tandoor.policies.quota import Admission, QuotaExceeded, Quotas, QuotaUnavailable
+from tandoor.settings import Settings
+
+
+class ReplyChecks:
+    def __init__(self, settings: Settings, moderator: Moderator, quotas: Quotas) -> None:
+        self.settings = settings
+        self.moderator = moderator
+        self.quotas = quotas
+
+    def moderated(self, content: str) -> str:
+        verdict = self.moderator.check_input(content)
+        if not verdict.allowed:
+            raise ApiError(
+                400, verdict.reason or "blocked", kind="moderation_error", param="content"
+            )
+        return verdict.text
+
+    def max_tokens(self, caller: Principal, options: ReplyOptions) -> int:
+        limit = self.settings.tiers[caller.tier].max_reply_tokens
+        if options.max_tokens is None:
+            return min(self.settings.reply_max_tokens, limit)
+        if options.max_tokens > limit:
+            raise ApiError(
+                400,
+                f"max_tokens {options.max_tokens} is above tier {caller.tier!r}'s limit of {limit}",
+                param="max_tokens",
+            )
+        return options.max_tokens
+
+    def context(
+        self,
+        asked: list[ChatMessage],
+        max_tokens: int,
+        client_context: bool,
+        summary: str | None = None,
+    ) -> Context:
+        """The chat page's history is trimmed to fit, oldest first, under the configured
+        system prompt. An API client sends the whole context itself, system prompt
+        included: if it does not fit, it is refused, never silently cut."""
+        system = None if client_context else self.settings.system_prompt
+        if summary and not client_context:
+            system = f"{system or ''}\n\nSummary of the earlier conversation: {summary}".strip()
+        window = self.settings.context_window
+        try:
+            context = assemble(system, asked, window, max_tokens)
+        except ContextTooLong as exc:
+            raise ApiError(413, str(exc), param="content") from exc
+        if client_context and context.dropped:
+            raise ApiError(
+                400,
+                f"context_length_exceeded: the messages and max_tokens {max_tokens} need more "
+                f"than the model's {window}-token context; send fewer messages or a smaller "
+                "max_tokens",
+                param="messages",
+            )
+        return context
+
+    async def admit(self, caller: Principal, request_id: str, tokens: int, now: int) -> Admission:
+        """Charge the caller's quota, or refuse with 429 (over it) or 503 (unknowable)."""
+        policy = self.settings.tiers[caller.tier]
+        try:
+            return await self.quotas.admit(caller.user_id, policy, request_id, tokens, now)
+        except QuotaUnavailable as exc:
+            raise unavailable(
+                f"quotas cannot be checked right now and tier {caller.tier!r} is not served "
+                "without them",
+                exc.retry_after_s,
+            ) from exc
+        except QuotaExceeded as exc:
+            raise ApiError(
+                429,
+                f"{exc} for tier {caller.tier!r}; retry in {exc.retry_after_s} s",
+                kind="rate_limit_error",
+                param=exc.limit,
+                headers={"Retry-After": str(exc.retry_after_s)},
+            ) from exc

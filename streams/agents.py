@@ -1,0 +1,89 @@
+"""The agents: what each record on `usage`, `tokens` and the by-model topic does to the
+rollups. `usage` is keyed by user, so the per-user rollups are filled straight from it;
+the per-model ones from the same records keyed by model (the by-model topic), where
+re-runs counted from `tokens` (a worker died mid-reply) join them."""
+
+from __future__ import annotations
+
+import logging
+from operator import methodcaller
+from typing import TypeVar
+
+import faust
+
+from schemas.codec import SchemaError, decode, is_final
+from schemas.events import Event, FinalEvent, UsageRecord
+from streams.outputs import Outputs
+from streams.rollups import restart_keys, rollup_keys
+from streams.tables import RollupTables
+
+log = logging.getLogger(__name__)
+E = TypeVar("E", bound=Event)
+
+
+def register_agents(
+    app: faust.App,
+    usage: faust.TopicT,
+    tokens: faust.TopicT,
+    by_model: faust.TopicT,
+    rollups: RollupTables,
+    out: Outputs,
+) -> None:
+    @app.agent(usage, name="rollups-by-user")
+    async def by_user_agent(stream: faust.StreamT[bytes]) -> None:
+        async for payload in stream:
+            await on_usage(payload, rollups, out)
+
+    @app.agent(tokens, name="restarts-from-tokens")
+    async def restarts_agent(stream: faust.StreamT[bytes]) -> None:
+        async for payload in stream:
+            await on_token_event(payload, out)
+
+    @app.agent(by_model, name="rollups-by-model")
+    async def by_model_agent(stream: faust.StreamT[bytes]) -> None:
+        async for payload in stream:
+            await on_by_model(payload, rollups)
+
+
+async def on_usage(payload: bytes, rollups: RollupTables, out: Outputs) -> None:
+    """Count a finished request per user, pass it on keyed by model, settle its quota."""
+    record = _decoded(UsageRecord, payload)
+    if record is not None:
+        await count(rollups, "user", record)
+        await out.by_model(record.model.encode(), payload)
+        await out.settle(record)
+
+
+async def on_token_event(payload: bytes, out: Outputs) -> None:
+    """Pass on the final events of re-runs (attempt > 1); token events are skipped
+    without being parsed."""
+    if not is_final(payload):
+        return
+    final = _decoded(FinalEvent, payload)
+    if final is not None and final.attempt > 1:
+        await out.by_model(final.model.encode(), payload)
+
+
+async def on_by_model(payload: bytes, rollups: RollupTables) -> None:
+    """A usage record or a re-run's final event, keyed by model."""
+    if is_final(payload):
+        final = _decoded(FinalEvent, payload)
+        if final is not None:
+            await rollups.update(restart_keys(final), methodcaller("add_restart", final))
+        return
+    record = _decoded(UsageRecord, payload)
+    if record is not None:
+        await count(rollups, "model", record)
+
+
+async def count(rollups: RollupTables, dimension: str, record: UsageRecord) -> None:
+    keys = [k for k in rollup_keys(record) if k[2] == dimension]
+    await rollups.update(keys, methodcaller("add", record))
+
+
+def _decoded(model: type[E], payload: bytes) -> E | None:
+    try:
+        return decode(model, payload)
+    except SchemaError as exc:
+        log.error("skipping an undecodable %s: %s", model.__name__, exc)
+        return None

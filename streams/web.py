@@ -1,0 +1,60 @@
+"""What the streams app serves on its web port: the rollups (behind the analytics
+token: they hold every user's usage), and /metrics, /health and /ready."""
+
+from __future__ import annotations
+
+import hmac
+
+import faust
+from faust.sensors.prometheus import setup_prometheus_sensors
+from faust.web import Request, Response, View
+from prometheus_client import CollectorRegistry
+
+from streams.tables import DIMENSIONS, RollupTables
+from tandoor.ops import readiness_body
+
+
+def install_pages(app: faust.App, rollups: RollupTables, token: str | None) -> None:
+    """GET /rollups/<user|model>/<key>, and the ops pages."""
+
+    @app.page("/rollups/{dimension}/{key}")
+    class Rollups(View):
+        async def get(self, request: Request, dimension: str, key: str) -> Response:
+            refused = refusal(token, request.headers.get("Authorization"))
+            if refused is not None:
+                return self.json({"error": refused}, status=401)
+            found = rollups.summaries(dimension, key)
+            if found is None:
+                expected = " or ".join(repr(d) for d in DIMENSIONS)
+                error = f"dimension is {expected}, not {dimension!r}"
+                return self.json({"error": error}, status=404)
+            return self.json({"data": found})
+
+    _install_ops_pages(app)
+
+
+def refusal(token: str | None, authorization: str | None) -> str | None:
+    """Why a rollups request is refused, or None if its bearer token is the analytics one."""
+    if token is None:
+        return "rollups over HTTP are off: set TANDOOR_ANALYTICS_TOKEN"
+    scheme, _, given = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip(), token):
+        return "send 'Authorization: Bearer <TANDOOR_ANALYTICS_TOKEN>'"
+    return None
+
+
+def _install_ops_pages(app: faust.App) -> None:
+    """/metrics (faust's Prometheus sensors: events, lag, commits...), /health, /ready."""
+    setup_prometheus_sensors(app, registry=CollectorRegistry(), name_prefix="tandoor_streams")
+
+    @app.page("/health")
+    class Health(View):
+        async def get(self, request: Request) -> Response:
+            return self.json({"role": "streams", "status": "ok"})
+
+    @app.page("/ready")
+    class Ready(View):
+        async def get(self, request: Request) -> Response:
+            checks = {"kafka": bool(app.consumer.assignment()), "rebalanced": not app.rebalancing}
+            ready = all(checks.values())
+            return self.json(readiness_body("streams", ready, checks), status=200 if ready else 503)

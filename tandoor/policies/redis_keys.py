@@ -1,0 +1,69 @@
+"""Every Redis key Tandoor uses, named in one place: what it holds, who writes it, and how
+long it lives. Roles build keys only through these functions."""
+
+from __future__ import annotations
+
+PREFIX = "tandoor"
+
+ATTEMPT_TTL_S = 24 * 3600
+CANCEL_TTL_S = 3600
+TITLED_TTL_S = 30 * 24 * 3600
+
+
+# Requests (gateway and workers).
+
+
+def attempt_key(request_id: str) -> str:
+    """A request's current attempt: a worker that takes it again runs the next one."""
+    return f"{PREFIX}:attempt:{request_id}"
+
+
+def done_key(request_id: str) -> str:
+    """Set once a request is finished or withdrawn: workers drop it on arrival."""
+    return f"{PREFIX}:done:{request_id}"
+
+
+def cancel_key(request_id: str) -> str:
+    """A cancel that may come before any worker has taken the prompt."""
+    return f"{PREFIX}:cancel:{request_id}"
+
+
+def inflight_key(conversation_id: str) -> str:
+    """The reply a conversation is generating now (stop, resume, regenerate)."""
+    return f"{PREFIX}:inflight:{conversation_id}"
+
+
+def titled_key(conversation_id: str) -> str:
+    """Set once a conversation's title job was asked for: it is asked once."""
+    return f"{PREFIX}:titled:{conversation_id}"
+
+
+# Quotas (tandoor/policies/quota.py).
+
+
+def requests_log_key(user_id: str) -> str:
+    """The user's requests of the last minute (a sorted set: requests per minute)."""
+    return f"{PREFIX}:quota:rpm:{user_id}"
+
+
+def tokens_window_key(user_id: str, window_start_ms: int) -> str:
+    """Tokens charged in one fixed minute window (tokens per minute)."""
+    return f"{PREFIX}:quota:tpm:{user_id}:{window_start_ms}"
+
+
+def streams_key(user_id: str) -> str:
+    """The user's open streams, each with its lease's end (concurrent streams)."""
+    return f"{PREFIX}:quota:streams:{user_id}"
+
+
+def settled_key(request_id: str) -> str:
+    """Set once a request's estimate was replaced with its real usage."""
+    return f"{PREFIX}:quota:settled:{request_id}"
+
+
+# API keys (tandoor/policies/api_keys.py).
+
+
+def api_key_cache_key(digest: str) -> str:
+    """Who a key (by its SHA-256 digest) acts for, cached from Cassandra."""
+    return f"{PREFIX}:apikey:{digest}"
