@@ -3,6 +3,8 @@ the new message, the reply's length, the context budget, and the caller's quota.
 
 from __future__ import annotations
 
+import asyncio
+
 from producers.gateway.chat.protocol import ReplyOptions
 from producers.gateway.errors import ApiError, unavailable
 from schemas.events import ChatMessage
@@ -12,6 +14,8 @@ from tandoor.policies.moderation import Moderator
 from tandoor.policies.quota import Admission, QuotaExceeded, Quotas, QuotaUnavailable
 from tandoor.settings import Settings
 
+OFF_LOOP_CHARS = 16_384
+
 
 class ReplyChecks:
     def __init__(self, settings: Settings, moderator: Moderator, quotas: Quotas) -> None:
@@ -19,8 +23,14 @@ class ReplyChecks:
         self.moderator = moderator
         self.quotas = quotas
 
-    def moderated(self, content: str) -> str:
-        verdict = self.moderator.check_input(content)
+    async def moderated(self, content: str) -> str:
+        """The message as the model may see it (redacted), or a 400 naming a blocked term.
+        Long messages are checked in a thread: linear time still means milliseconds per
+        megabyte, which the event loop's other streams should not wait for."""
+        if len(content) > OFF_LOOP_CHARS:
+            verdict = await asyncio.to_thread(self.moderator.check_input, content)
+        else:
+            verdict = self.moderator.check_input(content)
         if not verdict.allowed:
             raise ApiError(
                 400, verdict.reason or "blocked", kind="moderation_error", param="content"

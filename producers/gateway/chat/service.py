@@ -89,8 +89,8 @@ class ChatService:
         self.deps = deps
         self.inflight = InFlight(deps.redis)
 
-    def moderated(self, content: str) -> str:
-        return self.deps.checks.moderated(content)
+    async def moderated(self, content: str) -> str:
+        return await self.deps.checks.moderated(content)
 
     @property
     def output_filter(self) -> Callable[[], OutputFilter]:
@@ -99,7 +99,7 @@ class ChatService:
     async def post(self, caller: Principal, conversation_id: str, body: PostMessage) -> Reply:
         opened = await self.deps.conversations.get(caller.user_id, conversation_id)
         conversation = Conversation(**opened.model_dump(include=set(Conversation.model_fields)))
-        text = self.moderated(body.content)
+        text = await self.moderated(body.content)
         summary, turns = after_summary(opened)
         reply = await self.reply(
             caller, conversation, [as_chat(m) for m in turns], text, body, summary=summary
@@ -132,7 +132,7 @@ class ChatService:
         at = next((i for i, m in enumerate(shown) if m.id == message_id and m.role == "user"), None)
         if at is None:
             raise not_found("user message")
-        text = self.moderated(body.content)
+        text = await self.moderated(body.content)
         await self.deps.conversations.mark_replaced(conversation_id, shown[at:])
         return await self.reply(caller, conversation, usable(shown[:at]), text, body)
 

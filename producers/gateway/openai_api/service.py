@@ -31,7 +31,9 @@ async def start_completion(
             kind="invalid_request_error",
             param="model",
         )
-    *history, last = [_message(m.role, m.content) for m in body.messages]
+    *history, last = [
+        _message(m.role, await chat.moderated(m.content)) for m in body.messages
+    ]  # every message, as the chat surface checks each message it is sent
     if last.role != "user":
         raise ApiError(400, "the last message must be from the user", param="messages")
     title = provisional_title(last.content)
@@ -41,8 +43,9 @@ async def start_completion(
         temperature=body.temperature,
         ignore_eos=body.ignore_eos,
     )
-    text = chat.moderated(last.content)
-    return await chat.reply(caller, conversation, history, text, options, client_context=True)
+    return await chat.reply(
+        caller, conversation, history, last.content, options, client_context=True
+    )
 
 
 async def completion_body(reply: Reply) -> dict[str, Any]:
