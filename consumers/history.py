@@ -69,7 +69,7 @@ class HistoryWriter:
 
     async def store(self, final: FinalEvent) -> None:
         writes = [self._store_usage(final)]
-        if final.kind == "chat" and final.conversation_id:
+        if final.kind == "chat" and final.store and final.conversation_id:
             writes += [self._store_message(final), self._touch_conversation(final)]
         if final.kind == "batch" and final.batch_id:
             writes.append(self._store_batch_result(final, final.batch_id))

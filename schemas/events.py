@@ -21,6 +21,8 @@ PromptKind = Literal["chat", "title", "summary", "batch"]
 # What any surface (chat API, OpenAI API, batch lines) accepts for one reply.
 MAX_REPLY_TOKENS = 4096
 MAX_TEMPERATURE = 2.0
+MAX_PENALTY = 2.0  # presence and frequency penalties, either sign (OpenAI's range)
+MAX_STOP_SEQUENCES = 4
 
 
 def now_ms() -> int:
@@ -50,6 +52,8 @@ class Sampling(BaseModel):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     seed: int | None = None
     stop: list[str] = Field(default_factory=list)
+    presence_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
     # Generate exactly max_tokens (benchmarks and load tests; vLLM's ignore_eos).
     ignore_eos: bool = False
 
@@ -77,6 +81,9 @@ class PromptRequest(Event):
     # What admission charged to the tokens-per-minute quota (prompt + max_tokens), in
     # the minute of created_at_ms; settled against the real usage once it is known.
     charged_tokens: int = Field(default=0, ge=0)
+    # False: the reply is not kept as a conversation message (OpenAI's `store: false`);
+    # its usage still is.
+    store: bool = True
 
 
 class TokenEvent(Event):
@@ -122,6 +129,7 @@ class FinalEvent(Event):
     # The prompt's creation time: stable across attempts, so stores key on it.
     prompt_created_at_ms: int | None = None
     batch_id: str | None = None
+    store: bool = True  # the prompt's
 
 
 class ControlEvent(Event):

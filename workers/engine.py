@@ -210,6 +210,8 @@ def _sampling_params(sampling: Sampling) -> SamplingParams:
         top_p=sampling.top_p,
         seed=sampling.seed,
         stop=list(sampling.stop),
+        presence_penalty=sampling.presence_penalty,
+        frequency_penalty=sampling.frequency_penalty,
         ignore_eos=sampling.ignore_eos,
         output_kind=RequestOutputKind.DELTA,  # only the new text in each output
     )

@@ -223,6 +223,7 @@ class RequestRunner:
             created_at_ms=now_ms(),
             prompt_created_at_ms=prompt.created_at_ms,
             batch_id=prompt.batch_id,
+            store=prompt.store,
         )
         await self.publisher.final(final, prompt.reply_partition)
         await self.ledger.mark_done(prompt.request_id, attempt.number)

@@ -59,6 +59,15 @@ def error_body(message: str, kind: str, param: str | None = None) -> dict[str, A
     return {"error": {"message": message, "type": kind, "param": param, "code": None}}
 
 
+def count(text: str, limit: int = 2**31) -> int | None:
+    """A non-negative integer a client sent, or None: ASCII digits only (str.isdigit
+    takes '²', which int() refuses) and below `limit` (a huge number is no position)."""
+    if not (text.isascii() and text.isdigit()) or len(text) > len(str(limit)):
+        return None
+    value = int(text)
+    return value if value < limit else None
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Every error in one place, each as JSON that names the problem."""
 

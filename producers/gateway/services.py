@@ -61,9 +61,9 @@ async def open_services(settings: Settings, slots: StreamSlots) -> AsyncIterator
         stack.push_async_callback(backlog.stop)
         conversations = ConversationService(session, settings.models)
         submitter = PromptSubmitter(settings, producer)
-        jobs = ConversationJobs(fanout, submitter, conversations, cache)
-        stack.push_async_callback(jobs.stop)
         quotas, moderator = Quotas(cache), DefaultModerator(settings.moderation_blocklist)
+        jobs = ConversationJobs(fanout, submitter, conversations, cache, moderator)
+        stack.push_async_callback(jobs.stop)
         chat = ChatService(
             ChatDeps(
                 settings=settings,

@@ -60,6 +60,7 @@ async def stack(
     env["TANDOOR_FALLBACKS"] = json.dumps({m: f.model_dump() for m, f in fallbacks.items()})
     env["TANDOOR_BACKLOG_POLL_S"] = "0.5"
     env["TANDOOR_LOG_FORMAT"] = "json"  # test_operations follows request ids through them
+    env["TANDOOR_WORKER_GRACE_S"] = "2"  # at teardown, no waiting for title jobs to end
     settings = cassandra.model_copy(
         update={"models": [model, big], "fallbacks": fallbacks, "tiers": tiers}
     )

@@ -7,6 +7,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from schemas.events import ANSWERED
 from tests.e2e.helpers import auth, stored_reply
@@ -103,3 +104,60 @@ async def openai_errors(api: openai.AsyncOpenAI, wrong: openai.AsyncOpenAI, stac
             model=stack.settings.models[0],
             messages=[{"role": "system", "content": "Be brief."}, *turns],  # type: ignore[list-item]
         )
+
+
+async def test_sampling_parameters_reach_the_model(stack: Stack) -> None:
+    question: list[ChatCompletionMessageParam] = [
+        {"role": "user", "content": "Name a fruit and describe it."}
+    ]
+    model = stack.settings.models[0]
+    async with client(stack, await api_key(stack)) as api:
+        seeded = [
+            await api.chat.completions.create(
+                model=model,
+                messages=question,
+                temperature=1.0,
+                seed=7,
+                max_tokens=8,
+            )
+            for _ in range(2)
+        ]
+        capital: list[ChatCompletionMessageParam] = [
+            {"role": "user", "content": "What is the capital of France?"}
+        ]
+        stopped = await api.chat.completions.create(
+            model=model,
+            messages=capital,
+            temperature=0,
+            max_tokens=32,
+            stop=["Paris"],
+        )
+        tuned = await api.chat.completions.create(
+            model=model,
+            messages=capital,
+            max_tokens=8,
+            top_p=0.5,
+            presence_penalty=0.5,
+            frequency_penalty=0.5,
+            user="end-user-42",
+        )
+    texts = [c.choices[0].message.content for c in seeded]
+    assert texts[0] and texts[0] == texts[1], texts  # the same seed, the same sample
+    assert stopped.choices[0].finish_reason == "stop"
+    assert "Paris" not in (stopped.choices[0].message.content or "")
+    assert tuned.choices[0].message.content and tuned.usage is not None
+
+
+async def test_store_false_keeps_no_conversation(stack: Stack) -> None:
+    key = await api_key(stack)
+    async with client(stack, key) as api:
+        completion = await api.chat.completions.create(
+            model=stack.settings.models[0],
+            messages=[{"role": "user", "content": "Say hello."}],
+            max_tokens=8,
+            store=False,
+        )
+    assert completion.choices[0].message.content
+    async with httpx.AsyncClient(base_url=stack.url) as http:
+        listed = await http.get("/v1/conversations", headers={"Authorization": f"Bearer {key}"})
+    assert listed.json()["data"] == []

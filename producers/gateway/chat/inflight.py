@@ -1,5 +1,8 @@
 """The reply each conversation is generating now, in Redis: what stop, resume and the
-one-reply-at-a-time check read. Set when a prompt is queued, cleared by its final."""
+one-reply-at-a-time rule read. Claimed atomically before the prompt is queued (two
+posts at once cannot both run), released by its final. A record left by a gateway
+that died is stale once its request is done (a worker published its final) or was
+never taken by its start deadline; a new reply may then take its place."""
 
 from __future__ import annotations
 
@@ -12,42 +15,68 @@ import redis.asyncio as aioredis
 
 from consumers.fanout import Subscription
 from producers.gateway.errors import ApiError
+from schemas.events import now_ms
 from tandoor.clients import REDIS_DOWN
-from tandoor.policies.redis_keys import inflight_key
+from tandoor.policies.redis_keys import attempt_key, done_key, inflight_key
 
 log = logging.getLogger(__name__)
 
-INFLIGHT_TTL_S = 3600
+TTL_S = 3600  # past it a record whose reply was never settled lapses
+
+
+# Replace a stale record only if it is still the one judged stale.
+REPLACE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('SET', KEYS[1], ARGV[2], 'EX', tonumber(ARGV[3]))
+  return 1
+end
+return 0
+"""
 
 
 class InFlight:
     def __init__(self, redis: aioredis.Redis) -> None:
         self._redis = redis
+        self._replace = redis.register_script(REPLACE)
 
-    async def mark(self, conversation_id: str, sub: Subscription) -> None:
-        """Where the reply's events start; Redis down: the reply still streams, and stop
-        and resume wait for Redis."""
-        record = {
-            "request_id": sub.request_id,
-            "partition": sub.partition,
-            "offset": sub.next_offset,
-        }
+    async def claim(self, conversation_id: str, sub: Subscription, start_by_ms: int) -> bool:
+        """Record the reply as the conversation's running one, where its events start;
+        False if another live reply holds the conversation. Redis down: the reply runs
+        unrecorded (stop and resume wait for Redis)."""
+        record = orjson.dumps(
+            {
+                "request_id": sub.request_id,
+                "partition": sub.partition,
+                "offset": sub.next_offset,
+                "start_by_ms": start_by_ms,
+            }
+        )
+        key = inflight_key(conversation_id)
         try:
-            await self._redis.set(
-                inflight_key(conversation_id), orjson.dumps(record), ex=INFLIGHT_TTL_S
-            )
+            if await self._redis.set(key, record, nx=True, ex=TTL_S):
+                return True
+            held = await self._redis.get(key)
+            if held is None or not await self._stale(orjson.loads(held)):
+                return False
+            return bool(await self._replace(keys=[key], args=[held, record, TTL_S]))
         except REDIS_DOWN as exc:
             log.warning("%s: not marked in flight, Redis unreachable (%s)", sub.request_id, exc)
+            return True
 
-    async def clear(self, conversation_id: str) -> None:
-        with contextlib.suppress(*REDIS_DOWN):  # then the mark expires by itself
-            await self._redis.delete(inflight_key(conversation_id))
+    async def _stale(self, record: dict[str, Any]) -> bool:
+        """Its request is done, or nobody took it before it had to start."""
+        request_id = record["request_id"]
+        if await self._redis.exists(done_key(request_id)):
+            return True
+        taken = await self._redis.exists(attempt_key(request_id))
+        return not taken and now_ms() > int(record.get("start_by_ms", 0))
 
-    async def clear_if(self, conversation_id: str, request_id: str) -> None:
-        """Clear the mark only if it is still `request_id`'s."""
-        current = await self.current(conversation_id)
-        if current is not None and current["request_id"] == request_id:
-            await self._redis.delete(inflight_key(conversation_id))
+    async def release(self, conversation_id: str, request_id: str) -> None:
+        """Drop the record if it is still `request_id`'s (another reply's stays)."""
+        with contextlib.suppress(*REDIS_DOWN):  # then the record expires by itself
+            current = await self.current(conversation_id)
+            if current is not None and current["request_id"] == request_id:
+                await self._redis.delete(inflight_key(conversation_id))
 
     async def current(self, conversation_id: str) -> dict[str, Any] | None:
         """{"request_id", "partition", "offset"} of the running reply, or None."""
@@ -65,5 +94,6 @@ class InFlight:
         return current
 
     async def ensure_idle(self, conversation_id: str) -> None:
-        if await self._redis.exists(inflight_key(conversation_id)):
+        held = await self.current(conversation_id)
+        if held is not None and not await self._stale(held):
             raise ApiError(409, "a reply is being generated: stop it first", kind="conflict_error")

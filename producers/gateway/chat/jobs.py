@@ -40,6 +40,7 @@ from schemas.events import (
     Sampling,
     now_ms,
 )
+from tandoor.policies.moderation import Moderator
 from tandoor.policies.redis_keys import TITLED_TTL_S, titled_key
 
 log = logging.getLogger(__name__)
@@ -88,11 +89,13 @@ class ConversationJobs:
         submitter: PromptSubmitter,
         conversations: ConversationService,
         redis: aioredis.Redis,
+        moderator: Moderator,
     ) -> None:
         self.fanout = fanout
         self.submitter = submitter
         self.conversations = conversations
         self.redis = redis
+        self.moderator = moderator
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def after_reply(
@@ -181,7 +184,10 @@ class ConversationJobs:
                 while not isinstance((item := await sub.queue.get()).event, FinalEvent):
                     pass
             final = item.event
-            return final.text if final.finish_reason in ANSWERED else None
+            # A title or summary is shown and reused like a reply: moderated like one.
+            return (
+                self.moderator.check_output(final.text) if final.finish_reason in ANSWERED else None
+            )
         except (TimeoutError, KafkaError) as exc:
             log.warning("%s job %s: no answer (%r)", kind, request_id, exc)
             return None

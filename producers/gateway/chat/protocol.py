@@ -2,20 +2,39 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from pydantic import BaseModel, ConfigDict, Field
 
-from schemas.events import MAX_REPLY_TOKENS, MAX_TEMPERATURE
+from schemas.events import (
+    MAX_PENALTY,
+    MAX_REPLY_TOKENS,
+    MAX_STOP_SEQUENCES,
+    MAX_TEMPERATURE,
+)
 
 CONTENT_MAX_CHARS = 32_000
 
 
-class ReplyOptions(BaseModel):
-    """How to generate a reply (regenerate takes only these)."""
+class SamplingOptions(BaseModel):
+    """How the model picks its tokens, the same on every surface (unset: its default)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    max_tokens: int | None = Field(default=None, ge=1, le=MAX_REPLY_TOKENS)
     temperature: float | None = Field(default=None, ge=0.0, le=MAX_TEMPERATURE)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    stop: list[Annotated[str, Field(min_length=1)]] | None = Field(
+        default=None, max_length=MAX_STOP_SEQUENCES
+    )
+    presence_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+
+
+class ReplyOptions(SamplingOptions):
+    """How to generate a reply (regenerate takes only these)."""
+
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_REPLY_TOKENS)
     ignore_eos: bool = Field(default=False, description="Generate exactly max_tokens.")
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -51,12 +52,23 @@ class Reply:
     summarized: bool = False  # a summary stood in for turns before them
 
 
+@dataclass(frozen=True)
+class ApiCall:
+    """An OpenAI API call: the client sends the whole context; its conversation is opened
+    only once the call is admitted (a refused call leaves none behind), and not kept at
+    all with `store: false`; it asks for no title or summary, which nobody would read."""
+
+    model: str
+    title: str | None
+    store: bool = True
+
+
 @dataclass
 class _Prompt:
     """Everything decided before the prompt is produced."""
 
     caller: Principal
-    conversation: Conversation
+    conversation: Conversation | ApiCall  # an ApiCall's is opened when it is produced
     model: str
     text: str | None
     messages: list[ChatMessage]
@@ -139,15 +151,15 @@ class ChatService:
     async def reply(
         self,
         caller: Principal,
-        conversation: Conversation,
+        conversation: Conversation | ApiCall,
         history: list[ChatMessage],
         new_text: str | None,
         options: ReplyOptions,
-        client_context: bool = False,
         summary: str | None = None,
     ) -> Reply:
         """Context, quota, then the prompt: the part every way of asking shares."""
         d = self.deps
+        client_context = isinstance(conversation, ApiCall)
         max_tokens = d.checks.max_tokens(caller, options)
         asked = [
             *history,
@@ -206,54 +218,93 @@ class ChatService:
         """A resumed reply whose gateway died: nobody else will mark it finished."""
         async for item in events:
             if isinstance(item.event, FinalEvent):  # before the client may close the stream
-                await self.inflight.clear_if(conversation_id, request_id)
+                await self.inflight.release(conversation_id, request_id)
             yield item
 
     async def _start(self, p: _Prompt) -> Reply:
         """Store the user's message (if there is a new one), produce the prompt, follow it."""
         d = self.deps
-        user_message_id = f"m_{uuid.uuid4().hex}" if p.text is not None else None
-        if p.text is not None and user_message_id is not None:
-            await d.conversations.add_user_message(
-                p.caller.user_id, p.conversation, user_message_id, p.text, p.now
-            )
+        store = not isinstance(p.conversation, ApiCall) or p.conversation.store
+        conversation = p.conversation = await self._opened(p.caller, p.conversation)
         sub = await d.fanout.subscribe(p.request_id)
+        start_by = p.now + int((d.settings.queue_timeout_s + d.settings.no_worker_grace_s) * 1000)
+        if not await self.inflight.claim(conversation.id, sub, start_by):  # one at a time
+            d.fanout.unsubscribe(sub)
+            raise ApiError(409, "a reply is being generated: stop it first", kind="conflict_error")
+        user_message_id = f"m_{uuid.uuid4().hex}" if p.text is not None and store else None
+        try:
+            if p.text is not None and user_message_id is not None:
+                await d.conversations.add_user_message(
+                    p.caller.user_id, conversation, user_message_id, p.text, p.now
+                )
+            await self._produce(p, conversation, sub, store, user_message_id)
+        except BaseException:
+            d.fanout.unsubscribe(sub)
+            await self.inflight.release(conversation.id, p.request_id)
+            raise
+        watch = self._follow(p, conversation, sub)
+        return Reply(
+            p.request_id, conversation, p.model, user_message_id, watch, p.dropped, p.summarized
+        )
+
+    async def _produce(
+        self,
+        p: _Prompt,
+        conversation: Conversation,
+        sub: Subscription,
+        store: bool,
+        user_message_id: str | None,
+    ) -> None:
+        """Hand the prompt to Kafka; if Kafka does not take it, the message is failed."""
+        d = self.deps
         prompt = PromptRequest(
             request_id=p.request_id,
             model=p.model,
             user_id=p.caller.user_id,
             tier=p.caller.tier,
             band=d.settings.tiers[p.caller.tier].band,
-            conversation_id=p.conversation.id,
+            conversation_id=conversation.id,
             messages=p.messages,
-            sampling=Sampling(
-                max_tokens=p.max_tokens,
-                temperature=_temperature(p.options),
-                ignore_eos=p.options.ignore_eos,
-            ),
+            sampling=_sampling(p.options, p.max_tokens),
             created_at_ms=p.now,
             deadline_ms=p.now + int(d.settings.queue_timeout_s * 1000),
             reply_partition=sub.partition,
             prompt_tokens_estimate=p.admission.estimated_tokens - p.max_tokens,
             # Admitted uncounted (Redis was down): nothing for the usage stream to settle.
             charged_tokens=p.admission.estimated_tokens if p.admission.counted else 0,
+            store=store,
         )
         try:
             await asyncio.wait_for(d.submitter.submit(prompt), d.settings.kafka_send_timeout_s)
         except (KafkaError, TimeoutError) as exc:
-            d.fanout.unsubscribe(sub)
             await self._withdraw(p.request_id)
             if user_message_id is not None:
-                await d.conversations.mark_failed(p.conversation.id, user_message_id, p.now)
+                await d.conversations.mark_failed(conversation.id, user_message_id, p.now)
             raise ApiError(
                 503,
                 "the prompt queue is unreachable; your message is saved as failed, please retry",
                 kind="service_unavailable",
                 headers={"Retry-After": str(QUEUE_RETRY_S)},
             ) from exc
-        watch = await self._follow(p, sub)
-        return Reply(
-            p.request_id, p.conversation, p.model, user_message_id, watch, p.dropped, p.summarized
+
+    async def _opened(
+        self, caller: Principal, conversation: Conversation | ApiCall
+    ) -> Conversation:
+        """The conversation to answer in: an API call's is made now (kept unless told not
+        to be: then it exists only in the prompt's id)."""
+        if not isinstance(conversation, ApiCall):
+            return conversation
+        if conversation.store:
+            return await self.deps.conversations.create(
+                caller.user_id, conversation.model, conversation.title
+            )
+        now = dt.datetime.now(dt.UTC)
+        return Conversation(
+            id=f"c_{uuid.uuid4().hex}",
+            model=conversation.model,
+            title=conversation.title,
+            created_at=now,
+            updated_at=now,
         )
 
     async def _withdraw(self, request_id: str) -> None:
@@ -263,25 +314,29 @@ class ChatService:
         with contextlib.suppress(*REDIS_DOWN):
             await self.deps.redis.set(done_key(request_id), 0, ex=ATTEMPT_TTL_S)
 
-    async def _follow(self, p: _Prompt, sub: Subscription) -> ReplyWatch:
-        """Record the reply as in flight; when it ends, settle its quota, and let the
-        conversation's jobs know (a title after its first reply)."""
+    def _follow(self, p: _Prompt, conversation: Conversation, sub: Subscription) -> ReplyWatch:
+        """When the reply ends: its in-flight record goes, its quota is settled, and the
+        conversation's jobs hear of it (a title after its first reply)."""
         d = self.deps
-        conversation_id = p.conversation.id
-        await self.inflight.mark(conversation_id, sub)
+        asks_jobs = p.text is not None and not isinstance(p.conversation, ApiCall)
 
         async def finished(final: FinalEvent | None) -> None:
             d.fanout.unsubscribe(sub)
-            await self.inflight.clear(conversation_id)
+            await self.inflight.release(conversation.id, p.request_id)
             used = final.usage.prompt_tokens + final.usage.completion_tokens if final else 0
             await d.quotas.settle(p.admission, used)
             await d.quotas.release(p.admission)
-            if final and final.finish_reason in ANSWERED and p.text is not None:
-                await d.jobs.after_reply(p.caller.user_id, p.conversation, p.text, final.text)
+            if final and final.finish_reason in ANSWERED and asks_jobs and p.text is not None:
+                await d.jobs.after_reply(p.caller.user_id, conversation, p.text, final.text)
 
         # The worker answers an expired prompt itself; silence past that means no worker.
         return ReplyWatch(sub, d.settings.queue_timeout_s + d.settings.no_worker_grace_s, finished)
 
 
-def _temperature(body: ReplyOptions) -> float:
-    return 0.7 if body.temperature is None else body.temperature  # 0 is greedy, not unset
+def _sampling(options: ReplyOptions, max_tokens: int) -> Sampling:
+    """The options a caller set, over Sampling's defaults for the rest."""
+    chosen = options.model_dump(
+        include={"temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty"},
+        exclude_none=True,  # 0 is a choice (greedy), None is not
+    )
+    return Sampling(max_tokens=max_tokens, ignore_eos=options.ignore_eos, **chosen)

@@ -17,6 +17,7 @@ from typing import Any
 import orjson
 
 from consumers.fanout import Delivered
+from producers.gateway.errors import ApiError, count
 from schemas.events import FinalEvent
 from tandoor.policies.moderation import OutputFilter
 
@@ -37,10 +38,15 @@ class ResumePoint:
 
     @classmethod
     def parse(cls, value: str | None) -> ResumePoint | None:
-        attempt, sep, chars = (value or "").partition(".")
-        if sep and attempt.isdigit() and chars.isdigit():
-            return cls(int(attempt), int(chars))
-        return None
+        """An event id this gateway sent (`<attempt>.<characters>`), None for no header;
+        anything else is a 400 (non-ASCII digits and huge numbers included)."""
+        if value is None:
+            return None
+        attempt, sep, chars = value.partition(".")
+        number, sent = count(attempt), count(chars)
+        if not sep or number is None or sent is None:
+            raise ApiError(400, "Last-Event-ID: not an id this stream sent", param="Last-Event-ID")
+        return cls(number, sent)
 
 
 class _Attempt:

@@ -14,7 +14,7 @@ from producers.gateway.conversations.protocol import (
     ConversationWithMessages,
     Message,
 )
-from producers.gateway.errors import ApiError, not_found
+from producers.gateway.errors import ApiError, count, not_found
 from tandoor.clients import cql
 
 
@@ -306,10 +306,14 @@ def _from_ms(ms: int) -> dt.datetime:
     return dt.datetime(1970, 1, 1, tzinfo=dt.UTC) + dt.timedelta(milliseconds=ms)
 
 
+MAX_CURSOR_MS = 253_402_300_800_000  # year 10000: past it is no time a cursor can hold
+
+
 def _parse_cursor(cursor: str | None) -> tuple[dt.datetime, str] | None:
     if cursor is None:
         return None
     ms, sep, conversation_id = cursor.partition("~")
-    if not sep or not ms.isdigit() or not conversation_id:
+    at = count(ms, MAX_CURSOR_MS)
+    if not sep or at is None or not conversation_id:
         raise ApiError(400, "cursor: not a value from next_cursor", param="cursor")
-    return _from_ms(int(ms)), conversation_id
+    return _from_ms(at), conversation_id

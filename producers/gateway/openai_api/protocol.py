@@ -1,31 +1,40 @@
-"""The subset of OpenAI's chat-completions protocol Tandoor speaks."""
+"""The subset of OpenAI's chat-completions protocol Tandoor speaks. Every parameter is
+honoured or refused with a 400 that names it, never silently dropped: an unknown one
+is refused too (the official client sends only what its caller set)."""
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from producers.gateway.chat.protocol import CONTENT_MAX_CHARS
-from schemas.events import MAX_REPLY_TOKENS, MAX_TEMPERATURE
+from producers.gateway.chat.protocol import CONTENT_MAX_CHARS, SamplingOptions
+from schemas.events import MAX_REPLY_TOKENS, MAX_STOP_SEQUENCES
 
 
 class InputMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore")  # e.g. `name`: kept out of the prompt
 
     role: Literal["system", "developer", "user", "assistant"]
     content: str = Field(max_length=CONTENT_MAX_CHARS)
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     include_usage: bool = False
 
 
-class ChatCompletionRequest(BaseModel):
-    # Clients send many optional fields; the ones Tandoor does not use are ignored.
-    model_config = ConfigDict(extra="ignore")
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"] = Field(
+        description="Only plain text: structured output (json_object, json_schema) is refused."
+    )
+
+
+class ChatCompletionRequest(SamplingOptions):
+    model_config = ConfigDict(extra="forbid")
 
     model: str
     messages: list[InputMessage] = Field(min_length=1, max_length=500)
@@ -33,5 +42,37 @@ class ChatCompletionRequest(BaseModel):
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(default=None, ge=1, le=MAX_REPLY_TOKENS)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_REPLY_TOKENS)
-    temperature: float | None = Field(default=None, ge=0.0, le=MAX_TEMPERATURE)
+    stop: str | list[str] | None = None  # type: ignore[assignment]  # a string too
+    n: int | None = Field(default=None, description="Only 1: one choice per request.")
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    user: str | None = Field(default=None, max_length=256, description="Logged with the request.")
+    store: bool | None = Field(default=None, description="false: no conversation is kept.")
     ignore_eos: bool = False  # vLLM's extension, for load tests
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, stop: str | list[str] | None) -> list[str] | None:
+        stops = [stop] if isinstance(stop, str) else stop
+        if stops is not None and (len(stops) > MAX_STOP_SEQUENCES or not all(stops)):
+            raise ValueError(f"up to {MAX_STOP_SEQUENCES} non-empty stop sequences")
+        return stops
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n: int | None) -> int | None:
+        if n not in (None, 1):
+            raise ValueError("only 1 is supported: one choice per request")
+        return n
+
+    @field_validator("logprobs", "top_logprobs")
+    @classmethod
+    def _no_logprobs(cls, value: bool | int | None) -> None:
+        if value:
+            raise ValueError("log probabilities are not supported")
+        return None
+
+    @property
+    def reply_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens

@@ -37,11 +37,12 @@ async def models(caller: Caller, deps: Annotated[Services, Depends(services)]) -
 async def chat_completions(
     body: ChatCompletionRequest, caller: Caller, svc: Chat
 ) -> dict[str, Any] | StreamingResponse:
+    moderator = svc.deps.checks.moderator
     if not body.stream:
-        return await completion_body(await start_completion(svc, caller, body))
+        return await completion_body(await start_completion(svc, caller, body), moderator)
     with svc.deps.streams.reserve() as slot:
         reply = await start_completion(svc, caller, body)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        chunks = completion_chunks(reply, include_usage)
+        chunks = completion_chunks(reply, include_usage, moderator.output_filter())
         timeout = svc.deps.settings.gateway_write_timeout_s
         return ReplyStream(chunks, slot, timeout, SSE_HEADERS, resumable=False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -9,14 +10,17 @@ from typing import Any
 import orjson
 
 from consumers.fanout import Delivered
-from producers.gateway.chat.protocol import ReplyOptions
-from producers.gateway.chat.service import ChatService, Reply
+from producers.gateway.chat.protocol import ReplyOptions, SamplingOptions
+from producers.gateway.chat.service import ApiCall, ChatService, Reply
 from producers.gateway.chat.sse import NO_ANSWER
 from producers.gateway.conversations.protocol import provisional_title
 from producers.gateway.errors import ApiError
 from producers.gateway.openai_api.protocol import ChatCompletionRequest
 from schemas.events import ChatMessage, FinalEvent, TokenEvent
 from tandoor.policies.api_keys import Principal
+from tandoor.policies.moderation import Moderator, OutputFilter
+
+log = logging.getLogger(__name__)
 
 FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}
 
@@ -36,20 +40,19 @@ async def start_completion(
     ]  # every message, as the chat surface checks each message it is sent
     if last.role != "user":
         raise ApiError(400, "the last message must be from the user", param="messages")
-    title = provisional_title(last.content)
-    conversation = await chat.deps.conversations.create(caller.user_id, body.model, title)
+    if body.user:
+        log.info("completion for end user %r of %s", body.user, caller.user_id)
+    call = ApiCall(body.model, provisional_title(last.content), store=body.store is not False)
     options = ReplyOptions(
-        max_tokens=body.max_completion_tokens or body.max_tokens,
-        temperature=body.temperature,
+        **body.model_dump(include=set(SamplingOptions.model_fields)),
+        max_tokens=body.reply_tokens,
         ignore_eos=body.ignore_eos,
     )
-    return await chat.reply(
-        caller, conversation, history, last.content, options, client_context=True
-    )
+    return await chat.reply(caller, call, history, last.content, options)
 
 
-async def completion_body(reply: Reply) -> dict[str, Any]:
-    """The whole reply as one chat.completion object."""
+async def completion_body(reply: Reply, moderator: Moderator) -> dict[str, Any]:
+    """The whole reply as one chat.completion object, through output moderation."""
     text: list[str] = []
     async for item in reply.watch.events():
         if item is None:
@@ -58,6 +61,7 @@ async def completion_body(reply: Reply) -> dict[str, Any]:
             text.append(item.event.delta)
             continue
         final = _checked(item.event)
+        content = moderator.check_output(final.text)  # as stored, as the stream shows it
         return {
             "id": f"chatcmpl-{reply.request_id}",
             "object": "chat.completion",
@@ -67,7 +71,7 @@ async def completion_body(reply: Reply) -> dict[str, Any]:
                 {
                     "index": 0,
                     "finish_reason": FINISH[final.finish_reason],
-                    "message": {"role": "assistant", "content": final.text},
+                    "message": {"role": "assistant", "content": content},
                 }
             ],
             "usage": _usage(final),
@@ -75,8 +79,11 @@ async def completion_body(reply: Reply) -> dict[str, Any]:
     raise ApiError(504, NO_ANSWER, kind="timeout_error")
 
 
-async def completion_chunks(reply: Reply, include_usage: bool) -> AsyncIterator[str]:
-    """The reply as chat.completion.chunk events, then [DONE]."""
+async def completion_chunks(
+    reply: Reply, include_usage: bool, redactor: OutputFilter
+) -> AsyncIterator[str]:
+    """The reply as chat.completion.chunk events, through the same streaming redaction as
+    the chat surface (it may hold back a last word), then [DONE]."""
     base = {
         "id": f"chatcmpl-{reply.request_id}",
         "object": "chat.completion.chunk",
@@ -89,15 +96,11 @@ async def completion_chunks(reply: Reply, include_usage: bool) -> AsyncIterator[
     async for item in _events(reply):
         event = item.event
         if isinstance(event, TokenEvent):
-            yield _data(
-                {
-                    **base,
-                    "choices": [
-                        {"index": 0, "delta": {"content": event.delta}, "finish_reason": None}
-                    ],
-                }
-            )
+            if text := redactor.feed(event.delta):
+                yield _content(base, text)
             continue
+        if rest := redactor.flush():
+            yield _content(base, rest)
         if event.finish_reason not in FINISH:
             yield _error(event.error or event.finish_reason, event.finish_reason)
             break
@@ -148,6 +151,12 @@ def _usage(final: FinalEvent) -> dict[str, int]:
 
 def _message(role: str, content: str) -> ChatMessage:
     return ChatMessage(role="system" if role == "developer" else role, content=content)  # type: ignore[arg-type]
+
+
+def _content(base: dict[str, Any], text: str) -> str:
+    return _data(
+        {**base, "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}
+    )
 
 
 def _error(message: str, code: str) -> str:
