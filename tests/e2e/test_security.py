@@ -431,6 +431,20 @@ BODY = st.builds(
 )
 
 
+# Query strings: the parameters the API reads (cursor, limit) and others, with hostile
+# values (non-ASCII digits, huge numbers, percent-encoded bytes, separators).
+QUERY_VALUE = st.one_of(
+    st.sampled_from(["", "10", "0", "-1", "²", "99999999999999999999", "12~", "%ff%fe", "~"]),
+    st.text(st.characters(min_codepoint=33, max_codepoint=126), max_size=30),
+    st.integers(-(10**25), 10**25).map(str),
+)
+QUERY = st.lists(
+    st.tuples(st.sampled_from(["cursor", "limit", "model", "x"]), QUERY_VALUE), max_size=3
+).map(
+    lambda pairs: "?" + "&".join(f"{k}={v}".replace(" ", "%20") for k, v in pairs) if pairs else ""
+)
+
+
 @dataclass
 class Target:
     port: int
@@ -454,6 +468,7 @@ def fuzz(target: Target, examples: int) -> None:
         headers=st.lists(st.tuples(HEADER_NAME, HEADER_VALUE), max_size=130),
         body=BODY,
         length=st.sampled_from(LENGTHS),
+        query=QUERY,
     )
     def one(
         method: str,
@@ -463,10 +478,11 @@ def fuzz(target: Target, examples: int) -> None:
         headers: list[tuple[bytes, Blob]],
         body: Blob,
         length: str,
+        query: str,
     ) -> None:
         sent = [(b"Authorization", scheme + target.keys[key])]
         sent += [(name, value.data) for name, value in headers]
-        request = raw(method, path, sent, body.data, length)
+        request = raw(method, path + query, sent, body.data, length)
         status = exchange(target.port, request, half_close=length == "long")
         target.answers.append((status, request[:200]))
         assert status is None or status < 500, request[:300]
@@ -498,6 +514,7 @@ def explicit(path: str) -> list[dict[str, Any]]:
             "headers": json_type,
             "body": body,
             "length": length,
+            "query": "",
         }
         for body, length in zip(bodies, lengths, strict=True)
     ]
