@@ -87,7 +87,7 @@ async def held_reply(
     user: ChatUser, conversation: str, content: str, started: asyncio.Event
 ) -> None:
     """Open a reply stream, set `started` on its start event, and keep reading until
-    cancelled (the model has no worker: only keep-alives follow)."""
+    cancelled (the model's worker takes nothing: only keep-alives follow)."""
     async with user.post(conversation, content, 16) as response:
         if response.status_code != 200:
             raise ChatError(f"{response.status_code} {(await response.aread())[:200]!r}")

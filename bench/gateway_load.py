@@ -2,7 +2,7 @@
 reference measured in the same run:
 
   streams    concurrent SSE reply streams held by ONE gateway process (a model with
-             no worker: replies never start, streams stay open on keep-alives):
+             worker that takes nothing: replies never start, streams stay open):
              RSS and open fds per level, memory per stream, /health latency;
              reference: the same process at 0 streams.
   sustained  --minutes of chat at a fixed rate of short replies from several users

@@ -1,7 +1,8 @@
 """Streams phase: concurrent SSE reply streams held by ONE gateway process.
 
-The model has no worker, so replies never start and streams stay open on
-keep-alives; the queue timeout and no-worker grace are raised so nothing ends them.
+The model's only worker takes nothing (infra/idle_worker.py), so replies never start
+and streams stay open on keep-alives; the queue timeout and no-worker grace are raised
+so nothing ends them.
 At each level: the gateway's RSS and open fds, and /health latency; the reference
 is the same process at 0 streams, after a warm-up."""
 
@@ -22,6 +23,7 @@ from bench.chat_load import make_users, percentile
 from bench.load_stack import HOLD_TIER, bench_tiers, gateway_client, tiers_env
 from bench.loadgen import question
 from bench.procstats import open_fds, pid_of, rss_mib
+from infra.idle_worker import idle_worker
 from infra.process import free_port
 from infra.roles import GatewayProcess, model_aliases, running
 from tandoor.settings import Settings
@@ -185,7 +187,7 @@ def streams_report(rows: list[Level]) -> str:
 async def phase_streams(args: argparse.Namespace) -> None:
     settings = Settings()
     model_dir = await asyncio.to_thread(resolve_model_dir, "smollm2", settings)
-    (model,), env = await model_aliases(settings, model_dir, ["hold"])  # no worker for it
+    (model,), env = await model_aliases(settings, model_dir, ["hold"])
     tiers = bench_tiers(settings, max(args.levels) + 1)
     env |= tiers_env(tiers) | {
         "TANDOOR_GATEWAY_MAX_STREAMS": str(max(args.levels) + 1),
@@ -193,7 +195,11 @@ async def phase_streams(args: argparse.Namespace) -> None:
         "TANDOOR_NO_WORKER_GRACE_S": str(HOLD_S),
     }
     gateway = GatewayProcess(args.log_dir, free_port(), env)
-    async with running([gateway]), gateway_client(gateway.port, STREAM_TIMEOUT) as client:
+    async with (
+        idle_worker(settings, model),
+        running([gateway]),
+        gateway_client(gateway.port, STREAM_TIMEOUT) as client,
+    ):
         bench_settings = settings.model_copy(update={"tiers": tiers})
         users = await make_users(bench_settings, client, HOLD_TIER, args.stream_users, model)
         holder = Holder(users, model, gateway, asyncio.Semaphore(args.open_concurrency))

@@ -4,7 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-log() { printf '[bootstrap] %s\n' "$*"; }
+log() { printf '[bootstrap] %s %s\n' "$(date +%T)" "$*"; }
+UV_VERSION=0.13.8
 
 install_system_packages() {
     local missing=()
@@ -29,10 +30,16 @@ install_virtualenv() {
     fi
     log "installing the virtualenv (first time: several GB, a few minutes)"
     [ -x .venv/bin/python ] || python3 -m venv .venv
-    .venv/bin/pip install -q --upgrade pip
     # The lock was resolved once by hand (docs/operations.md: the click conflict); --no-deps keeps it exact.
-    .venv/bin/pip install -q --no-deps -r infra/requirements/lock.txt
-    .venv/bin/pip install -q --no-deps -e .
+    # uv downloads in parallel: about a minute less than pip on a fresh machine.
+    if .venv/bin/pip install -q "uv==$UV_VERSION"; then
+        .venv/bin/uv pip install -q --python .venv/bin/python --no-deps -r infra/requirements/lock.txt
+        .venv/bin/uv pip install -q --python .venv/bin/python --no-deps -e .
+    else
+        log "uv not available: installing with pip"
+        .venv/bin/pip install -q --no-deps -r infra/requirements/lock.txt
+        .venv/bin/pip install -q --no-deps -e .
+    fi
     echo "$want" > "$stamp"
 }
 

@@ -16,16 +16,26 @@ export TANDOOR_CASSANDRA_PORT="${TANDOOR_CASSANDRA_PORT:-19042}"
 export TANDOOR_CASSANDRA_STORAGE_PORT="${TANDOOR_CASSANDRA_STORAGE_PORT:-17000}"
 export TANDOOR_REDIS_PORT="${TANDOOR_REDIS_PORT:-16379}"
 
-echo "== ruff"
+# The servers start while the code is linted and type-checked (half a minute saved).
+mkdir -p "$TANDOOR_HOME"
+servers_log="$TANDOOR_HOME/infra-up.log"
+echo "== servers starting ($(date +%T)), log in $servers_log"
+tandoor infra up >"$servers_log" 2>&1 &
+servers=$!
+trap '{ kill "$servers" 2>/dev/null && wait "$servers"; } || true; echo "== stopping servers"; tandoor infra down' EXIT
+
+echo "== ruff ($(date +%T))"
 ruff check .
 ruff format --check .
-echo "== mypy"
+echo "== mypy ($(date +%T))"
 mypy
 
-echo "== servers"
-trap 'echo "== stopping servers"; tandoor infra down' EXIT
-tandoor infra up
+echo "== servers ($(date +%T))"
+if ! wait "$servers"; then
+    cat "$servers_log"; echo "the servers did not start"; exit 1
+fi
+cat "$servers_log"
 
-echo "== pytest"
+echo "== pytest ($(date +%T))"
 pytest --durations=25 "$@"
 echo "test command finished in $(( $(date +%s) - start )) s"

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import faust
 
+from infra.topics import DAY_MS, TopicSpec
 from schemas import topics
 from streams.agents import register_agents
 from streams.outputs import Outputs, kafka_outputs
@@ -31,7 +32,7 @@ def create_app(settings: Settings, outputs: Outputs | None = None) -> faust.App:
     usage = app.topic(topics.USAGE, key_type=bytes, value_type=bytes)
     tokens = app.topic(topics.TOKENS, key_type=bytes, value_type=bytes)
     by_model = app.topic(
-        f"{settings.streams_app_id}-usage-by-model",
+        by_model_topic(settings).name,
         key_type=bytes,
         value_type=bytes,
         partitions=topics.USAGE_PARTITIONS,
@@ -43,6 +44,19 @@ def create_app(settings: Settings, outputs: Outputs | None = None) -> faust.App:
     register_agents(app, usage, tokens, by_model, rollups, out)
     install_pages(app, rollups, settings.analytics_token)
     return app
+
+
+def by_model_topic(settings: Settings) -> TopicSpec:
+    """The app's own topic of usage keyed by model. `tandoor streams` creates it before
+    the app starts: faust creates it too, but a consumer that joined before Kafka's
+    metadata had it ignored it ("Ignoring missing topic") until the next rebalance, and
+    the per-model rollups stayed empty."""
+    return TopicSpec(
+        f"{settings.streams_app_id}-usage-by-model",
+        topics.USAGE_PARTITIONS,
+        {"retention.ms": str(30 * DAY_MS)},
+        settings.kafka_replication_factor,
+    )
 
 
 def faust_app(settings: Settings) -> faust.App:

@@ -192,9 +192,12 @@ def streams() -> None:
     """Usage rollups per user and model (faust-streaming), over HTTP on 127.0.0.1:6066."""
     from faust import Worker
 
-    from streams.app import create_app
+    from infra.topics import ensure_topics
+    from streams.app import by_model_topic, create_app
 
-    Worker(create_app(get_settings()), loglevel="INFO").execute_from_commandline()
+    settings = get_settings()
+    asyncio.run(ensure_topics(settings.kafka_bootstrap, [by_model_topic(settings)]))
+    Worker(create_app(settings), loglevel="INFO").execute_from_commandline()
 
 
 @keys_app.command("create")

@@ -34,6 +34,9 @@ class TierPolicy(BaseModel):
     # Redis unreachable: serve uncounted ("open") or refuse with a 503 ("closed").
     # See tandoor/policies/quota.py and docs/architecture.md "When Redis is down".
     redis_down: Literal["open", "closed"] = "closed"
+    # How long a prompt may wait for a worker (None: queue_timeout_s). A prompt the
+    # workers cannot start in time is refused at once: producers/gateway/shedding.py.
+    max_wait_s: float | None = Field(default=None, gt=0)
 
 
 DEFAULT_TIERS = {
@@ -203,6 +206,10 @@ class Settings(BaseSettings):
                     f"served ({self.models}) and tiers known ({sorted(self.tiers)})"
                 )
         return self
+
+    def wait_budget_s(self, tier: str) -> float:
+        """How long a prompt of `tier` may wait for a worker before it fails."""
+        return self.tiers[tier].max_wait_s or self.queue_timeout_s
 
     @property
     def kafka_bootstrap(self) -> str:

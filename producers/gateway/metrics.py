@@ -14,6 +14,7 @@ from prometheus_fastapi_instrumentator import Instrumentator
 
 from producers.gateway.limits import REFUSED
 from producers.gateway.services import Services
+from producers.gateway.shedding import BUSY
 from producers.gateway.streaming import StreamSlots
 
 UNMETERED = ["/health", "/ready"]  # probes: frequent, and not what users do
@@ -38,20 +39,30 @@ class OpenNow(Collector):
                 "Replies whose token events this replica routes",
                 deps.chat.deps.fanout.following,
             )
-            yield self._backlog(deps)
+            yield from self._load(deps)
 
     @staticmethod
-    def _backlog(deps: Services) -> Metric:
-        gauge = GaugeMetricFamily(
+    def _load(deps: Services) -> Iterator[Metric]:
+        """The signals of load shedding and busy refusals (producers/gateway/shedding.py)."""
+        backlog = GaugeMetricFamily(
             "tandoor_gateway_model_backlog",
-            "Prompts no worker has taken yet, per model with a fallback (the shedding signal)",
+            "Prompts waiting or being generated, per model and band, as this replica saw last",
+            labels=["model", "band"],
+        )
+        workers = GaugeMetricFamily(
+            "tandoor_gateway_model_workers",
+            "Members of each model's worker group",
             labels=["model"],
         )
-        for model in deps.backlog.models:
-            backlog = deps.backlog.backlog(model)
-            if backlog is not None:  # unknown: not measured yet, or Kafka not answering
-                gauge.add_metric([model], backlog)
-        return gauge
+        for model in deps.load.models:
+            load = deps.load.load(model)
+            if load is None:  # unknown: not measured yet, or Kafka not answering
+                continue
+            for band, count in load.backlog.items():
+                backlog.add_metric([model, band], count)
+            workers.add_metric([model], load.workers)
+        yield backlog
+        yield workers
 
 
 def gateway_metrics(
@@ -66,4 +77,5 @@ def gateway_metrics(
     ).instrument(app, metric_namespace="tandoor", metric_subsystem="gateway")
     registry.register(OpenNow(slots, services))
     registry.register(REFUSED)
+    registry.register(BUSY)
     return registry

@@ -15,7 +15,8 @@ from producers.gateway.chat.checks import ReplyChecks
 from producers.gateway.chat.jobs import ConversationJobs
 from producers.gateway.chat.service import ChatDeps, ChatService
 from producers.gateway.conversations.service import ConversationService
-from producers.gateway.shedding import BacklogMonitor, ModelRouter
+from producers.gateway.model_load import LoadMonitor
+from producers.gateway.shedding import ModelRouter
 from producers.gateway.streaming import StreamSlots
 from producers.prompts import PromptSubmitter
 from tandoor.clients import cassandra_cluster, kafka_producer, redis_client
@@ -32,7 +33,7 @@ class Services:
     conversations: ConversationService
     chat: ChatService
     cluster: Any  # the Cassandra cluster, for readiness
-    backlog: BacklogMonitor
+    load: LoadMonitor
 
     async def readiness(self) -> dict[str, bool]:
         deps = self.chat.deps
@@ -56,9 +57,9 @@ async def open_services(settings: Settings, slots: StreamSlots) -> AsyncIterator
         fanout = TokenFanout(settings)
         await fanout.start()
         stack.push_async_callback(fanout.stop)
-        backlog = BacklogMonitor(settings)
-        await backlog.start()
-        stack.push_async_callback(backlog.stop)
+        load = LoadMonitor(settings)
+        await load.start()
+        stack.push_async_callback(load.stop)
         conversations = ConversationService(session, settings.models)
         submitter = PromptSubmitter(settings, producer)
         quotas, moderator = Quotas(cache), DefaultModerator(settings.moderation_blocklist)
@@ -74,13 +75,13 @@ async def open_services(settings: Settings, slots: StreamSlots) -> AsyncIterator
                 redis=cache,
                 quotas=quotas,
                 checks=ReplyChecks(settings, moderator, quotas),
-                router=ModelRouter(settings, backlog.backlog),
+                router=ModelRouter(settings, load.load),
                 streams=slots,
                 jobs=jobs,
             )
         )
         keys = KeyStore(session, cache, set(settings.tiers))
-        yield Services(settings, keys, conversations, chat, cluster, backlog)
+        yield Services(settings, keys, conversations, chat, cluster, load)
 
 
 def services(request: Request) -> Services:

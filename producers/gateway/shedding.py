@@ -1,113 +1,119 @@
-"""Load shedding: which model answers a prompt, given how far behind its workers are.
+"""Which model answers a prompt, or that none can start it in time (docs/architecture.md,
+"When a model is busy").
 
-A model's backlog is what its prompt topic holds beyond the worker group's commits:
-prompts waiting plus those being generated. It is measured in the background every
-`backlog_poll_s`, so admitting a prompt never waits on Kafka for it.
+1. Shedding: while a model's backlog is at or past a fallback rule's threshold, the
+   rule's tiers are answered by its fallback model.
+2. Busy: a prompt the model's workers cannot start within the tier's wait budget is
+   refused at once (503 with Retry-After) instead of waiting until it expires, or goes
+   to the tier's fallback where that one is not busy too. It cannot start in time when
+   - no worker is in the model's group; or
+   - the prompts ahead of it (its band's and the bands above, beyond the ones being
+     generated, up to `worker_max_seqs` per worker) take longer than the budget at the
+     rate the workers finished prompts lately; or
+   - prompts are ahead and none finished for a whole budget.
+A load not measured (just started, Kafka not answering) never refuses.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
-from aiokafka import AIOKafkaConsumer, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient
-from aiokafka.errors import KafkaError
+from prometheus_client import Counter
 
-from schemas.topics import prompts_topic, worker_group
-from tandoor.settings import Settings
+from producers.gateway.errors import ApiError
+from producers.gateway.model_load import ModelLoad
+from tandoor.settings import Fallback, Settings
 
 log = logging.getLogger(__name__)
 
+NO_WORKER_RETRY_S = 10
+STALLED_RETRY_S = 10
+MAX_RETRY_S = 60
 
-class BacklogMonitor:
-    """The latest backlog of each model that has a fallback."""
-
-    def __init__(self, settings: Settings) -> None:
-        self.settings = settings
-        self.models = sorted(settings.fallbacks)
-        self._partitions = sum(band.partitions for band in settings.bands)
-        self._backlog: dict[str, int] = {}
-        self._task: asyncio.Task[None] | None = None
-
-    def backlog(self, model: str) -> int | None:
-        """None until measured, or when Kafka could not be asked lately."""
-        return self._backlog.get(model)
-
-    async def start(self) -> None:
-        if self.models:
-            self._task = asyncio.create_task(self._poll(), name="backlog-monitor")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-
-    async def _poll(self) -> None:
-        async with backlog_clients(self.settings) as (admin, offsets):
-            while True:
-                for model in self.models:
-                    try:
-                        self._backlog[model] = await count_backlog(
-                            admin, offsets, self._partitions, model
-                        )
-                    except (KafkaError, OSError, KeyError) as exc:
-                        self._backlog.pop(model, None)  # unknown: never shed on stale figures
-                        log.warning("backlog of %s unknown: %r", model, exc)
-                await asyncio.sleep(self.settings.backlog_poll_s)
+BUSY = Counter(
+    "tandoor_gateway_busy_refusals",
+    "Prompts refused at once because the model's workers could not start them in time",
+    ["model", "reason"],
+    registry=None,  # registered with the gateway's registry (producers/gateway/metrics.py)
+)
 
 
-@asynccontextmanager
-async def backlog_clients(
-    settings: Settings,
-) -> AsyncIterator[tuple[AIOKafkaAdminClient, AIOKafkaConsumer]]:
-    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
-    offsets = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap, enable_auto_commit=False)
-    await admin.start()
-    try:
-        await offsets.start()
-        try:
-            yield admin, offsets
-        finally:
-            await offsets.stop()
-    finally:
-        await admin.close()
+@dataclass(frozen=True)
+class Busy:
+    reason: str  # no_worker, backlog or stalled: the metric's label
+    detail: str
+    retry_after_s: int
 
 
-async def count_backlog(
-    admin: AIOKafkaAdminClient, offsets: AIOKafkaConsumer, partitions: int, model: str
-) -> int:
-    """Prompts in the model's topic past its workers' commits."""
-    tps = [TopicPartition(prompts_topic(model), p) for p in range(partitions)]
-    ends = await offsets.end_offsets(tps)
-    starts = await offsets.beginning_offsets(tps)
-    committed = await admin.list_consumer_group_offsets(worker_group(model))
-    backlog = 0
-    for tp in tps:
-        done = committed[tp].offset if tp in committed else starts[tp]
-        backlog += max(0, ends[tp] - max(done, starts[tp]))
-    return backlog
+def busy(
+    load: ModelLoad | None, bands_ahead: list[str], slots: int, budget_s: float
+) -> Busy | None:
+    """Why a prompt of the last of `bands_ahead` cannot start within `budget_s`, if so."""
+    if load is None:
+        return None
+    if load.workers == 0:
+        return Busy("no_worker", "no worker serves it right now", NO_WORKER_RETRY_S)
+    ahead = sum(load.backlog.get(band, 0) for band in bands_ahead) - load.workers * slots
+    if ahead <= 0:
+        return None
+    rate = load.finished_per_s
+    if rate:
+        wait_s = ahead / rate
+        if wait_s <= budget_s:
+            return None
+        retry_s = min(MAX_RETRY_S, max(1, math.ceil(wait_s - budget_s)))
+        detail = f"{ahead} prompts are ahead (about {wait_s:.0f} s; the limit is {budget_s:.0f} s)"
+        return Busy("backlog", detail, retry_s)
+    if load.idle_s < budget_s:
+        return None  # not watched long enough to tell
+    detail = f"{ahead} prompts are ahead and none finished in {load.idle_s:.0f} s"
+    return Busy("stalled", detail, STALLED_RETRY_S)
 
 
 class ModelRouter:
-    """The model that answers: the asked one, or its fallback while it is overloaded."""
+    """The model that answers: the asked one, its fallback, or none (a 503)."""
 
-    def __init__(self, settings: Settings, backlog: Callable[[str], int | None]) -> None:
+    def __init__(self, settings: Settings, load: Callable[[str], ModelLoad | None]) -> None:
         self.settings = settings
-        self.backlog = backlog
+        self.load = load
+        bands = [band.name for band in settings.bands]  # highest priority first
+        self._ahead = {
+            tier: bands[: bands.index(policy.band) + 1] for tier, policy in settings.tiers.items()
+        }
 
     def answering(self, model: str, tier: str) -> str:
-        rule = self.settings.fallbacks.get(model)
-        if rule is None or tier not in rule.tiers:
+        rule = self._fallback(model, tier)
+        load = self.load(model)
+        if rule is not None and load is not None and load.total >= rule.backlog:
+            log.info(
+                "shedding %s: backlog %d >= %d, %s answers",
+                model,
+                load.total,
+                rule.backlog,
+                rule.model,
+            )
+            return rule.model
+        verdict = self.busy(model, tier)
+        if verdict is None:
             return model
-        backlog = self.backlog(model)
-        if backlog is None or backlog < rule.backlog:
-            return model
-        log.info(
-            "shedding %s: backlog %d >= %d, %s answers", model, backlog, rule.backlog, rule.model
+        if rule is not None and self.busy(rule.model, tier) is None:
+            log.info("shedding %s: busy (%s), %s answers", model, verdict.detail, rule.model)
+            return rule.model
+        BUSY.labels(model, verdict.reason).inc()
+        raise ApiError(
+            503,
+            f"model {model!r} is busy: {verdict.detail}; please retry in {verdict.retry_after_s} s",
+            kind="service_unavailable",
+            headers={"Retry-After": str(verdict.retry_after_s)},
         )
-        return rule.model
+
+    def busy(self, model: str, tier: str) -> Busy | None:
+        budget_s = self.settings.wait_budget_s(tier)
+        return busy(self.load(model), self._ahead[tier], self.settings.worker_max_seqs, budget_s)
+
+    def _fallback(self, model: str, tier: str) -> Fallback | None:
+        rule = self.settings.fallbacks.get(model)
+        return rule if rule is not None and tier in rule.tiers else None

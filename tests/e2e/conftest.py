@@ -2,8 +2,10 @@
 package and its fault tests: two gateway processes, a worker with the bundled model, the
 persistence consumer, and the real Kafka, Cassandra and Redis.
 
-A second model name, `big`, is served by the gateways without a worker: its prompts
-wait, and the free tier falls back to the main model while it is backlogged."""
+Two more model names test what happens when a model is busy. `big` has a worker that
+takes nothing (tests/idle_worker.py): its prompts wait, and the free tier falls back to
+the main model while it is backlogged. `idle` has no worker at all: its prompts are
+refused at once, but for the free tier, which falls back."""
 
 from __future__ import annotations
 
@@ -14,10 +16,11 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
+from infra.idle_worker import idle_worker
 from infra.process import free_port
 from infra.roles import GatewayProcess, PersistProcess, WorkerProcess, model_aliases
 from tandoor.settings import Fallback, Settings, TierPolicy
-from tests.e2e.stack import SHED_BACKLOG, Stack
+from tests.e2e.stack import BLOCKED_TERM, SHED_BACKLOG, Stack
 from workers.model_store import resolve_model_dir
 
 TIERS = {
@@ -53,16 +56,20 @@ async def stack(
 ) -> AsyncIterator[Stack]:
     logs = tmp_path_factory.mktemp("stack")
     model_dir = await asyncio.to_thread(resolve_model_dir, "smollm2", cassandra)
-    (model, big), env = await model_aliases(cassandra, model_dir, ["gw", "big"])
+    (model, big, idle), env = await model_aliases(cassandra, model_dir, ["gw", "big", "idle"])
     tiers = cassandra.tiers | TIERS
     env["TANDOOR_TIERS"] = json.dumps({name: p.model_dump() for name, p in tiers.items()})
-    fallbacks = {big: Fallback(model=model, backlog=SHED_BACKLOG, tiers=["free"])}
+    fallbacks = {
+        big: Fallback(model=model, backlog=SHED_BACKLOG, tiers=["free"]),
+        idle: Fallback(model=model, backlog=1000, tiers=["free"]),
+    }
     env["TANDOOR_FALLBACKS"] = json.dumps({m: f.model_dump() for m, f in fallbacks.items()})
     env["TANDOOR_BACKLOG_POLL_S"] = "0.5"
+    env["TANDOOR_MODERATION_BLOCKLIST"] = json.dumps([BLOCKED_TERM])
     env["TANDOOR_LOG_FORMAT"] = "json"  # test_operations follows request ids through them
     env["TANDOOR_WORKER_GRACE_S"] = "2"  # at teardown, no waiting for title jobs to end
     settings = cassandra.model_copy(
-        update={"models": [model, big], "fallbacks": fallbacks, "tiers": tiers}
+        update={"models": [model, big, idle], "fallbacks": fallbacks, "tiers": tiers}
     )
     the_stack = Stack(
         settings,
@@ -70,11 +77,12 @@ async def stack(
         logs,
         model,
         big,
+        idle,
         worker=WorkerProcess(model, logs, env),
         persist=PersistProcess(logs, env),
         gateways=[GatewayProcess(logs, free_port(), env) for _ in range(2)],  # two replicas
     )
-    async with the_stack.running():
+    async with idle_worker(settings, big), the_stack.running():
         yield the_stack
 
 

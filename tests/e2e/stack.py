@@ -42,6 +42,7 @@ Role = TypeVar("Role", bound=RoleProcess)
 
 
 SHED_BACKLOG = 2  # prompts waiting on the `big` model before the free tier is shed
+BLOCKED_TERM = "zorblax"  # on the stack's moderation blocklist
 
 
 @dataclass
@@ -50,7 +51,8 @@ class Stack:
     env: dict[str, str]  # what makes a role serve this stack's models
     logs: Path
     model: str  # served by the stack's worker
-    big: str  # no worker: prompts wait, and the free tier falls back to `model`
+    big: str  # an idle worker (takes nothing): prompts wait; the free tier falls back
+    idle: str  # no worker at all: busy at once; the free tier falls back to `model`
     worker: WorkerProcess
     persist: PersistProcess
     gateways: list[GatewayProcess]

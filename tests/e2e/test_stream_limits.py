@@ -31,7 +31,7 @@ async def test_streams_beyond_the_cap_are_refused_until_one_ends(stack: Stack) -
         running([gateway]),
         httpx.AsyncClient(base_url=f"http://127.0.0.1:{gateway.port}", timeout=60) as http,
     ):
-        conversation = await new_conversation(http, headers, stack.big)  # no worker serves it
+        conversation = await new_conversation(http, headers, stack.big)  # its worker takes nothing
         path = f"/v1/conversations/{conversation}/messages"
         async with http.stream("POST", path, json=body, headers=headers) as open_stream:
             assert open_stream.status_code == 200

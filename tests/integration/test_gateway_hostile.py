@@ -1,6 +1,6 @@
 """Hostile headers, parameters and bodies against the gateway over real Kafka, Cassandra
-and Redis (no worker: prompts wait in Kafka, so a reply stays running): a 400 naming the
-problem, never a 5xx, and nothing left behind."""
+and Redis (its worker takes nothing, tests/idle_worker.py: prompts wait in Kafka, so a
+reply stays running): a 400 naming the problem, never a 5xx, and nothing left behind."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
+from infra.idle_worker import idle_worker
 from infra.process import free_port
 from infra.roles import GatewayProcess, running
 from tandoor.policies.api_keys import create_key
@@ -26,7 +27,7 @@ async def gateway(
     """A gateway process (a client that leaves a stream early really closes it)."""
     env = {"TANDOOR_GATEWAY_GROUP": f"gw-hostile-{uuid.uuid4().hex[:8]}"}
     process = GatewayProcess(tmp_path_factory.mktemp("hostile"), free_port(), env)
-    async with running([process]):
+    async with idle_worker(cassandra, cassandra.models[0]), running([process]):
         url = f"http://127.0.0.1:{process.port}"
         async with httpx.AsyncClient(base_url=url, timeout=60) as http:
             yield http

@@ -10,28 +10,45 @@ import orjson
 
 from producers.gateway.chat.service import Reply
 from producers.gateway.openai_api.service import completion_body, completion_chunks
+from schemas.events import Event
 from tandoor.policies.moderation import DefaultModerator
 from tests.unit.test_sse import feed, final, token
 
 REPLY = "Write to anna.smith@example.org or call +1 415 555 0100 today."
 
 
-def reply_of(text: str, size: int) -> Reply:
+def tokens(text: str, size: int, attempt: int = 1) -> list[Event]:
     pieces = [text[i : i + size] for i in range(0, len(text), size)]
-    events = [token(p, seq) for seq, p in enumerate(pieces)] + [final(text)]
+    return [token(p, seq, attempt) for seq, p in enumerate(pieces)]
+
+
+def reply_of(text: str, size: int) -> Reply:
+    return replaying([*tokens(text, size), final(text)])
+
+
+def replaying(events: list[Event]) -> Reply:
     watch = SimpleNamespace(events=lambda: feed(*events))
     return cast(Reply, SimpleNamespace(request_id="r", model="m", watch=watch))
 
 
-async def streamed_text(reply: Reply) -> str:
+async def streamed(reply: Reply) -> tuple[str, list[dict[str, Any]]]:
+    """The text the client saw, and the chunks that were not content."""
     moderator = DefaultModerator()
-    text = ""
-    async for frame in completion_chunks(reply, False, moderator.output_filter()):
+    text, others = "", []
+    async for frame in completion_chunks(reply, False, moderator.output_filter):
         data = frame.removeprefix("data: ").strip()
-        if data != "[DONE]":
-            chunk: dict[str, Any] = orjson.loads(data)
-            text += "".join(c["delta"].get("content", "") for c in chunk["choices"])
-    return text
+        if data == "[DONE]":
+            continue
+        chunk: dict[str, Any] = orjson.loads(data)
+        content = "".join(c["delta"].get("content", "") for c in chunk.get("choices", []))
+        text += content
+        if not content:
+            others.append(chunk)
+    return text, others
+
+
+async def streamed_text(reply: Reply) -> str:
+    return (await streamed(reply))[0]
 
 
 async def test_streamed_and_whole_completions_are_redacted_as_stored() -> None:
@@ -41,3 +58,40 @@ async def test_streamed_and_whole_completions_are_redacted_as_stored() -> None:
         assert await streamed_text(reply_of(REPLY, size)) == stored, size
     whole = await completion_body(reply_of(REPLY, 5), DefaultModerator())
     assert whole["choices"][0]["message"]["content"] == stored
+
+
+async def test_a_rerun_after_text_was_sent_ends_the_stream_with_an_error() -> None:
+    first, second = "The first attempt said this", "The second attempt says that"
+    text, others = await streamed(
+        replaying([*tokens(first, 4)[:3], *tokens(second, 4, attempt=2), final(second, 2)])
+    )
+    assert text and first.startswith(text), "part of the first, and nothing of the second"
+    assert others[-1]["error"]["code"] == "restarted"
+    assert not any(c.get("choices") and c["choices"][0]["finish_reason"] for c in others)
+
+
+async def test_a_rerun_before_any_text_is_shown_alone() -> None:
+    second = "The second attempt says that"
+    assert (
+        await streamed_text(replaying([*tokens(second, 4, attempt=2), final(second, 2)])) == second
+    )
+    held = "+1 415"  # held back by the redactor: nothing was sent yet
+    assert (
+        await streamed_text(
+            replaying([token(held, 0), *tokens(second, 4, attempt=2), final(second, 2)])
+        )
+        == second
+    )
+
+
+async def test_repeated_and_late_events_are_shown_once() -> None:
+    reply = "one two three four"
+    events = tokens(reply, 4)
+    late = token("stale ", 9, attempt=1)
+    assert (
+        await streamed_text(replaying([events[0], events[0], *events[1:], final(reply)])) == reply
+    )
+    second = tokens(reply, 4, attempt=2)
+    assert (
+        await streamed_text(replaying([*second[:2], late, *second[2:], final(reply, 2)])) == reply
+    )

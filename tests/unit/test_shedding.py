@@ -1,37 +1,114 @@
-"""Which model answers: the asked one, or its fallback while its backlog is too long."""
+"""Which model answers: the asked one, its fallback while its backlog is too long, or
+none at once (a 503 with Retry-After) when its workers cannot start the prompt in time."""
 
 from __future__ import annotations
 
-from producers.gateway.shedding import ModelRouter
-from tandoor.settings import Fallback, Settings
+import pytest
+
+from producers.gateway.errors import ApiError
+from producers.gateway.model_load import MIN_RATE_SPAN_S, RATE_WINDOW_S, ModelLoad, Progress
+from producers.gateway.shedding import ModelRouter, busy
+from tandoor.settings import DEFAULT_TIERS, Fallback, Settings
+
+SLOTS = 4  # worker_max_seqs
+BUDGET_S = 60.0  # every tier's wait budget here
 
 
-def router(backlog: dict[str, int]) -> ModelRouter:
+def load(
+    waiting: int = 0,
+    workers: int = 1,
+    rate: float | None = None,
+    idle_s: float = 0.0,
+    band: str = "interactive-paid",
+) -> ModelLoad:
+    """`waiting` prompts beyond what the workers are generating, all in `band`."""
+    backlog = {"interactive-paid": 0, "interactive-free": 0, "batch": 0}
+    backlog[band] = waiting + workers * SLOTS if waiting or workers else 0
+    return ModelLoad(backlog, workers, rate, idle_s)
+
+
+def router(loads: dict[str, ModelLoad]) -> ModelRouter:
+    tiers = {
+        name: t.model_copy(update={"max_wait_s": BUDGET_S}) for name, t in DEFAULT_TIERS.items()
+    }
     settings = Settings(
         models=["big", "small"],
-        fallbacks={"big": Fallback(model="small", backlog=10, tiers=["free"])},
+        fallbacks={"big": Fallback(model="small", backlog=100, tiers=["free"])},
+        worker_max_seqs=SLOTS,
+        tiers=tiers,
     )
-    return ModelRouter(settings, backlog.get)
+    return ModelRouter(settings, loads.get)
+
+
+def refused(route: ModelRouter, model: str, tier: str) -> ApiError:
+    with pytest.raises(ApiError) as caught:
+        route.answering(model, tier)
+    assert caught.value.status == 503 and int(caught.value.headers["Retry-After"]) >= 1
+    assert model in caught.value.message
+    return caught.value
 
 
 def test_a_listed_tier_is_shed_once_the_backlog_reaches_the_threshold() -> None:
-    assert router({"big": 9}).answering("big", "free") == "big"
-    assert router({"big": 10}).answering("big", "free") == "small"
+    assert router({"big": load(waiting=95, rate=10)}).answering("big", "free") == "big"
+    assert router({"big": load(waiting=96, rate=10)}).answering("big", "free") == "small"
 
 
-def test_other_tiers_and_models_are_never_shed() -> None:
-    assert router({"big": 500}).answering("big", "plus") == "big"
-    assert router({"big": 500}).answering("small", "free") == "small"
+def test_other_tiers_and_models_are_not_shed_while_they_can_start_in_time() -> None:
+    fast = load(waiting=500, rate=100)
+    assert router({"big": fast}).answering("big", "plus") == "big"
+    assert router({"small": fast}).answering("small", "free") == "small"
 
 
-def test_an_unknown_backlog_does_not_shed() -> None:
+def test_an_unknown_load_neither_sheds_nor_refuses() -> None:
     assert router({}).answering("big", "free") == "big"
+    assert router({}).answering("big", "plus") == "big"
+
+
+def test_no_worker_is_refused_at_once_unless_a_fallback_can_answer() -> None:
+    empty = load(workers=0)
+    error = refused(router({"big": empty}), "big", "plus")
+    assert "no worker" in error.message and error.headers["Retry-After"] == "10"
+    assert router({"big": empty, "small": load()}).answering("big", "free") == "small"
+    refused(router({"big": empty, "small": empty}), "big", "free")
+
+
+def test_a_backlog_the_workers_cannot_start_within_the_budget_is_refused() -> None:
+    assert router({"big": load(waiting=60, rate=1.0)}).answering("big", "plus") == "big"
+    error = refused(router({"big": load(waiting=90, rate=1.0)}), "big", "plus")
+    assert "90 prompts are ahead" in error.message
+    assert error.headers["Retry-After"] == "30", "until the wait is back within the budget"
+
+
+def test_prompts_ahead_and_nothing_finished_for_a_budget_is_refused() -> None:
+    assert router({"big": load(waiting=1, rate=0.0, idle_s=59)}).answering("big", "plus") == "big"
+    error = refused(router({"big": load(waiting=1, rate=0.0, idle_s=60)}), "big", "plus")
+    assert "none finished" in error.message
+
+
+def test_prompts_being_generated_are_not_ahead_of_anyone() -> None:
+    generating = load(waiting=0, workers=2, rate=0.0, idle_s=3600)
+    assert router({"big": generating}).answering("big", "plus") == "big"
+
+
+def test_only_the_bands_above_and_its_own_are_ahead_of_a_prompt() -> None:
+    flood = load(waiting=1000, rate=1.0, band="batch")
+    assert router({"big": flood}).answering("big", "plus") == "big", "batch is below"
+    assert busy(flood, ["interactive-paid", "interactive-free", "batch"], SLOTS, BUDGET_S)
+
+
+def test_the_rate_is_the_commits_of_the_last_minute_once_watched_long_enough() -> None:
+    progress = Progress()
+    progress.add(0.0, 100)
+    progress.add(MIN_RATE_SPAN_S / 2, 105)
+    assert progress.rate() is None, "too short a look"
+    progress.add(MIN_RATE_SPAN_S, 110)
+    assert progress.rate() == pytest.approx(1.0)
+    for t in range(11, 200):
+        progress.add(float(t), 110)
+    assert progress.rate() == 0.0, f"older than {RATE_WINDOW_S} s is forgotten"
+    assert progress.idle_s(200.0) == pytest.approx(200.0 - MIN_RATE_SPAN_S)
 
 
 def test_a_fallback_to_an_unserved_model_is_refused() -> None:
-    try:
+    with pytest.raises(ValueError, match="tiny"):
         Settings(models=["big"], fallbacks={"big": Fallback(model="tiny", backlog=1, tiers=[])})
-    except ValueError as exc:
-        assert "tiny" in str(exc)
-    else:
-        raise AssertionError("accepted a fallback nobody serves")

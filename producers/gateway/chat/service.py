@@ -168,8 +168,8 @@ class ChatService:
         context = d.checks.context(asked, max_tokens, client_context, summary)
         request_id, now = f"r_{uuid.uuid4().hex}", now_ms()
         tokens = context.prompt_tokens + max_tokens
+        model = d.router.answering(conversation.model, caller.tier)  # busy: refused uncharged
         admission = await d.checks.admit(caller, request_id, tokens, now)
-        model = d.router.answering(conversation.model, caller.tier)
         try:
             return await self._start(
                 _Prompt(
@@ -227,7 +227,8 @@ class ChatService:
         store = not isinstance(p.conversation, ApiCall) or p.conversation.store
         conversation = p.conversation = await self._opened(p.caller, p.conversation)
         sub = await d.fanout.subscribe(p.request_id)
-        start_by = p.now + int((d.settings.queue_timeout_s + d.settings.no_worker_grace_s) * 1000)
+        wait_s = d.settings.wait_budget_s(p.caller.tier) + d.settings.no_worker_grace_s
+        start_by = p.now + int(wait_s * 1000)
         if not await self.inflight.claim(conversation.id, sub, start_by):  # one at a time
             d.fanout.unsubscribe(sub)
             raise ApiError(409, "a reply is being generated: stop it first", kind="conflict_error")
@@ -267,7 +268,7 @@ class ChatService:
             messages=p.messages,
             sampling=_sampling(p.options, p.max_tokens),
             created_at_ms=p.now,
-            deadline_ms=p.now + int(d.settings.queue_timeout_s * 1000),
+            deadline_ms=p.now + int(d.settings.wait_budget_s(p.caller.tier) * 1000),
             reply_partition=sub.partition,
             prompt_tokens_estimate=p.admission.estimated_tokens - p.max_tokens,
             # Admitted uncounted (Redis was down): nothing for the usage stream to settle.
@@ -330,7 +331,8 @@ class ChatService:
                 await d.jobs.after_reply(p.caller.user_id, conversation, p.text, final.text)
 
         # The worker answers an expired prompt itself; silence past that means no worker.
-        return ReplyWatch(sub, d.settings.queue_timeout_s + d.settings.no_worker_grace_s, finished)
+        wait_s = d.settings.wait_budget_s(p.caller.tier) + d.settings.no_worker_grace_s
+        return ReplyWatch(sub, wait_s, finished)
 
 
 def _sampling(options: ReplyOptions, max_tokens: int) -> Sampling:

@@ -43,6 +43,6 @@ async def chat_completions(
     with svc.deps.streams.reserve() as slot:
         reply = await start_completion(svc, caller, body)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        chunks = completion_chunks(reply, include_usage, moderator.output_filter())
+        chunks = completion_chunks(reply, include_usage, moderator.output_filter)
         timeout = svc.deps.settings.gateway_write_timeout_s
         return ReplyStream(chunks, slot, timeout, SSE_HEADERS, resumable=False)

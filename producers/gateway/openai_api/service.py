@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import orjson
@@ -21,6 +21,11 @@ from tandoor.policies.api_keys import Principal
 from tandoor.policies.moderation import Moderator, OutputFilter
 
 log = logging.getLogger(__name__)
+
+RESTARTED = (
+    "the worker generating this reply failed after part of it was sent, and another "
+    "started it again; the text above is incomplete: please retry"
+)
 
 FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}
 
@@ -80,10 +85,12 @@ async def completion_body(reply: Reply, moderator: Moderator) -> dict[str, Any]:
 
 
 async def completion_chunks(
-    reply: Reply, include_usage: bool, redactor: OutputFilter
+    reply: Reply, include_usage: bool, make_filter: Callable[[], OutputFilter]
 ) -> AsyncIterator[str]:
     """The reply as chat.completion.chunk events, through the same streaming redaction as
-    the chat surface (it may hold back a last word), then [DONE]."""
+    the chat surface (it may hold back a last word), then [DONE]. A client cannot take
+    text back: a re-run (a worker failed) after text was sent ends the stream with an
+    error instead of a second, different text; before any text it is followed quietly."""
     base = {
         "id": f"chatcmpl-{reply.request_id}",
         "object": "chat.completion.chunk",
@@ -93,11 +100,22 @@ async def completion_chunks(
     yield _data(
         {**base, "choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]}
     )
+    attempt, next_seq, sent, redactor = 0, 0, False, make_filter()
     async for item in _events(reply):
         event = item.event
+        if event.attempt < attempt:
+            continue  # a late event of an abandoned attempt
+        if event.attempt > attempt:
+            if sent:
+                yield _error(RESTARTED, "restarted")
+                break
+            attempt, next_seq, redactor = event.attempt, 0, make_filter()
         if isinstance(event, TokenEvent):
-            if text := redactor.feed(event.delta):
-                yield _content(base, text)
+            if event.seq >= next_seq:  # a lower seq was delivered twice
+                next_seq = event.seq + 1
+                if text := redactor.feed(event.delta):
+                    sent = True
+                    yield _content(base, text)
             continue
         if rest := redactor.flush():
             yield _content(base, rest)

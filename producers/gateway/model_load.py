@@ -1,0 +1,175 @@
+"""How loaded each model's workers are, measured in the background every
+`backlog_poll_s`, so admitting a prompt never waits on Kafka for it.
+
+Per model: the backlog of each priority band (what its prompt partitions hold beyond
+the worker group's commits: prompts waiting plus those being generated), how many
+workers are in the group, and how fast the commits move (prompts finished per second).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.errors import KafkaError
+
+from schemas.topics import BandLayout, prompts_topic, worker_group
+from tandoor.settings import Settings
+
+log = logging.getLogger(__name__)
+
+RATE_WINDOW_S = 60.0  # finish rate: commits over the last minute...
+MIN_RATE_SPAN_S = 10.0  # ...once watched this long (a shorter look says too little)
+
+
+@dataclass(frozen=True)
+class ModelLoad:
+    backlog: dict[str, int]  # band -> prompts past the workers' commits
+    workers: int  # members of the model's worker group
+    finished_per_s: float | None  # None: not watched long enough to tell
+    idle_s: float  # how long the commits have not moved (as far as this replica saw)
+
+    @property
+    def total(self) -> int:
+        return sum(self.backlog.values())
+
+
+@dataclass(frozen=True)
+class Measured:
+    backlog: dict[int, int]  # partition -> prompts past the commits
+    done: int  # sum of the commits: moves by one per finished prompt
+    workers: int
+
+
+class Progress:
+    """The commits of one model's workers over the last RATE_WINDOW_S."""
+
+    def __init__(self) -> None:
+        self._seen: deque[tuple[float, int]] = deque()
+        self._moved_at: float | None = None
+
+    def add(self, now: float, done: int) -> None:
+        if not self._seen or self._seen[-1][1] != done:
+            self._moved_at = now  # the first look counts as a move: idle since watched
+        self._seen.append((now, done))
+        while len(self._seen) > 2 and now - self._seen[1][0] >= RATE_WINDOW_S:
+            self._seen.popleft()
+
+    def rate(self) -> float | None:
+        (first_t, first), (last_t, last) = self._seen[0], self._seen[-1]
+        if last_t - first_t < MIN_RATE_SPAN_S:
+            return None
+        return max(0, last - first) / (last_t - first_t)
+
+    def idle_s(self, now: float) -> float:
+        return 0.0 if self._moved_at is None else now - self._moved_at
+
+
+class LoadMonitor:
+    """The latest load of every model this gateway serves."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.models = sorted(settings.models)
+        self.layout = BandLayout([(b.name, b.partitions) for b in settings.bands])
+        self._load: dict[str, ModelLoad] = {}
+        self._progress = {model: Progress() for model in self.models}
+        self._task: asyncio.Task[None] | None = None
+
+    def load(self, model: str) -> ModelLoad | None:
+        """None until measured, or when Kafka could not be asked lately."""
+        return self._load.get(model)
+
+    def backlog(self, model: str) -> int | None:
+        load = self._load.get(model)
+        return None if load is None else load.total
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._poll(), name="load-monitor")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _poll(self) -> None:
+        async with backlog_clients(self.settings) as (admin, offsets):
+            while True:
+                for model in self.models:
+                    try:
+                        measured = await measure(admin, offsets, self.layout, model)
+                    except (KafkaError, OSError, KeyError) as exc:
+                        self._load.pop(model, None)  # unknown: never refuse on stale figures
+                        log.warning("load of %s unknown: %r", model, exc)
+                        continue
+                    self._load[model] = self._summed(model, measured, time.monotonic())
+                await asyncio.sleep(self.settings.backlog_poll_s)
+
+    def _summed(self, model: str, measured: Measured, now: float) -> ModelLoad:
+        progress = self._progress[model]
+        progress.add(now, measured.done)
+        by_band = {band.name: 0 for band in self.layout.ranges}
+        for partition, count in measured.backlog.items():
+            by_band[self.layout.band_of(partition).name] += count
+        return ModelLoad(by_band, measured.workers, progress.rate(), progress.idle_s(now))
+
+
+@asynccontextmanager
+async def backlog_clients(
+    settings: Settings,
+) -> AsyncIterator[tuple[AIOKafkaAdminClient, AIOKafkaConsumer]]:
+    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
+    offsets = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap, enable_auto_commit=False)
+    await admin.start()
+    try:
+        await offsets.start()
+        try:
+            yield admin, offsets
+        finally:
+            await offsets.stop()
+    finally:
+        await admin.close()
+
+
+async def measure(
+    admin: AIOKafkaAdminClient, offsets: AIOKafkaConsumer, layout: BandLayout, model: str
+) -> Measured:
+    tps = [TopicPartition(prompts_topic(model), p) for p in range(layout.total_partitions)]
+    ends = await offsets.end_offsets(tps)
+    starts = await offsets.beginning_offsets(tps)
+    committed = await admin.list_consumer_group_offsets(worker_group(model))
+    backlog, done_total = {}, 0
+    for tp in tps:
+        done = max(committed[tp].offset if tp in committed else starts[tp], starts[tp])
+        backlog[tp.partition] = max(0, ends[tp] - done)
+        done_total += done
+    return Measured(backlog, done_total, await group_members(admin, worker_group(model)))
+
+
+async def count_backlog(
+    admin: AIOKafkaAdminClient, offsets: AIOKafkaConsumer, partitions: int, model: str
+) -> int:
+    """Prompts in the model's topic past its workers' commits."""
+    layout = BandLayout([("all", partitions)])
+    return sum((await measure(admin, offsets, layout, model)).backlog.values())
+
+
+async def group_members(admin: AIOKafkaAdminClient, group: str) -> int:
+    """Members of a consumer group (0 when it is empty or unknown to Kafka)."""
+    for response in await admin.describe_consumer_groups([group]):
+        for error_code, group_id, _state, _kind, _protocol, members, *_ in response.groups:
+            if group_id != group:
+                continue
+            if error_code:
+                raise KafkaError(f"describing group {group}: error code {error_code}")
+            return len(members)
+    return 0
