@@ -22,6 +22,12 @@ install_system_packages() {
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
 }
 
+uv_install() {
+    # --system-certs: the machine's CA store (a proxy's own CA lives there, as for pip).
+    local uv=(.venv/bin/uv pip install -q --system-certs --python .venv/bin/python --no-deps)
+    "${uv[@]}" -r infra/requirements/lock.txt && "${uv[@]}" -e .
+}
+
 install_virtualenv() {
     local stamp=.venv/.tandoor-stamp want
     want=$(cat infra/requirements/lock.txt pyproject.toml | sha256sum | cut -d' ' -f1)
@@ -31,12 +37,10 @@ install_virtualenv() {
     log "installing the virtualenv (first time: several GB, a few minutes)"
     [ -x .venv/bin/python ] || python3 -m venv .venv
     # The lock was resolved once by hand (docs/operations.md: the click conflict); --no-deps keeps it exact.
-    # uv downloads in parallel: about a minute less than pip on a fresh machine.
-    if .venv/bin/pip install -q "uv==$UV_VERSION"; then
-        .venv/bin/uv pip install -q --python .venv/bin/python --no-deps -r infra/requirements/lock.txt
-        .venv/bin/uv pip install -q --python .venv/bin/python --no-deps -e .
-    else
-        log "uv not available: installing with pip"
+    # uv downloads in parallel: about a minute less than pip on a fresh machine; pip
+    # finishes the job wherever uv cannot (not installable, no route, certificates).
+    if ! { .venv/bin/pip install -q "uv==$UV_VERSION" && uv_install; }; then
+        log "uv did not finish: installing with pip"
         .venv/bin/pip install -q --no-deps -r infra/requirements/lock.txt
         .venv/bin/pip install -q --no-deps -e .
     fi
