@@ -1,10 +1,15 @@
 """A member of a model's worker group that takes nothing, as a stuck worker would: the
 gateway sees a worker (so it does not refuse the model as unserved) while prompts stay
-in Kafka, which keeps replies running for as long as a test or a benchmark needs."""
+in Kafka, which keeps replies running for as long as a test or a benchmark needs.
+
+`python -m infra.idle_worker <model>` runs one until SIGTERM (infra.roles.IdleWorkerProcess):
+in a test process its Kafka client would share the `random` module with hypothesis."""
 
 from __future__ import annotations
 
 import asyncio
+import signal
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -15,6 +20,7 @@ from tandoor.settings import Settings
 
 DAY_MS = 24 * 3600 * 1000
 JOIN_TIMEOUT_S = 120.0
+READY = "idle worker ready"
 
 
 class _Joined(ConsumerRebalanceListener):  # type: ignore[misc]
@@ -45,3 +51,15 @@ async def idle_worker(settings: Settings, model: str) -> AsyncIterator[AIOKafkaC
         yield consumer
     finally:
         await consumer.stop()
+
+
+async def _serve(model: str) -> None:
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    async with idle_worker(Settings(), model):
+        print(f"{READY}: a member of {worker_group(model)} that takes nothing", flush=True)
+        await stop.wait()
+
+
+if __name__ == "__main__":
+    asyncio.run(_serve(sys.argv[1]))

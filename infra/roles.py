@@ -17,6 +17,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from infra.errors import StartError
+from infra.idle_worker import READY as IDLE_READY
 from infra.topics import TopicSpec, ensure_topics, start_group_at_end
 from schemas.topics import prompts_topic
 from tandoor.settings import Settings
@@ -28,6 +29,8 @@ START_IDLE_S = 300.0
 
 class RoleProcess:
     """`tandoor <role> ...` as a child process, ready once its log shows `ready_line`."""
+
+    module = "tandoor"  # what `python -m` runs
 
     def __init__(
         self, name: str, args: list[str], ready_line: str, log_dir: Path, env: dict[str, str]
@@ -42,7 +45,7 @@ class RoleProcess:
     def start(self) -> None:
         with self.log_file.open("wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "tandoor", *self.args],
+                [sys.executable, "-m", self.module, *self.args],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=self._env,
@@ -136,6 +139,16 @@ class StreamsProcess(RoleProcess):
     def ops_port(self) -> int:
         """Its web port serves /metrics, /health and /ready next to the rollups."""
         return int(self._env.get("TANDOOR_STREAMS_WEB_PORT", Settings().streams_web_port))
+
+
+class IdleWorkerProcess(RoleProcess):
+    """A member of the model's worker group that takes nothing (infra/idle_worker.py),
+    in a process of its own like the real roles."""
+
+    module = "infra.idle_worker"
+
+    def __init__(self, model: str, log_dir: Path, env: dict[str, str]) -> None:
+        super().__init__(f"idle-worker-{model}", [model], IDLE_READY, log_dir, env)
 
 
 class GatewayProcess(RoleProcess):

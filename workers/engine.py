@@ -110,12 +110,12 @@ class Engine:
         # them, and this gives plain token ids whatever apply_chat_template returns.
         conversation = [{"role": m.role, "content": m.content} for m in messages]
         text = self._tokenizer.apply_chat_template(
-            conversation,  # type: ignore[arg-type]  # vLLM types these as OpenAI params
+            conversation,
             tokenize=False,
             add_generation_prompt=True,
         )
         assert isinstance(text, str)
-        return self._tokenizer.encode(text, add_special_tokens=False)
+        return list(self._tokenizer.encode(text, add_special_tokens=False))
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], sampling: Sampling
@@ -192,7 +192,7 @@ def _engine_args(options: EngineOptions, dtype: str) -> AsyncEngineArgs:
         model=str(options.model_dir),
         max_model_len=options.max_model_len,
         max_num_seqs=options.max_num_seqs,
-        dtype=dtype,  # type: ignore[arg-type]  # a Literal there; vLLM validates it
+        dtype=dtype,  # vLLM validates it
         gpu_memory_utilization=options.gpu_memory_utilization,
         kv_cache_memory_bytes=options.kv_cache_memory_bytes,
         enforce_eager=options.enforce_eager,

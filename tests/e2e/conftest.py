@@ -3,7 +3,7 @@ package and its fault tests: two gateway processes, a worker with the bundled mo
 persistence consumer, and the real Kafka, Cassandra and Redis.
 
 Two more model names test what happens when a model is busy. `big` has a worker that
-takes nothing (tests/idle_worker.py): its prompts wait, and the free tier falls back to
+takes nothing (infra/idle_worker.py): its prompts wait, and the free tier falls back to
 the main model while it is backlogged. `idle` has no worker at all: its prompts are
 refused at once, but for the free tier, which falls back."""
 
@@ -16,9 +16,15 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from infra.idle_worker import idle_worker
 from infra.process import free_port
-from infra.roles import GatewayProcess, PersistProcess, WorkerProcess, model_aliases
+from infra.roles import (
+    GatewayProcess,
+    IdleWorkerProcess,
+    PersistProcess,
+    WorkerProcess,
+    model_aliases,
+    running,
+)
 from tandoor.settings import Fallback, Settings, TierPolicy
 from tests.e2e.stack import BLOCKED_TERM, SHED_BACKLOG, Stack
 from workers.model_store import resolve_model_dir
@@ -82,7 +88,7 @@ async def stack(
         persist=PersistProcess(logs, env),
         gateways=[GatewayProcess(logs, free_port(), env) for _ in range(2)],  # two replicas
     )
-    async with idle_worker(settings, big), the_stack.running():
+    async with running([IdleWorkerProcess(big, logs, env)]), the_stack.running():
         yield the_stack
 
 

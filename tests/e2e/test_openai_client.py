@@ -161,3 +161,23 @@ async def test_store_false_keeps_no_conversation(stack: Stack) -> None:
     async with httpx.AsyncClient(base_url=stack.url) as http:
         listed = await http.get("/v1/conversations", headers={"Authorization": f"Bearer {key}"})
     assert listed.json()["data"] == []
+
+
+async def test_the_official_client_gets_a_400_naming_each_parameter_it_cannot_have(
+    stack: Stack,
+) -> None:
+    question: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Hi"}]
+    refusals: list[tuple[dict[str, Any], str]] = [
+        ({"n": 2}, "n"),
+        ({"logprobs": True}, "logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ]
+    async with client(stack, await api_key(stack)) as api:
+        for extra, param in refusals:
+            with pytest.raises(openai.BadRequestError) as refused:
+                await api.chat.completions.create(
+                    model=stack.settings.models[0], messages=question, **extra
+                )
+            assert param in str(refused.value.body), (param, refused.value.body)
