@@ -88,10 +88,6 @@ class LoadMonitor:
         """None until measured, or when Kafka could not be asked lately."""
         return self._load.get(model)
 
-    def backlog(self, model: str) -> int | None:
-        load = self._load.get(model)
-        return None if load is None else load.total
-
     async def start(self) -> None:
         self._task = asyncio.create_task(self._poll(), name="load-monitor")
 
@@ -143,7 +139,15 @@ async def backlog_clients(
 async def measure(
     admin: AIOKafkaAdminClient, offsets: AIOKafkaConsumer, layout: BandLayout, model: str
 ) -> Measured:
-    tps = [TopicPartition(prompts_topic(model), p) for p in range(layout.total_partitions)]
+    backlog, done = await partition_backlog(admin, offsets, layout.total_partitions, model)
+    return Measured(backlog, done, await group_members(admin, worker_group(model)))
+
+
+async def partition_backlog(
+    admin: AIOKafkaAdminClient, offsets: AIOKafkaConsumer, partitions: int, model: str
+) -> tuple[dict[int, int], int]:
+    """Prompts past the workers' commits per partition, and the sum of the commits."""
+    tps = [TopicPartition(prompts_topic(model), p) for p in range(partitions)]
     ends = await offsets.end_offsets(tps)
     starts = await offsets.beginning_offsets(tps)
     committed = await admin.list_consumer_group_offsets(worker_group(model))
@@ -152,15 +156,14 @@ async def measure(
         done = max(committed[tp].offset if tp in committed else starts[tp], starts[tp])
         backlog[tp.partition] = max(0, ends[tp] - done)
         done_total += done
-    return Measured(backlog, done_total, await group_members(admin, worker_group(model)))
+    return backlog, done_total
 
 
 async def count_backlog(
     admin: AIOKafkaAdminClient, offsets: AIOKafkaConsumer, partitions: int, model: str
 ) -> int:
     """Prompts in the model's topic past its workers' commits."""
-    layout = BandLayout([("all", partitions)])
-    return sum((await measure(admin, offsets, layout, model)).backlog.values())
+    return sum((await partition_backlog(admin, offsets, partitions, model))[0].values())
 
 
 async def group_members(admin: AIOKafkaAdminClient, group: str) -> int:

@@ -29,8 +29,8 @@ async def test_a_stalled_condition_fails_naming_what_it_waited_for() -> None:
 
 async def test_while_progressing_outlasts_its_idle_limit_while_things_move() -> None:
     moved = [0]
-    async with while_progressing(lambda: moved[0], "moving", idle_s=0.1):
-        for _ in range(10):  # 0.3 s in all, three idle limits
+    async with while_progressing(lambda: moved[0], "moving", idle_s=0.5):
+        for _ in range(50):  # the body's work: 1.5 s in all, three idle limits
             await asyncio.sleep(0.03)
             moved[0] += 1
 

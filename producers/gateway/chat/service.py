@@ -227,8 +227,7 @@ class ChatService:
         store = not isinstance(p.conversation, ApiCall) or p.conversation.store
         conversation = p.conversation = await self._opened(p.caller, p.conversation)
         sub = await d.fanout.subscribe(p.request_id)
-        wait_s = d.settings.wait_budget_s(p.caller.tier) + d.settings.no_worker_grace_s
-        start_by = p.now + int(wait_s * 1000)
+        start_by = p.now + int(self._silence_limit_s(p.caller.tier) * 1000)
         if not await self.inflight.claim(conversation.id, sub, start_by):  # one at a time
             d.fanout.unsubscribe(sub)
             raise ApiError(409, "a reply is being generated: stop it first", kind="conflict_error")
@@ -315,6 +314,11 @@ class ChatService:
         with contextlib.suppress(*REDIS_DOWN):
             await self.deps.redis.set(done_key(request_id), 0, ex=ATTEMPT_TTL_S)
 
+    def _silence_limit_s(self, tier: str) -> float:
+        """How long a prompt may go unanswered before no worker is assumed: its wait
+        budget, then the grace in which a worker answers an expired prompt itself."""
+        return self.deps.settings.wait_budget_s(tier) + self.deps.settings.no_worker_grace_s
+
     def _follow(self, p: _Prompt, conversation: Conversation, sub: Subscription) -> ReplyWatch:
         """When the reply ends: its in-flight record goes, its quota is settled, and the
         conversation's jobs hear of it (a title after its first reply)."""
@@ -331,8 +335,7 @@ class ChatService:
                 await d.jobs.after_reply(p.caller.user_id, conversation, p.text, final.text)
 
         # The worker answers an expired prompt itself; silence past that means no worker.
-        wait_s = d.settings.wait_budget_s(p.caller.tier) + d.settings.no_worker_grace_s
-        return ReplyWatch(sub, wait_s, finished)
+        return ReplyWatch(sub, self._silence_limit_s(p.caller.tier), finished)
 
 
 def _sampling(options: ReplyOptions, max_tokens: int) -> Sampling:
