@@ -160,6 +160,9 @@ class Settings(BaseSettings):
     gateway_write_timeout_s: float = Field(default=30, gt=0)
     # At SIGTERM: how long streams that cannot resume (OpenAI API) may take to finish.
     gateway_drain_s: float = Field(default=30, ge=1)
+    # At SIGTERM: how long the port stays open answering /ready with 503 before it
+    # refuses connections (a load balancer's readiness probe sees the replica leave).
+    gateway_unready_s: float = Field(default=2, ge=0)
     kafka_send_timeout_s: float = Field(default=5, gt=0)  # then 503, message marked failed
     # Request limits: a larger body is a 413; a larger head (request line and headers)
     # or more headers a 431.

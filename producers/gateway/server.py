@@ -1,7 +1,9 @@
 """Running the gateway under uvicorn with a graceful shutdown: at SIGTERM the replica
 turns unready, stops taking streams and ends its resumable ones at once (their clients
-resume with Last-Event-ID on another replica); what cannot resume gets the grace period
-to finish; then connections close and the lifespan releases Kafka, Redis and Cassandra."""
+resume with Last-Event-ID on another replica); it keeps its port open a moment longer,
+answering /ready with 503, so a load balancer sees it leave before connections are
+refused; what cannot resume gets the grace period to finish; then connections close and
+the lifespan releases Kafka, Redis and Cassandra."""
 
 from __future__ import annotations
 
@@ -18,15 +20,21 @@ from tandoor.settings import Settings
 
 
 class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, slots: StreamSlots) -> None:
+    def __init__(self, config: uvicorn.Config, slots: StreamSlots, unready_s: float) -> None:
         super().__init__(config)
         self._slots = slots
+        self._unready_s = unready_s
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if sig in (signal.SIGTERM, signal.SIGINT):
-            # A signal handler: hand the event to the loop rather than touch it here.
-            asyncio.get_running_loop().call_soon_threadsafe(self._slots.draining.set)
-        super().handle_exit(sig, frame)
+        if sig not in (signal.SIGTERM, signal.SIGINT) or self._slots.draining.is_set():
+            super().handle_exit(sig, frame)  # a second signal: no more waiting
+            return
+        # A signal handler: hand the work to the loop rather than touch it here.
+        loop = asyncio.get_running_loop()
+        loop.call_soon_threadsafe(self._slots.draining.set)
+        loop.call_soon_threadsafe(
+            loop.call_later, self._unready_s, super().handle_exit, sig, frame
+        )
 
 
 def serve_gateway(settings: Settings, port: int) -> None:
@@ -40,4 +48,4 @@ def serve_gateway(settings: Settings, port: int) -> None:
         log_level="info",
         timeout_graceful_shutdown=int(settings.gateway_drain_s),
     )
-    DrainingServer(config, app.state.slots).run()
+    DrainingServer(config, app.state.slots, settings.gateway_unready_s).run()

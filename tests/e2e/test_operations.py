@@ -173,7 +173,9 @@ async def test_an_openai_stream_finishes_while_its_gateway_drains(stack: Stack) 
     headers = await auth(stack)
     body = {
         "model": stack.model,
-        "messages": [{"role": "user", "content": "Count from one to one hundred in words."}],
+        # The prompt the other drain tests use: long on every CPU (a counting prompt
+        # got a short answer on one, and ended before the probe).
+        "messages": [{"role": "user", "content": "Write a very long story about a dragon."}],
         "max_tokens": 200,  # the reply must outlast the probe below
         "temperature": 0,
         "stream": True,
