@@ -32,9 +32,7 @@ class DrainingServer(uvicorn.Server):
         # A signal handler: hand the work to the loop rather than touch it here.
         loop = asyncio.get_running_loop()
         loop.call_soon_threadsafe(self._slots.draining.set)
-        loop.call_soon_threadsafe(
-            loop.call_later, self._unready_s, super().handle_exit, sig, frame
-        )
+        loop.call_soon_threadsafe(loop.call_later, self._unready_s, super().handle_exit, sig, frame)
 
 
 def serve_gateway(settings: Settings, port: int) -> None:
