@@ -5,8 +5,11 @@ publishes names one of its partitions as `reply_partition`, and the worker produ
 that request's events there, so one replica sees the whole reply without reading
 anybody else's traffic. A client that reconnects (to any replica) is served by a
 reader of that one partition from the request's first offset. If a rebalance takes
-a partition away, the replica hands its open streams on that partition to such
-readers from where they were.
+a partition away, one reader of that partition carries the replica's open streams on
+it from where they were, until each has ended or been dropped. An event reaches a
+subscription once, whoever reads it (offsets only go forward), and the Kafka readers
+of a replica are bounded: the group member, a reader per lost partition, and one per
+resumed stream (bounded by the stream slots).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from aiokafka.structs import ConsumerRecord
 from schemas import topics
 from schemas.codec import SchemaError, decode_token_stream
 from schemas.events import FinalEvent, TokenEvent
+from tandoor.lifecycle import fatal
 from tandoor.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -48,8 +52,20 @@ class Subscription:
     queue: asyncio.Queue[Delivered] = field(default_factory=asyncio.Queue)
 
     def push(self, item: Delivered) -> None:
+        """Deliver an event once, whichever reader (group member or hand-over) had it."""
+        if item.offset < self.next_offset:
+            return
         self.next_offset = item.offset + 1
         self.queue.put_nowait(item)
+
+
+class ReaderCount:
+    """Kafka consumers this process has open for token events (a metric)."""
+
+    open = 0
+
+
+HANDOVER_POLL_MS = 1000  # how soon a hand-over reader sees its last stream gone
 
 
 class TokenFanout(ConsumerRebalanceListener):  # type: ignore[misc]
@@ -69,26 +85,40 @@ class TokenFanout(ConsumerRebalanceListener):  # type: ignore[misc]
         self._ready = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._handovers: set[asyncio.Task[None]] = set()
+        self.failure: BaseException | None = None  # the dispatch task died of it
 
     async def start(self, timeout_s: float = 30) -> None:
         self._consumer.subscribe([topics.TOKENS], listener=self)
         await self._consumer.start()
+        ReaderCount.open += 1
         self._task = asyncio.create_task(self._dispatch(), name="token-fanout")
+        self._task.add_done_callback(self._dispatch_ended)
         await asyncio.wait_for(self._ready.wait(), timeout_s)
 
     async def stop(self) -> None:
-        for task in [*self._handovers, *([self._task] if self._task else [])]:
+        tasks = [*self._handovers, *([self._task] if self._task else [])]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(
-            *self._handovers, *([self._task] if self._task else []), return_exceptions=True
-        )
+        await asyncio.gather(*tasks, return_exceptions=True)
         self._task = None
         await self._consumer.stop()
+        ReaderCount.open -= 1
 
     @property
     def ready(self) -> bool:
         """Owns tokens partitions, so replies can be routed to this replica."""
-        return self._ready.is_set()
+        return self._ready.is_set() and self.failure is None
+
+    @property
+    def handovers(self) -> int:
+        return len(self._handovers)
+
+    def _dispatch_ended(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled():
+            return
+        self.failure = task.exception() or RuntimeError("token fan-out ended")
+        log.error("token fan-out stopped: %r; this replica can route no reply", self.failure)
+        fatal(self.failure)
 
     @property
     def following(self) -> int:
@@ -120,19 +150,28 @@ class TokenFanout(ConsumerRebalanceListener):  # type: ignore[misc]
         self._usable = [p for p in self._usable if p not in lost]
         if not self._usable:
             self._ready.clear()
-        for sub in [s for s in self._subs.values() if s.partition in lost]:
-            task = asyncio.create_task(self._hand_over(sub))
-            self._handovers.add(task)
-            task.add_done_callback(self._handovers.discard)
+        for partition in lost:
+            subs = [s for s in self._subs.values() if s.partition == partition]
+            if subs:
+                task = asyncio.create_task(self._hand_over(partition, subs))
+                self._handovers.add(task)
+                task.add_done_callback(self._handovers.discard)
 
-    async def _hand_over(self, sub: Subscription) -> None:
-        """Keep an open stream going from its own partition after a rebalance."""
-        async for item in read_request(
-            self.settings, sub.request_id, sub.partition, sub.next_offset
-        ):
-            if self._subs.get(sub.request_id) is not sub:
-                return
-            sub.push(item)
+    async def _hand_over(self, partition: int, subs: list[Subscription]) -> None:
+        """Keep the open streams of a lost partition going with one reader, until each
+        has ended (its final) or was dropped (its client's reply watch gave up)."""
+        waiting = {sub.request_id: sub for sub in subs}
+        start = min(sub.next_offset for sub in subs)
+        async with partition_reader(self.settings, partition, start) as consumer:
+            while waiting:
+                batch = await consumer.getmany(timeout_ms=HANDOVER_POLL_MS)
+                for record in [r for records in batch.values() for r in records]:
+                    sub = waiting.get(record.key.decode()) if record.key else None
+                    if sub is not None and (item := _delivered(record)) is not None:
+                        sub.push(item)
+                        if isinstance(item.event, FinalEvent):
+                            del waiting[sub.request_id]
+                waiting = {k: s for k, s in waiting.items() if self._subs.get(k) is s}
 
     async def _dispatch(self) -> None:
         async for record in self._consumer:
@@ -144,10 +183,11 @@ class TokenFanout(ConsumerRebalanceListener):  # type: ignore[misc]
                 sub.push(item)
 
 
-async def read_request(
-    settings: Settings, request_id: str, partition: int, offset: int
-) -> AsyncIterator[Delivered]:
-    """One request's events from one partition, from `offset` until its final event."""
+@contextlib.asynccontextmanager
+async def partition_reader(
+    settings: Settings, partition: int, offset: int
+) -> AsyncIterator[AIOKafkaConsumer]:
+    """A consumer of one tokens partition from `offset`, outside any group."""
     consumer = AIOKafkaConsumer(
         bootstrap_servers=settings.kafka_bootstrap,
         group_id=None,
@@ -155,10 +195,23 @@ async def read_request(
         fetch_max_wait_ms=settings.fetch_wait_ms,
     )
     await consumer.start()
+    ReaderCount.open += 1
     try:
         tp = TopicPartition(topics.TOKENS, partition)
         consumer.assign([tp])
         consumer.seek(tp, offset)
+        yield consumer
+    finally:
+        ReaderCount.open -= 1
+        with contextlib.suppress(Exception):
+            await consumer.stop()
+
+
+async def read_request(
+    settings: Settings, request_id: str, partition: int, offset: int
+) -> AsyncIterator[Delivered]:
+    """One request's events from one partition, from `offset` until its final event."""
+    async with partition_reader(settings, partition, offset) as consumer:
         async for record in consumer:
             if record.key != request_id.encode():
                 continue
@@ -168,9 +221,6 @@ async def read_request(
             yield item
             if isinstance(item.event, FinalEvent):
                 return
-    finally:
-        with contextlib.suppress(Exception):
-            await consumer.stop()
 
 
 def _delivered(record: ConsumerRecord[bytes, bytes]) -> Delivered | None:

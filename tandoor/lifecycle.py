@@ -20,6 +20,21 @@ class Role(Protocol):
         """Release what start() opened; safe after a failed or partial start."""
 
 
+_fatal: list[BaseException] = []
+
+
+def fatal(error: BaseException) -> None:
+    """A part the role cannot live without (a background task) died: stop the role as
+    SIGTERM does, and exit non-zero once it has stopped."""
+    _fatal.append(error)
+    signal.raise_signal(signal.SIGTERM)
+
+
+def exit_if_fatal() -> None:
+    if _fatal:
+        raise SystemExit(f"stopped after a fatal error: {_fatal[0]!r}")
+
+
 async def serve(make_role: Callable[[], Role]) -> None:
     """Build the role inside the event loop (Kafka clients bind to it), then run it."""
     role = make_role()
@@ -31,3 +46,4 @@ async def serve(make_role: Callable[[], Role]) -> None:
         await role.run()
     finally:
         await role.close()
+    exit_if_fatal()

@@ -136,6 +136,9 @@ class Settings(BaseSettings):
     worker_dtype: Dtype = "auto"
     worker_memory_share: float = Field(default=0.3, gt=0, le=1)
     worker_grace_s: float = Field(default=20.0, ge=0)  # SIGTERM: finish, then hand back
+    # A request's lease (workers/ledger.py): renewed while its worker holds it; once it
+    # lapses (the worker died) another worker continues the reply.
+    worker_lease_s: float = Field(default=10.0, ge=1)
     worker_band_reserve: float = Field(default=0.1, ge=0, le=1)  # share kept for lower bands
     # Share of a worker's slots only the top band may take, so a flood of lower bands
     # never makes a top-band prompt wait for a slot.

@@ -33,7 +33,7 @@ class ControlListener:
             enable_auto_commit=False,
             fetch_max_wait_ms=CONTROL_FETCH_WAIT_MS,
         )
-        self._task: asyncio.Task[None] | None = None
+        self.task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         await self._consumer.start()
@@ -42,13 +42,13 @@ class ControlListener:
         except BaseException:
             await self._consumer.stop()
             raise
-        self._task = asyncio.create_task(self._listen(), name="control-listener")
+        self.task = asyncio.create_task(self._listen(), name="control-listener")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        if self.task is not None:
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
+            self.task = None
         await self._consumer.stop()
 
     async def _listen(self) -> None:

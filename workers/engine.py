@@ -21,7 +21,7 @@ import asyncio
 import logging
 import time
 import warnings
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,22 +104,26 @@ class Engine:
     def max_model_len(self) -> int:
         return self._max_model_len
 
-    def render_prompt(self, messages: Sequence[ChatMessage]) -> list[int]:
-        """Token ids of `messages` through the model's chat template, ready for a reply."""
+    def render_prompt(self, messages: Sequence[ChatMessage], partial: str = "") -> list[int]:
+        """Token ids of `messages` through the model's chat template, ready for a reply,
+        or, given the `partial` reply published so far, ready to continue it."""
         # Text first, then encode without special tokens: the template already writes
         # them, and this gives plain token ids whatever apply_chat_template returns.
         conversation = [{"role": m.role, "content": m.content} for m in messages]
+        if partial:
+            conversation.append({"role": "assistant", "content": partial})
         text = self._tokenizer.apply_chat_template(
             conversation,
             tokenize=False,
-            add_generation_prompt=True,
+            add_generation_prompt=not partial,
+            continue_final_message=bool(partial),
         )
         assert isinstance(text, str)
         return list(self._tokenizer.encode(text, add_special_tokens=False))
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], sampling: Sampling
-    ) -> AsyncIterator[EngineOutput]:
+    ) -> AsyncGenerator[EngineOutput]:
         """Stream the reply to `prompt_token_ids`; the last output has finished=True."""
         from vllm.inputs import tokens_input
         from vllm.v1.engine.exceptions import EngineGenerateError

@@ -1,70 +1,246 @@
-"""What every worker must agree on about a request, kept in Redis: its attempt
-number, whether it already has a final reply, and whether it was cancelled.
+"""What every worker must agree on about a request, kept in Redis: who generates it
+now (its lease), what it published so far (its transcript), its attempt number,
+whether it already has a final reply, and whether it was cancelled.
+
+Lease: a worker generates a request only while it holds the request's lease, which it
+renews while the request is in its hands and gives back when done or handed back.
+Another worker that receives the prompt meanwhile (a rebalance moved the partition
+while its old owner generates) waits: the owner either finishes (the request is done:
+skip it) or its lease lapses (it died) and the waiting worker takes over. Every token
+event is recorded under the lease before it is sent, so a worker that stalled past its
+lease learns it at once and stops: two attempts never publish at the same time.
+
+Transcript: the token events recorded, in `seq` order. A worker that takes a request
+over continues the reply from them (workers/request.py) instead of starting over.
 
 Redis unreachable: the worker keeps serving (the gateway admitted the prompt under
-its tier's Redis-down policy, see tandoor/policies/quota.py). The prompt is taken as a first
-attempt, neither done nor cancelled; marks that cannot be written are skipped. What is
-lost meanwhile: a prompt redelivered after a worker crash during the outage runs
-again as attempt 1 (clients skip what they already have by sequence number), and a
-cancel reaches only the worker running the request (the control topic still works).
+its tier's Redis-down policy, see tandoor/policies/quota.py). The prompt is taken as a
+first attempt without a lease; records that cannot be written stop the transcript
+(the next attempt restarts the reply instead of continuing it). What is lost
+meanwhile: a prompt redelivered after a worker crash during the outage runs again as
+attempt 1 (clients skip what they already have by sequence number), and a cancel
+reaches only the worker running the request (the control topic still works).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Literal
 
+import orjson
 import redis.asyncio as aioredis
 
 from tandoor.clients import REDIS_DOWN
 from tandoor.policies.redis_keys import (
     ATTEMPT_TTL_S,
     CANCEL_TTL_S,
+    REPLY_TTL_S,
     attempt_key,
     cancel_key,
     done_key,
+    final_key,
+    lease_key,
+    reply_key,
 )
 
 log = logging.getLogger(__name__)
 
+# KEYS: done, lease, attempt, cancel, reply, final. ARGV: owner, lease ms, attempt ttl s.
+ARRIVE = """
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  return {'done', redis.call('GET', KEYS[6])}
+end
+if redis.call('EXISTS', KEYS[2]) == 1 then  -- its own earlier task too: one at a time
+  return {'busy', redis.call('PTTL', KEYS[2])}
+end
+redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
+local attempt = redis.call('INCR', KEYS[3])
+redis.call('EXPIRE', KEYS[3], ARGV[3])
+return {'ok', attempt, redis.call('EXISTS', KEYS[4]), redis.call('LRANGE', KEYS[5], 0, -1)}
+"""
+
+# KEYS: lease, reply. ARGV: owner, lease ms, seq, entry, reply ttl s.
+RECORD = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
+if redis.call('LLEN', KEYS[2]) ~= tonumber(ARGV[3]) then return -2 end
+redis.call('RPUSH', KEYS[2], ARGV[4])
+redis.call('EXPIRE', KEYS[2], ARGV[5])
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+"""
+
+# KEYS: lease, done, final, reply. ARGV: owner, final, done ttl s, final ttl s.
+FINISH = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[2], '1', 'EX', ARGV[3])
+redis.call('SET', KEYS[3], ARGV[2], 'EX', ARGV[4])
+redis.call('DEL', KEYS[4])
+return 1
+"""
+
+# KEYS: lease. ARGV: owner, lease ms (0: give it back).
+RENEW = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+if tonumber(ARGV[2]) == 0 then redis.call('DEL', KEYS[1]) else
+  redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 1
+"""
+
+Recording = Literal["ok", "lost", "gap", "down"]
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """One token event as published: the next attempt republishes it as it was."""
+
+    epoch: int  # the attempt whose text this is (a continuation keeps it)
+    seq: int
+    delta: str
+    tokens: int
+
+    def encode(self) -> bytes:
+        return orjson.dumps([self.epoch, self.seq, self.delta, self.tokens])
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Recorded:
+        epoch, seq, delta, tokens = orjson.loads(raw)
+        return cls(int(epoch), int(seq), str(delta), int(tokens))
+
 
 @dataclass(frozen=True)
 class Arrival:
-    """What a worker needs to know about a prompt it just took, in one round trip."""
+    """The request is this worker's to run (with its lease, unless Redis is down)."""
 
-    done: bool  # a final event was already sent: skip the redelivery
-    attempt: int  # 1 the first time; a redelivery after a crash gets the next number
+    attempt: int  # 1 the first time; a worker taking it over gets the next number
     cancelled: bool
+    leased: bool
+    transcript: tuple[Recorded, ...] = ()  # what earlier attempts published
 
 
-FIRST_ARRIVAL = Arrival(done=False, attempt=1, cancelled=False)
+@dataclass(frozen=True)
+class Finished:
+    """A final reply exists; `final` is set when it may never have been delivered."""
+
+    final: bytes | None
+
+
+@dataclass(frozen=True)
+class Busy:
+    """Another worker holds the lease; it lapses within `wait_ms` unless renewed."""
+
+    wait_ms: int
+
+
+UNLEASED = Arrival(attempt=1, cancelled=False, leased=False)
 
 
 class RequestLedger:
-    def __init__(self, client: aioredis.Redis) -> None:
+    def __init__(self, client: aioredis.Redis, owner: str, lease_s: float) -> None:
         self._redis = client
+        self.owner = owner
+        self._lease_ms = max(1, round(lease_s * 1000))
+        self._arrive = client.register_script(ARRIVE)
+        self._record = client.register_script(RECORD)
+        self._finish = client.register_script(FINISH)
+        self._renew = client.register_script(RENEW)
 
-    async def arrive(self, request_id: str) -> Arrival:
+    async def arrive(self, request_id: str) -> Arrival | Finished | Busy:
+        keys = [
+            done_key(request_id),
+            lease_key(request_id),
+            attempt_key(request_id),
+            cancel_key(request_id),
+            reply_key(request_id),
+            final_key(request_id),
+        ]
         try:
-            async with self._redis.pipeline(transaction=True) as pipe:
-                pipe.exists(done_key(request_id))
-                pipe.incr(attempt_key(request_id))
-                pipe.expire(attempt_key(request_id), ATTEMPT_TTL_S)
-                pipe.exists(cancel_key(request_id))
-                done, attempt, _, cancelled = await pipe.execute()
+            reply = await self._arrive(keys=keys, args=[self.owner, self._lease_ms, ATTEMPT_TTL_S])
         except REDIS_DOWN as exc:
             log.warning("%s: Redis unreachable (%s); taken as a first attempt", request_id, exc)
-            return FIRST_ARRIVAL
-        return Arrival(bool(done), int(attempt), bool(cancelled))
+            return UNLEASED
+        kind = reply[0].decode() if isinstance(reply[0], bytes) else reply[0]
+        if kind == "done":
+            return Finished(reply[1] if len(reply) > 1 else None)
+        if kind == "busy":
+            return Busy(max(0, int(reply[1])))
+        attempt, cancelled, entries = int(reply[1]), bool(reply[2]), reply[3]
+        transcript = tuple(Recorded.decode(raw) for raw in entries)
+        return Arrival(attempt, cancelled, leased=True, transcript=transcript)
 
-    async def mark_done(self, request_id: str, attempt: int) -> None:
-        await self._mark(done_key(request_id), attempt, ATTEMPT_TTL_S)
+    async def record(self, request_id: str, entry: Recorded) -> Recording:
+        """Add a token event to the transcript, before it is sent, if the lease is
+        still ours (which renews it)."""
+        keys = [lease_key(request_id), reply_key(request_id)]
+        args: list[str | int | bytes] = [
+            self.owner,
+            self._lease_ms,
+            entry.seq,
+            entry.encode(),
+            REPLY_TTL_S,
+        ]
+        try:
+            result = int(await self._record(keys=keys, args=args))
+        except REDIS_DOWN as exc:
+            log.warning("%s: transcript not recorded, Redis unreachable (%s)", request_id, exc)
+            return "down"
+        return {1: "ok", -1: "lost"}.get(result, "gap")  # type: ignore[return-value]
+
+    async def forget_transcript(self, request_id: str) -> None:
+        """The transcript no longer matches what was published: the next attempt
+        restarts the reply rather than continue from it."""
+        try:
+            await self._redis.delete(reply_key(request_id))
+        except REDIS_DOWN as exc:
+            log.warning("%s: transcript not dropped, Redis unreachable (%s)", request_id, exc)
+
+    async def finish(self, request_id: str, final: bytes) -> bool:
+        """Mark the request done and keep its final until it is delivered; False if the
+        lease was lost (another worker has the request: publish nothing). Redis down:
+        True, the final goes out unrecorded."""
+        keys = [lease_key(request_id), done_key(request_id), final_key(request_id)]
+        keys.append(reply_key(request_id))
+        try:
+            return bool(
+                await self._finish(keys=keys, args=[self.owner, final, ATTEMPT_TTL_S, REPLY_TTL_S])
+            )
+        except REDIS_DOWN as exc:
+            log.warning("%s: done not recorded, Redis unreachable (%s)", request_id, exc)
+            return True
+
+    async def delivered(self, request_id: str) -> None:
+        """The final reached Kafka: nothing is left to publish again."""
+        try:
+            await self._redis.delete(final_key(request_id))
+        except REDIS_DOWN as exc:
+            log.warning("%s: final kept, Redis unreachable (%s)", request_id, exc)
+        await self.release(request_id)
+
+    async def release(self, request_id: str) -> None:
+        """Give the lease back (if it is still ours): another worker may take over now."""
+        try:
+            await self._renew(keys=[lease_key(request_id)], args=[self.owner, 0])
+        except REDIS_DOWN as exc:
+            log.warning("%s: lease kept until it lapses, Redis unreachable (%s)", request_id, exc)
+
+    async def renew(self, request_ids: list[str]) -> set[str]:
+        """Extend the leases of requests in hand; the ones that are no longer ours."""
+        if not request_ids:
+            return set()
+        try:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for request_id in request_ids:
+                    await self._renew(
+                        keys=[lease_key(request_id)], args=[self.owner, self._lease_ms], client=pipe
+                    )
+                held = await pipe.execute()
+        except REDIS_DOWN as exc:
+            log.warning("leases not renewed, Redis unreachable (%s)", exc)
+            return set()
+        return {rid for rid, ok in zip(request_ids, held, strict=True) if not int(ok)}
 
     async def mark_cancelled(self, request_id: str) -> None:
-        await self._mark(cancel_key(request_id), 1, CANCEL_TTL_S)
-
-    async def _mark(self, key: str, value: int, ttl_s: int) -> None:
         try:
-            await self._redis.set(key, value, ex=ttl_s)
+            await self._redis.set(cancel_key(request_id), 1, ex=CANCEL_TTL_S)
         except REDIS_DOWN as exc:
-            log.warning("Redis unreachable (%s); %s not recorded", exc, key)
+            log.warning("Redis unreachable (%s); cancel of %s not recorded", exc, request_id)

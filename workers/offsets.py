@@ -44,7 +44,10 @@ class OffsetTracker:
         self._partitions.setdefault((topic, partition), PartitionOffsets()).taken(offset)
 
     def finished(self, topic: str, partition: int, offset: int) -> None:
-        self._partitions[(topic, partition)].finished(offset)
+        """A prompt from a partition since revoked is its new owner's to commit."""
+        offsets = self._partitions.get((topic, partition))
+        if offsets is not None:
+            offsets.finished(offset)
 
     def to_commit(self) -> dict[tuple[str, int], int]:
         """Positions that moved since the last `committed` call."""

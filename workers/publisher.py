@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from aiokafka import AIOKafkaProducer
 from aiokafka.structs import ConsumerRecord
 
@@ -14,12 +16,16 @@ class Publisher:
     def __init__(self, producer: AIOKafkaProducer) -> None:
         self._producer = producer
 
-    async def token(self, event: Event, request_id: str, reply_partition: int | None) -> None:
+    async def token(
+        self, event: Event, request_id: str, reply_partition: int | None
+    ) -> asyncio.Future[object]:
         """Queue a token event; ordering with the final event is kept by the idempotent
-        producer, so there is no need to wait for each delivery."""
-        await self._producer.send(
+        producer, so there is no need to wait for each delivery: the caller checks the
+        returned deliveries before it sends the final."""
+        delivery: asyncio.Future[object] = await self._producer.send(
             topics.TOKENS, encode(event), key=request_id.encode(), partition=reply_partition
         )
+        return delivery
 
     async def final(self, event: FinalEvent, reply_partition: int | None) -> None:
         """Deliver the final event (and so every token event before it) before returning."""

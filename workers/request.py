@@ -1,11 +1,24 @@
-"""One prompt's life in a worker: checks, the engine, token events, the final event."""
+"""One prompt's life in a worker: its lease, checks, the engine, token events, the
+final event.
+
+A worker that takes a request over from one that died continues the reply: it
+republishes the token events the transcript holds (same attempt number and `seq`, so
+readers skip what they already have), then gives the engine the prompt plus that text
+as an unfinished assistant message and goes on from the next `seq`. The final carries
+the whole text and counts every token of it once. Where the transcript does not match
+(Redis lost part of it), the attempt starts the reply over under its own number and
+readers show a restart.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
+from schemas.codec import SchemaError, decode, encode
 from schemas.events import (
     FinalEvent,
     FinishReason,
@@ -18,7 +31,7 @@ from schemas.events import (
 from workers.capacity import Capacity
 from workers.coalesce import Coalescer
 from workers.engine import Engine, RequestFailed
-from workers.ledger import RequestLedger
+from workers.ledger import Arrival, Busy, Finished, Recorded, RequestLedger
 from workers.metrics import WorkerMetrics
 from workers.publisher import Publisher
 
@@ -38,6 +51,12 @@ class Tracked:
     request_id: str
     cancelled: bool = False
     in_engine: bool = False
+    leased: bool = False  # renewed by the worker while it holds the request
+    lost: bool = False  # the lease went to another worker: stop, publish nothing
+
+
+class LeaseLost(RuntimeError):
+    """Another worker took the request over (this one stalled past its lease)."""
 
 
 @dataclass
@@ -47,6 +66,9 @@ class Attempt:
     prompt: PromptRequest
     tracked: Tracked
     number: int
+    epoch: int  # the attempt whose text the events carry: a continuation keeps it
+    carried: tuple[Recorded, ...] = ()  # published by the attempt this one continues
+    recording: bool = False  # each token event goes to the transcript first
     submitted_ms: float = 0.0
     first_token_ms: float | None = None
     last_token_ms: float = 0.0
@@ -55,10 +77,12 @@ class Attempt:
     completion_tokens: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    deliveries: list[asyncio.Future[object]] = field(default_factory=list)
 
     def expired(self) -> bool:
+        """Past the deadline to start; a reply already under way continues."""
         deadline = self.prompt.deadline_ms
-        return deadline is not None and now_ms() > deadline
+        return not self.carried and deadline is not None and now_ms() > deadline
 
 
 @dataclass(frozen=True)
@@ -86,36 +110,120 @@ class RequestRunner:
         self.metrics = metrics
 
     async def run(self, prompt: PromptRequest, tracked: Tracked) -> None:
-        arrival = await self.ledger.arrive(prompt.request_id)
-        if arrival.done:
-            log.info("%s already has a final reply; skipping redelivery", prompt.request_id)
+        arrival = await self._arrival(prompt)
+        if arrival is None:
             return
+        tracked.leased = arrival.leased
         tracked.cancelled = tracked.cancelled or arrival.cancelled
-        attempt = Attempt(prompt, tracked, arrival.attempt)
+        attempt = await self._attempt(prompt, tracked, arrival)
         self.metrics.waiting.inc()
         try:
             await self._run(attempt)
+        except LeaseLost:
+            log.warning(
+                "%s: another worker took the request over; this attempt stops", prompt.request_id
+            )
         finally:
             started = attempt.first_token_ms is not None
             (self.metrics.running if started else self.metrics.waiting).dec()
+            if tracked.leased:
+                await self.ledger.release(prompt.request_id)
+
+    async def _arrival(self, prompt: PromptRequest) -> Arrival | None:
+        """The request's lease, once no other worker holds it; None if it is done."""
+        waited = False
+        while True:
+            outcome = await self.ledger.arrive(prompt.request_id)
+            if isinstance(outcome, Finished):
+                if outcome.final is not None:  # its worker died before it was delivered
+                    await self._deliver_recorded(prompt, outcome.final)
+                else:
+                    log.info("%s already has a final reply; skipping redelivery", prompt.request_id)
+                return None
+            if not isinstance(outcome, Busy):
+                return outcome
+            if not waited:
+                log.info("%s is in another worker's hands; waiting for it", prompt.request_id)
+                waited = True
+            await asyncio.sleep(min(max(outcome.wait_ms, 100), 1000) / 1000)
+
+    async def _attempt(self, prompt: PromptRequest, tracked: Tracked, arrival: Arrival) -> Attempt:
+        carried = _continuable(arrival.transcript)
+        if arrival.transcript and not carried:
+            log.warning(
+                "%s: the published text is not all known; restarting the reply", prompt.request_id
+            )
+            await self.ledger.forget_transcript(prompt.request_id)
+        epoch = carried[0].epoch if carried else arrival.attempt
+        if carried:
+            log.info(
+                "%s attempt %d continues attempt %d after %d events",
+                prompt.request_id,
+                arrival.attempt,
+                epoch,
+                len(carried),
+            )
+        return Attempt(prompt, tracked, arrival.attempt, epoch, carried, recording=arrival.leased)
+
+    async def _deliver_recorded(self, prompt: PromptRequest, raw: bytes) -> None:
+        """Publish a final that its worker recorded but may not have delivered."""
+        try:
+            final = decode(FinalEvent, raw)
+        except SchemaError as exc:
+            log.error("%s: recorded final unreadable (%s); dropped", prompt.request_id, exc)
+        else:
+            log.info("%s: delivering the final its worker recorded", prompt.request_id)
+            await self.publisher.final(final, prompt.reply_partition)
+            await self.publisher.usage(_usage_record(prompt, final))
+        await self.ledger.delivered(prompt.request_id)
 
     async def _run(self, attempt: Attempt) -> None:
+        await self._republish(attempt)
         refusal = await self._refusal(attempt)
         if refusal is not None:
             await self._finish(attempt, *refusal)
             return
-        token_ids = self.engine.render_prompt(attempt.prompt.messages)
-        attempt.prompt_tokens = len(token_ids)
+        messages = attempt.prompt.messages
+        attempt.prompt_tokens = len(self.engine.render_prompt(messages))
+        partial = "".join(attempt.text)
+        token_ids = self.engine.render_prompt(messages, partial) if partial else None
         limit = self.engine.max_model_len
-        if len(token_ids) >= limit:
+        if attempt.prompt_tokens >= limit:
             error = (
-                f"prompt has {len(token_ids)} tokens; the context window of "
+                f"prompt has {attempt.prompt_tokens} tokens; the context window of "
                 f"{self.config.model} is {limit} tokens"
             )
             await self._finish(attempt, "error", error)
             return
-        max_tokens = min(attempt.prompt.sampling.max_tokens, limit - len(token_ids))
+        token_ids = token_ids or self.engine.render_prompt(messages)
+        max_tokens = min(
+            attempt.prompt.sampling.max_tokens - attempt.completion_tokens,
+            limit - len(token_ids),
+        )
+        if max_tokens <= 0:  # the attempt it continues had used up the reply's budget
+            await self._finish(attempt, "length", None)
+            return
         await self._generate(attempt, token_ids, max_tokens)
+
+    async def _republish(self, attempt: Attempt) -> None:
+        """The events of the attempt this one continues, as they were (readers skip
+        the ones they have): Kafka may have lost the last ones with their worker."""
+        prompt = attempt.prompt
+        for entry in attempt.carried:
+            event = TokenEvent(
+                request_id=prompt.request_id,
+                attempt=entry.epoch,
+                seq=entry.seq,
+                delta=entry.delta,
+                token_count=entry.tokens,
+                created_at_ms=now_ms(),
+            )
+            attempt.deliveries.append(
+                await self.publisher.token(event, prompt.request_id, prompt.reply_partition)
+            )
+            attempt.text.append(entry.delta)
+            attempt.completion_tokens += entry.tokens
+        attempt.seq = len(attempt.carried)
 
     async def _refusal(self, attempt: Attempt) -> tuple[FinishReason, str | None] | None:
         """A reason to answer without the engine, or None."""
@@ -134,7 +242,8 @@ class RequestRunner:
     async def _generate(self, attempt: Attempt, token_ids: list[int], max_tokens: int) -> None:
         budget = len(token_ids) + max_tokens
         tracked = attempt.tracked
-        if not await self.capacity.reserve_tokens(budget, give_up=lambda: tracked.cancelled):
+        stop_waiting = lambda: tracked.cancelled or tracked.lost  # noqa: E731
+        if not await self.capacity.reserve_tokens(budget, give_up=stop_waiting):
             await self._finish(attempt, "cancelled", None)
             return
         try:
@@ -162,16 +271,17 @@ class RequestRunner:
             return "cancelled"
         reason: FinishReason = "stop"
         aborted = False
-        async for out in self.engine.generate(request_id, token_ids, sampling):
-            if tracked.cancelled and not aborted:  # the cancel came before the engine knew it
-                aborted = True
-                await self.engine.abort(request_id)
-            self._count(attempt, out.new_tokens, out.cached_tokens)
-            chunk = coalescer.add(out.delta, out.new_tokens, time.time())
-            if chunk is not None:
-                await self._send_tokens(attempt, *chunk)
-            if out.finished:
-                reason = ENGINE_REASONS.get(out.finish_reason, "stop")
+        async with aclosing(self.engine.generate(request_id, token_ids, sampling)) as outputs:
+            async for out in outputs:
+                if tracked.cancelled and not aborted:  # the cancel came before the engine
+                    aborted = True
+                    await self.engine.abort(request_id)
+                self._count(attempt, out.new_tokens, out.cached_tokens)
+                chunk = coalescer.add(out.delta, out.new_tokens, time.time())
+                if chunk is not None:
+                    await self._send_tokens(attempt, *chunk)
+                if out.finished:
+                    reason = ENGINE_REASONS.get(out.finish_reason, "stop")
         rest = coalescer.flush(time.time())
         if rest is not None:
             await self._send_tokens(attempt, *rest)
@@ -192,9 +302,12 @@ class RequestRunner:
 
     async def _send_tokens(self, attempt: Attempt, text: str, tokens: int) -> None:
         prompt = attempt.prompt
+        if attempt.tracked.lost:
+            raise LeaseLost(prompt.request_id)
+        await self._record(attempt, Recorded(attempt.epoch, attempt.seq, text, tokens))
         event = TokenEvent(
             request_id=prompt.request_id,
-            attempt=attempt.number,
+            attempt=attempt.epoch,
             seq=attempt.seq,
             delta=text,
             token_count=tokens,
@@ -203,13 +316,38 @@ class RequestRunner:
         attempt.seq += 1
         attempt.text.append(text)
         self.metrics.tokens.inc(tokens)
-        await self.publisher.token(event, prompt.request_id, prompt.reply_partition)
+        delivery = await self.publisher.token(event, prompt.request_id, prompt.reply_partition)
+        attempt.deliveries = [d for d in attempt.deliveries if not d.done() or d.exception()]
+        attempt.deliveries.append(delivery)
+
+    async def _record(self, attempt: Attempt, entry: Recorded) -> None:
+        """The event goes to the transcript before Kafka, so the transcript holds at
+        least what readers may have; once a record fails it holds less, and is dropped
+        (the next attempt then restarts the reply)."""
+        if not attempt.recording:
+            return
+        outcome = await self.ledger.record(attempt.prompt.request_id, entry)
+        if outcome == "lost":
+            attempt.tracked.lost = True
+            raise LeaseLost(attempt.prompt.request_id)
+        if outcome != "ok":
+            attempt.recording = False
+            await self.ledger.forget_transcript(attempt.prompt.request_id)
+
+    async def _undelivered(self, attempt: Attempt) -> str | None:
+        """Why some token event never reached Kafka, or None when all did."""
+        results = await asyncio.gather(*attempt.deliveries, return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        return f"{len(errors)} token events were not delivered: {errors[0]!r}" if errors else None
 
     async def _finish(self, attempt: Attempt, reason: FinishReason, error: str | None) -> None:
         prompt = attempt.prompt
+        undelivered = await self._undelivered(attempt)
+        if undelivered is not None:  # readers miss text: say so, not end as if complete
+            reason, error = "error", undelivered
         final = FinalEvent(
             request_id=prompt.request_id,
-            attempt=attempt.number,
+            attempt=attempt.epoch,
             seq=attempt.seq,
             finish_reason=reason,
             error=error,
@@ -225,9 +363,14 @@ class RequestRunner:
             batch_id=prompt.batch_id,
             store=prompt.store,
         )
+        if attempt.tracked.leased and not await self.ledger.finish(
+            prompt.request_id, encode(final)
+        ):
+            raise LeaseLost(prompt.request_id)
         await self.publisher.final(final, prompt.reply_partition)
-        await self.ledger.mark_done(prompt.request_id, attempt.number)
         await self.publisher.usage(_usage_record(prompt, final))
+        if attempt.tracked.leased:
+            await self.ledger.delivered(prompt.request_id)
         self.metrics.finished(reason)
         usage = final.usage
         log.log(
@@ -241,6 +384,13 @@ class RequestRunner:
             "-" if usage.ttft_ms is None else f"{usage.ttft_ms:.0f}",
             f": {error}" if error else "",
         )
+
+
+def _continuable(transcript: tuple[Recorded, ...]) -> tuple[Recorded, ...]:
+    """The transcript if it is one attempt's events from seq 0 without a gap, else ()."""
+    epochs = {entry.epoch for entry in transcript}
+    in_order = all(entry.seq == i for i, entry in enumerate(transcript))
+    return transcript if len(epochs) == 1 and in_order else ()
 
 
 def _usage(attempt: Attempt) -> Usage:

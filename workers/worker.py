@@ -5,6 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import socket
+import uuid
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
@@ -47,7 +50,8 @@ class Worker:
         self._redis = redis_client(settings)
         self._producer = kafka_producer(settings, client_id=f"worker.{model}")
         self._publisher = Publisher(self._producer)
-        self.ledger = RequestLedger(self._redis)
+        owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.ledger = RequestLedger(self._redis, owner, settings.worker_lease_s)
         self._engine: Engine | None = None
         self._runner: RequestRunner | None = None
         self._tracked: dict[str, Tracked] = {}
@@ -78,6 +82,8 @@ class Worker:
         )
         await self.control.start()
         self._resources.push_async_callback(self.control.stop)
+        assert self.control.task is not None
+        self._watch(self.control.task)
         await self.intake.start()
         self._resources.push_async_callback(self.intake.stop)
         await self.ops.start(self.settings.host, self.settings.worker_metrics_port)
@@ -86,13 +92,17 @@ class Worker:
 
     async def run(self) -> None:
         """Take prompts until `request_stop`; then finish or hand back what is in flight."""
-        committer = asyncio.create_task(self._commit_loop(), name="commit-loop")
+        loops = [
+            self._watch(asyncio.create_task(self._commit_loop(), name="commit-loop")),
+            self._watch(asyncio.create_task(self._renew_loop(), name="lease-renewal")),
+        ]
         try:
             await self._intake_loop()
         finally:
             await self._drain()
-            committer.cancel()
-            await asyncio.gather(committer, return_exceptions=True)
+            for loop in loops:
+                loop.cancel()
+            await asyncio.gather(*loops, return_exceptions=True)
         if self._failure is not None:
             raise WorkerFailed(str(self._failure)) from self._failure
 
@@ -108,7 +118,22 @@ class Worker:
             "engine": self._engine is not None and self._engine.healthy,
             "kafka": bool(self.intake.consumer.assignment()),
             "accepting": not self._stopping.is_set(),
+            "background": self._failure is None,
         }
+
+    def _watch(self, task: asyncio.Task[None]) -> asyncio.Task[None]:
+        """A background task that ends by itself is a worker failure: unready, then
+        the worker stops (exit non-zero) rather than go on without it."""
+        task.add_done_callback(self._background_ended)
+        return task
+
+    def _background_ended(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or self._stopping.is_set():
+            return
+        error = task.exception() or RuntimeError(f"{task.get_name()} ended")
+        log.error("background task %s ended: %r; stopping", task.get_name(), error)
+        self._failure = error
+        self._stopping.set()
 
     async def _intake_loop(self) -> None:
         while not self._stopping.is_set():
@@ -173,6 +198,22 @@ class Worker:
         while True:
             await asyncio.sleep(COMMIT_INTERVAL_S)
             await self.intake.commit()
+
+    async def _renew_loop(self) -> None:
+        """Renew the leases of requests in hand; stop the ones another worker took."""
+        while True:
+            await asyncio.sleep(self.settings.worker_lease_s / 3)
+            held = [t.request_id for t in self._tracked.values() if t.leased and not t.lost]
+            for request_id in await self.ledger.renew(held):
+                tracked = self._tracked.get(request_id)
+                if tracked is None:
+                    continue
+                log.warning("%s: lease lost to another worker; stopping it here", request_id)
+                tracked.lost = True
+                if tracked.in_engine and self._engine is not None:
+                    await self._engine.abort(request_id)
+                else:
+                    await self.capacity.wake()
 
     async def _drain(self) -> None:
         """Give in-flight prompts the grace period, then hand back the rest uncommitted."""

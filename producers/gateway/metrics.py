@@ -12,6 +12,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_fastapi_instrumentator import Instrumentator
 
+from consumers.fanout import ReaderCount
 from producers.gateway.limits import REFUSED
 from producers.gateway.services import Services
 from producers.gateway.shedding import BUSY
@@ -38,6 +39,12 @@ class OpenNow(Collector):
                 "tandoor_gateway_followed_replies",
                 "Replies whose token events this replica routes",
                 deps.chat.deps.fanout.following,
+            )
+            yield GaugeMetricFamily(
+                "tandoor_gateway_token_readers",
+                "Kafka consumers of token events open on this replica: the group member, "
+                "one per partition lost with open streams, one per resumed stream",
+                ReaderCount.open,
             )
             yield from self._load(deps)
 

@@ -16,6 +16,7 @@ import uvicorn
 from producers.gateway.app import create_app
 from producers.gateway.limits import bounded_protocol
 from producers.gateway.streaming import StreamSlots
+from tandoor.lifecycle import exit_if_fatal
 from tandoor.settings import Settings
 
 
@@ -47,3 +48,4 @@ def serve_gateway(settings: Settings, port: int) -> None:
         timeout_graceful_shutdown=int(settings.gateway_drain_s),
     )
     DrainingServer(config, app.state.slots, settings.gateway_unready_s).run()
+    exit_if_fatal()

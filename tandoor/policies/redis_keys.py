@@ -7,6 +7,9 @@ PREFIX = "tandoor"
 
 ATTEMPT_TTL_S = 24 * 3600
 CANCEL_TTL_S = 3600
+# A reply's published text and a final not yet known delivered: needed only while some
+# worker may still take the request over.
+REPLY_TTL_S = 3600
 TITLED_TTL_S = 30 * 24 * 3600
 
 
@@ -21,6 +24,24 @@ def attempt_key(request_id: str) -> str:
 def done_key(request_id: str) -> str:
     """Set once a request is finished or withdrawn: workers drop it on arrival."""
     return f"{PREFIX}:done:{request_id}"
+
+
+def lease_key(request_id: str) -> str:
+    """The worker generating the request now, for as long as it renews the lease: no
+    other worker starts it meanwhile (workers/ledger.py)."""
+    return f"{PREFIX}:lease:{request_id}"
+
+
+def reply_key(request_id: str) -> str:
+    """The token events a worker published for the request, in order (a list): the next
+    attempt continues the reply from them instead of starting over."""
+    return f"{PREFIX}:reply:{request_id}"
+
+
+def final_key(request_id: str) -> str:
+    """The final event, kept from just before it is published until it is delivered: a
+    worker that takes the request over meanwhile publishes the same final."""
+    return f"{PREFIX}:final:{request_id}"
 
 
 def cancel_key(request_id: str) -> str:

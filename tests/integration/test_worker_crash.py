@@ -1,7 +1,7 @@
-"""Two workers share a model's prompts; kill -9 of one mid-generation loses nothing, and
-SIGTERM of the other finishes what it can within its grace period and hands back the
-rest. The package's worker is the survivor (tests/integration/conftest.py): a second
-one joins its group to be killed."""
+"""Two workers share a model's prompts; kill -9 of one mid-generation loses nothing (the
+other continues the reply it had started), and SIGTERM of the other finishes what it can
+within its grace period and hands back the rest. The package's worker is the survivor
+(tests/integration/conftest.py): a second one joins its group to be killed."""
 
 from __future__ import annotations
 
@@ -15,9 +15,11 @@ from aiokafka import AIOKafkaProducer
 
 from consumers.token_reader import TokenCollector
 from infra.roles import WorkerProcess
+from producers.control import request_cancel
 from producers.prompts import PromptSubmitter
 from schemas.events import ANSWERED, PromptRequest
 from schemas.topics import BandLayout
+from tandoor.clients import redis_client
 from tandoor.settings import Settings
 from tests.integration.conftest import SharedWorker
 from tests.integration.pipeline import (
@@ -47,7 +49,7 @@ def prompt_in(
             return request
 
 
-async def test_kill_9_mid_generation_reruns_on_the_other_worker(
+async def test_kill_9_mid_generation_continues_on_the_other_worker(
     worker: WorkerProcess,
     shared_worker: SharedWorker,
     producer: AIOKafkaProducer,
@@ -58,6 +60,7 @@ async def test_kill_9_mid_generation_reruns_on_the_other_worker(
     layout = BandLayout([(b.name, b.partitions) for b in settings.bands])
     victim = WorkerProcess(model, tmp_path, shared_worker.env)
     victim.start()
+    handed_back: PromptRequest | None = None
     try:
         await victim.wait_ready()
         held = await until(
@@ -93,6 +96,10 @@ async def test_kill_9_mid_generation_reruns_on_the_other_worker(
             await caught_up(s, producer, settings)  # all it published before exiting
     finally:
         victim.kill()
+        if handed_back is not None:  # the next worker would continue it for minutes
+            redis = redis_client(settings)
+            await request_cancel(producer, redis, handed_back.request_id, "test over")
+            await redis.aclose()
 
     assert code == 0, survivor.log()[-3000:]
     assert s.finals(short.request_id)[0].finish_reason in ANSWERED
@@ -105,11 +112,17 @@ async def test_kill_9_mid_generation_reruns_on_the_other_worker(
     assert not s.finals(handed_back.request_id), "handed back, not finished"
 
     finals = s.finals(victim_prompt.request_id)
-    assert [f.attempt for f in finals] == [2], "exactly one final, from the second attempt"
-    rerun = s.tokens(victim_prompt.request_id, 2)
-    assert [t.seq for t in rerun] == list(range(len(rerun)))
-    assert "".join(t.delta for t in rerun) == finals[0].text
-    assert s.tokens(victim_prompt.request_id, 1), "the first attempt had streamed"
+    assert [f.attempt for f in finals] == [1], "exactly one final, continuing attempt 1"
+    assert f"{victim_prompt.request_id} attempt 2 continues attempt 1" in survivor.log()
+    events = s.tokens(victim_prompt.request_id, 1)  # the victim's, then the survivor's
+    by_seq = {t.seq: t.delta for t in events}
+    for event in events:  # republished events say what the first said
+        assert by_seq[event.seq] == event.delta, event
+    assert sorted(by_seq) == list(range(len(by_seq)))
+    assert "".join(by_seq[seq] for seq in sorted(by_seq)) == finals[0].text
+    assert finals[0].usage.completion_tokens == sum(
+        t.token_count for t in {t.seq: t for t in events}.values()
+    )
     for request in others:  # nothing lost, nothing answered twice per attempt
         attempts = [f.attempt for f in s.finals(request.request_id)]
         assert attempts and len(attempts) == len(set(attempts)), attempts

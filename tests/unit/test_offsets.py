@@ -39,3 +39,15 @@ def test_forgotten_partitions_are_not_committed() -> None:
     tracker.taken("t", 0, 1)
     tracker.forget([("t", 0)])
     assert tracker.to_commit() == {}
+
+
+def test_a_prompt_from_a_revoked_partition_finishes_without_error() -> None:
+    """A rebalance revokes the partition while its prompt still runs: finishing it must
+    not fail the worker (it raised KeyError), and it is the new owner's to commit."""
+    tracker = OffsetTracker()
+    tracker.taken("prompts.m", 3, 40)
+    tracker.taken("prompts.m", 4, 9)
+    tracker.forget([("prompts.m", 3)])
+    tracker.finished("prompts.m", 3, 40)
+    tracker.finished("prompts.m", 4, 9)
+    assert tracker.to_commit() == {("prompts.m", 4): 10}

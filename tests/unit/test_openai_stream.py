@@ -95,3 +95,23 @@ async def test_repeated_and_late_events_are_shown_once() -> None:
     assert (
         await streamed_text(replaying([*second[:2], late, *second[2:], final(reply, 2)])) == reply
     )
+
+
+async def test_a_continued_reply_streams_each_event_once() -> None:
+    events = [*tokens(REPLY, 7)]
+    republished = events[:3]
+    text, others = await streamed(replaying([*events[:3], *republished, *events[3:], final(REPLY)]))
+    assert not any("error" in chunk for chunk in others), others
+    assert text == (await streamed_text(reply_of(REPLY, 7)))
+
+
+async def test_a_missing_event_is_filled_in_from_the_final() -> None:
+    events = tokens(REPLY, 7)
+    text, others = await streamed(replaying([*events[:2], *events[3:], final(REPLY)]))
+    assert not any("error" in chunk for chunk in others), others
+    assert text == (await streamed_text(reply_of(REPLY, 7)))
+
+
+async def test_text_sent_that_differs_from_the_final_ends_with_an_error() -> None:
+    _, others = await streamed(replaying([*tokens("Once upon", 4), final("Twice")]))
+    assert others[-1]["error"]["code"] == "restarted", others

@@ -107,3 +107,37 @@ async def test_resume_from_an_older_attempt_restarts() -> None:
 async def test_events_ending_without_a_final_give_a_clear_error() -> None:
     out = await frames([token("Hal", 0)])
     assert out[-1]["type"] == "error" and "no worker answered" in out[-1]["error"]
+
+
+async def test_a_continued_reply_shows_each_event_once() -> None:
+    """A worker that takes the reply over republishes what the first had sent (some of
+    it lost with it), then goes on: the client sees one reply, no restart."""
+    events: list[Event] = [token("Once", 0), token(" upon", 1), token("Once", 0)]
+    events += [token(" upon", 1), token(" a", 2), token(" time", 3), final("Once upon a time")]
+    out = await frames(events)
+    assert text(out) == "Once upon a time"
+    assert not any(f["type"] == "restart" for f in out)
+
+
+async def test_a_missing_event_is_filled_in_from_the_final() -> None:
+    events = [token("Once", 0), token(" a", 2), token(" time", 3), final("Once upon a time")]
+    out = await frames(events)
+    assert text(out) == "Once upon a time"
+    assert not any(f["type"] == "restart" for f in out)
+    assert out[-1]["id"] == "1.16"
+
+
+async def test_text_shown_that_differs_from_the_final_is_replaced_by_it() -> None:
+    out = await frames([token("Once upon", 0), final("Twice")])
+    restart = [i for i, f in enumerate(out) if f["type"] == "restart"]
+    assert len(restart) == 1 and text(out[restart[0] :]) == "Twice"
+
+
+async def test_resume_during_a_later_attempt_shows_that_attempt_whole() -> None:
+    """The replay holds the abandoned attempt 1 first: it is skipped, and the client
+    (which has 3 characters of attempt 2) gets the rest of attempt 2, not less."""
+    events: list[Event] = [token("Old", 0), token("New", 0, attempt=2)]
+    events += [token(" text", 1, attempt=2), final("New text", attempt=2)]
+    out = await frames(events, resume="2.3")
+    assert not any(f["type"] == "restart" for f in out)
+    assert "New"[:3] + text(out) == "New text"

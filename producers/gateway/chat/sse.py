@@ -4,8 +4,11 @@ An event id is "<attempt>.<characters sent so far>". The reply's text passes thr
 the output filter, which may hold back a few characters, so ids count what the client
 really has: a reconnect with Last-Event-ID replays the request from its start and
 skips exactly that much. A higher attempt (a worker crashed, another re-runs the
-request) is announced with a `restart` event: the client drops its partial text
-instead of mixing two attempts; duplicates are skipped by sequence number.
+request and could not continue the reply) is announced with a `restart` event: the
+client drops its partial text instead of mixing two attempts; duplicates are skipped
+by sequence number. A missing event (a gap in `seq`) holds the text back until the
+final, which carries the whole reply: the client gets the rest from it, and never a
+text that differs from the stored one.
 """
 
 from __future__ import annotations
@@ -54,10 +57,26 @@ class _Attempt:
 
     def __init__(self, number: int, make_filter: Callable[[], OutputFilter], skip: int) -> None:
         self.number = number
-        self.filter = make_filter()
-        self.sent = 0
+        self.make_filter = make_filter
         self.skip = skip
+        self.start_over()
+
+    def start_over(self) -> None:
+        self.filter = self.make_filter()
+        self.sent = 0
         self.next_seq = 0
+        self.raw = ""  # the reply's text as received, before the filter
+        self.gap = False  # an event is missing: the rest comes from the final
+
+    def feed(self, seq: int, delta: str) -> str | None:
+        """The frame for a token event, or None (a duplicate, or held back)."""
+        if seq < self.next_seq or self.gap:
+            return None
+        if seq > self.next_seq:
+            self.gap = True
+            return None
+        self.next_seq, self.raw = seq + 1, self.raw + delta
+        return self.emit(self.filter.feed(delta))
 
     def emit(self, text: str) -> str | None:
         """A token frame for `text` minus what the client has; None if nothing is new."""
@@ -81,6 +100,8 @@ async def reply_frames(
             yield KEEPALIVE
             continue
         event = item.event
+        if resume is not None and event.attempt < resume.attempt:
+            continue  # abandoned before the attempt the client resumes
         if current is not None and event.attempt < current.number:
             continue  # a late event of an abandoned attempt
         if current is None or event.attempt > current.number:
@@ -89,20 +110,30 @@ async def reply_frames(
                 yield frame({"type": "restart", "attempt": event.attempt}, f"{event.attempt}.0")
             current = _Attempt(event.attempt, make_filter, resume.chars if known and resume else 0)
         if isinstance(event, FinalEvent):
-            tail = current.emit(current.filter.flush())
-            if tail:
+            for tail in _ending(current, event.text):
                 yield tail
             yield frame(_final(event), f"{current.number}.{current.sent}")
             yield DONE
             return
-        if event.seq < current.next_seq:
-            continue  # already handled
-        current.next_seq = event.seq + 1
-        chunk = current.emit(current.filter.feed(event.delta))
-        if chunk:
+        if chunk := current.feed(event.seq, event.delta):
             yield chunk
     yield frame({"type": "error", "error": NO_ANSWER})  # the events ended without a final
     yield DONE
+
+
+def _ending(current: _Attempt, text: str) -> list[str]:
+    """The frames that make what the client shows equal the final's whole text: what
+    the filter held back, or the rest after a missing event, or, where the text shown
+    is not the start of the final one, a restart and the whole text."""
+    frames: list[str] = []
+    if not text.startswith(current.raw):
+        frames.append(frame({"type": "restart", "attempt": current.number}))
+        current.skip = 0
+        current.start_over()
+    rest = current.filter.feed(text[len(current.raw) :]) + current.filter.flush()
+    if chunk := current.emit(rest):
+        frames.append(chunk)
+    return frames
 
 
 def _final(event: FinalEvent) -> dict[str, Any]:

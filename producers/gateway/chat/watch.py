@@ -1,5 +1,10 @@
 """Follows one reply from its subscription to its final event, whether or not a
-client is still connected (closing the tab is not stop), then settles the quota."""
+client is still connected (closing the tab is not stop), then settles the quota.
+
+A replica that shuts down stops following mid-reply and settles nothing: the reply
+goes on in a worker, its client resumes on another replica, the streams app settles
+the quota from the reply's usage record, and the in-flight record lapses once the
+worker marks the request done."""
 
 from __future__ import annotations
 
@@ -47,9 +52,11 @@ class ReplyWatch:
                     final = item.event
         except TimeoutError:
             log.warning("%s: no event for %.0f s; giving up", self.sub.request_id, self._give_up_s)
-        finally:
+        except asyncio.CancelledError:
             self._out.put_nowait(None)
-            try:
-                await self._on_final(final)
-            except Exception:  # settling must not kill the task; but say what was missed
-                log.exception("%s: settling the finished reply failed", self.sub.request_id)
+            raise  # the replica shuts down: not this replica's reply to settle any more
+        self._out.put_nowait(None)
+        try:
+            await self._on_final(final)
+        except Exception:  # settling must not kill the task; but say what was missed
+            log.exception("%s: settling the finished reply failed", self.sub.request_id)

@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 RESTARTED = (
     "the worker generating this reply failed after part of it was sent, and another "
-    "started it again; the text above is incomplete: please retry"
+    "could not continue it; the text above is incomplete: please retry"
 )
 
 FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}
@@ -101,6 +101,7 @@ async def completion_chunks(
         {**base, "choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]}
     )
     attempt, next_seq, sent, redactor = 0, 0, False, make_filter()
+    raw, gap = "", False  # the text received; a missing event holds the rest for the final
     async for item in _events(reply):
         event = item.event
         if event.attempt < attempt:
@@ -109,15 +110,20 @@ async def completion_chunks(
             if sent:
                 yield _error(RESTARTED, "restarted")
                 break
-            attempt, next_seq, redactor = event.attempt, 0, make_filter()
+            attempt, next_seq, redactor, raw, gap = event.attempt, 0, make_filter(), "", False
         if isinstance(event, TokenEvent):
-            if event.seq >= next_seq:  # a lower seq was delivered twice
-                next_seq = event.seq + 1
+            if event.seq > next_seq:
+                gap = True
+            if event.seq == next_seq and not gap:  # a lower seq was delivered twice
+                next_seq, raw = event.seq + 1, raw + event.delta
                 if text := redactor.feed(event.delta):
                     sent = True
                     yield _content(base, text)
             continue
-        if rest := redactor.flush():
+        if not event.text.startswith(raw):  # what was sent is not the stored reply
+            yield _error(RESTARTED, "restarted")
+            break
+        if rest := redactor.feed(event.text[len(raw) :]) + redactor.flush():
             yield _content(base, rest)
         if event.finish_reason not in FINISH:
             yield _error(event.error or event.finish_reason, event.finish_reason)

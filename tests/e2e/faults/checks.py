@@ -32,7 +32,7 @@ async def assert_conversations_complete(stack: Stack, users: list[ChatClient]) -
         check_conversation(user, messages)
         rows = await asyncio.to_thread(_stored_rows, stack.settings, user.conversation)
         assert rows == [(m["id"], m["role"], m["content"], m["status"]) for m in messages]
-        usage = await asyncio.to_thread(_usage_ids, stack.settings, user.name)
+        usage = await asyncio.to_thread(completion_tokens, stack.settings, user.name)
         # Usage is keyed by request: a replay cannot double it, a lost write shows here.
         # (The conversation's title job is charged too.)
         missing = {t.request_id for t in user.turns} - set(usage)
@@ -91,11 +91,13 @@ def _stored_rows(settings: Settings, conversation: str) -> list[tuple[str, str, 
         return [(r.message_id, r.role, r.content, r.status) for r in rows]
 
 
-def _usage_ids(settings: Settings, user_id: str) -> list[str]:
+def completion_tokens(settings: Settings, user_id: str) -> dict[str, int]:
+    """The user's stored usage: completion tokens by request id."""
     today = dt.datetime.now(dt.UTC).date()
     with cassandra_session(settings, settings.keyspace) as session:
         rows = session.execute(
-            "SELECT request_id FROM usage_by_user_day WHERE user_id = %s AND day IN (%s, %s)",
+            "SELECT request_id, completion_tokens FROM usage_by_user_day "
+            "WHERE user_id = %s AND day IN (%s, %s)",
             (user_id, today - dt.timedelta(days=1), today),
         )
-        return [r.request_id for r in rows]
+        return {r.request_id: r.completion_tokens for r in rows}

@@ -1,0 +1,249 @@
+"""Membership chaos: 32 replies at once, half through the chat API and half through the
+OpenAI API, while the worker group goes 1 → 3 → 1 (one leaves with SIGTERM, one is
+killed -9, in an order the seed picks) and a gateway replica joins and leaves with
+SIGTERM. For every request: it completes, what its client saw is the stored text, one
+final is shown, and its tokens are counted once; no role exits unexpectedly. Replies
+the killed worker had under way are continued by another, not restarted.
+
+The seed is printed on failure; TANDOOR_CHAOS_SEED=<seed> runs the same choices again."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import re
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import pytest
+
+from infra.process import free_port
+from infra.roles import GatewayProcess, RoleProcess, WorkerProcess
+from schemas.events import ANSWERED
+from tandoor.policies.api_keys import create_key
+from tests.e2e.faults.checks import assert_conversations_complete, completion_tokens, mid_stream
+from tests.e2e.faults.driver import MAX_TOKENS, ChatClient, clients
+from tests.e2e.helpers import sse
+from tests.e2e.stack import Stack
+from tests.waiting import until, while_progressing
+
+pytestmark = pytest.mark.integration
+
+SEED = int(os.environ.get("TANDOOR_CHAOS_SEED", random.randrange(2**32)))
+CHAT_USERS = API_USERS = 16
+CONTINUED = re.compile(r"(r_\w+) attempt \d+ continues attempt (\d+)")
+FINISHED = re.compile(r"r_\w+ attempt \d+ (stop|length)")
+
+
+@dataclass
+class ApiTurn:
+    request_id: str = ""
+    text: str = ""
+    finishes: list[str] = field(default_factory=list)
+    errors: list[Any] = field(default_factory=list)
+    usage: dict[str, Any] | None = None
+
+
+@dataclass
+class ApiClient:
+    """An OpenAI-API client that streams completion after completion, as an SDK would
+    with retries on refused connections and 503s (nothing was taken then)."""
+
+    name: str
+    user_id: str
+    model: str
+    headers: dict[str, str]
+    urls: list[str]
+    turns: list[ApiTurn] = field(default_factory=list)
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def run(self) -> None:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(120, connect=5)) as http:
+            for i in range(1000):
+                if self.stop.is_set():
+                    return
+                turn = ApiTurn()
+                self.turns.append(turn)
+                while not await self._complete(http, self.urls[i % len(self.urls)], turn, i):
+                    i += 1
+                    await asyncio.sleep(0.5)
+
+    async def _complete(self, http: httpx.AsyncClient, url: str, turn: ApiTurn, i: int) -> bool:
+        body = {
+            "model": self.model,
+            "messages": [{"role": "user", "content": f"{self.name} asks {i}: name ten fruits."}],
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        try:
+            async with http.stream(
+                "POST", f"{url}/v1/chat/completions", json=body, headers=self.headers
+            ) as response:
+                if response.status_code in (429, 503):
+                    await response.aread()
+                    return False
+                assert response.status_code == 200, (response.status_code, await response.aread())
+                async for _, data in sse(response):
+                    self._read(turn, data)
+        except httpx.ConnectError:
+            return False
+        return True
+
+    def _read(self, turn: ApiTurn, chunk: Any) -> None:
+        if chunk == "[DONE]":
+            return
+        if "error" in chunk:
+            turn.errors.append(chunk["error"])
+            return
+        turn.request_id = chunk["id"].removeprefix("chatcmpl-")
+        if chunk.get("usage"):
+            turn.usage = chunk["usage"]
+        for choice in chunk["choices"]:
+            turn.text += choice["delta"].get("content") or ""
+            if choice["finish_reason"]:
+                turn.finishes.append(choice["finish_reason"])
+
+
+async def test_workers_and_gateways_come_and_go_under_32_replies(stack: Stack) -> None:
+    choose = random.Random(SEED)
+    print(f"chaos seed {SEED} (TANDOOR_CHAOS_SEED={SEED} repeats it)")
+    spare = GatewayProcess(stack.logs, free_port(), stack.env)
+    spare_url = f"http://127.0.0.1:{spare.port}"
+    joined = [WorkerProcess(stack.model, stack.logs, stack.env) for _ in range(2)]
+    async with (
+        clients(stack, CHAT_USERS) as chat_users,
+        api_clients(stack, API_USERS, spare_url) as api_users,
+    ):
+        for user in chat_users:  # until it starts, a connection there is refused: next one
+            user.urls.append(spare_url)
+        every = [stack.worker, *joined, spare, stack.persist, *stack.gateways]
+        progress = lambda: (  # noqa: E731
+            tuple(len(t.text) for u in api_users for t in u.turns),
+            tuple(turn.progress() for user in chat_users for turn in user.turns),
+            tuple(role.log_size() for role in every),
+        )
+        try:
+            async with while_progressing(progress, f"chaos (seed {SEED})"):
+                await chaos(stack, choose, chat_users, api_users, joined, spare)
+        finally:
+            for role in [*joined, spare]:
+                role.kill()
+                stack.retired.append(role)
+        await check_every_request(stack, chat_users, api_users)
+    continued = {
+        rid for role in [stack.worker, *joined] for rid, _ in CONTINUED.findall(role.log())
+    }
+    print(f"chaos seed {SEED}: {len(continued)} replies continued by another worker")
+    for role in [stack.worker, stack.persist, *stack.gateways]:
+        assert role.alive, f"{role.name} exited:\n{role.log()[-3000:]}"
+
+
+async def chaos(
+    stack: Stack,
+    choose: random.Random,
+    chat_users: list[ChatClient],
+    api_users: list[ApiClient],
+    joined: list[WorkerProcess],
+    spare: GatewayProcess,
+) -> None:
+    stop_chat = asyncio.Event()
+    async with asyncio.TaskGroup() as group:
+        for user in chat_users:
+            group.create_task(chat_until(user, stop_chat))
+        for api_user in api_users:
+            group.create_task(api_user.run())
+        await mid_stream(chat_users, 8)
+        for role in [*joined, spare]:  # 1 → 3 workers, 2 → 3 gateways
+            role.start()
+        await asyncio.gather(*(role.wait_ready() for role in [*joined, spare]))
+        for worker in joined:  # each takes part before it goes
+            await until(worker.log, FINISHED.search, what=f"{worker.name} finishing a reply")
+        leaving, killed = choose.sample(joined, 2)
+        steps = [("sigterm", leaving), ("kill", killed), ("sigterm", spare)]
+        choose.shuffle(steps)
+        print(f"chaos seed {SEED}: " + ", ".join(f"{how} {role.name}" for how, role in steps))
+        for how, role in steps:
+            await mid_stream(chat_users, 4)
+            await leave(role, how)
+        await mid_stream(chat_users, 4)  # the survivors carry on
+        stop_chat.set()
+        for api_user in api_users:
+            api_user.stop.set()
+    assert await asyncio.to_thread(leaving.terminate) == 0, leaving.log()[-3000:]
+    assert await asyncio.to_thread(spare.terminate) == 0, spare.log()[-3000:]
+
+
+async def leave(role: RoleProcess, how: str) -> None:
+    if how == "kill":
+        await asyncio.to_thread(role.kill)
+    else:  # its drain goes on while the others serve
+        assert role.proc is not None
+        role.proc.terminate()
+
+
+async def chat_until(user: ChatClient, stop: asyncio.Event) -> None:
+    for i in range(1000):
+        if stop.is_set():
+            return
+        for replica in range(len(user.urls)):  # every replica in turn, the spare too
+            await user.send(f"{user.name}, turn {i}.{replica}: count from one to twenty.")
+            if stop.is_set():
+                return
+
+
+@contextlib.asynccontextmanager
+async def api_clients(stack: Stack, count: int, spare_url: str) -> AsyncIterator[list[ApiClient]]:
+    made = []
+    for i in range(count):
+        key, principal = await create_key(
+            stack.settings, f"chaos-{i}-{uuid.uuid4().hex[:6]}", "plus"
+        )
+        urls = stack.urls[i % 2 :] + stack.urls[: i % 2] + [spare_url]
+        headers = {"Authorization": f"Bearer {key}"}
+        made.append(ApiClient(f"api{i}", principal.user_id, stack.model, headers, urls))
+    yield made
+
+
+async def check_every_request(
+    stack: Stack, chat_users: list[ChatClient], api_users: list[ApiClient]
+) -> None:
+    for user in chat_users:
+        for turn in user.turns:
+            if not turn.from_history:
+                assert [k for k, _ in turn.events].count("final") == 1, (user.name, turn.events)
+                assert turn.final is not None
+                assert turn.final["usage"]["completion_tokens"] == MAX_TOKENS, turn.final
+    await assert_conversations_complete(stack, chat_users)
+    async with httpx.AsyncClient(base_url=stack.url, timeout=30) as http:
+        for api_user in api_users:
+            stored = await stored_api_replies(http, api_user)
+            usage = await asyncio.to_thread(completion_tokens, stack.settings, api_user.user_id)
+            for call in api_user.turns:
+                assert not call.errors, (api_user.name, call)
+                assert len(call.finishes) == 1 and call.finishes[0] in ANSWERED, call
+                assert stored[call.request_id] == call.text, (api_user.name, call)
+                assert call.usage is not None
+                assert usage[call.request_id] == call.usage["completion_tokens"], call
+
+
+async def stored_api_replies(http: httpx.AsyncClient, user: ApiClient) -> dict[str, str]:
+    """Each stored API call's reply text, by request id."""
+    replies: dict[str, str] = {}
+    cursor: str | None = None
+    while True:
+        params: dict[str, str | int] = {"limit": 100, **({"cursor": cursor} if cursor else {})}
+        page = (await http.get("/v1/conversations", params=params, headers=user.headers)).json()
+        for conversation in page["data"]:
+            path = f"/v1/conversations/{conversation['id']}"
+            for message in (await http.get(path, headers=user.headers)).json()["messages"]:
+                if message["role"] == "assistant":
+                    replies[message["id"]] = message["content"]
+        if not (cursor := page["next_cursor"]):
+            return replies
