@@ -20,6 +20,11 @@ class PersistMetrics:
             "Batches whose write failed and was retried",
             registry=self.registry,
         )
+        self.dead_lettered = Counter(
+            "tandoor_persist_dead_lettered",
+            "Final events that could not be stored and went to the dead-letter topic",
+            registry=self.registry,
+        )
         self.write_seconds = Histogram(
             "tandoor_persist_write_seconds",
             "Writing one fetched batch of final events",

@@ -1,5 +1,10 @@
 """`tandoor persist`: final events from `tokens` into Cassandra, committed only after
-the write, so a crash at any point replays (idempotently) instead of losing."""
+the write, so a crash at any point replays (idempotently) instead of losing.
+
+While Cassandra cannot be reached, writes are retried for as long as it takes. A final
+that fails for any other reason (Cassandra or the driver refuses that one event) is
+tried POISON_TRIES times, then goes to the dead-letter topic with the reason, and the
+consumer moves on: one bad event must not stop every reply from being stored."""
 
 from __future__ import annotations
 
@@ -7,18 +12,21 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import Counter
 
+import cassandra
 from aiokafka import AIOKafkaConsumer
 from aiokafka.errors import KafkaError
 from aiokafka.structs import ConsumerRecord
-from cassandra.cluster import Cluster
+from cassandra.cluster import Cluster, NoHostAvailable
+from cassandra.connection import ConnectionException
 
 from consumers.history import HistoryWriter
 from consumers.metrics import PersistMetrics
 from schemas import topics
 from schemas.codec import SchemaError, decode, is_final
 from schemas.events import FinalEvent
-from tandoor.clients import cassandra_cluster
+from tandoor.clients import cassandra_cluster, kafka_producer
 from tandoor.ops import OpsServer
 from tandoor.policies.moderation import DefaultModerator
 from tandoor.settings import Settings
@@ -26,6 +34,17 @@ from tandoor.settings import Settings
 log = logging.getLogger(__name__)
 
 MAX_BACKOFF_S = 5.0
+POISON_TRIES = 3
+# Cassandra unreachable or overloaded: wait, whatever it takes, rather than drop.
+UNAVAILABLE = (
+    NoHostAvailable,
+    ConnectionException,
+    cassandra.OperationTimedOut,
+    cassandra.Unavailable,
+    cassandra.WriteTimeout,
+    cassandra.CoordinationFailure,
+)
+Stored = tuple[ConsumerRecord[bytes, bytes], FinalEvent]
 
 
 class Persister:
@@ -40,6 +59,7 @@ class Persister:
             auto_offset_reset="earliest",  # a new group stores everything still retained
             fetch_max_wait_ms=settings.fetch_wait_ms,
         )
+        self._producer = kafka_producer(settings, "persist")  # dead letters
         self._cluster: Cluster | None = None
         self._writer: HistoryWriter | None = None
         self._stopping = asyncio.Event()
@@ -51,6 +71,7 @@ class Persister:
         session = await asyncio.to_thread(self._cluster.connect, self.settings.keyspace)
         moderator = DefaultModerator(self.settings.moderation_blocklist)
         self._writer = HistoryWriter(session, moderator.check_output)
+        await self._producer.start()
         await self._consumer.start()
         await self.ops.start(self.settings.host, self.settings.persist_metrics_port)
         log.info("persist ready: %s -> keyspace %s", topics.TOKENS, self.settings.keyspace)
@@ -97,33 +118,61 @@ class Persister:
         """Leave the group and disconnect; safe to call twice."""
         await self.ops.close()
         await self._consumer.stop()
+        await self._producer.stop()
         if self._cluster is not None:
             await asyncio.to_thread(self._cluster.shutdown)
             self._cluster = None
 
-    async def _store(self, finals: list[FinalEvent]) -> bool:
-        """Write until it works (Cassandra may be restarting); False if told to stop first."""
+    async def _store(self, finals: list[Stored]) -> bool:
+        """Write until each is stored or dead-lettered; False if told to stop first."""
         assert self._writer is not None
-        delay = 0.1
-        while not self._stopping.is_set():
+        pending, tries, delay = finals, Counter[int](), 0.1
+        while pending and not self._stopping.is_set():
             started = time.perf_counter()
-            try:
-                await asyncio.gather(*(self._writer.store(final) for final in finals))
-            except Exception as exc:  # the driver's errors share no useful base class
+            results = await asyncio.gather(
+                *(self._writer.store(final) for _, final in pending), return_exceptions=True
+            )
+            failed = [(item, r) for item, r in zip(pending, results, strict=True) if r is not None]
+            self._stored([item for item, r in zip(pending, results, strict=True) if r is None])
+            self.metrics.write_seconds.observe(time.perf_counter() - started)
+            pending = []
+            for (record, final), error in failed:
+                tries[record.offset] += not isinstance(error, UNAVAILABLE)
+                if tries[record.offset] >= POISON_TRIES:
+                    await self._dead_letter(record, final, error)
+                else:
+                    pending.append((record, final))
+            if pending:
                 self.metrics.failed_writes.inc()
                 log.warning(
-                    "storing %d replies failed (%s); retrying in %.1f s", len(finals), exc, delay
+                    "storing %d replies failed (%r); retrying in %.1f s",
+                    len(pending),
+                    failed[0][1],
+                    delay,
                 )
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stopping.wait(), delay)
                 delay = min(MAX_BACKOFF_S, delay * 2)
-            else:
-                self.metrics.write_seconds.observe(time.perf_counter() - started)
-                self.metrics.stored.inc(len(finals))
-                for final in finals:
-                    _log_stored(final)
-                return True
-        return False
+        return not pending
+
+    def _stored(self, stored: list[Stored]) -> None:
+        self.metrics.stored.inc(len(stored))
+        for _, final in stored:
+            _log_stored(final)
+
+    async def _dead_letter(
+        self, record: ConsumerRecord[bytes, bytes], final: FinalEvent, error: BaseException
+    ) -> None:
+        reason = f"not stored after {POISON_TRIES} tries: {error!r}"
+        log.error("dead-lettering the final of %s: %s", final.request_id, reason)
+        headers = [
+            ("error", reason.encode()[:1000]),
+            ("source", f"{record.topic}/{record.partition}/{record.offset}".encode()),
+        ]
+        await self._producer.send_and_wait(
+            topics.DEAD_LETTER, record.value, key=record.key, headers=headers
+        )
+        self.metrics.dead_lettered.inc()
 
 
 def _log_stored(final: FinalEvent) -> None:
@@ -137,13 +186,13 @@ def _log_stored(final: FinalEvent) -> None:
     )
 
 
-def _finals(records: list[ConsumerRecord[bytes, bytes]]) -> list[FinalEvent]:
-    finals = []
+def _finals(records: list[ConsumerRecord[bytes, bytes]]) -> list[Stored]:
+    finals: list[Stored] = []
     for record in records:
         if not is_final(record.value):
             continue  # a token event: the final carries the whole text
         try:
-            finals.append(decode(FinalEvent, record.value))
+            finals.append((record, decode(FinalEvent, record.value)))
         except SchemaError as exc:
             log.error(
                 "skipping undecodable final at %s/%s: %s", record.partition, record.offset, exc

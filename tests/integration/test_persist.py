@@ -11,14 +11,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aiokafka import AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.structs import ConsumerRecord
 
 from infra.roles import PersistProcess
 from infra.topics import start_group_at_end
 from schemas import topics
 from schemas.codec import encode
 from schemas.events import FinalEvent, FinishReason, Usage, now_ms
-from tandoor.clients import cassandra_session, kafka_producer
+from tandoor.clients import assign_from_end, cassandra_session, kafka_producer
 from tandoor.settings import Settings
 from tests.waiting import eventually
 
@@ -214,3 +215,35 @@ async def test_kill_9_and_restart_loses_and_duplicates_nothing(
     rows = await settled_rows(settings, keyspace, producer, conversation, 120)
     assert sorted(r.message_id for r in rows) == sorted(r.request_id for r in replies)
     assert {r.message_id: r.content for r in rows} == {r.request_id: r.text for r in replies}
+
+
+async def test_a_final_that_cannot_be_stored_is_dead_lettered_and_the_rest_go_on(
+    settings: Settings, keyspace: str, producer: AIOKafkaProducer, start_persist: StartPersist
+) -> None:
+    """A final Cassandra can never take (a date past year 9999) is tried a few times,
+    then goes to the dead-letter topic with the reason; replies after it are stored."""
+    conversation = f"c-{uuid.uuid4().hex[:8]}"
+    poison = final(conversation, "from the far future", prompt_at=10**16)
+    poison = poison.model_copy(update={"created_at_ms": 10**16})
+    healthy = final(conversation, "an ordinary reply")
+    dead = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap, fetch_max_wait_ms=50)
+    await dead.start()
+    try:
+        await assign_from_end(dead, topics.DEAD_LETTER)
+        await start_persist()
+        await publish(producer, poison, healthy)
+        rows = await settled_rows(settings, keyspace, producer, conversation, 1)
+
+        async def letters() -> list[ConsumerRecord[bytes, bytes]]:
+            batch = await dead.getmany(timeout_ms=500)
+            found.extend(r for chunk in batch.values() for r in chunk if r.key == poison_key)
+            return found
+
+        found: list[ConsumerRecord[bytes, bytes]] = []
+        poison_key = poison.request_id.encode()
+        letter = (await eventually(letters, bool, what="the poison final dead-lettered"))[0]
+    finally:
+        await dead.stop()
+    assert [(r.message_id, r.content) for r in rows] == [(healthy.request_id, "an ordinary reply")]
+    assert letter.value == encode(poison)
+    assert b"not stored after 3 tries" in dict(letter.headers)["error"]
