@@ -1,0 +1,82 @@
+"""The request ledger against a real Redis: one lease holder at a time, a stalled worker
+that lost its lease cannot publish, a transcript without gaps, and a final kept until
+it is delivered (workers/ledger.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+
+from tandoor.clients import redis_client
+from tandoor.settings import Settings
+from workers.ledger import Arrival, Busy, Finished, Recorded, RequestLedger
+
+pytestmark = pytest.mark.integration
+
+LEASE_S = 1.0
+
+
+@pytest.fixture
+async def client(redis_url: str, settings: Settings) -> AsyncIterator[aioredis.Redis]:
+    redis = redis_client(settings)
+    yield redis
+    await redis.aclose()
+
+
+def ledger(client: aioredis.Redis, name: str) -> RequestLedger:
+    return RequestLedger(client, name, LEASE_S)
+
+
+def request() -> str:
+    return f"r_{uuid.uuid4().hex}"
+
+
+async def test_one_holder_at_a_time_and_the_next_takes_over_when_it_lapses(
+    client: aioredis.Redis,
+) -> None:
+    first, second, rid = ledger(client, "w1"), ledger(client, "w2"), request()
+    taken = await first.arrive(rid)
+    assert isinstance(taken, Arrival) and taken.attempt == 1 and taken.leased
+    busy = await second.arrive(rid)
+    assert isinstance(busy, Busy) and 0 < busy.wait_ms <= LEASE_S * 1000
+    assert isinstance(await first.arrive(rid), Busy), "not even its holder runs it twice"
+    assert await first.record(rid, Recorded(1, 0, "Once", 1)) == "ok"
+    await asyncio.sleep(LEASE_S * 1.5)  # w1 stalls past its lease
+    again = await second.arrive(rid)
+    assert isinstance(again, Arrival) and again.attempt == 2
+    assert again.transcript == (Recorded(1, 0, "Once", 1),)
+    assert await first.record(rid, Recorded(1, 1, " upon", 1)) == "lost"
+    assert await first.renew([rid]) == {rid}
+    assert not await first.finish(rid, b"final of w1"), "a lost lease publishes no final"
+    assert await second.record(rid, Recorded(1, 1, " upon", 1)) == "ok"
+
+
+async def test_a_gap_in_the_transcript_is_refused(client: aioredis.Redis) -> None:
+    worker, rid = ledger(client, "w1"), request()
+    assert isinstance(await worker.arrive(rid), Arrival)
+    assert await worker.record(rid, Recorded(1, 0, "a", 1)) == "ok"
+    assert await worker.record(rid, Recorded(1, 2, "c", 1)) == "gap"
+
+
+async def test_a_final_is_kept_until_delivered_and_then_the_request_is_skipped(
+    client: aioredis.Redis,
+) -> None:
+    dying, next_worker, rid = ledger(client, "w1"), ledger(client, "w2"), request()
+    assert isinstance(await dying.arrive(rid), Arrival)
+    assert await dying.finish(rid, b"the final")
+    await dying.release(rid)  # it died after recording the final, before delivering it
+    assert await next_worker.arrive(rid) == Finished(b"the final")
+    await next_worker.delivered(rid)
+    assert await next_worker.arrive(rid) == Finished(None)
+
+
+async def test_a_lease_given_back_is_taken_at_once(client: aioredis.Redis) -> None:
+    leaving, staying, rid = ledger(client, "w1"), ledger(client, "w2"), request()
+    assert isinstance(await leaving.arrive(rid), Arrival)
+    await leaving.release(rid)  # handed back at SIGTERM
+    taken = await staying.arrive(rid)
+    assert isinstance(taken, Arrival) and taken.attempt == 2
