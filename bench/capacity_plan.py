@@ -86,7 +86,11 @@ CASSANDRA_WRITES_PER_MESSAGE = (
 CASSANDRA_READS_PER_MESSAGE = 2  # ownership + summary row, history within the budget
 CASSANDRA_NODE_WRITES_PER_S = 30_000  # ASSUMPTION: replica writes/s on an 8-core node
 CASSANDRA_NODE_READS_PER_S = 15_000  # ASSUMPTION: LOCAL_QUORUM reads of small partitions
-REDIS_OPS_PER_MESSAGE = 8  # key cache, quota admit + settle, ledger incr/expire, done, cancel
+# Key cache, quota admit + settle, in-flight claim + release, the worker's arrival (lease,
+# attempt, cancel check: one script), its final and its delivery + lease release.
+REDIS_OPS_PER_MESSAGE = 9
+# Besides: each token event is recorded in the request's transcript (one script), and
+# each request in a worker renews its lease three times a lease (workers/ledger.py).
 REDIS_OPS_PER_SHARD = 100_000  # ASSUMPTION: one primary with Lua scripts, with headroom
 # Measured by bench.persist_memory: ~1,900 a second from one process on this 2-core
 # machine, sharing its cores with Cassandra and Kafka (3 writes a final).
@@ -190,10 +194,15 @@ def plan(inputs: Inputs | None = None) -> Plan:
             topic_bytes(i, sizes, token_events), RECOMMENDED_RETENTION_S, brokers
         ),
         cassandra_nodes=cassandra_nodes(i.messages_per_s),
-        redis_shards=math.ceil(i.messages_per_s * REDIS_OPS_PER_MESSAGE / REDIS_OPS_PER_SHARD),
-        redis_ops_per_s=i.messages_per_s * REDIS_OPS_PER_MESSAGE,
+        redis_shards=math.ceil(redis_ops(i, token_events, streams) / REDIS_OPS_PER_SHARD),
+        redis_ops_per_s=redis_ops(i, token_events, streams),
         persist_replicas=math.ceil(i.messages_per_s / PERSIST_FINALS_PER_S_PER_PROCESS),
     )
+
+
+def redis_ops(i: Inputs, token_events_per_s: float, streams: float) -> float:
+    renewals = streams * 3 / Settings().worker_lease_s
+    return i.messages_per_s * REDIS_OPS_PER_MESSAGE + token_events_per_s + renewals
 
 
 def worker_tokens_per_s(i: Inputs) -> float:
