@@ -210,14 +210,7 @@ class RequestRunner:
         the ones they have): Kafka may have lost the last ones with their worker."""
         prompt = attempt.prompt
         for entry in attempt.carried:
-            event = TokenEvent(
-                request_id=prompt.request_id,
-                attempt=entry.epoch,
-                seq=entry.seq,
-                delta=entry.delta,
-                token_count=entry.tokens,
-                created_at_ms=now_ms(),
-            )
+            event = _token_event(prompt.request_id, entry)
             attempt.deliveries.append(
                 await self.publisher.token(event, prompt.request_id, prompt.reply_partition)
             )
@@ -304,15 +297,9 @@ class RequestRunner:
         prompt = attempt.prompt
         if attempt.tracked.lost:
             raise LeaseLost(prompt.request_id)
-        await self._record(attempt, Recorded(attempt.epoch, attempt.seq, text, tokens))
-        event = TokenEvent(
-            request_id=prompt.request_id,
-            attempt=attempt.epoch,
-            seq=attempt.seq,
-            delta=text,
-            token_count=tokens,
-            created_at_ms=now_ms(),
-        )
+        entry = Recorded(attempt.epoch, attempt.seq, text, tokens)
+        await self._record(attempt, entry)
+        event = _token_event(prompt.request_id, entry)
         attempt.seq += 1
         attempt.text.append(text)
         self.metrics.tokens.inc(tokens)
@@ -384,6 +371,17 @@ class RequestRunner:
             "-" if usage.ttft_ms is None else f"{usage.ttft_ms:.0f}",
             f": {error}" if error else "",
         )
+
+
+def _token_event(request_id: str, entry: Recorded) -> TokenEvent:
+    return TokenEvent(
+        request_id=request_id,
+        attempt=entry.epoch,
+        seq=entry.seq,
+        delta=entry.delta,
+        token_count=entry.tokens,
+        created_at_ms=now_ms(),
+    )
 
 
 def _continuable(transcript: tuple[Recorded, ...]) -> tuple[Recorded, ...]:

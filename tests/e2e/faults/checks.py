@@ -11,7 +11,7 @@ from typing import Any
 from schemas.events import ANSWERED
 from tandoor.clients import cassandra_session
 from tandoor.settings import Settings
-from tests.e2e.faults.driver import ChatClient, Turn
+from tests.e2e.faults.driver import MAX_TOKENS, ChatClient, Turn
 from tests.e2e.stack import Stack
 from tests.waiting import eventually, until
 
@@ -101,3 +101,14 @@ def completion_tokens(settings: Settings, user_id: str) -> dict[str, int]:
             (user_id, today - dt.timedelta(days=1), today),
         )
         return {r.request_id: r.completion_tokens for r in rows}
+
+
+def check_continued_stream(turn: Turn) -> None:
+    """One reply as if no worker had died: no restart, every event of attempt 1, and the
+    whole reply (ignore_eos) counted once."""
+    kinds = [kind for kind, _ in turn.events]
+    assert "restart" not in kinds, turn.events
+    assert all(attempt == 1 for kind, attempt in turn.events if kind in ("token", "final"))
+    assert kinds[-1] == "final" and turn.final is not None
+    assert turn.final["finish_reason"] == "length", turn.final
+    assert turn.final["usage"]["completion_tokens"] == MAX_TOKENS, turn.final
