@@ -30,6 +30,10 @@ def fatal(error: BaseException) -> None:
     signal.raise_signal(signal.SIGTERM)
 
 
+def fatal_error() -> BaseException | None:
+    return _fatal[0] if _fatal else None
+
+
 def exit_if_fatal() -> None:
     if _fatal:
         raise SystemExit(f"stopped after a fatal error: {_fatal[0]!r}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 from types import FrameType
 
 import uvicorn
@@ -16,7 +17,7 @@ import uvicorn
 from producers.gateway.app import create_app
 from producers.gateway.limits import bounded_protocol
 from producers.gateway.streaming import StreamSlots
-from tandoor.lifecycle import exit_if_fatal
+from tandoor.lifecycle import exit_if_fatal, fatal_error
 from tandoor.settings import Settings
 
 
@@ -25,6 +26,11 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self._slots = slots
         self._unready_s = unready_s
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().shutdown(sockets)
+        if fatal_error() is not None:  # exit 1 below, not by the signal fatal() raised
+            self._captured_signals.clear()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if sig not in (signal.SIGTERM, signal.SIGINT) or self._slots.draining.is_set():

@@ -15,6 +15,7 @@ import contextlib
 import os
 import random
 import re
+import signal
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -200,7 +201,8 @@ async def chaos(
         for api_user in api_users:
             api_user.stop.set()
     assert await asyncio.to_thread(leaving.terminate) == 0, leaving.log()[-3000:]
-    assert await asyncio.to_thread(spare.terminate) == 0, spare.log()[-3000:]
+    # uvicorn ends by raising the SIGTERM it handled: the default action, a clean exit.
+    assert await asyncio.to_thread(spare.terminate) in (0, -signal.SIGTERM), spare.log()[-3000:]
 
 
 async def generating(worker: RoleProcess) -> None:
