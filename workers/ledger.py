@@ -186,13 +186,15 @@ class RequestLedger:
             return "down"
         return {1: "ok", -1: "lost"}.get(result, "gap")  # type: ignore[return-value]
 
-    async def forget_transcript(self, request_id: str) -> None:
+    async def forget_transcript(self, request_id: str) -> bool:
         """The transcript no longer matches what was published: the next attempt
-        restarts the reply rather than continue from it."""
+        restarts the reply rather than continue from it. False if Redis is unreachable."""
         try:
             await self._redis.delete(reply_key(request_id))
         except REDIS_DOWN as exc:
             log.warning("%s: transcript not dropped, Redis unreachable (%s)", request_id, exc)
+            return False
+        return True
 
     async def finish(self, request_id: str, final: bytes) -> bool:
         """Mark the request done and keep its final until it is delivered; False if the

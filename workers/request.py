@@ -69,6 +69,7 @@ class Attempt:
     epoch: int  # the attempt whose text the events carry: a continuation keeps it
     carried: tuple[Recorded, ...] = ()  # published by the attempt this one continues
     recording: bool = False  # each token event goes to the transcript first
+    stale_transcript: bool = False  # a record failed: drop it as soon as Redis answers
     submitted_ms: float = 0.0
     first_token_ms: float | None = None
     last_token_ms: float = 0.0
@@ -309,17 +310,21 @@ class RequestRunner:
 
     async def _record(self, attempt: Attempt, entry: Recorded) -> None:
         """The event goes to the transcript before Kafka, so the transcript holds at
-        least what readers may have; once a record fails it holds less, and is dropped
-        (the next attempt then restarts the reply)."""
+        least what readers may have; once a record fails it holds less, and is dropped,
+        at the next event again while Redis does not answer (the next attempt then
+        restarts the reply)."""
+        request_id = attempt.prompt.request_id
+        if attempt.stale_transcript:
+            attempt.stale_transcript = not await self.ledger.forget_transcript(request_id)
         if not attempt.recording:
             return
-        outcome = await self.ledger.record(attempt.prompt.request_id, entry)
+        outcome = await self.ledger.record(request_id, entry)
         if outcome == "lost":
             attempt.tracked.lost = True
-            raise LeaseLost(attempt.prompt.request_id)
+            raise LeaseLost(request_id)
         if outcome != "ok":
             attempt.recording = False
-            await self.ledger.forget_transcript(attempt.prompt.request_id)
+            attempt.stale_transcript = not await self.ledger.forget_transcript(request_id)
 
     async def _undelivered(self, attempt: Attempt) -> str | None:
         """Why some token event never reached Kafka, or None when all did."""

@@ -1,0 +1,55 @@
+"""A worker whose transcript record fails stops recording, and drops the transcript as
+soon as Redis answers again, so no later worker continues from a transcript shorter
+than what was published (workers/request.py)."""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+from schemas.events import ChatMessage, PromptRequest, now_ms
+from workers.ledger import Recorded, Recording, RequestLedger
+from workers.request import Attempt, RequestRunner, RunnerConfig, Tracked
+
+
+class RedisAway:
+    """Answers the first record with "down", then the deletes: twice not, then yes."""
+
+    def __init__(self) -> None:
+        self.records = 0
+        self.deletes: list[bool] = []
+        self._answers = [False, False, True]
+
+    async def record(self, request_id: str, entry: Recorded) -> Recording:
+        self.records += 1
+        return "down"
+
+    async def forget_transcript(self, request_id: str) -> bool:
+        self.deletes.append(self._answers.pop(0))
+        return self.deletes[-1]
+
+
+def attempt() -> Attempt:
+    prompt = PromptRequest(
+        request_id="r_1",
+        model="m",
+        user_id="u",
+        tier="plus",
+        band="interactive-paid",
+        conversation_id="c",
+        messages=[ChatMessage(role="user", content="hi")],
+        created_at_ms=now_ms(),
+    )
+    return Attempt(prompt, Tracked("r_1", leased=True), 1, 1, recording=True)
+
+
+async def test_a_failed_record_drops_the_transcript_once_redis_answers() -> None:
+    ledger = RedisAway()
+    config = RunnerConfig("m", 0.05, 16)
+    unused = cast(Any, None)  # _record needs only the ledger
+    runner = RequestRunner(config, unused, unused, cast(RequestLedger, ledger), unused, unused)
+    current = attempt()
+    for seq in range(5):
+        await runner._record(current, Recorded(1, seq, "x", 1))
+    assert ledger.records == 1, "no record after the first failure"
+    assert ledger.deletes == [False, False, True], "deleted until Redis answered, then no more"
+    assert not current.recording and not current.stale_transcript
