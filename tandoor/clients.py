@@ -23,6 +23,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from tandoor.settings import Settings
 
 CASSANDRA_RECONNECT_MAX_S = 5.0
+CASSANDRA_CONTROL_TIMEOUT_S = 15.0
 REDIS_CONNECT_TIMEOUT_S = 2.0
 REDIS_RETRIES = 2
 
@@ -34,6 +35,9 @@ def cassandra_cluster(settings: Settings) -> Cluster:
         port=settings.cassandra_port,
         protocol_version=5,
         connect_timeout=10,
+        # The first connection reads the whole schema; on a loaded CI machine that took
+        # longer than the driver's 2 s default and the connect failed (NoHostAvailable).
+        control_connection_timeout=CASSANDRA_CONTROL_TIMEOUT_S,
         # After a Cassandra restart, be back within seconds: the driver's default
         # backoff grows to 10 minutes, leaving a role failing long after it is up.
         reconnection_policy=ExponentialReconnectionPolicy(0.5, CASSANDRA_RECONNECT_MAX_S),
