@@ -19,7 +19,14 @@ from bench.loadgen import RunStats, compare, measure, openai_sender, parse_args
 from bench.machine import describe_machine
 from bench.vllm_server import bench_direct
 from infra.process import free_port
-from infra.roles import GatewayProcess, PersistProcess, WorkerProcess, model_alias, running
+from infra.roles import (
+    GatewayProcess,
+    PersistProcess,
+    WorkerProcess,
+    model_alias,
+    running,
+    with_models,
+)
 from tandoor.policies.api_keys import create_key
 from tandoor.settings import Settings
 from workers.model_store import resolve_model_dir
@@ -28,9 +35,8 @@ from workers.model_store import resolve_model_dir
 async def bench_gateway(model_dir: Path, args: argparse.Namespace) -> list[tuple[str, RunStats]]:
     settings = Settings()
     model, env = await model_alias(settings, model_dir, "bench")
+    env = with_models(env, max_num_seqs=args.max_seqs, kv_cache_mib=args.kv_cache_mib)
     env |= {
-        "TANDOOR_WORKER_MAX_SEQS": str(args.max_seqs),
-        "TANDOOR_WORKER_KV_CACHE_MIB": str(args.kv_cache_mib),
         # The long-lived group, caught up as in production: a fresh group would first
         # replay all of `tokens` and compete with the measurement for the CPU.
         "TANDOOR_PERSIST_GROUP": "persist",

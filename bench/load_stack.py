@@ -13,7 +13,14 @@ from dataclasses import dataclass
 import httpx
 
 from infra.process import free_port
-from infra.roles import GatewayProcess, PersistProcess, WorkerProcess, model_aliases, running
+from infra.roles import (
+    GatewayProcess,
+    PersistProcess,
+    WorkerProcess,
+    model_aliases,
+    running,
+    with_models,
+)
 from tandoor.settings import Settings, TierPolicy
 from workers.model_store import resolve_model_dir
 
@@ -64,7 +71,7 @@ async def full_stack(args: argparse.Namespace) -> AsyncIterator[FullStack]:
     model_dir = await asyncio.to_thread(resolve_model_dir, "smollm2", settings)
     (model,), env = await model_aliases(settings, model_dir, ["load"])
     tiers = bench_tiers(settings, 1)
-    env |= tiers_env(tiers) | {"TANDOOR_WORKER_MAX_SEQS": str(args.max_seqs)}
+    env = with_models(env, max_num_seqs=args.max_seqs) | tiers_env(tiers)
     settings = settings.model_copy(
         update={"tiers": tiers, "persist_group": env["TANDOOR_PERSIST_GROUP"]}
     )

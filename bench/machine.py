@@ -31,7 +31,7 @@ def describe_machine(settings: Settings | None = None) -> str:
     flags = cpu_flags()
     present = [f for f in SPEED_FLAGS if f in flags] or ["none of " + ", ".join(SPEED_FLAGS)]
     native = "native bf16" if NATIVE_BF16_CPU_FLAGS & flags else "no native bf16"
-    dtype = resolve_dtype((settings or Settings()).worker_dtype)
+    dtype = resolve_dtype(next(iter((settings or Settings()).models.values())).dtype)
     return (
         f"machine: {cpu_model()}, {os.cpu_count()} cores, flags {' '.join(present)} "
         f"({native}); engine dtype {dtype.dtype} ({dtype.reason})"

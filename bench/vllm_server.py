@@ -35,7 +35,7 @@ def start_vllm_server(
         "--port",
         str(port),
         "--dtype",
-        resolve_dtype(Settings().worker_dtype).dtype,  # what a worker here computes in
+        resolve_dtype(Settings().models["smollm2"].dtype).dtype,  # what a worker here computes in
         "--max-model-len",
         "2048",
         "--enforce-eager",

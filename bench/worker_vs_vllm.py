@@ -19,7 +19,7 @@ from bench.loadgen import RunStats, Send, compare, measure, parse_args, question
 from bench.machine import describe_machine
 from bench.vllm_server import bench_direct
 from consumers.token_reader import TokenCollector
-from infra.roles import WorkerProcess, model_alias, running
+from infra.roles import WorkerProcess, model_alias, running, with_models
 from producers.prompts import PromptSubmitter
 from schemas.events import ANSWERED, ChatMessage, PromptRequest, Sampling, now_ms
 from tandoor.clients import kafka_producer
@@ -57,10 +57,8 @@ def worker_sender(
 async def bench_worker(model_dir: Path, args: argparse.Namespace) -> list[tuple[str, RunStats]]:
     settings = Settings()
     model, env = await model_alias(settings, model_dir, "bench")
-    env |= {
-        "TANDOOR_WORKER_MAX_SEQS": str(args.max_seqs),
-        "TANDOOR_WORKER_KV_CACHE_MIB": str(args.kv_cache_mib),
-    }
+    env = with_models(env, max_num_seqs=args.max_seqs, kv_cache_mib=args.kv_cache_mib)
+    env |= {}
     async with (
         running([WorkerProcess(model, args.log_dir, env)]),
         kafka_producer(settings, "bench") as producer,

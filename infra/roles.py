@@ -197,8 +197,7 @@ async def model_aliases(
         settings.kafka_bootstrap, [TopicSpec(prompts_topic(m), partitions) for m in models]
     )
     env = {
-        "TANDOOR_MODELS": json.dumps(models),
-        "TANDOOR_MODEL_DIRS": json.dumps({m: str(model_dir) for m in models}),
+        "TANDOOR_MODELS": json.dumps({m: {"source": str(model_dir)} for m in models}),
         "TANDOOR_GATEWAY_GROUP": f"gateway-{models[0]}",
         "TANDOOR_PERSIST_GROUP": f"persist-{models[0]}",
     }
@@ -206,3 +205,17 @@ async def model_aliases(
     # machine that ran benchmarks is minutes of others' replies: it starts at the end.
     await start_group_at_end(settings, env["TANDOOR_PERSIST_GROUP"])
     return models, env
+
+
+def with_models(
+    env: dict[str, str], only: Sequence[str] | None = None, **options: object
+) -> dict[str, str]:
+    """`env` whose TANDOOR_MODELS serves `only` those of its models (all by default), each
+    with `options` (tandoor/models.py ModelConfig fields) set."""
+    models = json.loads(env["TANDOOR_MODELS"])
+    kept = {
+        name: {**config, **options}
+        for name, config in models.items()
+        if only is None or name in only
+    }
+    return {**env, "TANDOOR_MODELS": json.dumps(kept)}

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
 import typer
+from pydantic import ValidationError
 
 from infra.errors import InfraError
 from tandoor.batch_cli import batch_app
@@ -37,7 +38,15 @@ def _setup(
     ctx: typer.Context, log_level: str = typer.Option("INFO", help="Python log level.")
 ) -> None:
     role = ctx.invoked_subcommand or "tandoor"
-    configure_logging(log_level.upper(), role, get_settings().log_format)
+    try:
+        settings = get_settings()
+    except ValidationError as exc:  # one line per problem, not a traceback
+        problems = "\n".join(
+            f"  {'.'.join(map(str, e['loc'])) or 'TANDOOR_*'}: {e['msg']}" for e in exc.errors()
+        )
+        typer.secho(f"configuration error (TANDOOR_*):\n{problems}", err=True, fg="red")
+        raise typer.Exit(2) from None
+    configure_logging(log_level.upper(), role, settings.log_format)
 
 
 def _stack() -> Stack:
@@ -142,11 +151,14 @@ def worker(
     model: str = typer.Option("smollm2", help="Served model: its name in TANDOOR_MODELS."),
 ) -> None:
     """An inference worker: prompts.<model> from Kafka into vLLM, token events out."""
+    from workers.model_check import ModelError, prepare_engine
     from workers.worker import Worker, WorkerFailed  # imports vLLM: only here
 
     try:
-        asyncio.run(serve(lambda: Worker(get_settings(), model)))
-    except WorkerFailed as exc:
+        settings = get_settings()
+        options = prepare_engine(settings, model)  # before any connection: a clear error
+        asyncio.run(serve(lambda: Worker(settings, model, options)))
+    except (WorkerFailed, ModelError) as exc:
         typer.secho(f"worker failed: {exc}", err=True, fg=typer.colors.RED)
         raise typer.Exit(1) from exc
 

@@ -6,13 +6,12 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from schemas.events import MAX_REPLY_TOKENS
 from tandoor import PROJECT_ROOT
-
-Dtype = Literal["auto", "bfloat16", "float16", "float32"]
+from tandoor.models import ModelConfig, parse_models
 
 
 class Band(BaseModel):
@@ -108,10 +107,11 @@ class Settings(BaseSettings):
     cassandra_datacenter: str = "datacenter1"
     cassandra_replication_factor: int = Field(default=1, ge=1)  # the keyspace's
     kafka_replication_factor: int = Field(default=1, ge=1)  # every topic's, internal ones too
-    models: list[str] = ["smollm2"]
-    # Model name -> Hugging Face folder (config.json, weights, tokenizer) to serve it from;
-    # a name not listed here falls back to a bundled model (only "smollm2" is bundled).
-    model_dirs: dict[str, Path] = Field(default_factory=dict)
+    # Served name -> how it is served: source, dtype, max_model_len (the context budget),
+    # quantization, parallelism, slots, KV cache, template (tandoor/models.py).
+    models: dict[str, ModelConfig] = Field(
+        default_factory=lambda: {"smollm2": ModelConfig(source="bundled:smollm2")}, min_length=1
+    )
     bands: list[Band] = DEFAULT_BANDS
     tiers: dict[str, TierPolicy] = DEFAULT_TIERS
     # Primary model -> its fallback; the backlog is checked every backlog_poll_s.
@@ -126,15 +126,8 @@ class Settings(BaseSettings):
     producer_linger_ms: int = Field(default=1, ge=0)
 
     # Inference workers.
-    worker_max_seqs: int = Field(default=32, ge=1)  # prompts in flight per worker
-    worker_max_tokens: int = Field(default=40_000, ge=1)  # their prompt + new tokens
-    # KV cache per worker (SmolLM2: ~22.5 KiB a token, so 1 GiB is ~46k tokens).
-    # None sizes it from worker_memory_share instead (the usual choice on a GPU).
-    worker_kv_cache_mib: int | None = 1024
-    # auto: bf16 on a GPU (float16 before compute capability 8.0) or a CPU that computes
-    # it natively (AVX-512 BF16, AMX, Arm BF16), float32 on other CPUs: see workers/dtype.py.
-    worker_dtype: Dtype = "auto"
-    worker_memory_share: float = Field(default=0.3, gt=0, le=1)
+    # Slots (max_num_seqs), KV cache and dtype are the model's (`models`).
+    worker_max_tokens: int = Field(default=40_000, ge=1)  # in-flight prompts + new tokens
     worker_grace_s: float = Field(default=20.0, ge=0)  # SIGTERM: finish, then hand back
     # A request's lease (workers/ledger.py): renewed while its worker holds it; once it
     # lapses (the worker died) another worker continues the reply.
@@ -175,7 +168,6 @@ class Settings(BaseSettings):
     # Origins whose pages may call the API (CORS); none by default, so a browser lets
     # only the gateway's own chat page use it. E.g. '["https://chat.example.com"]'.
     cors_origins: list[str] = Field(default_factory=list)
-    context_window: int = Field(default=2048, ge=64)  # the served models' max_model_len
     moderation_blocklist: list[str] = Field(default_factory=list)
 
     # The streams app (faust): its id names its group and internal topics.
@@ -196,6 +188,11 @@ class Settings(BaseSettings):
     coalesce_ms: float = Field(default=15.0, ge=0)
     coalesce_tokens: int = Field(default=16, ge=1)
 
+    @field_validator("models", mode="before")
+    @classmethod
+    def _models(cls, raw: object) -> object:
+        return parse_models(raw)
+
     @model_validator(mode="after")
     def _consistent(self) -> Settings:
         names = [band.name for band in self.bands]
@@ -209,13 +206,18 @@ class Settings(BaseSettings):
             if model not in self.models or rule.model not in self.models or unknown:
                 raise ValueError(
                     f"fallback {model!r} -> {rule.model!r} for {rule.tiers}: models must be "
-                    f"served ({self.models}) and tiers known ({sorted(self.tiers)})"
+                    f"served ({list(self.models)}) and tiers known ({sorted(self.tiers)})"
                 )
         return self
 
     def wait_budget_s(self, tier: str) -> float:
         """How long a prompt of `tier` may wait for a worker before it fails."""
         return self.tiers[tier].max_wait_s or self.queue_timeout_s
+
+    @property
+    def served_models(self) -> list[str]:
+        """The served names, the default (chat page, new conversations) first."""
+        return list(self.models)
 
     @property
     def kafka_bootstrap(self) -> str:

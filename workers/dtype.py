@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from tandoor.settings import Dtype
+from tandoor.models import Dtype
 
 # /proc/cpuinfo names: x86 "avx512_bf16" and "amx_bf16"; aarch64 "bf16" (FEAT_BF16).
 NATIVE_BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})

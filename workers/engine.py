@@ -25,10 +25,10 @@ from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from schemas.events import ChatMessage, Sampling
-from tandoor.settings import Dtype
+from tandoor.models import Dtype
 from workers.dtype import resolve_dtype
 
 if TYPE_CHECKING:  # vLLM imports torch: loaded only when an engine starts
@@ -58,6 +58,10 @@ class EngineOptions:
     enable_prefix_caching: bool = True
     # Exact KV-cache size, on CPU and GPU alike; None sizes it from gpu_memory_utilization.
     kv_cache_memory_bytes: int | None = None
+    quantization: str | None = None
+    tensor_parallel_size: int = 1
+    speculative: dict[str, Any] | None = None  # vLLM's speculative_config
+    chat_template: str | None = None  # None: the tokenizer's own
 
 
 @dataclass(frozen=True)
@@ -75,13 +79,20 @@ class EngineOutput:
 class Engine:
     """One vLLM engine (an engine-core child process) serving one model."""
 
-    def __init__(self, llm: AsyncLLM, tokenizer: TokenizerLike, max_model_len: int) -> None:
+    def __init__(
+        self,
+        llm: AsyncLLM,
+        tokenizer: TokenizerLike,
+        max_model_len: int,
+        chat_template: str | None = None,
+    ) -> None:
         # None once shut down: dropping the reference lets AsyncLLM be collected now; left
         # to interpreter exit, its __del__ raises "TypeError: 'NoneType' object is not
         # callable" (module globals already cleared).
         self._llm: AsyncLLM | None = llm
         self._tokenizer = tokenizer
         self._max_model_len = max_model_len
+        self._chat_template = chat_template
 
     @classmethod
     async def start(cls, options: EngineOptions) -> Engine:
@@ -98,7 +109,8 @@ class Engine:
         # AsyncLLM binds its asyncio tasks and zmq sockets to a loop lazily, on first use.
         llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
         log.info("vLLM engine ready in %.1f s", time.monotonic() - started)
-        return cls(llm, llm.get_tokenizer(), llm.model_config.max_model_len)
+        tokenizer, length = llm.get_tokenizer(), llm.model_config.max_model_len
+        return cls(llm, tokenizer, length, options.chat_template)
 
     @property
     def max_model_len(self) -> int:
@@ -117,6 +129,7 @@ class Engine:
             tokenize=False,
             add_generation_prompt=not partial,
             continue_final_message=bool(partial),
+            chat_template=self._chat_template,
         )
         assert isinstance(text, str)
         return list(self._tokenizer.encode(text, add_special_tokens=False))
@@ -201,6 +214,9 @@ def _engine_args(options: EngineOptions, dtype: str) -> AsyncEngineArgs:
         kv_cache_memory_bytes=options.kv_cache_memory_bytes,
         enforce_eager=options.enforce_eager,
         enable_prefix_caching=options.enable_prefix_caching,
+        quantization=options.quantization,
+        tensor_parallel_size=options.tensor_parallel_size,
+        speculative_config=options.speculative,
     )
 
 

@@ -34,12 +34,13 @@ IDLE_WAIT_MS = 100
 class PromptIntake(ConsumerRebalanceListener):  # type: ignore[misc]
     def __init__(self, settings: Settings, model: str) -> None:
         self.topic = prompts_topic(model)
+        slots = settings.models[model].max_num_seqs
         self.layout = BandLayout([(band.name, band.partitions) for band in settings.bands])
         self.scheduler = BandScheduler(
             [b.name for b in self.layout.ranges],
             settings.worker_band_reserve,
-            settings.worker_max_seqs,
-            round(settings.worker_max_seqs * settings.worker_top_band_share),
+            slots,
+            round(slots * settings.worker_top_band_share),
         )
         self.held: dict[str, int] = defaultdict(int)  # prompts in flight per band
         self.offsets = OffsetTracker()

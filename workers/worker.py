@@ -9,7 +9,6 @@ import os
 import socket
 import uuid
 from collections.abc import Coroutine
-from pathlib import Path
 from typing import Any
 
 import orjson
@@ -26,7 +25,6 @@ from workers.engine import Engine, EngineOptions
 from workers.intake import PromptIntake, Record
 from workers.ledger import RequestLedger
 from workers.metrics import WorkerMetrics
-from workers.model_store import resolve_model_dir
 from workers.publisher import Publisher
 from workers.request import RequestRunner, RunnerConfig, Tracked
 
@@ -40,11 +38,13 @@ class WorkerFailed(RuntimeError):
 
 
 class Worker:
-    def __init__(self, settings: Settings, model: str) -> None:
+    def __init__(self, settings: Settings, model: str, options: EngineOptions) -> None:
+        """`options` from workers.model_check.prepare_engine, which checks the model."""
         self.settings = settings
         self.model = model
+        self.options = options
         self.metrics = WorkerMetrics(model)
-        self.capacity = Capacity(settings.worker_max_seqs, settings.worker_max_tokens)
+        self.capacity = Capacity(options.max_num_seqs, settings.worker_max_tokens)
         self.intake = PromptIntake(settings, model)
         self.control = ControlListener(settings, self._on_cancel)
         self._redis = redis_client(settings)
@@ -63,9 +63,7 @@ class Worker:
 
     async def start(self) -> None:
         self._resources.push_async_callback(self._redis.aclose)
-        model_dir = await asyncio.to_thread(resolve_model_dir, self.model, self.settings)
-        options = _engine_options(self.settings, model_dir)
-        self._engine = await Engine.start(options)
+        self._engine = await Engine.start(self.options)
         self._resources.push_async_callback(self._engine.shutdown)
         await self._producer.start()
         self._resources.push_async_callback(self._producer.stop)
@@ -226,17 +224,6 @@ class Worker:
                 log.info("handing back %d prompts to other workers", len(pending))
                 await asyncio.gather(*pending, return_exceptions=True)
         await self.intake.commit()
-
-
-def _engine_options(settings: Settings, model_dir: Path) -> EngineOptions:
-    kv_mib = settings.worker_kv_cache_mib
-    return EngineOptions(
-        model_dir=model_dir,
-        max_num_seqs=settings.worker_max_seqs,
-        dtype=settings.worker_dtype,
-        gpu_memory_utilization=settings.worker_memory_share,
-        kv_cache_memory_bytes=None if kv_mib is None else kv_mib * 1024 * 1024,
-    )
 
 
 async def _first_of(*waits: Coroutine[Any, Any, Any]) -> None:

@@ -60,7 +60,7 @@ async def open_services(settings: Settings, slots: StreamSlots) -> AsyncIterator
         load = LoadMonitor(settings)
         await load.start()
         stack.push_async_callback(load.stop)
-        conversations = ConversationService(session, settings.models)
+        conversations = ConversationService(session, settings.served_models)
         submitter = PromptSubmitter(settings, producer)
         quotas, moderator = Quotas(cache), DefaultModerator(settings.moderation_blocklist)
         jobs = ConversationJobs(fanout, submitter, conversations, cache, moderator)

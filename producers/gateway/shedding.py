@@ -8,7 +8,7 @@
    to the tier's fallback where that one is not busy too. It cannot start in time when
    - no worker is in the model's group; or
    - the prompts ahead of it (its band's and the bands above, beyond the ones being
-     generated, up to `worker_max_seqs` per worker) take longer than the budget at the
+     generated, up to the model's `max_num_seqs` per worker) take longer than the budget at the
      rate the workers finished prompts lately; or
    - prompts are ahead and none finished for a whole budget.
 A load not measured (just started, Kafka not answering) never refuses.
@@ -112,7 +112,9 @@ class ModelRouter:
 
     def busy(self, model: str, tier: str) -> Busy | None:
         budget_s = self.settings.wait_budget_s(tier)
-        return busy(self.load(model), self._ahead[tier], self.settings.worker_max_seqs, budget_s)
+        return busy(
+            self.load(model), self._ahead[tier], self.settings.models[model].max_num_seqs, budget_s
+        )
 
     def _fallback(self, model: str, tier: str) -> Fallback | None:
         rule = self.settings.fallbacks.get(model)

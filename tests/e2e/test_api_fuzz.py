@@ -4,7 +4,6 @@ valid and invalid requests alike, with a real key; no request may get a 5xx."""
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import subprocess
 import sys
@@ -14,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from infra.process import free_port
-from infra.roles import GatewayProcess, running
+from infra.roles import GatewayProcess, running, with_models
 from tests.e2e.helpers import auth
 from tests.e2e.stack import Stack
 from tests.seeds import SEED, seed_note
@@ -26,8 +25,7 @@ async def test_the_fuzzer_finds_no_server_errors(stack: Stack, tmp_path: Path) -
     # A replica serving only the model that has a worker: a model nobody serves would
     # rightly end in a 504, which is an outage, not a bug the fuzzer should report.
     env = {
-        **stack.env,
-        "TANDOOR_MODELS": json.dumps([stack.model]),
+        **with_models(stack.env, only=[stack.model]),
         "TANDOOR_FALLBACKS": "{}",
         "TANDOOR_GATEWAY_GROUP": f"gateway-fuzz-{uuid.uuid4().hex[:6]}",
     }

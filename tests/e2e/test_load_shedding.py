@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from infra.process import free_port
-from infra.roles import GatewayProcess, running
+from infra.roles import GatewayProcess, running, with_models
 from schemas.events import ANSWERED
 from tests.e2e.helpers import auth, chat, new_conversation, sse, stored_reply
 from tests.e2e.stack import SHED_BACKLOG, Stack
@@ -126,9 +126,8 @@ async def test_a_backlog_nobody_works_off_is_refused_once_past_the_wait_budget(
     tiers = json.loads(stack.env["TANDOOR_TIERS"])
     tiers["plus"]["max_wait_s"] = 2
     env = {
-        **stack.env,
+        **with_models(stack.env, max_num_seqs=1),
         "TANDOOR_GATEWAY_GROUP": f"gateway-busy-{uuid.uuid4().hex[:6]}",
-        "TANDOOR_WORKER_MAX_SEQS": "1",
         "TANDOOR_TIERS": json.dumps(tiers),
     }
     gateway = GatewayProcess(stack.logs, free_port(), env)

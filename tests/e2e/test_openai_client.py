@@ -31,7 +31,7 @@ async def test_models_and_a_plain_completion(stack: Stack) -> None:
 
 async def plain_completion(api: openai.AsyncOpenAI, stack: Stack) -> None:
     models = [m.id async for m in api.models.list()]
-    assert models == stack.settings.models
+    assert models == stack.settings.served_models
     completion = await api.chat.completions.create(
         model=models[0],
         temperature=0,
@@ -62,7 +62,7 @@ async def test_streaming_with_usage_and_the_chat_is_stored(stack: Stack) -> None
 
 async def streamed_completion(api: openai.AsyncOpenAI, stack: Stack) -> tuple[str, Any, list[str]]:
     stream = await api.chat.completions.create(
-        model=stack.settings.models[0],
+        model=stack.settings.served_models[0],
         temperature=0,
         max_tokens=32,
         stream=True,
@@ -96,12 +96,12 @@ async def openai_errors(api: openai.AsyncOpenAI, wrong: openai.AsyncOpenAI, stac
     with pytest.raises(openai.AuthenticationError):
         await wrong.models.list()
     with pytest.raises(openai.BadRequestError):
-        await api.chat.completions.create(model=stack.settings.models[0], messages=[])
+        await api.chat.completions.create(model=stack.settings.served_models[0], messages=[])
     # A context that does not fit is refused, not cut short behind the client's back.
     turns = [{"role": "user", "content": "Tell me about the sea. " * 40}] * 12
     with pytest.raises(openai.BadRequestError, match="context_length_exceeded"):
         await api.chat.completions.create(
-            model=stack.settings.models[0],
+            model=stack.settings.served_models[0],
             messages=[{"role": "system", "content": "Be brief."}, *turns],  # type: ignore[list-item]
         )
 
@@ -110,7 +110,7 @@ async def test_sampling_parameters_reach_the_model(stack: Stack) -> None:
     question: list[ChatCompletionMessageParam] = [
         {"role": "user", "content": "Name a fruit and describe it."}
     ]
-    model = stack.settings.models[0]
+    model = stack.settings.served_models[0]
     async with client(stack, await api_key(stack)) as api:
         seeded = [
             await api.chat.completions.create(
@@ -152,7 +152,7 @@ async def test_store_false_keeps_no_conversation(stack: Stack) -> None:
     key = await api_key(stack)
     async with client(stack, key) as api:
         completion = await api.chat.completions.create(
-            model=stack.settings.models[0],
+            model=stack.settings.served_models[0],
             messages=[{"role": "user", "content": "Say hello."}],
             max_tokens=8,
             store=False,
@@ -178,6 +178,6 @@ async def test_the_official_client_gets_a_400_naming_each_parameter_it_cannot_ha
         for extra, param in refusals:
             with pytest.raises(openai.BadRequestError) as refused:
                 await api.chat.completions.create(
-                    model=stack.settings.models[0], messages=question, **extra
+                    model=stack.settings.served_models[0], messages=question, **extra
                 )
             assert param in str(refused.value.body), (param, refused.value.body)

@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from starlette.routing import Mount, Route
 
 from infra.process import free_port
-from infra.roles import GatewayProcess, running
+from infra.roles import GatewayProcess, running, with_models
 from producers.gateway.app import create_app
 from producers.gateway.web_page import WEB_DIR
 from tandoor.clients import cassandra_session, cql, redis_client
@@ -86,8 +86,7 @@ class Guarded:
 @pytest.fixture(scope="module")
 async def guarded(stack: Stack) -> AsyncIterator[Guarded]:
     env = {
-        **stack.env,
-        "TANDOOR_MODELS": json.dumps([stack.model]),
+        **with_models(stack.env, only=[stack.model]),
         "TANDOOR_FALLBACKS": "{}",
         "TANDOOR_GATEWAY_GROUP": f"gateway-sec-{uuid.uuid4().hex[:6]}",
     }

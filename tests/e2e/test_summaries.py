@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from infra.process import free_port
-from infra.roles import GatewayProcess, running
+from infra.roles import GatewayProcess, running, with_models
 from schemas.events import ANSWERED
 from tests.e2e.helpers import auth, new_conversation, sse
 from tests.e2e.stack import Stack
@@ -33,8 +33,7 @@ async def post(
 async def test_older_turns_are_summarized_and_used(stack: Stack) -> None:
     # A replica that budgets a small window: a few turns fill it.
     env = {
-        **stack.env,
-        "TANDOOR_CONTEXT_WINDOW": "400",
+        **with_models(stack.env, max_model_len=400),
         "TANDOOR_GATEWAY_GROUP": f"gateway-summary-{uuid.uuid4().hex[:6]}",
     }
     gateway = GatewayProcess(stack.logs, free_port(), env)

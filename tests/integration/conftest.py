@@ -20,6 +20,8 @@ from tandoor.settings import Settings
 from workers.model_store import resolve_model_dir
 
 MAX_SEQS = 16
+# The worker's engine window, set through TANDOOR_MODELS (not vLLM's default of 2048).
+CONTEXT_TOKENS = 1536
 MAX_TOKENS = 1200  # small, so a long request makes the next one wait inside the worker
 # Coalescing by count only (the window is longer than any reply), so how tokens are
 # grouped into events does not depend on how fast this CPU generates them.
@@ -59,8 +61,15 @@ async def shared_worker(
     await ensure_topics(settings.kafka_bootstrap, [TopicSpec(topics.prompts_topic(model), bands)])
     model_dir = await asyncio.to_thread(resolve_model_dir, "smollm2", settings)
     env = {
-        "TANDOOR_MODEL_DIRS": json.dumps({model: str(model_dir)}),
-        "TANDOOR_WORKER_MAX_SEQS": str(MAX_SEQS),
+        "TANDOOR_MODELS": json.dumps(
+            {
+                model: {
+                    "source": str(model_dir),
+                    "max_num_seqs": MAX_SEQS,
+                    "max_model_len": CONTEXT_TOKENS,
+                }
+            }
+        ),
         "TANDOOR_WORKER_MAX_TOKENS": str(MAX_TOKENS),
         "TANDOOR_COALESCE_MS": "3600000",
         "TANDOOR_COALESCE_TOKENS": str(COALESCE_TOKENS),

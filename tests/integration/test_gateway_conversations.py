@@ -68,9 +68,9 @@ async def test_create_list_get_rename_delete(client: httpx.AsyncClient, settings
     auth = await user_key(settings)
     first = (await client.post("/v1/conversations", json={"title": "first"}, headers=auth)).json()
     second = await client.post(
-        "/v1/conversations", json={"model": settings.models[0]}, headers=auth
+        "/v1/conversations", json={"model": settings.served_models[0]}, headers=auth
     )
-    assert second.status_code == 201 and first["model"] == settings.models[0]
+    assert second.status_code == 201 and first["model"] == settings.served_models[0]
     listed = (await client.get("/v1/conversations", headers=auth)).json()
     assert [c["id"] for c in listed["data"]] == [second.json()["id"], first["id"]]  # newest first
 
@@ -154,7 +154,7 @@ async def test_overlapping_moves_and_renames_leave_one_entry_each(
     ]
     now_ms = int(dt.datetime.now(dt.UTC).timestamp() * 1000)
     with cassandra_session(settings, settings.keyspace) as session:
-        service = ConversationService(session, settings.models)
+        service = ConversationService(session, settings.served_models)
         for n, conversation_id in enumerate(created):
             before = await service.owned(user, conversation_id)
             await asyncio.gather(

@@ -27,7 +27,7 @@ async def gateway(
     """A gateway process (a client that leaves a stream early really closes it)."""
     env = {"TANDOOR_GATEWAY_GROUP": f"gw-hostile-{uuid.uuid4().hex[:8]}"}
     process = GatewayProcess(tmp_path_factory.mktemp("hostile"), free_port(), env)
-    async with idle_worker(cassandra, cassandra.models[0]), running([process]):
+    async with idle_worker(cassandra, cassandra.served_models[0]), running([process]):
         url = f"http://127.0.0.1:{process.port}"
         async with httpx.AsyncClient(base_url=url, timeout=60) as http:
             yield http

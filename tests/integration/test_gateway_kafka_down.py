@@ -41,7 +41,7 @@ async def test_kafka_down_is_a_503_and_the_message_is_kept_as_failed(
     app = create_app(cassandra.model_copy(update={"gateway_group": f"gw-{uuid.uuid4().hex}"}))
     key, _ = await create_key(cassandra, f"user-{uuid.uuid4().hex[:8]}", "plus")
     headers = {"Authorization": f"Bearer {key}"}
-    async with idle_worker(cassandra, cassandra.models[0]), app.router.lifespan_context(app):
+    async with idle_worker(cassandra, cassandra.served_models[0]), app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
             created = await http.post("/v1/conversations", json={}, headers=headers)

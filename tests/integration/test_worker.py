@@ -21,7 +21,7 @@ from schemas.codec import decode, encode
 from schemas.events import ANSWERED, UsageRecord
 from tandoor.clients import assign_from_end, redis_client
 from tandoor.settings import Settings
-from tests.integration.conftest import COALESCE_TOKENS, MAX_SEQS
+from tests.integration.conftest import COALESCE_TOKENS, CONTEXT_TOKENS, MAX_SEQS
 from tests.integration.pipeline import prompt
 from tests.ops import samples
 from tests.waiting import eventually
@@ -183,7 +183,10 @@ async def test_bad_input_gets_errors_and_the_worker_keeps_running(
     finally:
         await dead.stop()
     assert "unknown model 'no-such-model'" in (finals[wrong_model.request_id].error or "")
-    assert "context window" in (finals[too_long.request_id].error or "")
+    # The window configured for the model (TANDOOR_MODELS) is the engine's.
+    assert f"context window of {worker.model} is {CONTEXT_TOKENS} tokens" in (
+        finals[too_long.request_id].error or ""
+    )
     assert "malformed prompt" in (finals["bad-1"].error or "")
     assert finals[healthy.request_id].finish_reason in ANSWERED
     # Both dead-lettered, each once (the worker sends them concurrently: any order).

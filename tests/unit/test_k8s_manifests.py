@@ -342,7 +342,7 @@ def test_keda_scales_workers_on_their_own_group_and_topic(
         assert scaled["spec"]["maxReplicaCount"] <= min(b.partitions for b in settings.bands)
         # In-flight prompts count as lag: a threshold above the slots would never fire
         # before the average worker is full.
-        assert int(meta["lagThreshold"]) <= settings.worker_max_seqs
+        assert int(meta["lagThreshold"]) <= settings.models[model].max_num_seqs
 
 
 def test_workers_hold_a_gpu_and_drain_before_they_are_killed(

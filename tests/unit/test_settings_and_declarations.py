@@ -5,15 +5,20 @@ from pydantic import ValidationError
 
 from infra.topics import declared_topics
 from schemas import topics
+from tandoor.models import ModelConfig
 from tandoor.settings import Band, Settings
 
 
 def test_environment_overrides_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TANDOOR_KAFKA_PORT", "29092")
-    monkeypatch.setenv("TANDOOR_MODELS", '["smollm2", "gemma3"]')
+    monkeypatch.setenv(
+        "TANDOOR_MODELS", '{"smollm2": {}, "gemma3": {"source": "/m/g", "max_model_len": 8192}}'
+    )
     settings = Settings()
     assert settings.kafka_bootstrap == "127.0.0.1:29092"
-    assert settings.models == ["smollm2", "gemma3"]
+    assert settings.served_models == ["smollm2", "gemma3"]
+    assert settings.models["smollm2"].source == "bundled:smollm2"
+    assert settings.models["gemma3"].max_model_len == 8192
 
 
 def test_duplicate_band_names_are_refused() -> None:
@@ -23,7 +28,7 @@ def test_duplicate_band_names_are_refused() -> None:
 
 def test_every_model_gets_a_prompt_topic_with_all_band_partitions() -> None:
     settings = Settings(
-        models=["smollm2", "gemma3"],
+        models={name: ModelConfig(source=f"/models/{name}") for name in ("smollm2", "gemma3")},
         bands=[Band(name="paid", partitions=3), Band(name="free", partitions=5)],
         tiers={},
     )

@@ -8,9 +8,10 @@ import pytest
 from producers.gateway.errors import ApiError
 from producers.gateway.model_load import MIN_RATE_SPAN_S, RATE_WINDOW_S, ModelLoad, Progress
 from producers.gateway.shedding import ModelRouter, busy
+from tandoor.models import ModelConfig
 from tandoor.settings import DEFAULT_TIERS, Fallback, Settings
 
-SLOTS = 4  # worker_max_seqs
+SLOTS = 4  # each model's max_num_seqs
 BUDGET_S = 60.0  # every tier's wait budget here
 
 
@@ -32,9 +33,11 @@ def router(loads: dict[str, ModelLoad]) -> ModelRouter:
         name: t.model_copy(update={"max_wait_s": BUDGET_S}) for name, t in DEFAULT_TIERS.items()
     }
     settings = Settings(
-        models=["big", "small"],
+        models={
+            name: ModelConfig(source=f"/models/{name}", max_num_seqs=SLOTS)
+            for name in ("big", "small")
+        },
         fallbacks={"big": Fallback(model="small", backlog=100, tiers=["free"])},
-        worker_max_seqs=SLOTS,
         tiers=tiers,
     )
     return ModelRouter(settings, loads.get)
@@ -111,4 +114,7 @@ def test_the_rate_is_the_commits_of_the_last_minute_once_watched_long_enough() -
 
 def test_a_fallback_to_an_unserved_model_is_refused() -> None:
     with pytest.raises(ValueError, match="tiny"):
-        Settings(models=["big"], fallbacks={"big": Fallback(model="tiny", backlog=1, tiers=[])})
+        Settings(
+            models={"big": ModelConfig(source="/models/big")},
+            fallbacks={"big": Fallback(model="tiny", backlog=1, tiers=[])},
+        )

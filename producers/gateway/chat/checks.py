@@ -51,6 +51,7 @@ class ReplyChecks:
 
     def context(
         self,
+        model: str,
         asked: list[ChatMessage],
         max_tokens: int,
         client_context: bool,
@@ -62,7 +63,7 @@ class ReplyChecks:
         system = None if client_context else self.settings.system_prompt
         if summary and not client_context:
             system = f"{system or ''}\n\nSummary of the earlier conversation: {summary}".strip()
-        window = self.settings.context_window
+        window = self.settings.models[model].max_model_len
         try:
             context = assemble(system, asked, window, max_tokens)
         except ContextTooLong as exc:

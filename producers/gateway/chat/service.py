@@ -165,10 +165,10 @@ class ChatService:
             *history,
             *([ChatMessage(role="user", content=new_text)] if new_text is not None else []),
         ]
-        context = d.checks.context(asked, max_tokens, client_context, summary)
+        model = d.router.answering(conversation.model, caller.tier)  # busy: refused uncharged
+        context = d.checks.context(model, asked, max_tokens, client_context, summary)
         request_id, now = f"r_{uuid.uuid4().hex}", now_ms()
         tokens = context.prompt_tokens + max_tokens
-        model = d.router.answering(conversation.model, caller.tier)  # busy: refused uncharged
         admission = await d.checks.admit(caller, request_id, tokens, now)
         try:
             return await self._start(

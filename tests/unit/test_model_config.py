@@ -1,0 +1,157 @@
+"""Per-model configuration: one description, checked at start with errors that say what to
+change (tandoor/models.py, workers/model_check.py)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+from typer.testing import CliRunner
+
+from tandoor.cli import app
+from tandoor.models import ModelConfig, Speculative
+from tandoor.settings import Settings, get_settings
+from workers.model_check import ModelError, engine_options, prepare_engine
+
+
+@pytest.fixture
+def folder(tmp_path: Path) -> Path:
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 4096}))
+    return tmp_path
+
+
+@pytest.fixture
+def fresh_settings() -> Iterator[None]:
+    get_settings.cache_clear()
+    yield
+    get_settings.cache_clear()
+
+
+def test_a_list_of_names_serves_bundled_models_with_defaults() -> None:
+    settings = Settings.model_validate({"models": ["smollm2"]})
+    config = settings.models["smollm2"]
+    assert config.is_bundled and config.bundled == "smollm2"
+    assert (config.max_model_len, config.max_num_seqs, config.dtype) == (2048, 32, "auto")
+
+
+@pytest.mark.parametrize(
+    ("models", "complaint"),
+    [
+        (["llama"], "model 'llama' needs a `source`"),
+        ({"x": {"source": "bundled:gpt5"}}, "'bundled:gpt5' is not bundled"),
+        ({"smollm2": {"max_model_len": 10}}, "greater than or equal to 64"),
+        ({"smollm2": {"max_num_seq": 8}}, "max_num_seq\n  Extra inputs are not permitted"),
+        ({"smollm2": {"dtype": "fp8"}}, "'auto', 'bfloat16', 'float16' or 'float32'"),
+        ({"smollm2": {"tensor_parallel_size": 0}}, "greater than or equal to 1"),
+        ({}, "at least 1 item"),
+        ("smollm2", "valid dictionary"),
+    ],
+)
+def test_a_bad_model_configuration_is_refused_with_its_reason(
+    models: object, complaint: str
+) -> None:
+    with pytest.raises(ValidationError, match=complaint):
+        Settings.model_validate({"models": models})
+
+
+@pytest.mark.parametrize(
+    ("speculative", "complaint"),
+    [
+        ({"method": "eagle", "num_speculative_tokens": 3}, "needs a draft `model`"),
+        ({"method": "ngram", "num_speculative_tokens": 3, "model": "/d"}, "takes no `model`"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "greater than or equal to 1"),
+        (
+            {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5,
+             "prompt_lookup_max": 2},
+            "prompt_lookup_min 5 > prompt_lookup_max 2",
+        ),
+        ({"method": "medusa-ish", "num_speculative_tokens": 2}, "Input should be"),
+    ],
+)  # fmt: skip
+def test_bad_speculative_decoding_is_refused(speculative: object, complaint: str) -> None:
+    with pytest.raises(ValidationError, match=complaint):
+        Speculative.model_validate(speculative)
+
+
+def test_every_option_reaches_the_engine(folder: Path) -> None:
+    template = folder / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    config = ModelConfig(
+        source=str(folder),
+        dtype="float32",
+        max_model_len=3000,
+        max_num_seqs=7,
+        kv_cache_mib=256,
+        memory_share=0.5,
+        speculative=Speculative(method="ngram", num_speculative_tokens=3, prompt_lookup_max=4),
+        chat_template=template,
+    )
+    options = engine_options("m", config, folder)
+    assert options.model_dir == folder
+    assert (options.max_model_len, options.max_num_seqs, options.dtype) == (3000, 7, "float32")
+    assert options.kv_cache_memory_bytes == 256 * 1024 * 1024
+    assert options.gpu_memory_utilization == 0.5
+    assert options.speculative == {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "prompt_lookup_max": 4,
+    }
+    assert options.chat_template == template.read_text()
+    assert (options.quantization, options.tensor_parallel_size) == (None, 1)
+
+
+def test_a_window_longer_than_the_model_is_refused(folder: Path) -> None:
+    config = ModelConfig(source=str(folder), max_model_len=8192)
+    with pytest.raises(ModelError, match="max_model_len 8192 is longer than the model's 4096"):
+        engine_options("m", config, folder)
+
+
+def test_a_broken_chat_template_is_refused_with_its_line(folder: Path) -> None:
+    template = folder / "chat.jinja"
+    template.write_text("hello\n{% for m in messages %}{{ m.content }\n")
+    config = ModelConfig(source=str(folder), chat_template=template)
+    with pytest.raises(ModelError, match=r"chat\.jinja line 2"):
+        engine_options("m", config, folder)
+    missing = ModelConfig(source=str(folder), chat_template=folder / "nope.jinja")
+    with pytest.raises(ModelError, match="cannot read chat_template"):
+        engine_options("m", missing, folder)
+
+
+def test_an_unknown_quantization_is_refused_with_the_known_ones(folder: Path) -> None:
+    config = ModelConfig(source=str(folder), quantization="fp9")
+    with pytest.raises(ModelError, match=r"quantization 'fp9' is not one vLLM knows: .*fp8"):
+        engine_options("m", config, folder)
+
+
+def test_tensor_parallelism_needs_as_many_gpus(folder: Path) -> None:
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    wanted = max(2, gpus + 1)
+    config = ModelConfig(source=str(folder), tensor_parallel_size=wanted)
+    with pytest.raises(ModelError, match=f"needs {wanted} GPUs; this machine has {gpus}"):
+        engine_options("m", config, folder)
+
+
+def test_a_model_folder_without_config_is_refused(tmp_path: Path) -> None:
+    settings = Settings.model_validate({"models": {"x": {"source": str(tmp_path / "none")}}})
+    with pytest.raises(ModelError, match=r"none has no config\.json"):
+        prepare_engine(settings, "x")
+    with pytest.raises(ModelError, match="'y' is not in TANDOOR_MODELS: x"):
+        prepare_engine(settings, "y")
+
+
+def test_the_command_line_reports_a_configuration_error_in_one_line_each(
+    monkeypatch: pytest.MonkeyPatch, fresh_settings: None
+) -> None:
+    monkeypatch.setenv("TANDOOR_MODELS", '{"smollm2": {"max_model_len": 8, "speculatve": {}}}')
+    result = CliRunner().invoke(app, ["worker", "--model", "smollm2"])
+    assert result.exit_code == 2
+    assert "models.smollm2.max_model_len: Input should be greater than or equal to 64" in (
+        result.output
+    )
+    assert "models.smollm2.speculatve: Extra inputs are not permitted" in result.output
+    assert "Traceback" not in result.output

@@ -1,0 +1,118 @@
+"""A model's configuration checked against its files and this machine before the engine
+starts, so that a mistake is one clear line instead of a vLLM traceback minutes later."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tandoor.models import ModelConfig
+from tandoor.settings import Settings
+from workers.engine import EngineOptions
+from workers.model_store import resolve_model_dir
+
+# config.json keys that bound the context length, by model family.
+_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+
+
+class ModelError(ValueError):
+    """The model cannot be served as configured; the message says why and what to change."""
+
+
+def prepare_engine(settings: Settings, name: str) -> EngineOptions:
+    """The engine options of served model `name`, its folder prepared (a bundled model is
+    converted on first use) and its configuration checked."""
+    config = settings.models.get(name)
+    if config is None:
+        raise ModelError(f"model {name!r} is not in TANDOOR_MODELS: {', '.join(settings.models)}")
+    try:
+        model_dir = resolve_model_dir(name, settings)
+    except ValueError as exc:
+        raise ModelError(str(exc)) from exc
+    return engine_options(name, config, model_dir)
+
+
+def engine_options(name: str, config: ModelConfig, model_dir: Path) -> EngineOptions:
+    """The engine's options for model `name` served from `model_dir`, once its
+    configuration is checked against the folder and this machine."""
+    hf_config = _hf_config(name, model_dir)
+    _check_length(name, config.max_model_len, hf_config)
+    _check_quantization(name, config.quantization)
+    _check_parallelism(name, config.tensor_parallel_size)
+    kv_mib = config.kv_cache_mib
+    return EngineOptions(
+        model_dir=model_dir,
+        max_model_len=config.max_model_len,
+        max_num_seqs=config.max_num_seqs,
+        dtype=config.dtype,
+        gpu_memory_utilization=config.memory_share,
+        kv_cache_memory_bytes=None if kv_mib is None else kv_mib * 1024 * 1024,
+        quantization=config.quantization,
+        tensor_parallel_size=config.tensor_parallel_size,
+        speculative=None if config.speculative is None else config.speculative.vllm_config(),
+        chat_template=_chat_template(name, config.chat_template),
+    )
+
+
+def _hf_config(name: str, model_dir: Path) -> dict[str, Any]:
+    path = model_dir / "config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"model {name!r}: cannot read {path}: {exc}") from exc
+    if not isinstance(config, dict):
+        raise ModelError(f"model {name!r}: {path} is not a JSON object")
+    return config
+
+
+def _check_length(name: str, max_model_len: int, hf_config: dict[str, Any]) -> None:
+    text_config = hf_config.get("text_config") or hf_config  # multimodal models nest it
+    limits = [text_config[k] for k in _LENGTH_KEYS if isinstance(text_config.get(k), int)]
+    if limits and max_model_len > min(limits):
+        raise ModelError(
+            f"model {name!r}: max_model_len {max_model_len} is longer than the model's "
+            f"{min(limits)} positions; set max_model_len to at most {min(limits)}"
+        )
+
+
+def _check_quantization(name: str, method: str | None) -> None:
+    if method is None:
+        return
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+
+    if method not in QUANTIZATION_METHODS:
+        raise ModelError(
+            f"model {name!r}: quantization {method!r} is not one vLLM knows: "
+            f"{', '.join(sorted(QUANTIZATION_METHODS))}"
+        )
+
+
+def _check_parallelism(name: str, size: int) -> None:
+    if size == 1:
+        return
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus < size:
+        raise ModelError(
+            f"model {name!r}: tensor_parallel_size {size} needs {size} GPUs; "
+            f"this machine has {gpus}"
+        )
+
+
+def _chat_template(name: str, path: Path | None) -> str | None:
+    if path is None:
+        return None
+    import jinja2
+
+    try:
+        text = path.read_text(encoding="utf-8")
+        jinja2.Environment().parse(text)
+    except OSError as exc:
+        raise ModelError(f"model {name!r}: cannot read chat_template {path}: {exc}") from exc
+    except jinja2.TemplateSyntaxError as exc:
+        raise ModelError(
+            f"model {name!r}: chat_template {path} line {exc.lineno}: {exc.message}"
+        ) from exc
+    return text
