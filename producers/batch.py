@@ -105,7 +105,8 @@ class BatchClient:
 
     async def submit(self, path: Path, model: str, progress: Progress | None = None) -> str:
         if model not in self.settings.models:
-            raise BatchError(f"model {model!r} is not served; models: {self.settings.served_models}")
+            served = self.settings.served_models
+            raise BatchError(f"model {model!r} is not served; models: {served}")
         content, lines = read_batch(path)
         batch_id = batch_id_for(self.caller.user_id, model, content)
         async with self._connections() as (session, submitter, quotas):

@@ -155,6 +155,8 @@ class UsageRecord(Event):
     batch_id: str | None = None
     prompt_tokens: int = Field(ge=0)
     completion_tokens: int = Field(ge=0)
+    # Of prompt_tokens, those the engine found in its prefix cache (not computed again).
+    cached_tokens: int = Field(default=0, ge=0)
     queue_ms: float = Field(ge=0)
     ttft_ms: float | None = Field(default=None, ge=0)
     duration_ms: float = Field(ge=0)

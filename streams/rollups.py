@@ -28,6 +28,7 @@ STATE_FIELDS = (
     "requests",
     "prompt_tokens",
     "completion_tokens",
+    "cached_tokens",
     "errors",
     "stops",
     "restarts",
@@ -70,6 +71,7 @@ class Rollup:
     requests: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # of prompt_tokens, found in the engines' prefix caches
     errors: int = 0
     stops: int = 0
     restarts: int = 0  # requests re-run after their worker died (from `tokens`)
@@ -85,6 +87,7 @@ class Rollup:
         self.requests += 1
         self.prompt_tokens += record.prompt_tokens
         self.completion_tokens += record.completion_tokens
+        self.cached_tokens += record.cached_tokens
         self.errors += record.finish_reason in FAILED
         self.stops += record.finish_reason == "cancelled"
         if record.ttft_ms is not None:
@@ -114,6 +117,7 @@ class Rollup:
             "requests": self.requests,
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
+            "cached_tokens": self.cached_tokens,
             "errors": self.errors,
             "stops": self.stops,
             "restarts": self.restarts,

@@ -48,7 +48,23 @@ class WorkerMetrics:
             ["model", "band"],
             registry=self.registry,
         )
+        self.prompt_tokens = Counter(
+            "tandoor_worker_prompt_tokens",
+            "Prompt tokens of finished requests",
+            ["model"],
+            registry=self.registry,
+        ).labels(**labels)
+        self.cached_tokens = Counter(
+            "tandoor_worker_cached_prompt_tokens",
+            "Of those, found in the prefix cache (cached / prompt = the hit rate)",
+            ["model"],
+            registry=self.registry,
+        ).labels(**labels)
         self._model = model
+
+    def prompt(self, tokens: int, cached: int) -> None:
+        self.prompt_tokens.inc(tokens)
+        self.cached_tokens.inc(cached)
 
     def finished(self, reason: str) -> None:
         self._finished.labels(model=self._model, reason=reason).inc()

@@ -365,6 +365,7 @@ class RequestRunner:
             await self.ledger.delivered(prompt.request_id)
         self.metrics.finished(reason)
         usage = final.usage
+        self.metrics.prompt(usage.prompt_tokens, usage.cached_tokens)
         log.log(
             logging.WARNING if error else logging.INFO,
             "%s attempt %d %s: %d prompt + %d completion tokens, ttft %s ms%s",
@@ -422,6 +423,7 @@ def _usage_record(prompt: PromptRequest, final: FinalEvent) -> UsageRecord:
         batch_id=prompt.batch_id,
         prompt_tokens=usage.prompt_tokens,
         completion_tokens=usage.completion_tokens,
+        cached_tokens=usage.cached_tokens,
         queue_ms=usage.queue_ms,
         ttft_ms=usage.ttft_ms,
         duration_ms=max(0.0, final.created_at_ms - prompt.created_at_ms),

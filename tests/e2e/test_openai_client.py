@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 import httpx
@@ -41,6 +42,28 @@ async def plain_completion(api: openai.AsyncOpenAI, stack: Stack) -> None:
     assert "Paris" in (completion.choices[0].message.content or "")
     assert completion.choices[0].finish_reason in ANSWERED
     assert completion.usage is not None and completion.usage.completion_tokens > 0
+
+
+async def test_usage_shows_the_prompt_tokens_the_prefix_cache_held(stack: Stack) -> None:
+    # Unique to this test (the id), and several KV blocks long.
+    system = f"Session {uuid.uuid4().hex}. " + "Answer in one short sentence. " * 60
+    question: list[ChatCompletionMessageParam] = [
+        {"role": "system", "content": system},
+        {"role": "user", "content": "Name a colour."},
+    ]
+    async with client(stack, await api_key(stack)) as api:
+        usages = []
+        for _ in range(2):
+            completion = await api.chat.completions.create(
+                model=stack.settings.served_models[0], messages=question, max_tokens=4
+            )
+            assert completion.usage is not None and completion.usage.prompt_tokens_details
+            usages.append(completion.usage)
+    first, second = usages
+    assert first.prompt_tokens == second.prompt_tokens > 300
+    assert first.prompt_tokens_details and first.prompt_tokens_details.cached_tokens == 0
+    cached = second.prompt_tokens_details and second.prompt_tokens_details.cached_tokens
+    assert cached and 0 < cached < second.prompt_tokens
 
 
 async def test_streaming_with_usage_and_the_chat_is_stored(stack: Stack) -> None:

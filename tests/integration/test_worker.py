@@ -7,6 +7,7 @@ import asyncio
 import subprocess
 import time
 import urllib.request
+import uuid
 
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
@@ -205,6 +206,35 @@ async def test_ask_command_streams_a_reply(worker: WorkerProcess) -> None:
     reply, summary = result.stdout.strip().splitlines()[-2:]
     assert "Paris" in reply
     assert summary.startswith("[stop]") and "completion tokens" in summary
+
+
+async def test_a_repeated_prompt_is_served_from_the_prefix_cache(
+    worker: WorkerProcess, producer: AIOKafkaProducer, settings: Settings
+) -> None:
+    # A prefix no other prompt shares (the id), long enough to fill several KV blocks.
+    text = f"Case {uuid.uuid4().hex}. " + "The quick brown fox jumps over the lazy dog. " * 60
+    before = await samples(worker)
+    usage = await _usage_reader(settings)
+    try:
+        async with TokenCollector(settings) as stream:
+            finals = []
+            for _ in range(2):  # one after the other: the second finds the first's blocks
+                request = prompt(worker.model, text + "Summarize.", max_tokens=4)
+                await PromptSubmitter(settings, producer).submit(request)
+                finals.append(await stream.final(request.request_id))
+        records = [await _usage_for(usage, final.request_id) for final in finals]
+    finally:
+        await usage.stop()
+    first, second = (final.usage for final in finals)
+    assert first.prompt_tokens == second.prompt_tokens > 500
+    assert first.cached_tokens == 0
+    assert 0 < second.cached_tokens < second.prompt_tokens
+    assert [r.cached_tokens for r in records] == [0, second.cached_tokens]  # usage stream
+    after = await samples(worker)
+    cached = "tandoor_worker_cached_prompt_tokens_total"
+    assert after[cached] - before.get(cached, 0) >= second.cached_tokens
+    prompted = "tandoor_worker_prompt_tokens_total"
+    assert after[prompted] - before.get(prompted, 0) >= 2 * first.prompt_tokens
 
 
 async def test_metrics_endpoint(worker: WorkerProcess) -> None:

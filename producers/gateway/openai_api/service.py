@@ -163,13 +163,14 @@ def _checked(final: FinalEvent) -> FinalEvent:
     return final
 
 
-def _usage(final: FinalEvent) -> dict[str, int]:
+def _usage(final: FinalEvent) -> dict[str, Any]:
     usage = final.usage
     total = usage.prompt_tokens + usage.completion_tokens
     return {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": total,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
     }
 
 
