@@ -58,7 +58,6 @@ async def bench_worker(model_dir: Path, args: argparse.Namespace) -> list[tuple[
     settings = Settings()
     model, env = await model_alias(settings, model_dir, "bench")
     env = with_models(env, max_num_seqs=args.max_seqs, kv_cache_mib=args.kv_cache_mib)
-    env |= {}
     async with (
         running([WorkerProcess(model, args.log_dir, env)]),
         kafka_producer(settings, "bench") as producer,

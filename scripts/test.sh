@@ -7,14 +7,7 @@ cd "$(dirname "$0")/.."
 start=$(date +%s)
 
 scripts/bootstrap.sh
-export PATH="$PWD/.venv/bin:$PATH"
-export TANDOOR_ENV=test
-export TANDOOR_HOME="${TANDOOR_HOME:-$PWD/.tandoor/test}"
-export TANDOOR_KAFKA_PORT="${TANDOOR_KAFKA_PORT:-19092}"
-export TANDOOR_KAFKA_CONTROLLER_PORT="${TANDOOR_KAFKA_CONTROLLER_PORT:-19093}"
-export TANDOOR_CASSANDRA_PORT="${TANDOOR_CASSANDRA_PORT:-19042}"
-export TANDOOR_CASSANDRA_STORAGE_PORT="${TANDOOR_CASSANDRA_STORAGE_PORT:-17000}"
-export TANDOOR_REDIS_PORT="${TANDOOR_REDIS_PORT:-16379}"
+source scripts/test_env.sh
 
 # The servers start while the code is linted and type-checked (half a minute saved).
 mkdir -p "$TANDOOR_HOME"

@@ -11,6 +11,7 @@ def usage(
     *,
     prompt: int = 10,
     completion: int = 21,
+    cached: int = 0,
     ttft: float | None = 100,
     duration: float = 1100,
     reason: FinishReason = "stop",
@@ -24,6 +25,7 @@ def usage(
         model="smollm2",
         prompt_tokens=prompt,
         completion_tokens=completion,
+        cached_tokens=cached,
         queue_ms=1,
         ttft_ms=ttft,
         duration_ms=duration,
@@ -34,11 +36,12 @@ def usage(
 
 def test_counts_sums_and_outcomes() -> None:
     rollup = Rollup("1m", 120_000, "user", "ada")
-    rollup.add(usage("a"))
+    rollup.add(usage("a", cached=8))
     rollup.add(usage("b", prompt=5, completion=0, ttft=None, reason="error"))
-    rollup.add(usage("c", completion=3, reason="cancelled"))
+    rollup.add(usage("c", completion=3, reason="cancelled", cached=4))
     s = rollup.summary()
     assert (s["requests"], s["prompt_tokens"], s["completion_tokens"]) == (3, 25, 24)
+    assert s["cached_tokens"] == 12
     assert (s["errors"], s["stops"]) == (1, 1)
     assert s["end_ms"] == 180_000
 
@@ -61,7 +64,7 @@ def test_percentiles_land_in_the_right_bucket() -> None:
 
 def test_state_survives_a_round_trip() -> None:
     rollup = Rollup("1m", 120_000, "user", "ada")
-    rollup.add(usage("a"))
+    rollup.add(usage("a", cached=3))
     again = Rollup.load(rollup.dump())
     assert again.summary() == rollup.summary() and not again.add(usage("a"))
 
