@@ -10,7 +10,10 @@ import httpx
 import pytest
 
 from infra.roles import GatewayProcess
+from producers.gateway.conversations.protocol import provisional_title
 from schemas.events import ANSWERED
+from tandoor.clients import redis_client
+from tandoor.policies.redis_keys import titled_key
 from tests.e2e.helpers import auth, chat, new_conversation, reply_text, sse, stored_reply
 from tests.e2e.stack import Stack
 from tests.waiting import eventually, until
@@ -246,6 +249,13 @@ async def test_a_new_conversation_gets_a_title_from_the_model(
     named = (await http.post("/v1/conversations", json={"title": "Mine"}, headers=headers)).json()[
         "id"
     ]
+    api_call = {
+        "model": stack.settings.served_models[0],
+        "messages": [{"role": "user", "content": "How do volcanoes form?"}],
+        "max_tokens": 8,
+    }
+    answered = await http.post("/v1/chat/completions", json=api_call, headers=headers)
+    assert answered.status_code == 200, answered.text
     await chat(http, headers, conversation, "How do volcanoes form?")
     await chat(http, headers, named, "How do volcanoes form?")
 
@@ -258,4 +268,14 @@ async def test_a_new_conversation_gets_a_title_from_the_model(
     assert title and len(title) <= 60 and "\n" not in title
     sidebar = (await http.get("/v1/conversations", headers=headers)).json()["data"]
     assert {c["id"]: c["title"] for c in sidebar}[conversation] == title
-    assert {c["id"]: c["title"] for c in sidebar}[named] == "Mine", "a chosen title stays"
+    titles = {c["id"]: c["title"] for c in sidebar}
+    assert titles[named] == "Mine", "a chosen title stays"
+    # An OpenAI API completion asks for no title job: its conversation keeps the title
+    # of its message (its job, had it asked, would have run before the page's did).
+    (api_conversation,) = set(titles) - {conversation, named}
+    assert titles[api_conversation] == provisional_title("How do volcanoes form?")
+    redis = redis_client(stack.settings)
+    try:
+        assert not await redis.exists(titled_key(api_conversation)), "a title job was asked"
+    finally:
+        await redis.aclose()

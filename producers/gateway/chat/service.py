@@ -225,7 +225,7 @@ class ChatService:
         """Store the user's message (if there is a new one), produce the prompt, follow it."""
         d = self.deps
         store = not isinstance(p.conversation, ApiCall) or p.conversation.store
-        conversation = p.conversation = await self._opened(p.caller, p.conversation)
+        conversation = await self._opened(p.caller, p.conversation)  # p's stays an ApiCall
         sub = await d.fanout.subscribe(p.request_id)
         start_by = p.now + int(self._silence_limit_s(p.caller.tier) * 1000)
         if not await self.inflight.claim(conversation.id, sub, start_by):  # one at a time
