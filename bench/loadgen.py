@@ -154,7 +154,17 @@ def compare(
     return "\n".join(lines)
 
 
+async def warm_up(send: Send, tries: int = 30) -> None:
+    """Until 4 requests at once all succeed: a worker that just said it is ready may not
+    have joined its group yet, and the gateway then answers 503 (no worker) for seconds."""
+    for _ in range(tries):
+        if (await run_level(send, 4, 1)).errors == 0:
+            return
+        await asyncio.sleep(2)
+    raise RuntimeError(f"the warm-up still failed after {tries} tries")
+
+
 async def measure(name: str, send: Send, args: argparse.Namespace) -> list[tuple[str, RunStats]]:
-    """A short warm-up, then every load level of the run."""
-    await run_level(send, 4, 1)
+    """A warm-up, then every load level of the run."""
+    await warm_up(send)
     return [(name, await run_level(send, c, args.requests_per_stream)) for c in args.concurrency]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.loadgen import RunStats, openai_sender, run_level
+from bench.loadgen import RunStats, openai_sender, run_level, warm_up
 from tandoor.settings import Settings
 from workers.dtype import resolve_dtype
 
@@ -71,7 +71,7 @@ async def bench_direct(model_dir: Path, args: argparse.Namespace) -> list[tuple[
         await wait_http(f"http://127.0.0.1:{port}/health", proc)
         async with httpx.AsyncClient(limits=httpx.Limits(max_connections=64)) as client:
             send = openai_sender(client, f"http://127.0.0.1:{port}", "smollm2", args.max_tokens)
-            await run_level(send, 4, 1)  # warm-up
+            await warm_up(send)
             return [
                 ("vLLM OpenAI server", await run_level(send, c, args.requests_per_stream))
                 for c in args.concurrency

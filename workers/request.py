@@ -185,9 +185,10 @@ class RequestRunner:
             await self._finish(attempt, *refusal)
             return
         messages = attempt.prompt.messages
-        attempt.prompt_tokens = len(self.engine.render_prompt(messages))
+        prompt_ids = self.engine.render_prompt(messages)
+        attempt.prompt_tokens = len(prompt_ids)
         partial = "".join(attempt.text)
-        token_ids = self.engine.render_prompt(messages, partial) if partial else None
+        token_ids = self.engine.render_prompt(messages, partial) if partial else prompt_ids
         limit = self.engine.max_model_len
         if attempt.prompt_tokens >= limit:
             error = (
@@ -196,7 +197,6 @@ class RequestRunner:
             )
             await self._finish(attempt, "error", error)
             return
-        token_ids = token_ids or self.engine.render_prompt(messages)
         max_tokens = min(
             attempt.prompt.sampling.max_tokens - attempt.completion_tokens,
             limit - len(token_ids),
