@@ -107,7 +107,8 @@ class ReplyStream(StreamingResponse):
             nonlocal started
             started = True
             try:
-                await asyncio.wait_for(send(message), self.write_timeout_s)
+                async with asyncio.timeout(self.write_timeout_s):  # no task per chunk
+                    await send(message)
             except TimeoutError:
                 raise ClientTooSlow from None
 
