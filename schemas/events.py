@@ -167,3 +167,37 @@ class UsageRecord(Event):
 
 
 TokenStreamEvent = TokenEvent | FinalEvent
+
+
+class Percentiles(BaseModel):
+    """Upper bounds of the histogram buckets holding p50, p95 and p99 (None: no data)."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore", strict=True)
+
+    p50: float | None
+    p95: float | None
+    p99: float | None
+
+
+class RollupSummary(BaseModel):
+    """One window of usage for one user or model, on `usage.rollups` (the streams app,
+    streams/rollups.py), keyed `<dimension>/<key>/<window>/<start_ms>`; the latest
+    message per key is the rollup's state."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore", strict=True)
+
+    SCHEMA_VERSION: ClassVar[int] = 1
+    window: Literal["1m", "1h"]
+    start_ms: int
+    end_ms: int
+    dimension: Literal["user", "model"]
+    key: str
+    requests: int = Field(ge=0)
+    prompt_tokens: int = Field(ge=0)
+    completion_tokens: int = Field(ge=0)
+    cached_tokens: int = Field(default=0, ge=0)
+    errors: int = Field(ge=0)
+    stops: int = Field(ge=0)
+    restarts: int = Field(ge=0)
+    ttft_ms: Percentiles
+    decode_tokens_per_s: Percentiles
