@@ -16,18 +16,11 @@ import asyncio
 import logging
 import time
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from schemas.codec import SchemaError, decode, encode
-from schemas.events import (
-    FinalEvent,
-    FinishReason,
-    PromptRequest,
-    TokenEvent,
-    Usage,
-    UsageRecord,
-    now_ms,
-)
+from schemas.events import FinalEvent, FinishReason, PromptRequest, now_ms
+from workers.attempt import Attempt, LeaseLost, Tracked, token_event, usage_of, usage_record
 from workers.capacity import Capacity
 from workers.coalesce import Coalescer
 from workers.engine import Engine, RequestFailed
@@ -42,48 +35,6 @@ ENGINE_REASONS: dict[str | None, FinishReason] = {
     "length": "length",
     "abort": "cancelled",
 }
-
-
-@dataclass
-class Tracked:
-    """What a cancel needs to know about a request this worker holds."""
-
-    request_id: str
-    cancelled: bool = False
-    in_engine: bool = False
-    leased: bool = False  # renewed by the worker while it holds the request
-    lost: bool = False  # the lease went to another worker: stop, publish nothing
-
-
-class LeaseLost(RuntimeError):
-    """Another worker took the request over (this one stalled past its lease)."""
-
-
-@dataclass
-class Attempt:
-    """One attempt at a prompt, and what it produced so far."""
-
-    prompt: PromptRequest
-    tracked: Tracked
-    number: int
-    epoch: int  # the attempt whose text the events carry: a continuation keeps it
-    carried: tuple[Recorded, ...] = ()  # published by the attempt this one continues
-    recording: bool = False  # each token event goes to the transcript first
-    stale_transcript: bool = False  # a record failed: drop it as soon as Redis answers
-    submitted_ms: float = 0.0
-    first_token_ms: float | None = None
-    last_token_ms: float = 0.0
-    seq: int = 0
-    text: list[str] = field(default_factory=list)
-    completion_tokens: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    deliveries: list[asyncio.Future[object]] = field(default_factory=list)
-
-    def expired(self) -> bool:
-        """Past the deadline to start; a reply already under way continues."""
-        deadline = self.prompt.deadline_ms
-        return not self.carried and deadline is not None and now_ms() > deadline
 
 
 @dataclass(frozen=True)
@@ -175,7 +126,7 @@ class RequestRunner:
         else:
             log.info("%s: delivering the final its worker recorded", prompt.request_id)
             await self.publisher.final(final, prompt.reply_partition)
-            await self.publisher.usage(_usage_record(prompt, final))
+            await self.publisher.usage(usage_record(prompt, final))
         await self.ledger.delivered(prompt.request_id)
 
     async def _run(self, attempt: Attempt) -> None:
@@ -211,7 +162,7 @@ class RequestRunner:
         the ones they have): Kafka may have lost the last ones with their worker."""
         prompt = attempt.prompt
         for entry in attempt.carried:
-            event = _token_event(prompt.request_id, entry)
+            event = token_event(prompt.request_id, entry)
             attempt.deliveries.append(
                 await self.publisher.token(event, prompt.request_id, prompt.reply_partition)
             )
@@ -300,7 +251,7 @@ class RequestRunner:
             raise LeaseLost(prompt.request_id)
         entry = Recorded(attempt.epoch, attempt.seq, text, tokens)
         await self._record(attempt, entry)
-        event = _token_event(prompt.request_id, entry)
+        event = token_event(prompt.request_id, entry)
         attempt.seq += 1
         attempt.text.append(text)
         self.metrics.tokens.inc(tokens)
@@ -344,7 +295,7 @@ class RequestRunner:
             finish_reason=reason,
             error=error,
             text="".join(attempt.text),
-            usage=_usage(attempt),
+            usage=usage_of(attempt),
             model=prompt.model,
             user_id=prompt.user_id,
             tier=prompt.tier,
@@ -360,7 +311,7 @@ class RequestRunner:
         ):
             raise LeaseLost(prompt.request_id)
         await self.publisher.final(final, prompt.reply_partition)
-        await self.publisher.usage(_usage_record(prompt, final))
+        await self.publisher.usage(usage_record(prompt, final))
         if attempt.tracked.leased:
             await self.ledger.delivered(prompt.request_id)
         self.metrics.finished(reason)
@@ -379,56 +330,8 @@ class RequestRunner:
         )
 
 
-def _token_event(request_id: str, entry: Recorded) -> TokenEvent:
-    return TokenEvent(
-        request_id=request_id,
-        attempt=entry.epoch,
-        seq=entry.seq,
-        delta=entry.delta,
-        token_count=entry.tokens,
-        created_at_ms=now_ms(),
-    )
-
-
 def _continuable(transcript: tuple[Recorded, ...]) -> tuple[Recorded, ...]:
     """The transcript if it is one attempt's events from seq 0 without a gap, else ()."""
     epochs = {entry.epoch for entry in transcript}
     in_order = all(entry.seq == i for i, entry in enumerate(transcript))
     return transcript if len(epochs) == 1 and in_order else ()
-
-
-def _usage(attempt: Attempt) -> Usage:
-    created = attempt.prompt.created_at_ms
-    started = attempt.submitted_ms or time.time() * 1000
-    first = attempt.first_token_ms
-    return Usage(
-        prompt_tokens=attempt.prompt_tokens,
-        completion_tokens=attempt.completion_tokens,
-        cached_tokens=attempt.cached_tokens,
-        queue_ms=max(0.0, started - created),
-        ttft_ms=None if first is None else max(0.0, first - created),
-        decode_ms=0.0 if first is None else max(0.0, attempt.last_token_ms - first),
-    )
-
-
-def _usage_record(prompt: PromptRequest, final: FinalEvent) -> UsageRecord:
-    usage = final.usage
-    return UsageRecord(
-        request_id=prompt.request_id,
-        attempt=final.attempt,
-        user_id=prompt.user_id,
-        tier=prompt.tier,
-        model=prompt.model,
-        kind=prompt.kind,
-        batch_id=prompt.batch_id,
-        prompt_tokens=usage.prompt_tokens,
-        completion_tokens=usage.completion_tokens,
-        cached_tokens=usage.cached_tokens,
-        queue_ms=usage.queue_ms,
-        ttft_ms=usage.ttft_ms,
-        duration_ms=max(0.0, final.created_at_ms - prompt.created_at_ms),
-        finish_reason=final.finish_reason,
-        finished_at_ms=final.created_at_ms,
-        charged_tokens=prompt.charged_tokens,
-        charged_at_ms=prompt.created_at_ms,
-    )

@@ -19,6 +19,7 @@ from tandoor.clients import kafka_producer, redis_client
 from tandoor.logs import bind_request_id
 from tandoor.ops import OpsServer
 from tandoor.settings import Settings
+from workers.attempt import Tracked
 from workers.capacity import Capacity
 from workers.control import ControlListener
 from workers.engine import Engine, EngineOptions
@@ -26,7 +27,7 @@ from workers.intake import PromptIntake, Record
 from workers.ledger import RequestLedger
 from workers.metrics import WorkerMetrics
 from workers.publisher import Publisher
-from workers.request import RequestRunner, RunnerConfig, Tracked
+from workers.request import RequestRunner, RunnerConfig
 
 log = logging.getLogger(__name__)
 

@@ -7,8 +7,9 @@ from __future__ import annotations
 from typing import Any, cast
 
 from schemas.events import ChatMessage, PromptRequest, now_ms
+from workers.attempt import Attempt, Tracked
 from workers.ledger import Recorded, Recording, RequestLedger
-from workers.request import Attempt, RequestRunner, RunnerConfig, Tracked
+from workers.request import RequestRunner, RunnerConfig
 
 
 class RedisAway:

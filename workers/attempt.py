@@ -1,0 +1,101 @@
+"""An attempt at one request in a worker: what it has produced so far, and the events
+and usage records built from that (workers/request.py runs it)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from schemas.events import FinalEvent, PromptRequest, TokenEvent, Usage, UsageRecord, now_ms
+from workers.ledger import Recorded
+
+
+@dataclass
+class Tracked:
+    """What a cancel needs to know about a request this worker holds."""
+
+    request_id: str
+    cancelled: bool = False
+    in_engine: bool = False
+    leased: bool = False  # renewed by the worker while it holds the request
+    lost: bool = False  # the lease went to another worker: stop, publish nothing
+
+
+class LeaseLost(RuntimeError):
+    """Another worker took the request over (this one stalled past its lease)."""
+
+
+@dataclass
+class Attempt:
+    """One attempt at a prompt, and what it produced so far."""
+
+    prompt: PromptRequest
+    tracked: Tracked
+    number: int
+    epoch: int  # the attempt whose text the events carry: a continuation keeps it
+    carried: tuple[Recorded, ...] = ()  # published by the attempt this one continues
+    recording: bool = False  # each token event goes to the transcript first
+    stale_transcript: bool = False  # a record failed: drop it as soon as Redis answers
+    submitted_ms: float = 0.0
+    first_token_ms: float | None = None
+    last_token_ms: float = 0.0
+    seq: int = 0
+    text: list[str] = field(default_factory=list)
+    completion_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    deliveries: list[asyncio.Future[object]] = field(default_factory=list)
+
+    def expired(self) -> bool:
+        """Past the deadline to start; a reply already under way continues."""
+        deadline = self.prompt.deadline_ms
+        return not self.carried and deadline is not None and now_ms() > deadline
+
+
+def token_event(request_id: str, entry: Recorded) -> TokenEvent:
+    return TokenEvent(
+        request_id=request_id,
+        attempt=entry.epoch,
+        seq=entry.seq,
+        delta=entry.delta,
+        token_count=entry.tokens,
+        created_at_ms=now_ms(),
+    )
+
+
+def usage_of(attempt: Attempt) -> Usage:
+    created = attempt.prompt.created_at_ms
+    started = attempt.submitted_ms or time.time() * 1000
+    first = attempt.first_token_ms
+    return Usage(
+        prompt_tokens=attempt.prompt_tokens,
+        completion_tokens=attempt.completion_tokens,
+        cached_tokens=attempt.cached_tokens,
+        queue_ms=max(0.0, started - created),
+        ttft_ms=None if first is None else max(0.0, first - created),
+        decode_ms=0.0 if first is None else max(0.0, attempt.last_token_ms - first),
+    )
+
+
+def usage_record(prompt: PromptRequest, final: FinalEvent) -> UsageRecord:
+    usage = final.usage
+    return UsageRecord(
+        request_id=prompt.request_id,
+        attempt=final.attempt,
+        user_id=prompt.user_id,
+        tier=prompt.tier,
+        model=prompt.model,
+        kind=prompt.kind,
+        batch_id=prompt.batch_id,
+        prompt_tokens=usage.prompt_tokens,
+        completion_tokens=usage.completion_tokens,
+        cached_tokens=usage.cached_tokens,
+        queue_ms=usage.queue_ms,
+        ttft_ms=usage.ttft_ms,
+        duration_ms=max(0.0, final.created_at_ms - prompt.created_at_ms),
+        finish_reason=final.finish_reason,
+        finished_at_ms=final.created_at_ms,
+        charged_tokens=prompt.charged_tokens,
+        charged_at_ms=prompt.created_at_ms,
+    )
