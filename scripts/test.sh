@@ -8,6 +8,10 @@ start=$(date +%s)
 
 scripts/bootstrap.sh
 source scripts/test_env.sh
+# Engine speed, and so every duration below, depends on these (docs/testing.md).
+cpu=$(grep -m1 '^model name' /proc/cpuinfo | cut -d: -f2 | xargs || true)
+flags=$(grep -m1 '^flags' /proc/cpuinfo | tr ' ' '\n' | grep -x -E 'avx2|avx512f|avx512_bf16|amx_tile' | xargs || true)
+echo "== machine: ${cpu:-unknown CPU}, $(nproc) cores, flags: ${flags:-none of avx2 avx512f avx512_bf16 amx_tile}"
 
 # The servers start while the code is linted and type-checked (half a minute saved).
 mkdir -p "$TANDOOR_HOME"
