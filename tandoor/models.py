@@ -81,15 +81,6 @@ class ModelConfig(BaseModel):
     # A Jinja chat template file used instead of the one in the model's tokenizer.
     chat_template: Path | None = None
 
-    @property
-    def bundled(self) -> str | None:
-        """The bundled model's name, or None for a folder."""
-        return self.source.removeprefix(BUNDLED_PREFIX) if self.is_bundled else None
-
-    @property
-    def is_bundled(self) -> bool:
-        return self.source.startswith(BUNDLED_PREFIX)
-
 
 def parse_models(raw: Any) -> Any:
     """TANDOOR_MODELS as pydantic receives it: a list of names becomes default configs,

@@ -33,7 +33,7 @@ def fresh_settings() -> Iterator[None]:
 def test_a_list_of_names_serves_bundled_models_with_defaults() -> None:
     settings = Settings.model_validate({"models": ["smollm2"]})
     config = settings.models["smollm2"]
-    assert config.is_bundled and config.bundled == "smollm2"
+    assert config.source == "bundled:smollm2"
     assert (config.max_model_len, config.max_num_seqs, config.dtype) == (2048, 32, "auto")
 
 
