@@ -14,7 +14,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 
 from infra.roles import RoleProcess
 from infra.topics import token_partitions
-from producers.gateway.model_load import backlog_clients, count_backlog
+from producers.model_load import backlog_clients, count_backlog
 from tandoor.settings import Settings
 
 

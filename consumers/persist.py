@@ -13,8 +13,10 @@ import contextlib
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 
 import cassandra
+import orjson
 from aiokafka import AIOKafkaConsumer
 from aiokafka.errors import KafkaError
 from aiokafka.structs import ConsumerRecord
@@ -24,6 +26,7 @@ from cassandra.connection import ConnectionException
 from consumers.history import HistoryWriter
 from consumers.metrics import PersistMetrics
 from schemas import topics
+from schemas.batch import final_output
 from schemas.codec import SchemaError, decode, is_final
 from schemas.events import FinalEvent
 from tandoor.clients import cassandra_cluster, kafka_producer
@@ -59,7 +62,8 @@ class Persister:
             auto_offset_reset="earliest",  # a new group stores everything still retained
             fetch_max_wait_ms=settings.fetch_wait_ms,
         )
-        self._producer = kafka_producer(settings, "persist")  # dead letters
+        self._producer = kafka_producer(settings, "persist")  # dead letters, batch results
+        self._redact: Callable[[str], str] = str  # output moderation, set at start
         self._cluster: Cluster | None = None
         self._writer: HistoryWriter | None = None
         self._stopping = asyncio.Event()
@@ -70,7 +74,8 @@ class Persister:
         self._cluster = cassandra_cluster(self.settings)
         session = await asyncio.to_thread(self._cluster.connect, self.settings.keyspace)
         moderator = DefaultModerator(self.settings.moderation_blocklist)
-        self._writer = HistoryWriter(session, moderator.check_output)
+        self._redact = moderator.check_output
+        self._writer = HistoryWriter(session, self._redact)
         await self._producer.start()
         await self._consumer.start()
         await self.ops.start(self.settings.host, self.settings.persist_metrics_port)
@@ -85,6 +90,8 @@ class Persister:
             finals = [f for chunk in batch.values() for f in _finals(chunk)]
             if finals and not await self._store(finals):
                 return  # stopping before the batch was stored: leave it uncommitted
+            if not await self._publish_batch_results([final for _, final in finals]):
+                return  # stopping before the results were out: replayed by the next owner
             if batch:
                 await self._commit()
                 self.metrics.lag.set(await self._lag())
@@ -154,6 +161,30 @@ class Persister:
                     await asyncio.wait_for(self._stopping.wait(), delay)
                 delay = min(MAX_BACKOFF_S, delay * 2)
         return not pending
+
+    async def _publish_batch_results(self, finals: list[FinalEvent]) -> bool:
+        """Results of lines from `batch.requests`, once stored (again after a replay:
+        each result's `id` names its request, so a reader can drop repeats). False if
+        told to stop before Kafka took them."""
+        lines = [f for f in finals if f.custom_id is not None and f.batch_id]
+        while lines:
+            try:
+                sends = [
+                    await self._producer.send(
+                        topics.BATCH_RESULTS,
+                        orjson.dumps(final_output(final, self._redact(final.text))),
+                        key=(final.batch_id or "").encode(),
+                    )
+                    for final in lines
+                ]
+                await asyncio.gather(*sends)
+                return True
+            except KafkaError as exc:
+                if self._stopping.is_set():
+                    return False
+                log.warning("publishing %d batch results failed (%r); retrying", len(lines), exc)
+                await asyncio.sleep(1)
+        return True
 
     def _stored(self, stored: list[Stored]) -> None:
         self.metrics.stored.inc(len(stored))

@@ -130,6 +130,14 @@ class PersistProcess(RoleProcess):
         super().__init__("persist", ["persist"], "persist ready", log_dir, env)
 
 
+class AdmissionProcess(RoleProcess):
+    """`tandoor admission`."""
+
+    def __init__(self, log_dir: Path, env: dict[str, str]) -> None:
+        env = {"TANDOOR_ADMISSION_METRICS_PORT": "0", **env}
+        super().__init__("admission", ["admission"], "admission ready", log_dir, env)
+
+
 class StreamsProcess(RoleProcess):
     """`tandoor streams`; its HTTP port comes from TANDOOR_STREAMS_WEB_PORT."""
 

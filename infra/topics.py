@@ -35,6 +35,8 @@ def declared_topics(settings: Settings) -> list[TopicSpec]:
         (topics.CONTROL, 4, str(HOUR_MS)),
         (topics.USAGE, topics.USAGE_PARTITIONS, month),
         (topics.USAGE_ROLLUPS, topics.USAGE_PARTITIONS, month),
+        (topics.BATCH_REQUESTS, topics.BATCH_PARTITIONS, week),
+        (topics.BATCH_RESULTS, topics.BATCH_PARTITIONS, week),
         (topics.DEAD_LETTER, 1, month),
     ]
     return [

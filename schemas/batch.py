@@ -1,7 +1,22 @@
-"""How a batch line is named in the pipeline: `<batch id>.<line number>`, so any
-role can tell which line of which batch a prompt or a final event answers."""
+"""How batch lines are named in the pipeline, and the OpenAI batch-output records their
+results are published as.
+
+Two kinds of batch line exist: `tandoor batch` files (the older path: request id
+`<batch id>.<line number>`) and lines written to `batch.requests` in OpenAI's batch
+input form, named by the tenant's `custom_id` (request id `bl_<digest>`, from the
+owner, the batch id and the custom_id, so the same line always has the same id).
+"""
 
 from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from schemas.events import ANSWERED, FinalEvent
+
+# Header names on `batch.requests` records (Kafka header names are case-sensitive).
+AUTHORIZATION_HEADER = "authorization"
+BATCH_ID_HEADER = "batch-id"
 
 
 def line_request_id(batch_id: str, line: int) -> str:
@@ -11,3 +26,80 @@ def line_request_id(batch_id: str, line: int) -> str:
 def line_of(request_id: str) -> int | None:
     _, sep, line = request_id.rpartition(".")
     return int(line) if sep and line.isdigit() else None
+
+
+def custom_line_request_id(user_id: str, batch_id: str, custom_id: str) -> str:
+    digest = hashlib.sha256("\0".join([user_id, batch_id, custom_id]).encode())
+    return f"bl_{digest.hexdigest()[:32]}"
+
+
+def batch_output(
+    custom_id: str | None,
+    request_id: str,
+    response: dict[str, Any] | None = None,
+    error: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """One line of OpenAI's batch output: `response` for an HTTP answer (2xx or 4xx),
+    `error` for a line that ended without one (expired, cancelled)."""
+    return {
+        "id": f"batch_req_{request_id}",
+        "custom_id": custom_id,
+        "response": response,
+        "error": error,
+    }
+
+
+def refused_output(
+    custom_id: str | None,
+    request_id: str,
+    status_code: int,
+    message: str,
+    kind: str = "invalid_request_error",
+    param: str | None = None,
+) -> dict[str, Any]:
+    """A line refused before it reached a model: the 4xx the same request gets over HTTP."""
+    body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
+    return batch_output(
+        custom_id, request_id, {"status_code": status_code, "request_id": request_id, "body": body}
+    )
+
+
+def final_output(final: FinalEvent, text: str) -> dict[str, Any]:
+    """A batch line's result from its final event; `text` is the reply as stored (after
+    output moderation)."""
+    custom_id, request_id = final.custom_id, final.request_id
+    if final.finish_reason == "expired":
+        message = "the line waited in the queue past its deadline"
+        return batch_output(custom_id, request_id, error={"code": "expired", "message": message})
+    if final.finish_reason == "cancelled":
+        message = "the batch was cancelled before this line finished"
+        return batch_output(custom_id, request_id, error={"code": "cancelled", "message": message})
+    if final.finish_reason not in ANSWERED:
+        message = final.error or "the model could not answer"
+        failed = {"error": {"message": message, "type": "server_error"}}
+        return batch_output(
+            custom_id, request_id, {"status_code": 500, "request_id": request_id, "body": failed}
+        )
+    usage = final.usage
+    body: dict[str, Any] = {
+        "id": f"chatcmpl-{request_id}",
+        "object": "chat.completion",
+        "created": final.created_at_ms // 1000,
+        "model": final.model,
+        "choices": [
+            {
+                "index": 0,
+                "finish_reason": final.finish_reason,
+                "message": {"role": "assistant", "content": text},
+            }
+        ],
+        "usage": {
+            "prompt_tokens": usage.prompt_tokens,
+            "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+        },
+    }
+    return batch_output(
+        custom_id, request_id, {"status_code": 200, "request_id": request_id, "body": body}
+    )

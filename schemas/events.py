@@ -77,6 +77,8 @@ class PromptRequest(Event):
     reply_partition: int | None = Field(default=None, ge=0)
     kind: PromptKind = "chat"
     batch_id: str | None = None
+    # A batch line's own name (OpenAI batch input's `custom_id`), given back in its result.
+    custom_id: str | None = None
     prompt_tokens_estimate: int = Field(default=0, ge=0)
     # What admission charged to the tokens-per-minute quota (prompt + max_tokens), in
     # the minute of created_at_ms; settled against the real usage once it is known.
@@ -129,6 +131,7 @@ class FinalEvent(Event):
     # The prompt's creation time: stable across attempts, so stores key on it.
     prompt_created_at_ms: int | None = None
     batch_id: str | None = None
+    custom_id: str | None = None  # the prompt's
     store: bool = True  # the prompt's
 
 

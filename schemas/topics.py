@@ -10,6 +10,11 @@ TOKENS = "tokens"
 CONTROL = "control"
 USAGE = "usage"
 USAGE_ROLLUPS = "usage.rollups"  # the streams app's output, keyed by rollup
+# Batch lines in OpenAI's batch input form, keyed by batch id, from any Kafka client;
+# the admission role answers refused lines, the persistence consumer the rest.
+BATCH_REQUESTS = "batch.requests"
+BATCH_RESULTS = "batch.results"
+BATCH_PARTITIONS = 8
 DEAD_LETTER = "dead-letter"  # not under prompts.: no model can shadow it
 PROMPTS_PREFIX = "prompts."
 # `usage` and `usage.rollups`: the streams app's tables are co-partitioned with `usage`

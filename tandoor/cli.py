@@ -98,6 +98,7 @@ def run() -> None:
     """The main job: servers, a worker per model, persistence, streams, gateway; Ctrl-C
     stops all."""
     from infra.roles import (
+        AdmissionProcess,
         GatewayProcess,
         PersistProcess,
         StreamsProcess,
@@ -113,6 +114,7 @@ def run() -> None:
     logs = settings.home / "logs"
     roles: list[RoleProcess] = [WorkerProcess(m, logs, {}) for m in settings.models]
     roles.append(PersistProcess(logs, {}))
+    roles.append(AdmissionProcess(logs, {}))
     roles.append(StreamsProcess(logs, {"TANDOOR_ANALYTICS_TOKEN": str(settings.analytics_token)}))
     roles.append(GatewayProcess(logs, settings.gateway_port, {}))
     try:
@@ -197,6 +199,15 @@ def persist() -> None:
     from consumers.persist import Persister
 
     asyncio.run(serve(lambda: Persister(get_settings())))
+
+
+@app.command("admission")
+def admission() -> None:
+    """Batch admission: lines from `batch.requests` checked, charged and forwarded fairly
+    into the batch band; refused lines answered on `batch.results`."""
+    from producers.admission.role import Admission
+
+    asyncio.run(serve(lambda: Admission(get_settings())))
 
 
 @app.command("streams")

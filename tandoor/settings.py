@@ -182,6 +182,15 @@ class Settings(BaseSettings):
     # minute. It heartbeats every 3 s from a thread of its own, so 10 s is not flaky.
     streams_session_timeout_s: float = Field(default=10.0, ge=6)
 
+    # The admission role: batch lines from `batch.requests` into the batch band.
+    admission_group: str = "admission"
+    admission_metrics_port: int = 9403
+    # Batch-band prompts each worker of a model may have queued or running; beyond that
+    # lines wait in admission, interleaved fairly between tenants, not in Kafka.
+    batch_backlog_per_worker: int = Field(default=8, ge=1)
+    # Lines read ahead of forwarding (all tenants); reading pauses beyond it.
+    admission_max_waiting: int = Field(default=50_000, ge=1)
+
     # Persistence consumer: its group on `tokens`.
     persist_group: str = "persist"
 

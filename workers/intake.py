@@ -20,8 +20,8 @@ from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
 from aiokafka.structs import ConsumerRecord
 
 from schemas.topics import BandLayout, prompts_topic, worker_group
+from tandoor.offsets import OffsetTracker
 from tandoor.settings import Settings
-from workers.offsets import OffsetTracker
 from workers.scheduler import BandScheduler
 
 log = logging.getLogger(__name__)

@@ -304,6 +304,7 @@ class RequestRunner:
             created_at_ms=now_ms(),
             prompt_created_at_ms=prompt.created_at_ms,
             batch_id=prompt.batch_id,
+            custom_id=prompt.custom_id,
             store=prompt.store,
         )
         if attempt.tracked.leased and not await self.ledger.finish(

@@ -15,9 +15,9 @@ from producers.gateway.chat.checks import ReplyChecks
 from producers.gateway.chat.jobs import ConversationJobs
 from producers.gateway.chat.service import ChatDeps, ChatService
 from producers.gateway.conversations.service import ConversationService
-from producers.gateway.model_load import LoadMonitor
 from producers.gateway.shedding import ModelRouter
 from producers.gateway.streaming import StreamSlots
+from producers.model_load import LoadMonitor
 from producers.prompts import PromptSubmitter
 from tandoor.clients import cassandra_cluster, kafka_producer, redis_client
 from tandoor.policies.api_keys import KeyStore

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from prometheus_client import Counter
 
 from producers.gateway.errors import ApiError
-from producers.gateway.model_load import ModelLoad
+from producers.model_load import ModelLoad
 from tandoor.settings import Fallback, Settings
 
 log = logging.getLogger(__name__)

@@ -88,3 +88,15 @@ def settled_key(request_id: str) -> str:
 def api_key_cache_key(digest: str) -> str:
     """Who a key (by its SHA-256 digest) acts for, cached from Cassandra."""
     return f"{PREFIX}:apikey:{digest}"
+
+
+# Batch admission (producers/admission/).
+
+BATCH_LINE_TTL_S = 7 * 24 * 3600  # as long as `batch.requests` keeps a line
+
+
+def batch_line_key(request_id: str) -> str:
+    """Where on `batch.requests` a batch line was read ("partition:offset") once it was
+    forwarded or answered: the same record read again after a crash is skipped, and
+    another record with the same custom_id is a duplicate."""
+    return f"{PREFIX}:batchline:{request_id}"

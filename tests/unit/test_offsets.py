@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from workers.offsets import OffsetTracker, PartitionOffsets
+from tandoor.offsets import OffsetTracker, PartitionOffsets
 
 
 def test_nothing_taken_nothing_to_commit() -> None:

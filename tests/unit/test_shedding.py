@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from producers.gateway.errors import ApiError
-from producers.gateway.model_load import MIN_RATE_SPAN_S, RATE_WINDOW_S, ModelLoad, Progress
 from producers.gateway.shedding import ModelRouter, busy
+from producers.model_load import MIN_RATE_SPAN_S, RATE_WINDOW_S, ModelLoad, Progress
 from tandoor.models import ModelConfig
 from tandoor.settings import DEFAULT_TIERS, Fallback, Settings
 

@@ -11,6 +11,7 @@ from schemas.events import (
     MAX_REPLY_TOKENS,
     MAX_STOP_SEQUENCES,
     MAX_TEMPERATURE,
+    Sampling,
 )
 
 CONTENT_MAX_CHARS = 32_000
@@ -36,6 +37,15 @@ class ReplyOptions(SamplingOptions):
 
     max_tokens: int | None = Field(default=None, ge=1, le=MAX_REPLY_TOKENS)
     ignore_eos: bool = Field(default=False, description="Generate exactly max_tokens.")
+
+
+def sampling_for(options: ReplyOptions, max_tokens: int) -> Sampling:
+    """The options a caller set, over Sampling's defaults for the rest."""
+    chosen = options.model_dump(
+        include={"temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty"},
+        exclude_none=True,  # 0 is a choice (greedy), None is not
+    )
+    return Sampling(max_tokens=max_tokens, ignore_eos=options.ignore_eos, **chosen)
 
 
 class PostMessage(ReplyOptions):

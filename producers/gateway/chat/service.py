@@ -22,7 +22,7 @@ from producers.gateway.chat.checks import ReplyChecks
 from producers.gateway.chat.history import after_summary, as_chat, usable, visible
 from producers.gateway.chat.inflight import InFlight
 from producers.gateway.chat.jobs import ConversationJobs
-from producers.gateway.chat.protocol import PostMessage, ReplyOptions
+from producers.gateway.chat.protocol import PostMessage, ReplyOptions, sampling_for
 from producers.gateway.chat.watch import ReplyWatch
 from producers.gateway.conversations.protocol import Conversation, Message
 from producers.gateway.conversations.service import ConversationService
@@ -30,7 +30,7 @@ from producers.gateway.errors import ApiError, not_found
 from producers.gateway.shedding import ModelRouter
 from producers.gateway.streaming import StreamSlots
 from producers.prompts import PromptSubmitter
-from schemas.events import ANSWERED, ChatMessage, FinalEvent, PromptRequest, Sampling, now_ms
+from schemas.events import ANSWERED, ChatMessage, FinalEvent, PromptRequest, now_ms
 from tandoor.clients import REDIS_DOWN
 from tandoor.policies.api_keys import Principal
 from tandoor.policies.moderation import OutputFilter
@@ -265,7 +265,7 @@ class ChatService:
             band=d.settings.tiers[p.caller.tier].band,
             conversation_id=conversation.id,
             messages=p.messages,
-            sampling=_sampling(p.options, p.max_tokens),
+            sampling=sampling_for(p.options, p.max_tokens),
             created_at_ms=p.now,
             deadline_ms=p.now + int(d.settings.wait_budget_s(p.caller.tier) * 1000),
             reply_partition=sub.partition,
@@ -336,12 +336,3 @@ class ChatService:
 
         # The worker answers an expired prompt itself; silence past that means no worker.
         return ReplyWatch(sub, self._silence_limit_s(p.caller.tier), finished)
-
-
-def _sampling(options: ReplyOptions, max_tokens: int) -> Sampling:
-    """The options a caller set, over Sampling's defaults for the rest."""
-    chosen = options.model_dump(
-        include={"temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty"},
-        exclude_none=True,  # 0 is a choice (greedy), None is not
-    )
-    return Sampling(max_tokens=max_tokens, ignore_eos=options.ignore_eos, **chosen)

@@ -76,8 +76,9 @@ class Progress:
 class LoadMonitor:
     """The latest load of every model this gateway serves."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, poll_s: float | None = None) -> None:
         self.settings = settings
+        self.poll_s = poll_s or settings.backlog_poll_s
         self.models = sorted(settings.models)
         self.layout = BandLayout([(b.name, b.partitions) for b in settings.bands])
         self._load: dict[str, ModelLoad] = {}
@@ -108,7 +109,7 @@ class LoadMonitor:
                         log.warning("load of %s unknown: %r", model, exc)
                         continue
                     self._load[model] = self._summed(model, measured, time.monotonic())
-                await asyncio.sleep(self.settings.backlog_poll_s)
+                await asyncio.sleep(self.poll_s)
 
     def _summed(self, model: str, measured: Measured, now: float) -> ModelLoad:
         progress = self._progress[model]

@@ -1,0 +1,118 @@
+"""A batch line from `batch.requests` checked exactly as the same request is checked over
+HTTP (the OpenAI request model, moderation of every message, the tier's reply limit,
+the context window), and the prompt it becomes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from producers.gateway.chat.checks import ReplyChecks
+from producers.gateway.chat.protocol import ReplyOptions, SamplingOptions, sampling_for
+from producers.gateway.errors import ApiError
+from producers.gateway.openai_api.protocol import ChatCompletionRequest
+from schemas.batch import custom_line_request_id
+from schemas.events import ChatMessage, PromptRequest, now_ms
+from tandoor.policies.api_keys import Principal
+
+BATCH_BAND = "batch"
+MAX_CUSTOM_ID_CHARS = 512
+
+
+class BatchInputLine(BaseModel):
+    """One line of OpenAI's batch input."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    custom_id: str = Field(min_length=1, max_length=MAX_CUSTOM_ID_CHARS)
+    method: Literal["POST"]
+    url: Literal["/v1/chat/completions"]
+    body: ChatCompletionRequest
+
+
+class Refused(Exception):
+    """A line that is answered with a 4xx result and never forwarded."""
+
+    def __init__(self, status: int, message: str, kind: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param = status, message, kind, param
+
+
+@dataclass(frozen=True)
+class Parsed:
+    custom_id: str | None  # None when the line is not even JSON with a custom_id
+    line: BatchInputLine | None
+    problem: Refused | None
+
+
+def parse_line(raw: bytes | None) -> Parsed:
+    """The line, or what is wrong with it (with its custom_id where one can be read)."""
+    try:
+        data = orjson.loads(raw or b"")
+    except orjson.JSONDecodeError as exc:
+        return Parsed(None, None, Refused(400, f"the line is not JSON: {exc}", "invalid_json"))
+    custom_id = data.get("custom_id") if isinstance(data, dict) else None
+    custom_id = custom_id[:MAX_CUSTOM_ID_CHARS] if isinstance(custom_id, str) else None
+    custom_id = custom_id or None
+    try:
+        return Parsed(custom_id, BatchInputLine.model_validate(data), None)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ())) or "line"
+        problem = Refused(400, f"{where}: {first.get('msg', 'invalid')}", "invalid_request_error")
+        return Parsed(custom_id, None, problem)
+
+
+async def prompt_for(
+    checks: ReplyChecks, caller: Principal, batch_id: str, line: BatchInputLine
+) -> PromptRequest:
+    """The line as a batch-band prompt, or Refused with the status the API would give."""
+    try:
+        return await _prompt(checks, caller, batch_id, line)
+    except ApiError as exc:
+        raise Refused(exc.status, exc.message, exc.kind, exc.param) from exc
+
+
+async def _prompt(
+    checks: ReplyChecks, caller: Principal, batch_id: str, line: BatchInputLine
+) -> PromptRequest:
+    body = line.body
+    if body.model not in checks.settings.models:
+        raise ApiError(404, f"model {body.model!r} does not exist", param="body.model")
+    if body.stream:
+        raise ApiError(400, "a batch line cannot stream: omit `stream`", param="body.stream")
+    messages = [_message(m.role, await checks.moderated(m.content)) for m in body.messages]
+    if messages[-1].role != "user":
+        raise ApiError(400, "the last message must be from the user", param="body.messages")
+    options = ReplyOptions(
+        **body.model_dump(include=set(SamplingOptions.model_fields)),
+        max_tokens=body.reply_tokens,
+        ignore_eos=body.ignore_eos,
+    )
+    max_tokens = checks.max_tokens(caller, options)
+    context = checks.context(body.model, messages, max_tokens, client_context=True)
+    request_id = custom_line_request_id(caller.user_id, batch_id, line.custom_id)
+    return PromptRequest(
+        request_id=request_id,
+        model=body.model,
+        user_id=caller.user_id,
+        tier=caller.tier,
+        band=BATCH_BAND,
+        conversation_id=request_id,  # spreads the lines over the band's partitions
+        messages=context.messages,
+        sampling=sampling_for(options, max_tokens),
+        created_at_ms=now_ms(),  # reset when its quota is charged
+        kind="batch",
+        batch_id=batch_id,
+        custom_id=line.custom_id,
+        prompt_tokens_estimate=context.prompt_tokens,
+        charged_tokens=context.prompt_tokens + max_tokens,
+        store=False,  # a batch line is no conversation; its result and usage are kept
+    )
+
+
+def _message(role: str, content: str) -> ChatMessage:
+    return ChatMessage(role="system" if role == "developer" else role, content=content)  # type: ignore[arg-type]

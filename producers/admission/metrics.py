@@ -1,0 +1,29 @@
+"""Prometheus metrics of the admission role, served on /metrics (tandoor.ops)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+
+class AdmissionMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.lines = Counter(
+            "tandoor_admission_lines",
+            "Batch lines read, by outcome: forwarded, refused (answered with an error), "
+            "replayed (read again after a restart, already handled)",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.waiting = Gauge(
+            "tandoor_admission_waiting_lines",
+            "Lines read and waiting for room in the model's batch band",
+            ["model"],
+            registry=self.registry,
+        )
+        self.charged_tokens = Counter(
+            "tandoor_admission_charged_tokens",
+            "Tokens forwarded per tenant (prompt estimate + max_tokens): the fair share",
+            ["tenant"],
+            registry=self.registry,
+        )

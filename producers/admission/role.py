@@ -1,0 +1,375 @@
+"""`tandoor admission`: batch lines from `batch.requests` into the batch band.
+
+Any Kafka client writes OpenAI batch-input lines to `batch.requests`, keyed by a batch
+id, with `authorization: Bearer <key>` (and optionally `batch-id`) headers. This role
+- authenticates the key and checks each line as the HTTP API checks the same request;
+  a bad key or a bad line gets an error result on `batch.results` and goes no further;
+- queues good lines per tenant and forwards them with a Virtual Token Counter
+  (fairness.py), only while the model's batch band holds fewer than
+  `batch_backlog_per_worker` prompts per worker: a flood waits here, not in Kafka;
+- charges each line to its tenant's quota as it forwards it (over quota, that tenant
+  waits and the others go on);
+- commits a partition's offset only below its oldest line not yet forwarded or
+  answered, and marks each handled line in Redis with where it was read, so after a
+  crash the lines read again are skipped, not run twice.
+
+Results of forwarded lines are published by the persistence consumer once stored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import TypeAlias
+
+import orjson
+import redis.asyncio as aioredis
+from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
+from aiokafka.errors import CommitFailedError, KafkaError
+from aiokafka.structs import ConsumerRecord
+from cassandra import OperationTimedOut
+from cassandra.cluster import Cluster, NoHostAvailable
+
+from producers.admission.fairness import FairQueue
+from producers.admission.lines import Refused, parse_line, prompt_for
+from producers.admission.metrics import AdmissionMetrics
+from producers.gateway.chat.checks import ReplyChecks
+from producers.model_load import LoadMonitor
+from producers.prompts import PromptSubmitter
+from schemas import topics
+from schemas.batch import (
+    AUTHORIZATION_HEADER,
+    BATCH_ID_HEADER,
+    custom_line_request_id,
+    refused_output,
+)
+from schemas.events import PromptRequest, now_ms
+from tandoor.clients import REDIS_DOWN, cassandra_cluster, kafka_producer, redis_client
+from tandoor.offsets import OffsetTracker
+from tandoor.ops import OpsServer
+from tandoor.policies.api_keys import KeyStore, Principal
+from tandoor.policies.moderation import DefaultModerator
+from tandoor.policies.quota import QuotaExceeded, Quotas, QuotaUnavailable
+from tandoor.policies.redis_keys import BATCH_LINE_TTL_S, batch_line_key
+from tandoor.settings import Settings
+
+log = logging.getLogger(__name__)
+
+Record: TypeAlias = ConsumerRecord[bytes, bytes]
+POLL_S = 0.25  # how often the batch band's backlog is measured
+COMMIT_EVERY_S = 1.0
+KEY_CACHE_S = 30.0  # a revoked key stops being honoured within this
+RETRY_S = 1.0  # a store failing: try the line again after this
+UNREACHABLE = (*REDIS_DOWN, KafkaError, NoHostAvailable, OperationTimedOut)
+BAD = "invalid_request_error"
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """A checked line waiting for room in its model's batch band."""
+
+    partition: int
+    offset: int
+    prompt: PromptRequest
+
+    @property
+    def position(self) -> str:
+        return f"{self.partition}:{self.offset}"
+
+
+class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.consumer = AIOKafkaConsumer(
+            bootstrap_servers=settings.kafka_bootstrap,
+            group_id=settings.admission_group,
+            client_id="admission",
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+            fetch_max_wait_ms=settings.fetch_wait_ms,
+        )
+        self.producer = kafka_producer(settings, "admission")
+        self.submitter = PromptSubmitter(settings, self.producer)
+        self.load = LoadMonitor(settings, poll_s=POLL_S)
+        self.offsets = OffsetTracker()
+        self.queues: dict[str, FairQueue[Waiting]] = {m: FairQueue() for m in settings.models}
+        self.queued: dict[str, str] = {}  # request id -> position, of lines waiting here
+        self.metrics = AdmissionMetrics()
+        self.ops = OpsServer("admission", self.metrics.registry, self._readiness)
+        self._sent: dict[str, int] = {}  # model -> forwarded since its load was measured
+        self._measured: dict[str, object] = {}
+        self._keys: dict[str, tuple[float, Principal | None]] = {}
+        self._arrived = asyncio.Event()
+        self._stopping = asyncio.Event()
+        self._cluster: Cluster | None = None
+        self._redis: aioredis.Redis | None = None
+
+    async def start(self) -> None:
+        self._cluster = cassandra_cluster(self.settings)
+        session = await asyncio.to_thread(self._cluster.connect, self.settings.keyspace)
+        self._redis = redis_client(self.settings)
+        self.key_store = KeyStore(session, self._redis, set(self.settings.tiers))
+        self.quotas = Quotas(self._redis)
+        self.checks = ReplyChecks(
+            self.settings, DefaultModerator(self.settings.moderation_blocklist), self.quotas
+        )
+        await self.producer.start()
+        self.consumer.subscribe([topics.BATCH_REQUESTS], listener=self)
+        await self.consumer.start()
+        await self.load.start()
+        await self.ops.start(self.settings.host, self.settings.admission_metrics_port)
+        log.info("admission ready: %s -> batch band", topics.BATCH_REQUESTS)
+
+    def request_stop(self) -> None:
+        self._stopping.set()
+        self._arrived.set()
+
+    async def run(self) -> None:
+        async with asyncio.TaskGroup() as group:
+            group.create_task(self._read_lines(), name="read")
+            group.create_task(self._forward_lines(), name="forward")
+            group.create_task(self._commit_often(), name="commit")
+
+    async def close(self) -> None:
+        await self.ops.close()
+        await self.load.stop()
+        await self._commit()
+        await self.consumer.stop()
+        await self.producer.stop()
+        if self._redis is not None:
+            await self._redis.aclose()
+        if self._cluster is not None:
+            await asyncio.to_thread(self._cluster.shutdown)
+            self._cluster = None
+
+    # Reading and checking.
+
+    async def _read_lines(self) -> None:
+        while not self._stopping.is_set():
+            if sum(q.size for q in self.queues.values()) >= self.settings.admission_max_waiting:
+                await asyncio.sleep(POLL_S)  # a full buffer: lines stay in Kafka meanwhile
+                continue
+            try:
+                batch = await self.consumer.getmany(timeout_ms=200, max_records=500)
+            except KafkaError as exc:
+                log.warning("reading %s failed: %s; retrying", topics.BATCH_REQUESTS, exc)
+                await asyncio.sleep(RETRY_S)
+                continue
+            for record in [r for chunk in batch.values() for r in chunk]:
+                self.offsets.taken(record.topic, record.partition, record.offset)
+                await self._until_done(partial(self._admit, record))
+            self._arrived.set()
+
+    async def _admit(self, record: Record) -> None:
+        headers = {name.lower(): value for name, value in record.headers}
+        batch_id = _text(headers.get(BATCH_ID_HEADER)) or _text(record.key)
+        caller = await self._caller(_bearer(headers.get(AUTHORIZATION_HEADER)))
+        parsed = parse_line(record.value)
+        owner = caller.user_id if caller else "-"
+        name = parsed.custom_id or f"@{record.partition}:{record.offset}"
+        request_id = custom_line_request_id(owner, batch_id or "-", name)
+        position = f"{record.partition}:{record.offset}"
+        try:
+            if not batch_id:
+                raise Refused(400, "no batch id: key the record or set a batch-id header", BAD)
+            if caller is None:
+                raise Refused(401, "invalid or revoked API key", "authentication_error")
+            if parsed.line is None:
+                raise parsed.problem or Refused(400, "invalid line", BAD)
+            prompt = await prompt_for(self.checks, caller, batch_id, parsed.line)
+            if await self._seen_elsewhere(prompt.request_id, position):
+                raise Refused(400, f"custom_id {name!r} is used twice in batch {batch_id}", BAD)
+        except Refused as refused:
+            await self._refuse(record, batch_id, parsed.custom_id, request_id, refused)
+            return
+        if await self._marked(prompt.request_id) == position:
+            self._done(record.partition, record.offset, "replayed")
+            return
+        waiting = Waiting(record.partition, record.offset, prompt)
+        self.queued[prompt.request_id] = position
+        self.queues[prompt.model].push(owner, waiting)
+
+    async def _seen_elsewhere(self, request_id: str, position: str) -> bool:
+        """Another record of the batch already has this custom_id."""
+        seen = self.queued.get(request_id) or await self._marked(request_id)
+        return seen is not None and seen != position
+
+    async def _refuse(
+        self,
+        record: Record,
+        batch_id: str | None,
+        custom_id: str | None,
+        request_id: str,
+        refused: Refused,
+    ) -> None:
+        log.info(
+            "refusing line %d:%d of batch %s: %s",
+            record.partition,
+            record.offset,
+            batch_id,
+            refused,
+        )
+        output = refused_output(
+            custom_id, request_id, refused.status, refused.message, refused.kind, refused.param
+        )
+        key = batch_id.encode() if batch_id else None
+        await self.producer.send_and_wait(topics.BATCH_RESULTS, orjson.dumps(output), key=key)
+        if custom_id is not None and batch_id:
+            await self._mark(request_id, f"{record.partition}:{record.offset}")
+        self._done(record.partition, record.offset, "refused")
+
+    async def _caller(self, key: str | None) -> Principal | None:
+        if not key:
+            return None
+        now = time.monotonic()
+        cached = self._keys.get(key)
+        if cached is None or now - cached[0] > KEY_CACHE_S:
+            if len(self._keys) > 10_000:
+                self._keys.clear()
+            cached = (now, await self.key_store.resolve(key))
+            self._keys[key] = cached
+        return cached[1]
+
+    # Forwarding.
+
+    async def _forward_lines(self) -> None:
+        while not self._stopping.is_set():
+            for model, queue in self.queues.items():
+                room = self._room(model)
+                while room > 0 and not self._stopping.is_set():
+                    picked = queue.pop(time.monotonic())
+                    if picked is None:
+                        break
+                    tenant, waiting = picked
+                    if await self._until_done(partial(self._forward, queue, tenant, waiting)):
+                        room -= 1
+                self.metrics.waiting.labels(model).set(queue.size)
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), POLL_S)
+            except TimeoutError:
+                pass
+
+    def _room(self, model: str) -> int:
+        """Prompts the batch band may still take: per worker, less what it holds."""
+        load = self.load.load(model)
+        if load is None:
+            return 0  # not measured yet, or Kafka cannot be asked: wait
+        if self._measured.get(model) is not load:
+            self._measured[model], self._sent[model] = load, 0
+        workers = max(1, load.workers)  # none yet: one worker's worth waits for it
+        held = load.backlog.get("batch", 0) + self._sent.get(model, 0)
+        return workers * self.settings.batch_backlog_per_worker - held
+
+    async def _forward(self, queue: FairQueue[Waiting], tenant: str, waiting: Waiting) -> bool:
+        """Charge, produce, mark; False when the tenant is over its quota (it waits)."""
+        prompt = waiting.prompt
+        if self.queued.get(prompt.request_id) != waiting.position:
+            return False  # its partition was revoked meanwhile: the new owner has it
+        admitted_at = now_ms()
+        policy = self.settings.tiers[prompt.tier]
+        try:
+            await self.quotas.admit(
+                prompt.user_id,
+                policy,
+                prompt.request_id,
+                prompt.charged_tokens,
+                admitted_at,
+                holds_stream=False,
+            )
+        except (QuotaExceeded, QuotaUnavailable) as exc:
+            queue.put_back(tenant, waiting, time.monotonic() + exc.retry_after_s)
+            return False
+        await self.submitter.submit(prompt.model_copy(update={"created_at_ms": admitted_at}))
+        await self._mark(prompt.request_id, waiting.position)
+        queue.charge(tenant, prompt.charged_tokens)
+        self.metrics.charged_tokens.labels(tenant).inc(prompt.charged_tokens)
+        self._sent[prompt.model] = self._sent.get(prompt.model, 0) + 1
+        del self.queued[prompt.request_id]
+        self._done(waiting.partition, waiting.offset, "forwarded")
+        return True
+
+    # Bookkeeping.
+
+    async def _until_done(self, step: Callable[[], Awaitable[object]]) -> bool:
+        """Run `step` until the stores let it finish (a line is never dropped)."""
+        while True:
+            try:
+                return bool(await step())
+            except UNREACHABLE as exc:
+                if self._stopping.is_set():
+                    return False
+                log.warning("batch line step failed (%r); retrying in %.0f s", exc, RETRY_S)
+                await asyncio.sleep(RETRY_S)
+
+    async def _marked(self, request_id: str) -> str | None:
+        assert self._redis is not None
+        value = await self._redis.get(batch_line_key(request_id))
+        return value.decode() if isinstance(value, bytes) else value
+
+    async def _mark(self, request_id: str, position: str) -> None:
+        assert self._redis is not None
+        await self._redis.set(batch_line_key(request_id), position, ex=BATCH_LINE_TTL_S)
+
+    def _done(self, partition: int, offset: int, outcome: str) -> None:
+        self.offsets.finished(topics.BATCH_REQUESTS, partition, offset)
+        self.metrics.lines.labels(outcome).inc()
+
+    async def _commit_often(self) -> None:
+        while not self._stopping.is_set():
+            await asyncio.sleep(COMMIT_EVERY_S)
+            await self._commit()
+
+    async def _commit(self) -> None:
+        moves = self.offsets.to_commit()
+        if not moves:
+            return
+        try:
+            await self.consumer.commit({TopicPartition(t, p): o for (t, p), o in moves.items()})
+            self.offsets.committed(moves)
+        except (CommitFailedError, KafkaError) as exc:  # a rebalance: the listener commits
+            log.warning("commit of %s failed: %s", moves, exc)
+
+    async def _readiness(self) -> dict[str, bool]:
+        return {
+            "kafka": bool(self.consumer.assignment()),
+            "accepting": not self._stopping.is_set(),
+        }
+
+    # ConsumerRebalanceListener: a partition that moves takes its waiting lines along
+    # (the new owner reads them again from the committed offset).
+
+    async def on_partitions_revoked(self, revoked: list[TopicPartition]) -> None:
+        await self._commit()
+        gone = {tp.partition for tp in revoked}
+        for queue in self.queues.values():
+            for waiting in queue.remove(lambda w: w.partition in gone):
+                self.queued.pop(waiting.prompt.request_id, None)
+        self.offsets.forget([(tp.topic, tp.partition) for tp in revoked])
+
+    async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
+        log.info(
+            "assigned %s partitions %s",
+            topics.BATCH_REQUESTS,
+            sorted(tp.partition for tp in assigned),
+        )
+
+
+def _text(value: bytes | None) -> str | None:
+    if not value:
+        return None
+    try:
+        return value.decode()[:256] or None
+    except UnicodeDecodeError:
+        return None
+
+
+def _bearer(value: bytes | None) -> str | None:
+    text = _text(value)
+    if text and text.lower().startswith("bearer "):
+        return text[7:].strip() or None
+    return None

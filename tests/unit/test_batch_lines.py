@@ -1,0 +1,108 @@
+"""Batch-input lines from `batch.requests`: parsed with the OpenAI request model, and a
+line that is not even JSON still names what is wrong; results in OpenAI's output form."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from producers.admission.lines import parse_line
+from schemas.batch import custom_line_request_id, final_output, refused_output
+from schemas.events import FinalEvent, Usage
+
+
+def line(**changes: object) -> bytes:
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}]}
+    data: dict[str, object] = {
+        "custom_id": "q-1",
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": body,
+    }
+    data.update(changes)
+    return orjson.dumps(data)
+
+
+def test_a_good_line_parses() -> None:
+    parsed = parse_line(line())
+    assert parsed.problem is None and parsed.line is not None
+    assert parsed.custom_id == "q-1" and parsed.line.body.model == "smollm2"
+
+
+@pytest.mark.parametrize(
+    ("raw", "custom_id", "says"),
+    [
+        (b"{not json", None, "not JSON"),
+        (b"", None, "not JSON"),
+        (b"[1, 2]", None, "line"),
+        ("\udcff".encode("utf-8", "surrogatepass"), None, "not JSON"),
+        (line(url="/v1/embeddings"), "q-1", "url"),
+        (line(method="GET"), "q-1", "method"),
+        (line(custom_id=""), None, "custom_id"),
+        (line(custom_id="x" * 513), "x" * 512, "custom_id"),
+        (line(body={"model": "smollm2", "messages": []}), "q-1", "body.messages"),
+        (
+            line(body={"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 2}),
+            "q-1",
+            "body.n",
+        ),
+        (line(extra=1), "q-1", "extra"),
+    ],
+)
+def test_a_bad_line_names_its_problem(raw: bytes, custom_id: str | None, says: str) -> None:
+    parsed = parse_line(raw)
+    assert parsed.line is None and parsed.problem is not None
+    assert parsed.problem.status == 400
+    assert says in parsed.problem.message
+    assert parsed.custom_id == (custom_id if custom_id else None)
+
+
+def test_a_lines_request_id_is_stable_and_per_owner() -> None:
+    one = custom_line_request_id("alice", "b1", "q-1")
+    assert one == custom_line_request_id("alice", "b1", "q-1")
+    assert one != custom_line_request_id("bob", "b1", "q-1")
+    assert one != custom_line_request_id("alice", "b2", "q-1")
+
+
+def final(reason: str = "stop") -> FinalEvent:
+    usage = Usage(prompt_tokens=5, completion_tokens=3, queue_ms=0, decode_ms=0, cached_tokens=2)
+    return FinalEvent(
+        request_id="bl_1",
+        attempt=1,
+        seq=1,
+        finish_reason=reason,  # type: ignore[arg-type]
+        text="raw",
+        usage=usage,
+        model="smollm2",
+        user_id="alice",
+        tier="batch",
+        conversation_id="bl_1",
+        kind="batch",
+        created_at_ms=1_700_000_000_000,
+        batch_id="b1",
+        custom_id="q-1",
+    )
+
+
+def test_an_answer_is_a_chat_completion_with_the_stored_text() -> None:
+    out = final_output(final(), "redacted")
+    assert out["custom_id"] == "q-1" and out["error"] is None
+    response = out["response"]
+    assert response["status_code"] == 200
+    body = response["body"]
+    assert body["object"] == "chat.completion"
+    assert body["choices"][0]["message"]["content"] == "redacted"
+    assert body["usage"]["total_tokens"] == 8
+    assert final_output(final(), "redacted") == out  # a replay publishes the same line
+
+
+@pytest.mark.parametrize("reason", ["expired", "cancelled"])
+def test_a_line_that_ended_without_an_answer_has_an_error(reason: str) -> None:
+    out = final_output(final(reason), "")
+    assert out["response"] is None and out["error"]["code"] == reason
+
+
+def test_a_refusal_is_the_http_error() -> None:
+    out = refused_output("q-1", "bl_1", 401, "invalid key", "authentication_error")
+    assert out["response"]["status_code"] == 401
+    assert out["response"]["body"]["error"]["type"] == "authentication_error"
