@@ -131,17 +131,24 @@ def token_partitions(settings: Settings) -> list[TopicPartition]:
     return [TopicPartition(topics.TOKENS, p) for p in range(settings.tokens_partitions)]
 
 
-async def start_group_at_end(settings: Settings, group: str) -> None:
-    """Commit the end of `tokens` for a fresh group, so a persist consumer started in
-    it stores only what comes next instead of replaying the shared topic."""
+async def start_group_at_end(
+    settings: Settings, group: str, partitions: list[TopicPartition] | None = None
+) -> None:
+    """Commit the end of `partitions` (all of `tokens` by default) for a fresh group, so
+    a consumer started in it reads only what comes next instead of replaying what the
+    shared topic retains."""
     consumer = AIOKafkaConsumer(
         bootstrap_servers=settings.kafka_bootstrap, group_id=group, enable_auto_commit=False
     )
     await consumer.start()
     try:
-        tps = token_partitions(settings)
+        tps = partitions or token_partitions(settings)
         consumer.assign(tps)  # commit() needs the partitions assigned
         ends = await consumer.end_offsets(tps)
         await consumer.commit(dict(ends))
     finally:
         await consumer.stop()
+
+
+def batch_request_partitions() -> list[TopicPartition]:
+    return [TopicPartition(topics.BATCH_REQUESTS, p) for p in range(topics.BATCH_PARTITIONS)]

@@ -1,0 +1,68 @@
+"""A client of the Kafka-native batch path: OpenAI batch-input lines onto
+`batch.requests`, their results read back from `batch.results`. Any Kafka client can do
+the same; this one serves the tests, the benchmarks and the HTTP Batches API."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import orjson
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+
+from schemas import topics
+from schemas.batch import AUTHORIZATION_HEADER, BATCH_ID_HEADER
+
+RESULT_PARTITIONS = [
+    TopicPartition(topics.BATCH_RESULTS, p) for p in range(topics.BATCH_PARTITIONS)
+]
+
+
+def chat_line(custom_id: str, body: dict[str, Any]) -> dict[str, Any]:
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body}
+
+
+async def send_lines(
+    producer: AIOKafkaProducer, api_key: str, batch_id: str, lines: Iterable[bytes]
+) -> int:
+    """Produce raw lines (normally chat_line() as JSON) keyed by the batch id; returns
+    how many. All are durably in Kafka when it returns."""
+    headers = [
+        (AUTHORIZATION_HEADER, f"Bearer {api_key}".encode()),
+        (BATCH_ID_HEADER, batch_id.encode()),
+    ]
+    sent = [
+        await producer.send(topics.BATCH_REQUESTS, line, key=batch_id.encode(), headers=headers)
+        for line in lines
+    ]
+    for delivery in sent:
+        await delivery
+    return len(sent)
+
+
+class ResultsReader:
+    """Every result on `batch.results` from the moment start() ran, by batch id."""
+
+    def __init__(self, bootstrap: str) -> None:
+        self._consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+        self.results: dict[str, list[dict[str, Any]]] = {}
+
+    async def start(self) -> None:
+        await self._consumer.start()
+        self._consumer.assign(RESULT_PARTITIONS)
+        for tp, end in (await self._consumer.end_offsets(RESULT_PARTITIONS)).items():
+            self._consumer.seek(tp, end)
+
+    async def stop(self) -> None:
+        await self._consumer.stop()
+
+    async def poll(self) -> int:
+        """Read what has arrived; returns how many results are known in all."""
+        batch = await self._consumer.getmany(timeout_ms=200, max_records=5000)
+        for record in [r for chunk in batch.values() for r in chunk]:
+            key = (record.key or b"").decode()
+            self.results.setdefault(key, []).append(orjson.loads(record.value or b"null"))
+        return sum(len(r) for r in self.results.values())
+
+    def of(self, batch_id: str) -> list[dict[str, Any]]:
+        return self.results.get(batch_id, [])
