@@ -185,9 +185,16 @@ class Settings(BaseSettings):
     # The admission role: batch lines from `batch.requests` into the batch band.
     admission_group: str = "admission"
     admission_metrics_port: int = 9403
-    # Batch-band prompts each worker of a model may have queued or running; beyond that
-    # lines wait in admission, interleaved fairly between tenants, not in Kafka.
-    batch_backlog_per_worker: int = Field(default=8, ge=1)
+    # Batch-band prompts each worker of a model may have queued or running (None: a
+    # quarter of the model's max_num_seqs); beyond that lines wait in admission,
+    # interleaved fairly between tenants, not in Kafka. Deeper keeps more of an engine
+    # busy with batch work; shallower lets a newcomer's lines in sooner
+    # (bench/batch_fairness.py: 1.9x its time alone at 8 of 32 slots, 3.0x at 32).
+    batch_backlog_per_worker: int | None = Field(default=None, ge=1)
+    # How tenants share the batch band: "vtc" interleaves them by tokens served
+    # (producers/admission/fairness.py); "fifo" forwards lines in the order read (the
+    # reference bench/batch_fairness.py compares with).
+    admission_fairness: Literal["vtc", "fifo"] = "vtc"
     # Lines read ahead of forwarding (all tenants); reading pauses beyond it.
     admission_max_waiting: int = Field(default=50_000, ge=1)
 

@@ -191,7 +191,8 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
             return
         waiting = Waiting(record.partition, record.offset, prompt)
         self.queued[prompt.request_id] = position
-        self.queues[prompt.model].push(owner, waiting)
+        fair = self.settings.admission_fairness == "vtc"
+        self.queues[prompt.model].push(owner if fair else "everyone", waiting)
 
     async def _seen_elsewhere(self, request_id: str, position: str) -> bool:
         """Another record of the batch already has this custom_id."""
@@ -263,7 +264,9 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
             self._measured[model], self._sent[model] = load, 0
         workers = max(1, load.workers)  # none yet: one worker's worth waits for it
         held = load.backlog.get("batch", 0) + self._sent.get(model, 0)
-        return workers * self.settings.batch_backlog_per_worker - held
+        per_worker = self.settings.batch_backlog_per_worker
+        per_worker = per_worker or max(1, self.settings.models[model].max_num_seqs // 4)
+        return workers * per_worker - held
 
     async def _forward(self, queue: FairQueue[Waiting], tenant: str, waiting: Waiting) -> bool:
         """Charge, produce, mark; False when the tenant is over its quota (it waits)."""
@@ -287,7 +290,7 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
         await self.submitter.submit(prompt.model_copy(update={"created_at_ms": admitted_at}))
         await self._mark(prompt.request_id, waiting.position)
         queue.charge(tenant, prompt.charged_tokens)
-        self.metrics.charged_tokens.labels(tenant).inc(prompt.charged_tokens)
+        self.metrics.charged_tokens.labels(prompt.user_id).inc(prompt.charged_tokens)
         self._sent[prompt.model] = self._sent.get(prompt.model, 0) + 1
         del self.queued[prompt.request_id]
         self._done(waiting.partition, waiting.offset, "forwarded")

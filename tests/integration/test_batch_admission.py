@@ -33,6 +33,7 @@ from tests.waiting import eventually
 
 pytestmark = pytest.mark.integration
 LINES = 200
+FLOOD, SMALL = 2000, 20
 BACKLOG_PER_WORKER = 4
 BLOCKED = "zorblax"
 
@@ -149,8 +150,7 @@ async def test_a_200_line_batch_on_the_topic_is_answered_once_per_line(
     assert len(texts) == LINES and all(texts.values())
     # Each answer is to its own line: most repeat the question or give the sum.
     right = sum(
-        f"{i} + {i}" in texts[f"line-{i}"] or str(2 * i) in texts[f"line-{i}"]
-        for i in range(LINES)
+        f"{i} + {i}" in texts[f"line-{i}"] or str(2 * i) in texts[f"line-{i}"] for i in range(LINES)
     )
     assert right > LINES // 2, f"only {right} answers match their line"
     # Only the good lines reached the model, and the band never held the whole batch.
@@ -189,6 +189,41 @@ async def test_kill_9_of_admission_mid_batch_runs_no_line_twice_and_loses_none(
     # A line forwarded just before the kill may be forwarded again (its mark in Redis
     # not yet written); the worker finds its final and does not run it twice.
     assert LINES <= await queued(settings, worker.model) - before <= LINES + 1
+
+
+async def test_a_small_batch_is_not_held_back_by_another_tenants_flood(
+    settings: Settings,
+    worker: WorkerProcess,
+    producer: AIOKafkaProducer,
+    roles_env: dict[str, str],
+    results: ResultsReader,
+    tmp_path: Path,
+) -> None:
+    """The flood's lines are all queued ahead of the small batch's; with a fair share
+    the small batch's 20 lines go out one for one with the flood's, so by the time the
+    last of them is answered the flood has had about as many answered, not its whole
+    backlog of lines."""
+    flood_key, _ = await batch_key(settings, "flooder")
+    small_key, _ = await batch_key(settings, "small-team")
+    flood, small = f"flood-{uuid.uuid4().hex[:6]}", f"small-{uuid.uuid4().hex[:6]}"
+    await send_lines(
+        producer, flood_key, flood, [question(worker.model, i, 4) for i in range(FLOOD)]
+    )
+    async with running(
+        [AdmissionProcess(tmp_path, roles_env), PersistProcess(tmp_path, roles_env)]
+    ):
+        await all_results(results, flood, 2 * BACKLOG_PER_WORKER)  # the flood is flowing
+        flood_before = len(results.of(flood))
+        await send_lines(
+            producer, small_key, small, [question(worker.model, i, 4) for i in range(SMALL)]
+        )
+        await all_results(results, small, SMALL)
+    flood_during = len(results.of(flood)) - flood_before
+    print(f"while the small batch ran, the flood had {flood_during} lines answered")
+    assert all(answered(r) for r in results.of(small))
+    # One for one, plus what the band held when the small batch came and the lines a
+    # slower reader may have counted late. In arrival order it would have been FLOOD.
+    assert flood_during <= SMALL + 4 * BACKLOG_PER_WORKER, flood_during
 
 
 @contextlib.asynccontextmanager
