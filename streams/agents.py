@@ -10,11 +10,12 @@ from operator import methodcaller
 from typing import TypeVar
 
 import faust
+from faust.streams import current_event
 
 from schemas.codec import SchemaError, decode, is_final
 from schemas.events import Event, FinalEvent, UsageRecord
 from streams.outputs import Outputs
-from streams.rollups import restart_keys, rollup_keys
+from streams.rollups import counted_id, restart_keys, rollup_keys
 from streams.tables import RollupTables
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,9 @@ async def on_by_model(payload: bytes, rollups: RollupTables) -> None:
     if is_final(payload):
         final = _decoded(FinalEvent, payload)
         if final is not None:
-            await rollups.update(restart_keys(final), methodcaller("add_restart", final))
+            at, keys = final.created_at_ms, restart_keys(final)
+            apply = methodcaller("add_restart", final)
+            await rollups.count("model", _partition(), counted_id(final), at, keys, apply)
         return
     record = _decoded(UsageRecord, payload)
     if record is not None:
@@ -78,7 +81,14 @@ async def on_by_model(payload: bytes, rollups: RollupTables) -> None:
 
 async def count(rollups: RollupTables, dimension: str, record: UsageRecord) -> None:
     keys = [k for k in rollup_keys(record) if k[2] == dimension]
-    await rollups.update(keys, methodcaller("add", record))
+    at, apply = record.finished_at_ms, methodcaller("add", record)
+    await rollups.count(dimension, _partition(), counted_id(record), at, keys, apply)
+
+
+def _partition() -> int:
+    """The partition of the record being processed: the tables' changelog partition."""
+    event = current_event()
+    return event.message.partition if event is not None else 0
 
 
 def _decoded(model: type[E], payload: bytes) -> E | None:

@@ -5,16 +5,20 @@ finished), and counts re-runs (a worker died mid-reply) from `tokens`.
 - channels and the app: here;
 - agents (what each record does): agents.py;
 - tables (in memory, changelogged in Kafka, so a restarted app recovers them; a record
-  replayed after a restart is recognised by its request id and not counted again):
-  tables.py, over the rollups of rollups.py;
-- outputs: every change is published to `usage.rollups` (keyed by rollup, the latest
-  message per key is current), and the same records settle the tokens-per-minute quota
-  in Redis with the real usage, batch lines included: outputs.py;
+  replayed after a restart is recognised by its request id and not counted again; old
+  windows and ids expire by time, so memory stays flat): tables.py, over the rollups of
+  rollups.py;
+- outputs: changes are published to `usage.rollups` at a bounded rate, and each window
+  once more when it closes (keyed by rollup, the latest message per key is current);
+  the same records settle the tokens-per-minute quota in Redis with the real usage,
+  batch lines included: outputs.py;
 - the web port: `GET /rollups/user/<user>` and `GET /rollups/model/<model>` with the
   analytics token, and /metrics, /health, /ready: web.py.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import faust
 
@@ -25,6 +29,9 @@ from streams.outputs import Outputs, kafka_outputs
 from streams.tables import RollupTables
 from streams.web import install_pages
 from tandoor.settings import Settings
+
+
+TABLES: weakref.WeakKeyDictionary[faust.App, RollupTables] = weakref.WeakKeyDictionary()
 
 
 def create_app(settings: Settings, outputs: Outputs | None = None) -> faust.App:
@@ -40,10 +47,26 @@ def create_app(settings: Settings, outputs: Outputs | None = None) -> faust.App:
     )
     rollups_out = app.topic(topics.USAGE_ROLLUPS, key_type=bytes, value_type=bytes)
     out = outputs or kafka_outputs(settings, by_model, rollups_out)
-    rollups = RollupTables(app, settings.streams_retention_windows, out.rollups)
+    rollups = RollupTables(app, settings, out.rollups)
     register_agents(app, usage, tokens, by_model, rollups, out)
+
+    @app.timer(settings.streams_publish_s)  # type: ignore[untyped-decorator]
+    async def publish_rollups() -> None:
+        await rollups.publish_changes()
+
+    @app.on_partitions_revoked.connect  # type: ignore[arg-type]
+    async def forget_books(sender: object, *_: object, **__: object) -> None:
+        rollups.forget_books()
+
+    TABLES[app] = rollups
+
     install_pages(app, rollups, settings.analytics_token)
     return app
+
+
+def rollup_tables(app: faust.App) -> RollupTables:
+    """The tables an app made by create_app counts into."""
+    return TABLES[app]
 
 
 def by_model_topic(settings: Settings) -> TopicSpec:

@@ -2,8 +2,8 @@
 
 A rollup is plain data that merges: counts, token sums, and latency histograms on
 fixed log-spaced buckets, so percentiles come from bounded state however many
-requests a window holds. It remembers which requests it counted, so a record seen
-twice (a replay after a restart) is not counted twice.
+requests a window holds: its size does not grow with them. Which records were
+already counted is the tables' concern (tables.py), not the rollup's.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ STATE_FIELDS = (
     "errors",
     "stops",
     "restarts",
+    "partition",
 )
 
 
@@ -75,15 +76,15 @@ class Rollup:
     errors: int = 0
     stops: int = 0
     restarts: int = 0  # requests re-run after their worker died (from `tokens`)
+    partition: int = -1  # of the table's changelog: who may expire it after a restart
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BOUNDS_MS))
     speed: Histogram = field(default_factory=lambda: Histogram(SPEED_BOUNDS_TPS))
-    counted: set[str] = field(default_factory=set)  # request ids: replays count once
 
-    def add(self, record: UsageRecord) -> bool:
-        """Count the record; False if it was already counted."""
-        if record.request_id in self.counted:
-            return False
-        self.counted.add(record.request_id)
+    @property
+    def end_ms(self) -> int:
+        return self.start_ms + WINDOWS_S[self.window] * 1000
+
+    def add(self, record: UsageRecord) -> None:
         self.requests += 1
         self.prompt_tokens += record.prompt_tokens
         self.completion_tokens += record.completion_tokens
@@ -95,23 +96,19 @@ class Rollup:
             decoding_s = (record.duration_ms - record.ttft_ms) / 1000
             if record.completion_tokens > 1 and decoding_s > 0:
                 self.speed.add((record.completion_tokens - 1) / decoding_s)
-        return True
 
-    def add_restart(self, final: FinalEvent) -> bool:
-        """Count a re-run's final event (attempt > 1); False if already counted."""
-        key = f"{final.request_id}#{final.attempt}"
-        if final.attempt < 2 or key in self.counted:
-            return False
-        self.counted.add(key)
-        self.restarts += 1
-        return True
+    def add_restart(self, final: FinalEvent) -> None:
+        """Count a re-run's final event (attempt > 1)."""
+        self.restarts += final.attempt > 1
 
-    def summary(self) -> dict[str, Any]:
-        """What analytics read: counts, sums and percentiles, no request ids."""
+    def summary(self, closed: bool = False) -> dict[str, Any]:
+        """What analytics read: counts, sums and percentiles, no request ids; `closed`
+        once the window has ended (later records still update it)."""
         return {
             "window": self.window,
             "start_ms": self.start_ms,
-            "end_ms": self.start_ms + WINDOWS_S[self.window] * 1000,
+            "end_ms": self.end_ms,
+            "closed": closed,
             "dimension": self.dimension,
             "key": self.key,
             "requests": self.requests,
@@ -133,17 +130,15 @@ class Rollup:
             **{name: getattr(self, name) for name in STATE_FIELDS},
             "ttft": self.ttft.counts,
             "speed": self.speed.counts,
-            "counted": sorted(self.counted),
         }
 
     @classmethod
     def load(cls, data: dict[str, Any]) -> Rollup:
         rollup = cls(data["window"], data["start_ms"], data["dimension"], data["key"])
         for name in STATE_FIELDS[4:]:
-            setattr(rollup, name, data.get(name, 0))
+            setattr(rollup, name, data.get(name, getattr(rollup, name)))
         rollup.ttft.counts = list(data["ttft"])
         rollup.speed.counts = list(data["speed"])
-        rollup.counted = set(data["counted"])
         return rollup
 
 
@@ -154,6 +149,14 @@ def rollup_keys(record: UsageRecord) -> list[tuple[str, int, str, str]]:
         for window, size in WINDOWS_S.items()
         for dimension, key in (("user", record.user_id), ("model", record.model))
     ]
+
+
+def counted_id(event: UsageRecord | FinalEvent) -> bytes:
+    """What a record is known by once counted: a request's usage counts once whatever
+    its attempts; a re-run counts once per attempt."""
+    if isinstance(event, FinalEvent):
+        return f"{event.request_id}#{event.attempt}".encode()
+    return event.request_id.encode()
 
 
 def restart_keys(final: FinalEvent) -> list[tuple[str, int, str, str]]:

@@ -1,52 +1,123 @@
 """The rollup tables, per user and per model: faust Tables kept in memory with changelog
-topics in Kafka (a restarted app recovers them), and the one way they change."""
+topics in Kafka (a restarted app recovers them), and the one way they change.
+
+Bounded state, whatever the traffic:
+- a rollup holds counts and fixed histograms only (rollups.py);
+- which records were counted (a replay after a restart, or a record published twice,
+  must not count again) is a second table, `counted-by-<dimension>`, keyed by the
+  record's id; an entry is dropped once the partition's stream time (the newest
+  finish time it has seen) is `streams_dedupe_s` past it, so it holds minutes of
+  traffic, not all of it;
+- a rollup is dropped once stream time is `streams_retention_windows` windows past
+  its end.
+Tables change only inside a stream, on the partition of the record being processed
+(faust writes the changelog there), so each partition keeps a book (PartitionBook) of
+its own entries and expires them as its records arrive.
+
+Publishing is at a bounded rate: a changed rollup is published to `usage.rollups` at
+most once per `streams_publish_s`, and each window once more, marked closed, when it
+ends (by stream time, or by the clock when its partition goes quiet).
+"""
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import faust
 import orjson
 
 from schemas import topics
+from schemas.events import now_ms
 from streams.outputs import Send
 from streams.rollups import WINDOWS_S, Rollup, table_key
+from tandoor.settings import Settings
 
 DIMENSIONS = ("user", "model")
 RollupKey = tuple[str, int, str, str]  # (window, start_ms, dimension, key)
+CLOSE_GRACE_MS = 10_000  # records finishing this late still land before "closed"
+HOUSEKEEP_EVERY_S = 1.0
+
+
+@dataclass
+class PartitionBook:
+    """One table partition's entries: when each expires, what changed, what closed."""
+
+    stream_ms: int = 0  # the newest finish time counted here
+    windows: dict[bytes, tuple[int, int]] = field(default_factory=dict)  # key: (end, expiry)
+    counted: deque[tuple[int, bytes]] = field(default_factory=deque)  # (at_ms, id), in order
+    dirty: set[bytes] = field(default_factory=set)
+    closed: set[bytes] = field(default_factory=set)  # published as closed
+    housekept_at: float = 0.0
 
 
 class RollupTables:
-    def __init__(self, app: faust.App, retention_windows: int, publish: Send) -> None:
-        self._tables = {
-            dimension: app.Table(
-                f"rollups-by-{dimension}",
-                default=None,
-                partitions=topics.USAGE_PARTITIONS,  # co-partitioned with `usage`
-                key_type=bytes,
-                value_type=bytes,  # orjson of Rollup.dump(), the app's raw serializer
-            )
-            for dimension in DIMENSIONS
-        }
-        self._retention_windows = retention_windows
+    def __init__(self, app: faust.App, settings: Settings, publish: Send) -> None:
+        self._tables = {d: _table(app, f"rollups-by-{d}") for d in DIMENSIONS}
+        self._counted = {d: _table(app, f"counted-by-{d}") for d in DIMENSIONS}
+        self._retention_windows = settings.streams_retention_windows
+        self._dedupe_ms = int(settings.streams_dedupe_s * 1000)
         self._publish = publish
+        self._books: dict[tuple[str, int], PartitionBook] = {}
 
-    async def update(self, keys: list[RollupKey], apply: Callable[[Rollup], bool]) -> None:
-        """Apply one record to each rollup it belongs to, publish what changed, and drop
-        the window that fell out of retention."""
-        for window, start, dimension, key in keys:
-            table = self._tables[dimension]
+    async def count(
+        self,
+        dimension: str,
+        partition: int,
+        record_id: bytes,
+        at_ms: int,
+        keys: list[RollupKey],
+        apply: Callable[[Rollup], None],
+    ) -> bool:
+        """Apply one record to each rollup it belongs to; False if it was counted before."""
+        book = self._book(dimension, partition)
+        counted = self._counted[dimension]
+        if counted.get(record_id) is not None:
+            return False
+        counted[record_id] = f"{partition}:{at_ms}".encode()
+        book.counted.append((at_ms, record_id))
+        table = self._tables[dimension]
+        for window, start, _, key in keys:
             name = table_key(window, start, dimension, key).encode()
             stored = table.get(name)
-            fresh = Rollup(window, start, dimension, key)
-            rollup = Rollup.load(orjson.loads(stored)) if stored else fresh
-            if not apply(rollup):
-                continue  # replayed after a restart: already counted
+            rollup = Rollup.load(orjson.loads(stored)) if stored else None
+            rollup = rollup or Rollup(window, start, dimension, key, partition=partition)
+            apply(rollup)
             table[name] = orjson.dumps(rollup.dump())
-            expired = start - self._retention_windows * WINDOWS_S[window] * 1000
-            table.pop(table_key(window, expired, dimension, key).encode(), None)
-            await self._publish(name, orjson.dumps(rollup.summary()))
+            book.windows[name] = (rollup.end_ms, self._expiry(rollup))
+            book.dirty.add(name)
+        book.stream_ms = max(book.stream_ms, at_ms)
+        self._housekeep(dimension, book)
+        return True
+
+    async def publish_changes(self) -> int:
+        """Publish each rollup changed since the last call, and each window that closed;
+        returns how many were published."""
+        published = 0
+        for (dimension, _), book in list(self._books.items()):
+            table = self._tables[dimension]
+            closing_ms = max(book.stream_ms, now_ms()) - CLOSE_GRACE_MS
+            ended = {name for name, (end, _) in book.windows.items() if end <= closing_ms}
+            for name in sorted(book.dirty | (ended - book.closed)):
+                stored = table.get(name)
+                if stored is None:
+                    continue  # expired meanwhile
+                closed = name in ended
+                await self._publish(
+                    name, orjson.dumps(Rollup.load(orjson.loads(stored)).summary(closed))
+                )
+                if closed:
+                    book.closed.add(name)
+                published += 1
+            book.dirty.clear()
+        return published
+
+    def forget_books(self) -> None:
+        """Partitions moved (a rebalance): books are rebuilt from the tables as needed."""
+        self._books.clear()
 
     def summaries(self, dimension: str, key: str) -> list[dict[str, Any]] | None:
         """Every window of one user or model, newest first; None for an unknown dimension."""
@@ -58,3 +129,58 @@ class RollupTables:
             Rollup.load(orjson.loads(v)).summary() for k, v in table.items() if k.startswith(prefix)
         ]
         return sorted(found, key=lambda s: (s["window"], -s["start_ms"]))
+
+    def sizes(self) -> dict[str, int]:
+        """Entries held per table, for the metrics and the benchmark."""
+        return {
+            **{f"rollups-by-{d}": len(t) for d, t in self._tables.items()},
+            **{f"counted-by-{d}": len(t) for d, t in self._counted.items()},
+        }
+
+    def _expiry(self, rollup: Rollup) -> int:
+        return rollup.end_ms + self._retention_windows * WINDOWS_S[rollup.window] * 1000
+
+    def _book(self, dimension: str, partition: int) -> PartitionBook:
+        """The partition's book; made from the tables after a start or a rebalance, so
+        entries recovered from the changelog expire like the others."""
+        book = self._books.get((dimension, partition))
+        if book is not None:
+            return book
+        book = self._books[(dimension, partition)] = PartitionBook()
+        for name, value in self._tables[dimension].items():
+            rollup = Rollup.load(orjson.loads(value))
+            if rollup.partition == partition:
+                book.windows[name] = (rollup.end_ms, self._expiry(rollup))
+                book.stream_ms = max(book.stream_ms, rollup.start_ms)
+        recovered = []
+        for record_id, value in self._counted[dimension].items():
+            owner, _, at = value.decode().partition(":")
+            if int(owner) == partition:
+                recovered.append((int(at), record_id))
+        book.counted.extend(sorted(recovered))
+        return book
+
+    def _housekeep(self, dimension: str, book: PartitionBook) -> None:
+        """Drop what stream time has passed (inside the stream: tables change only there)."""
+        if time.monotonic() - book.housekept_at < HOUSEKEEP_EVERY_S:
+            return
+        book.housekept_at = time.monotonic()
+        counted, table = self._counted[dimension], self._tables[dimension]
+        horizon = book.stream_ms - self._dedupe_ms
+        while book.counted and book.counted[0][0] < horizon:
+            counted.pop(book.counted.popleft()[1], None)
+        for name in [n for n, (_, expiry) in book.windows.items() if expiry < book.stream_ms]:
+            table.pop(name, None)
+            del book.windows[name]
+            book.dirty.discard(name)
+            book.closed.discard(name)
+
+
+def _table(app: faust.App, name: str) -> Any:
+    return app.Table(
+        name,
+        default=None,
+        partitions=topics.USAGE_PARTITIONS,  # co-partitioned with `usage`
+        key_type=bytes,
+        value_type=bytes,  # orjson, the app's raw serializer
+    )

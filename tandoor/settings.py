@@ -177,6 +177,11 @@ class Settings(BaseSettings):
     # (they hold every user's usage). `tandoor run` makes one and prints it.
     analytics_token: str | None = Field(default=None, min_length=16)
     streams_retention_windows: int = Field(default=48, ge=1)  # kept per key and window size
+    # A changed rollup goes to `usage.rollups` at most this often (and once when closed).
+    streams_publish_s: float = Field(default=5.0, gt=0)
+    # How long (in record time) a counted record's id is remembered, so a replay or a
+    # second copy of it is not counted again.
+    streams_dedupe_s: float = Field(default=600.0, gt=0)
     # A streams process that died (kill -9, a lost node) keeps its partitions this long
     # before the group moves them to the others; faust's own 60 s left them unserved for a
     # minute. It heartbeats every 3 s from a thread of its own, so 10 s is not flaky.

@@ -168,6 +168,9 @@ async def test_rollups_match_by_hand_and_survive_a_kill_9(
         "TANDOOR_STREAMS_APP_ID": f"streams-{uuid.uuid4().hex[:6]}",
         "TANDOOR_STREAMS_WEB_PORT": str(port),
         "TANDOOR_ANALYTICS_TOKEN": ANALYTICS_TOKEN,
+        "TANDOOR_STREAMS_PUBLISH_S": "1",
+        # Minute windows of two hours ago outlive the record of now (48 would not).
+        "TANDOOR_STREAMS_RETENTION_WINDOWS": "300",
     }
     url = f"http://127.0.0.1:{port}"
     app = StreamsProcess(tmp_path, env)
@@ -215,14 +218,18 @@ async def test_rollups_match_by_hand_and_survive_a_kill_9(
         assert got[f"1m/{hour + 60_000}"]["requests"] == 2
         assert int(await cache.get(tpm) or 0) == 60, "settled once, replays or not"
         await check_ops_pages(url)
+        # On `usage.rollups` within a publishing interval, marked closed (hours ago).
+        latest = await eventually(
+            lambda: published(settings, f"user/{user}/"),
+            lambda found: found.get(f"user/{user}/1h/{hour}", {}).get("requests") == 5,
+            what="the hour's rollup published",
+        )
+        assert latest[f"user/{user}/1h/{hour}"]["closed"]
+        assert latest[f"user/{user}/1m/{hour}"]["prompt_tokens"] == 22
     finally:
         code = app.terminate()
         await cache.aclose()
     assert code == 0, "SIGTERM: a clean exit"
-
-    latest = await published(settings, f"user/{user}/")
-    assert latest[f"user/{user}/1h/{hour}"]["requests"] == 5
-    assert latest[f"user/{user}/1m/{hour}"]["prompt_tokens"] == 22
 
 
 async def test_the_analytics_example_reads_the_streams(settings: Settings, kafka: str) -> None:

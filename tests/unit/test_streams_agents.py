@@ -4,7 +4,7 @@ forward and settle for each usage record."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import faust
@@ -12,8 +12,8 @@ import orjson
 import pytest
 
 from schemas.codec import encode
-from schemas.events import UsageRecord
-from streams.app import create_app
+from schemas.events import UsageRecord, now_ms
+from streams.app import create_app, rollup_tables
 from streams.outputs import Outputs
 from tandoor.settings import Settings
 from tests.unit.test_rollups import final_event
@@ -74,6 +74,7 @@ async def test_the_user_agent_counts_forwards_and_settles(
         await agent.put(encode(usage("a")))
         await agent.put(encode(usage("b", at=130_000)))
         await agent.put(encode(usage("a")))  # a replay
+    await rollup_tables(app).publish_changes()
     minute = sink.rollups["user/ada/1m/120000"]
     assert (minute["requests"], minute["prompt_tokens"], minute["completion_tokens"]) == (2, 6, 8)
     assert sink.rollups["user/ada/1h/0"]["requests"] == 2
@@ -89,6 +90,7 @@ async def test_the_token_stream_yields_re_runs_only(app_and_sink: tuple[faust.Ap
     async with app.agents["rollups-by-model"].test_context() as agent:
         await agent.put(encode(final_event("a", 2)))
         await agent.put(encode(final_event("a", 2)))  # a replay
+    await rollup_tables(app).publish_changes()
     assert sink.rollups["model/smollm2/1m/0"]["restarts"] == 1
 
 
@@ -98,5 +100,66 @@ async def test_the_model_agent_counts_per_model(app_and_sink: tuple[faust.App, S
         await agent.put(encode(usage("a", user="ada")))
         await agent.put(encode(usage("b", user="bob")))
         await agent.put(b"not an event")  # skipped, not fatal
+    await rollup_tables(app).publish_changes()
     assert sink.rollups["model/smollm2/1m/120000"]["requests"] == 2
     assert "user/ada/1m/120000" not in sink.rollups
+
+
+@pytest.fixture
+def short_memory(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[faust.App, Sink]]:
+    """An app keeping 2 windows of each size and 60 s of counted ids, tidying up after
+    every record."""
+    monkeypatch.setattr("streams.tables.HOUSEKEEP_EVERY_S", 0.0)
+    sink = Sink()
+    settings = Settings(
+        streams_app_id=f"unit-{uuid.uuid4().hex[:6]}",
+        streams_retention_windows=2,
+        streams_dedupe_s=60,
+    )
+    app = create_app(settings, sink.outputs())
+    yield app, sink
+    consumer: Any = app.consumer
+    consumer._thread.thread_loop.close()
+
+
+async def test_old_windows_and_ids_expire_by_record_time(
+    short_memory: tuple[faust.App, Sink],
+) -> None:
+    app, sink = short_memory
+    tables = rollup_tables(app)
+    hour = (now_ms() // 3_600_000 + 1) * 3_600_000  # ahead of the clock: record time rules
+    async with app.agents["rollups-by-user"].test_context() as agent:
+        for i in range(600):  # one record every 2 s for 20 minutes
+            await agent.put(encode(usage(f"r{i}", at=hour + i * 2_000)))
+        sizes = tables.sizes()
+        # 1m windows: the current one and 2 kept after it ends (3); 1h: the current one.
+        assert sizes["rollups-by-user"] == 3 + 1, sizes
+        assert sizes["counted-by-user"] <= 31, sizes  # 60 s of ids at one per 2 s
+        await agent.put(encode(usage("r599", at=hour + 599 * 2_000)))  # a repeat
+    await tables.publish_changes()
+    this_hour = sink.rollups[f"user/ada/1h/{hour}"]
+    assert this_hour["requests"] == 600 and not this_hour["closed"]
+    assert f"user/ada/1m/{hour}" not in sink.rollups, "expired before it was published"
+    minutes = [r for k, r in sink.rollups.items() if "/1m/" in k]
+    assert len(minutes) == 3 and sum(r["closed"] for r in minutes) == 2, minutes
+
+
+async def test_changes_are_published_once_per_interval_not_per_record(
+    app_and_sink: tuple[faust.App, Sink],
+) -> None:
+    app, sink = app_and_sink
+    published: list[str] = []
+
+    async def rollup(key: bytes, value: bytes) -> None:
+        published.append(key.decode())
+
+    sink_outputs = sink.outputs()
+    tables = rollup_tables(app)
+    tables._publish = rollup  # count publications
+    async with app.agents["rollups-by-user"].test_context() as agent:
+        for i in range(100):
+            await agent.put(encode(usage(f"p{i}", at=now_ms())))
+    assert published == []
+    assert await tables.publish_changes() == 2  # the minute and the hour, once each
+    assert await tables.publish_changes() == 0  # nothing changed since
+    assert sink_outputs.rollups is not None
