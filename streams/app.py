@@ -30,13 +30,12 @@ from streams.tables import RollupTables
 from streams.web import install_pages
 from tandoor.settings import Settings
 
-
 TABLES: weakref.WeakKeyDictionary[faust.App, RollupTables] = weakref.WeakKeyDictionary()
 
 
 def create_app(settings: Settings, outputs: Outputs | None = None) -> faust.App:
     app = faust_app(settings)
-    usage = app.topic(topics.USAGE, key_type=bytes, value_type=bytes)
+    usage = app.topic(settings.streams_usage_topic, key_type=bytes, value_type=bytes)
     tokens = app.topic(topics.TOKENS, key_type=bytes, value_type=bytes)
     by_model = app.topic(
         by_model_topic(settings).name,

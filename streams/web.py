@@ -4,11 +4,12 @@ token: they hold every user's usage), and /metrics, /health and /ready."""
 from __future__ import annotations
 
 import hmac
+from functools import partial
 
 import faust
 from faust.sensors.prometheus import setup_prometheus_sensors
 from faust.web import Request, Response, View
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Gauge
 
 from streams.tables import DIMENSIONS, RollupTables
 from tandoor.ops import readiness_body
@@ -30,7 +31,11 @@ def install_pages(app: faust.App, rollups: RollupTables, token: str | None) -> N
                 return self.json({"error": error}, status=404)
             return self.json({"data": found})
 
-    _install_ops_pages(app)
+    _install_ops_pages(app, rollups)
+
+
+def _entries(rollups: RollupTables, table: str) -> int:
+    return rollups.sizes()[table]
 
 
 def refusal(token: str | None, authorization: str | None) -> str | None:
@@ -43,9 +48,19 @@ def refusal(token: str | None, authorization: str | None) -> str | None:
     return None
 
 
-def _install_ops_pages(app: faust.App) -> None:
-    """/metrics (faust's Prometheus sensors: events, lag, commits...), /health, /ready."""
-    setup_prometheus_sensors(app, registry=CollectorRegistry(), name_prefix="tandoor_streams")
+def _install_ops_pages(app: faust.App, rollups: RollupTables) -> None:
+    """/metrics (faust's Prometheus sensors: events, lag, commits...; and the entries each
+    table holds), /health, /ready."""
+    registry = CollectorRegistry()
+    setup_prometheus_sensors(app, registry=registry, name_prefix="tandoor_streams")
+    entries = Gauge(
+        "tandoor_streams_table_entries",
+        "Entries a rollup or counted-ids table holds in this process (bounded by time)",
+        ["table"],
+        registry=registry,
+    )
+    for table in rollups.sizes():
+        entries.labels(table).set_function(partial(_entries, rollups, table))
 
     @app.page("/health")
     class Health(View):

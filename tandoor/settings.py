@@ -173,6 +173,8 @@ class Settings(BaseSettings):
     # The streams app (faust): its id names its group and internal topics.
     streams_app_id: str = "tandoor-streams"
     streams_web_port: int = 6066  # rollups over HTTP
+    # The usage records it rolls up (a benchmark points it at a topic of its own).
+    streams_usage_topic: str = "usage"
     # The bearer token GET /rollups/... requires; unset, rollups are not served over HTTP
     # (they hold every user's usage). `tandoor run` makes one and prints it.
     analytics_token: str | None = Field(default=None, min_length=16)
