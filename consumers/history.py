@@ -15,7 +15,9 @@ import datetime as dt
 from collections.abc import Callable
 from typing import Any
 
-from schemas.batch import line_of
+import orjson
+
+from schemas.batch import final_output, line_of
 from schemas.events import FinalEvent
 from tandoor.clients import cql
 
@@ -42,9 +44,20 @@ INSERT INTO batch_results (batch_id, line, request_id, attempt, finish_reason, e
     prompt_tokens, completion_tokens, finished_at)
 VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) USING TIMESTAMP ?
 """
+INSERT_BATCH_OUTPUT = """
+INSERT INTO batch_outputs (user_id, batch_id, custom_id, status_code, output)
+VALUES (?, ?, ?, ?, ?)
+"""
 TOUCH_CONVERSATION = (
     "UPDATE conversations USING TIMESTAMP ? SET last_reply_at = ? WHERE conversation_id = ?"
 )
+
+
+def batch_output_row(user_id: str, batch_id: str, output: dict[str, Any]) -> tuple[Any, ...]:
+    """INSERT_BATCH_OUTPUT's values for one output line of a batch."""
+    response = output.get("response") or {}
+    status = response.get("status_code")
+    return (user_id, batch_id, output["custom_id"], status, orjson.dumps(output).decode())
 
 
 def reply_time_ms(final: FinalEvent) -> int:
@@ -66,6 +79,7 @@ class HistoryWriter:
         self._usage = session.prepare(INSERT_USAGE)
         self._touch = session.prepare(TOUCH_CONVERSATION)
         self._batch_result = session.prepare(INSERT_BATCH_RESULT)
+        self._batch_output = session.prepare(INSERT_BATCH_OUTPUT)
 
     async def store(self, final: FinalEvent) -> None:
         writes = [self._store_usage(final)]
@@ -73,7 +87,15 @@ class HistoryWriter:
             writes += [self._store_message(final), self._touch_conversation(final)]
         if final.kind == "batch" and final.batch_id:
             writes.append(self._store_batch_result(final, final.batch_id))
+        if final.custom_id is not None and final.batch_id:
+            writes.append(self._store_batch_output(final, final.batch_id))
         await asyncio.gather(*writes)
+
+    async def _store_batch_output(self, final: FinalEvent, batch_id: str) -> None:
+        output = final_output(final, self._redact(final.text))
+        await cql(
+            self._session, self._batch_output, batch_output_row(final.user_id, batch_id, output)
+        )
 
     async def _store_batch_result(self, final: FinalEvent, batch_id: str) -> None:
         line = line_of(final.request_id)

@@ -17,6 +17,7 @@ from schemas.events import ANSWERED, FinalEvent
 # Header names on `batch.requests` records (Kafka header names are case-sensitive).
 AUTHORIZATION_HEADER = "authorization"
 BATCH_ID_HEADER = "batch-id"
+MAX_CUSTOM_ID_CHARS = 512
 
 
 def line_request_id(batch_id: str, line: int) -> str:
@@ -61,6 +62,13 @@ def refused_output(
     body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
     return batch_output(
         custom_id, request_id, {"status_code": status_code, "request_id": request_id, "body": body}
+    )
+
+
+def cancelled_output(custom_id: str | None, request_id: str) -> dict[str, Any]:
+    message = "the batch was cancelled before this line ran"
+    return batch_output(
+        custom_id, request_id, error={"code": "batch_cancelled", "message": message}
     )
 
 

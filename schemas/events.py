@@ -193,6 +193,9 @@ class RollupSummary(BaseModel):
     window: Literal["1m", "1h"]
     start_ms: int
     end_ms: int
+    # The window has ended (later records may still update it); the last message of a
+    # closed window is its final state.
+    closed: bool = False
     dimension: Literal["user", "model"]
     key: str
     requests: int = Field(ge=0)

@@ -10,7 +10,6 @@ from operator import methodcaller
 from typing import TypeVar
 
 import faust
-from faust.streams import current_event
 
 from schemas.codec import SchemaError, decode, is_final
 from schemas.events import Event, FinalEvent, UsageRecord
@@ -50,8 +49,8 @@ async def on_usage(payload: bytes, rollups: RollupTables, out: Outputs) -> None:
     """Count a finished request per user, pass it on keyed by model, settle its quota."""
     record = _decoded(UsageRecord, payload)
     if record is not None:
-        await count(rollups, "user", record)
-        await out.by_model(record.model.encode(), payload)
+        if await count(rollups, "user", record, counted_id(record)):
+            await out.by_model(record.model.encode(), payload)  # counted per model once
         await out.settle(record)
 
 
@@ -72,23 +71,19 @@ async def on_by_model(payload: bytes, rollups: RollupTables) -> None:
         if final is not None:
             at, keys = final.created_at_ms, restart_keys(final)
             apply = methodcaller("add_restart", final)
-            await rollups.count("model", _partition(), counted_id(final), at, keys, apply)
+            await rollups.count("model", counted_id(final), at, keys, apply)
         return
     record = _decoded(UsageRecord, payload)
     if record is not None:
-        await count(rollups, "model", record)
+        await count(rollups, "model", record, None)
 
 
-async def count(rollups: RollupTables, dimension: str, record: UsageRecord) -> None:
+async def count(
+    rollups: RollupTables, dimension: str, record: UsageRecord, record_id: bytes | None
+) -> bool:
     keys = [k for k in rollup_keys(record) if k[2] == dimension]
-    at, apply = record.finished_at_ms, methodcaller("add", record)
-    await rollups.count(dimension, _partition(), counted_id(record), at, keys, apply)
-
-
-def _partition() -> int:
-    """The partition of the record being processed: the tables' changelog partition."""
-    event = current_event()
-    return event.message.partition if event is not None else 0
+    apply = methodcaller("add", record)
+    return await rollups.count(dimension, record_id, record.finished_at_ms, keys, apply)
 
 
 def _decoded(model: type[E], payload: bytes) -> E | None:

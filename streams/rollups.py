@@ -33,6 +33,7 @@ STATE_FIELDS = (
     "stops",
     "restarts",
     "partition",
+    "offset",
 )
 
 
@@ -77,6 +78,7 @@ class Rollup:
     stops: int = 0
     restarts: int = 0  # requests re-run after their worker died (from `tokens`)
     partition: int = -1  # of the table's changelog: who may expire it after a restart
+    offset: int = -1  # the last record counted, in that partition of the source topic
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BOUNDS_MS))
     speed: Histogram = field(default_factory=lambda: Histogram(SPEED_BOUNDS_TPS))
 

@@ -3,11 +3,12 @@ topics in Kafka (a restarted app recovers them), and the one way they change.
 
 Bounded state, whatever the traffic:
 - a rollup holds counts and fixed histograms only (rollups.py);
-- which records were counted (a replay after a restart, or a record published twice,
-  must not count again) is a second table, `counted-by-<dimension>`, keyed by the
-  record's id; an entry is dropped once the partition's stream time (the newest
-  finish time it has seen) is `streams_dedupe_s` past it, so it holds minutes of
-  traffic, not all of it;
+- a record read again after a restart is known by its offset (each rollup keeps the
+  last it counted: its records all come from one partition); a copy of a usage record
+  published twice is known by its request id, kept in `counted-by-user` until the
+  partition's stream time (the newest finish time it has seen) is `streams_dedupe_s`
+  past it, so it holds minutes of traffic, not all of it. The per-model rollups get
+  only the records the per-user ones counted, and keep re-runs' ids the same way;
 - a rollup is dropped once stream time is `streams_retention_windows` windows past
   its end.
 Tables change only inside a stream, on the partition of the record being processed
@@ -29,6 +30,7 @@ from typing import Any
 
 import faust
 import orjson
+from faust.streams import current_event
 
 from schemas import topics
 from schemas.events import now_ms
@@ -66,31 +68,45 @@ class RollupTables:
     async def count(
         self,
         dimension: str,
-        partition: int,
-        record_id: bytes,
+        record_id: bytes | None,
         at_ms: int,
         keys: list[RollupKey],
         apply: Callable[[Rollup], None],
     ) -> bool:
-        """Apply one record to each rollup it belongs to; False if it was counted before."""
+        """Apply the record being processed to each rollup it belongs to; False if it
+        was counted before. A rollup's records all come from one partition of its
+        source topic (keyed by user, or by model), so a record read again after a
+        restart is known by its offset; `record_id`, where given, also catches a copy
+        of the record published twice."""
+        partition, offset = _position()
         book = self._book(dimension, partition)
-        counted = self._counted[dimension]
-        if counted.get(record_id) is not None:
+        if record_id is not None and not self._first_time(dimension, book, record_id, at_ms):
             return False
-        counted[record_id] = f"{partition}:{at_ms}".encode()
-        book.counted.append((at_ms, record_id))
         table = self._tables[dimension]
         for window, start, _, key in keys:
             name = table_key(window, start, dimension, key).encode()
             stored = table.get(name)
             rollup = Rollup.load(orjson.loads(stored)) if stored else None
             rollup = rollup or Rollup(window, start, dimension, key, partition=partition)
+            if rollup.partition == partition and rollup.offset >= offset:
+                continue  # read again after a restart: already in this one
             apply(rollup)
+            rollup.partition, rollup.offset = partition, offset
             table[name] = orjson.dumps(rollup.dump())
             book.windows[name] = (rollup.end_ms, self._expiry(rollup))
             book.dirty.add(name)
         book.stream_ms = max(book.stream_ms, at_ms)
         self._housekeep(dimension, book)
+        return True
+
+    def _first_time(
+        self, dimension: str, book: PartitionBook, record_id: bytes, at_ms: int
+    ) -> bool:
+        counted = self._counted[dimension]
+        if counted.get(record_id) is not None:
+            return False
+        counted[record_id] = f"{_position()[0]}:{at_ms}".encode()
+        book.counted.append((at_ms, record_id))
         return True
 
     async def publish_changes(self) -> int:
@@ -174,6 +190,15 @@ class RollupTables:
             del book.windows[name]
             book.dirty.discard(name)
             book.closed.discard(name)
+
+
+def _position() -> tuple[int, int]:
+    """(partition, offset) of the record being processed: tables change only inside a
+    stream, on its partition (faust writes the changelog there)."""
+    event = current_event()
+    if event is None:
+        raise RuntimeError("rollups change only while a stream processes a record")
+    return event.message.partition, event.message.offset
 
 
 def _table(app: faust.App, name: str) -> Any:

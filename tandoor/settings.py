@@ -163,6 +163,7 @@ class Settings(BaseSettings):
     # Request limits: a larger body is a 413; a larger head (request line and headers)
     # or more headers a 431.
     gateway_max_body_bytes: int = Field(default=1024 * 1024, ge=1)
+    gateway_max_file_bytes: int = Field(default=64 * 1024 * 1024, ge=1)  # POST /v1/files
     gateway_max_header_bytes: int = Field(default=64 * 1024, ge=1024)
     gateway_max_headers: int = Field(default=100, ge=10)
     # Origins whose pages may call the API (CORS); none by default, so a browser lets

@@ -14,12 +14,11 @@ from producers.gateway.chat.checks import ReplyChecks
 from producers.gateway.chat.protocol import ReplyOptions, SamplingOptions, sampling_for
 from producers.gateway.errors import ApiError
 from producers.gateway.openai_api.protocol import ChatCompletionRequest
-from schemas.batch import custom_line_request_id
+from schemas.batch import MAX_CUSTOM_ID_CHARS, custom_line_request_id
 from schemas.events import ChatMessage, PromptRequest, now_ms
 from tandoor.policies.api_keys import Principal
 
 BATCH_BAND = "batch"
-MAX_CUSTOM_ID_CHARS = 512
 
 
 class BatchInputLine(BaseModel):

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TypeAlias
 
-import orjson
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import CommitFailedError, KafkaError
@@ -34,6 +33,7 @@ from aiokafka.structs import ConsumerRecord
 from cassandra import OperationTimedOut
 from cassandra.cluster import Cluster, NoHostAvailable
 
+from producers.admission.answers import Answers
 from producers.admission.fairness import FairQueue
 from producers.admission.lines import Refused, parse_line, prompt_for
 from producers.admission.metrics import AdmissionMetrics
@@ -44,6 +44,7 @@ from schemas import topics
 from schemas.batch import (
     AUTHORIZATION_HEADER,
     BATCH_ID_HEADER,
+    cancelled_output,
     custom_line_request_id,
     refused_output,
 )
@@ -54,7 +55,7 @@ from tandoor.ops import OpsServer
 from tandoor.policies.api_keys import KeyStore, Principal
 from tandoor.policies.moderation import DefaultModerator
 from tandoor.policies.quota import QuotaExceeded, Quotas, QuotaUnavailable
-from tandoor.policies.redis_keys import BATCH_LINE_TTL_S, batch_line_key
+from tandoor.policies.redis_keys import BATCH_LINE_TTL_S, batch_cancel_key, batch_line_key
 from tandoor.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -113,6 +114,7 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
         session = await asyncio.to_thread(self._cluster.connect, self.settings.keyspace)
         self._redis = redis_client(self.settings)
         self.key_store = KeyStore(session, self._redis, set(self.settings.tiers))
+        self.answers = Answers(self.producer, session)
         self.quotas = Quotas(self._redis)
         self.checks = ReplyChecks(
             self.settings, DefaultModerator(self.settings.moderation_blocklist), self.quotas
@@ -184,12 +186,16 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
             if await self._seen_elsewhere(prompt.request_id, position):
                 raise Refused(400, f"custom_id {name!r} is used twice in batch {batch_id}", BAD)
         except Refused as refused:
-            await self._refuse(record, batch_id, parsed.custom_id, request_id, refused)
+            owner_known = caller.user_id if caller else None
+            await self._refuse(record, batch_id, owner_known, parsed.custom_id, request_id, refused)
             return
         if await self._marked(prompt.request_id) == position:
             self._done(record.partition, record.offset, "replayed")
             return
         waiting = Waiting(record.partition, record.offset, prompt)
+        if await self._is_cancelled(owner, batch_id):
+            await self._cancelled(waiting)
+            return
         self.queued[prompt.request_id] = position
         fair = self.settings.admission_fairness == "vtc"
         self.queues[prompt.model].push(owner if fair else "everyone", waiting)
@@ -203,25 +209,33 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
         self,
         record: Record,
         batch_id: str | None,
+        owner: str | None,
         custom_id: str | None,
         request_id: str,
         refused: Refused,
     ) -> None:
-        log.info(
-            "refusing line %d:%d of batch %s: %s",
-            record.partition,
-            record.offset,
-            batch_id,
-            refused,
-        )
+        where = f"{record.partition}:{record.offset}"
+        log.info("refusing line %s of batch %s: %s", where, batch_id, refused)
         output = refused_output(
             custom_id, request_id, refused.status, refused.message, refused.kind, refused.param
         )
-        key = batch_id.encode() if batch_id else None
-        await self.producer.send_and_wait(topics.BATCH_RESULTS, orjson.dumps(output), key=key)
+        await self.answers.send(owner, batch_id, output)
         if custom_id is not None and batch_id:
-            await self._mark(request_id, f"{record.partition}:{record.offset}")
+            await self._mark(request_id, where)
         self._done(record.partition, record.offset, "refused")
+
+    async def _cancelled(self, waiting: Waiting) -> None:
+        """A line of a cancelled batch: answered as cancelled, never run."""
+        prompt = waiting.prompt
+        output = cancelled_output(prompt.custom_id, prompt.request_id)
+        await self.answers.send(prompt.user_id, prompt.batch_id, output)
+        await self._mark(prompt.request_id, waiting.position)
+        self.queued.pop(prompt.request_id, None)
+        self._done(waiting.partition, waiting.offset, "cancelled")
+
+    async def _is_cancelled(self, owner: str, batch_id: str | None) -> bool:
+        assert self._redis is not None
+        return bool(batch_id and await self._redis.exists(batch_cancel_key(owner, batch_id)))
 
     async def _caller(self, key: str | None) -> Principal | None:
         if not key:
@@ -273,6 +287,9 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
         prompt = waiting.prompt
         if self.queued.get(prompt.request_id) != waiting.position:
             return False  # its partition was revoked meanwhile: the new owner has it
+        if await self._is_cancelled(prompt.user_id, prompt.batch_id):
+            await self._cancelled(waiting)
+            return False
         admitted_at = now_ms()
         policy = self.settings.tiers[prompt.tier]
         try:

@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
+from producers.gateway.batches.router import router as batches_router
 from producers.gateway.chat.router import router as chat_router
 from producers.gateway.conversations.router import router as conversations_router
 from producers.gateway.errors import install_error_handlers
@@ -50,6 +51,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(conversations_router)
     app.include_router(chat_router)
     app.include_router(openai_router)
+    app.include_router(batches_router)
     install_page(app)
 
     @app.get("/health", tags=["health"])

@@ -43,20 +43,28 @@ def refusal(status: int, message: str, reason: str) -> JSONResponse:
 class RequestLimits:
     """Pure ASGI middleware: header count and body size."""
 
-    def __init__(self, app: ASGIApp, max_body_bytes: int, max_headers: int) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        max_body_bytes: int,
+        max_headers: int,
+        larger_bodies: dict[str, int] | None = None,
+    ) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.max_headers = max_headers
+        self.larger_bodies = larger_bodies or {}  # path -> its own limit (uploads)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        refused = self._check_head(scope["headers"])
+        limit = self.larger_bodies.get(scope["path"], self.max_body_bytes)
+        refused = self._check_head(scope["headers"], limit)
         if refused is not None:
             await refused(scope, receive, send)
             return
-        guard = _BodyGuard(receive, send, self.max_body_bytes)
+        guard = _BodyGuard(receive, send, limit)
         try:
             await self.app(scope, guard.receive, guard.send)
         except Exception:
@@ -64,7 +72,7 @@ class RequestLimits:
                 raise
             # The app failed on the cut-off body (ClientDisconnect): already answered.
 
-    def _check_head(self, headers: list[tuple[bytes, bytes]]) -> JSONResponse | None:
+    def _check_head(self, headers: list[tuple[bytes, bytes]], limit: int) -> JSONResponse | None:
         if len(headers) > self.max_headers:
             return refusal(431, f"more than {self.max_headers} request headers", "headers")
         for name, value in headers:
@@ -72,8 +80,8 @@ class RequestLimits:
                 continue
             if not value.strip().isdigit():
                 return refusal(400, "Content-Length is not a number", "content_length")
-            if int(value) > self.max_body_bytes:
-                return refusal(413, f"request body larger than {self.max_body_bytes} bytes", "body")
+            if int(value) > limit:
+                return refusal(413, f"request body larger than {limit} bytes", "body")
         return None
 
 

@@ -19,6 +19,7 @@ def install_middleware(app: FastAPI, settings: Settings) -> None:
         RequestLimits,
         max_body_bytes=settings.gateway_max_body_bytes,
         max_headers=settings.gateway_max_headers,
+        larger_bodies={"/v1/files": settings.gateway_max_file_bytes},
     )
     if settings.cors_origins:
         # Added last, so it runs first: a listed origin's page can read a 413 too.

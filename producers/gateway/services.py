@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import Request
 
 from consumers.fanout import TokenFanout
+from producers.gateway.batches.service import BatchService
 from producers.gateway.chat.checks import ReplyChecks
 from producers.gateway.chat.jobs import ConversationJobs
 from producers.gateway.chat.service import ChatDeps, ChatService
@@ -34,6 +35,7 @@ class Services:
     chat: ChatService
     cluster: Any  # the Cassandra cluster, for readiness
     load: LoadMonitor
+    batches: BatchService
 
     async def readiness(self) -> dict[str, bool]:
         deps = self.chat.deps
@@ -81,7 +83,8 @@ async def open_services(settings: Settings, slots: StreamSlots) -> AsyncIterator
             )
         )
         keys = KeyStore(session, cache, set(settings.tiers))
-        yield Services(settings, keys, conversations, chat, cluster, load)
+        batches = BatchService(session, producer, cache)
+        yield Services(settings, keys, conversations, chat, cluster, load, batches)
 
 
 def services(request: Request) -> Services:

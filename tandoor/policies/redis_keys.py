@@ -100,3 +100,9 @@ def batch_line_key(request_id: str) -> str:
     forwarded or answered: the same record read again after a crash is skipped, and
     another record with the same custom_id is a duplicate."""
     return f"{PREFIX}:batchline:{request_id}"
+
+
+def batch_cancel_key(user_id: str, batch_id: str) -> str:
+    """Set when a batch is cancelled: admission answers its lines not yet forwarded as
+    cancelled instead of running them."""
+    return f"{PREFIX}:batchcancel:{user_id}:{batch_id}"

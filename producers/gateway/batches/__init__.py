@@ -1,0 +1,1 @@
+"""OpenAI's Files and Batches API, on `batch.requests` and the admission role."""

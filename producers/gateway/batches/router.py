@@ -1,0 +1,77 @@
+"""Routes of OpenAI's Files and Batches API: what the official client calls for
+`client.files.*` and `client.batches.*`."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, File, Form, Query, Request, UploadFile
+from fastapi.responses import Response
+
+from producers.gateway.auth import Caller
+from producers.gateway.batches.service import BatchService, CreateBatch
+from producers.gateway.services import Services, services
+
+router = APIRouter(prefix="/v1", tags=["batches"])
+
+
+def batch_service(deps: Annotated[Services, Depends(services)]) -> BatchService:
+    return deps.batches
+
+
+Batches = Annotated[BatchService, Depends(batch_service)]
+
+
+@router.post("/files")
+async def upload_file(
+    caller: Caller,
+    svc: Batches,
+    file: Annotated[UploadFile, File(description="JSONL, one request per line")],
+    purpose: Annotated[str, Form()],
+) -> dict[str, Any]:
+    return await svc.upload(caller, file.filename or "upload.jsonl", purpose, await file.read())
+
+
+@router.get("/files/{file_id}")
+async def retrieve_file(file_id: str, caller: Caller, svc: Batches) -> dict[str, Any]:
+    return await svc.file(caller, file_id)
+
+
+@router.get("/files/{file_id}/content")
+async def file_content(file_id: str, caller: Caller, svc: Batches) -> Response:
+    return Response(await svc.content(caller, file_id), media_type="application/octet-stream")
+
+
+@router.delete("/files/{file_id}")
+async def delete_file(file_id: str, caller: Caller, svc: Batches) -> dict[str, Any]:
+    return await svc.delete_file(caller, file_id)
+
+
+@router.post("/batches")
+async def create_batch(
+    body: CreateBatch, request: Request, caller: Caller, svc: Batches
+) -> dict[str, Any]:
+    # The lines carry the caller's own key: admission checks and charges it, as for
+    # any Kafka client (current_principal has checked the header's form).
+    api_key = request.headers["authorization"].partition(" ")[2].strip()
+    return await svc.create(caller, api_key, body)
+
+
+@router.get("/batches/{batch_id}")
+async def retrieve_batch(batch_id: str, caller: Caller, svc: Batches) -> dict[str, Any]:
+    return await svc.retrieve(caller, batch_id)
+
+
+@router.get("/batches")
+async def list_batches(
+    caller: Caller,
+    svc: Batches,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    after: Annotated[str | None, Query(max_length=200)] = None,
+) -> dict[str, Any]:
+    return await svc.list(caller, limit, after)
+
+
+@router.post("/batches/{batch_id}/cancel")
+async def cancel_batch(batch_id: str, caller: Caller, svc: Batches) -> dict[str, Any]:
+    return await svc.cancel(caller, batch_id)

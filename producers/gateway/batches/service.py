@@ -1,0 +1,241 @@
+"""Files and batches as OpenAI's API shows them, built on `batch.requests`: creating a
+batch checks its input file's lines and writes them to the topic with the caller's
+key, exactly as any Kafka client may; admission checks, charges and runs each line, and
+the outputs stored per line (`batch_outputs`) make the batch's progress and its output
+and error files."""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from typing import Any, Literal
+
+import orjson
+from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaError
+from pydantic import BaseModel, ConfigDict, Field
+
+from producers.batch_topic import send_lines
+from producers.gateway.batches.store import BatchStore, FileStore, StoredBatch, StoredFile
+from producers.gateway.errors import ApiError, not_found, unavailable
+from schemas.batch import MAX_CUSTOM_ID_CHARS
+from tandoor.policies.api_keys import Principal
+from tandoor.policies.redis_keys import BATCH_LINE_TTL_S, batch_cancel_key
+
+MAX_LINES = 50_000
+COMPLETION_WINDOW = dt.timedelta(hours=24)
+PARAM = "input_file_id"  # what a bad input file is reported against
+OUTPUT_PREFIX, ERROR_PREFIX = "file-out-", "file-err-"  # a batch's files, made when read
+
+
+class CreateBatch(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    input_file_id: str = Field(min_length=1, max_length=200)
+    endpoint: Literal["/v1/chat/completions"]
+    completion_window: Literal["24h"]
+    metadata: dict[str, str] | None = Field(default=None, max_length=16)
+
+
+class BatchService:
+    def __init__(self, session: Any, producer: AIOKafkaProducer, redis: Any) -> None:
+        self.files = FileStore(session)
+        self.batches = BatchStore(session)
+        self._producer = producer
+        self._redis = redis
+
+    # Files.
+
+    async def upload(
+        self, caller: Principal, filename: str, purpose: str, data: bytes
+    ) -> dict[str, Any]:
+        if purpose != "batch":
+            raise ApiError(400, "only purpose 'batch' is supported", param="purpose")
+        stored = StoredFile(
+            f"file-{uuid.uuid4().hex}", caller.user_id, purpose, filename[:256], len(data), _now()
+        )
+        await self.files.create(stored, data)
+        return _file_object(stored)
+
+    async def file(self, caller: Principal, file_id: str) -> dict[str, Any]:
+        if file_id.startswith((OUTPUT_PREFIX, ERROR_PREFIX)):
+            batch, content = await self._batch_file(caller, file_id)
+            kind = "output" if file_id.startswith(OUTPUT_PREFIX) else "error"
+            name = f"{batch.batch_id}_{kind}.jsonl"
+            made = StoredFile(file_id, caller.user_id, "batch_output", name, len(content), _now())
+            return _file_object(made)
+        return _file_object(await self._own_file(caller, file_id))
+
+    async def content(self, caller: Principal, file_id: str) -> bytes:
+        if file_id.startswith((OUTPUT_PREFIX, ERROR_PREFIX)):
+            return (await self._batch_file(caller, file_id))[1]
+        await self._own_file(caller, file_id)
+        return await self.files.content(file_id)
+
+    async def delete_file(self, caller: Principal, file_id: str) -> dict[str, Any]:
+        await self._own_file(caller, file_id)
+        await self.files.delete(file_id)
+        return {"id": file_id, "object": "file", "deleted": True}
+
+    # Batches.
+
+    async def create(self, caller: Principal, api_key: str, body: CreateBatch) -> dict[str, Any]:
+        source = await self._own_file(caller, body.input_file_id)
+        lines = input_lines(await self.files.content(source.file_id), body.endpoint)
+        batch = StoredBatch(
+            f"batch_{uuid.uuid4().hex}",
+            caller.user_id,
+            source.file_id,
+            body.endpoint,
+            body.completion_window,
+            len(lines),
+            body.metadata,
+            _now(),
+            None,
+        )
+        await self.batches.create(batch)
+        try:
+            await send_lines(self._producer, api_key, batch.batch_id, lines)
+        except KafkaError as exc:  # some lines may be out: they are answered as cancelled
+            await self._cancel(batch)
+            raise unavailable("the batch could not be queued (Kafka)") from exc
+        return await self._object(batch)
+
+    async def retrieve(self, caller: Principal, batch_id: str) -> dict[str, Any]:
+        return await self._object(await self._own_batch(caller, batch_id))
+
+    async def list(self, caller: Principal, limit: int, after: str | None) -> dict[str, Any]:
+        since = (await self._own_batch(caller, after)).created_at if after else None
+        ids = await self.batches.of_user(caller.user_id, limit + 1, since)
+        data = [await self.retrieve(caller, batch_id) for batch_id in ids[:limit]]
+        return {
+            "object": "list",
+            "data": data,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+            "has_more": len(ids) > limit,
+        }
+
+    async def cancel(self, caller: Principal, batch_id: str) -> dict[str, Any]:
+        batch = await self._own_batch(caller, batch_id)
+        if batch.cancelled_at is None:
+            batch = await self._cancel(batch)
+        return await self._object(batch)
+
+    async def _cancel(self, batch: StoredBatch) -> StoredBatch:
+        key = batch_cancel_key(batch.user_id, batch.batch_id)
+        await self._redis.set(key, 1, ex=BATCH_LINE_TTL_S)  # admission reads it first
+        at = _now()
+        await self.batches.cancel(batch.batch_id, at)
+        return StoredBatch(**{**batch.__dict__, "cancelled_at": at})
+
+    async def _object(self, batch: StoredBatch) -> dict[str, Any]:
+        codes = await self.batches.status_codes(batch.user_id, batch.batch_id)
+        completed, failed = sum(code == 200 for code in codes), sum(code != 200 for code in codes)
+        status = _status(batch, len(codes))
+        final = status in ("completed", "cancelled", "expired")
+        created, expires = _epoch(batch.created_at), _epoch(batch.created_at + COMPLETION_WINDOW)
+        cancelling = _epoch(batch.cancelled_at) if batch.cancelled_at else None
+        return {
+            "id": batch.batch_id,
+            "object": "batch",
+            "endpoint": batch.endpoint,
+            "errors": None,
+            "input_file_id": batch.input_file_id,
+            "completion_window": batch.completion_window,
+            "status": status,
+            "output_file_id": OUTPUT_PREFIX + batch.batch_id if final and completed else None,
+            "error_file_id": ERROR_PREFIX + batch.batch_id if final and failed else None,
+            "created_at": created,
+            "in_progress_at": created,
+            "expires_at": expires,
+            "finalizing_at": None,
+            "completed_at": _epoch(_now()) if status == "completed" else None,
+            "failed_at": None,
+            "expired_at": expires if status == "expired" else None,
+            "cancelling_at": cancelling,
+            "cancelled_at": cancelling if status == "cancelled" else None,
+            "request_counts": {"total": batch.total, "completed": completed, "failed": failed},
+            "metadata": batch.metadata,
+        }
+
+    async def _batch_file(self, caller: Principal, file_id: str) -> tuple[StoredBatch, bytes]:
+        output = file_id.startswith(OUTPUT_PREFIX)
+        batch_id = file_id.removeprefix(OUTPUT_PREFIX if output else ERROR_PREFIX)
+        batch = await self._own_batch(caller, batch_id, what=f"file {file_id}")
+        rows = await self.batches.outputs(batch.user_id, batch.batch_id)
+        picked = [line for code, line in rows if (code == 200) == output]
+        return batch, b"".join(line + b"\n" for line in picked)
+
+    async def _own_file(self, caller: Principal, file_id: str) -> StoredFile:
+        stored = await self.files.get(file_id)
+        if stored is None or stored.user_id != caller.user_id:
+            raise not_found(f"file {file_id}")  # someone else's looks the same
+        return stored
+
+    async def _own_batch(self, caller: Principal, batch_id: str, what: str = "") -> StoredBatch:
+        batch = await self.batches.get(batch_id)
+        if batch is None or batch.user_id != caller.user_id:
+            raise not_found(what or f"batch {batch_id}")
+        return batch
+
+
+def input_lines(content: bytes, endpoint: str) -> list[bytes]:
+    """The file's lines, each checked as far as the batch as a whole needs: JSON with a
+    unique custom_id, for the batch's endpoint. What each request asks is checked by
+    admission, which answers a bad one with an error line."""
+    lines, seen = [], set()
+    for number, raw in enumerate(content.splitlines(), start=1):
+        if not raw.strip():
+            continue
+        try:
+            line = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise ApiError(400, f"line {number} is not JSON: {exc}", param=PARAM) from exc
+        custom_id = line.get("custom_id") if isinstance(line, dict) else None
+        if not isinstance(custom_id, str) or not 0 < len(custom_id) <= MAX_CUSTOM_ID_CHARS:
+            raise ApiError(400, f"line {number} has no valid custom_id", param=PARAM)
+        if custom_id in seen:
+            raise ApiError(
+                400, f"line {number}: custom_id {custom_id!r} is used twice", param=PARAM
+            )
+        if line.get("url") != endpoint:
+            raise ApiError(400, f"line {number}: url must be {endpoint}", param=PARAM)
+        seen.add(custom_id)
+        lines.append(raw)
+    if not lines:
+        raise ApiError(400, "the input file has no lines", param=PARAM)
+    if len(lines) > MAX_LINES:
+        raise ApiError(400, f"{len(lines)} lines: at most {MAX_LINES}", param=PARAM)
+    return lines
+
+
+def _status(batch: StoredBatch, answered: int) -> str:
+    done = answered >= batch.total
+    if batch.cancelled_at is not None:
+        return "cancelled" if done else "cancelling"
+    if done:
+        return "completed"
+    return "expired" if _now() > batch.created_at + COMPLETION_WINDOW else "in_progress"
+
+
+def _file_object(stored: StoredFile) -> dict[str, Any]:
+    return {
+        "id": stored.file_id,
+        "object": "file",
+        "bytes": stored.bytes,
+        "created_at": _epoch(stored.created_at),
+        "filename": stored.filename,
+        "purpose": stored.purpose,
+        "status": "processed",
+    }
+
+
+def _now() -> dt.datetime:
+    """Naive UTC to the millisecond, as Cassandra's driver gives timestamps back."""
+    now = dt.datetime.now(dt.UTC).replace(tzinfo=None)
+    return now.replace(microsecond=now.microsecond // 1000 * 1000)
+
+
+def _epoch(at: dt.datetime) -> int:
+    return int(at.replace(tzinfo=dt.UTC).timestamp())

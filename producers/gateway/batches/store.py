@@ -1,0 +1,161 @@
+"""Files and batches in Cassandra (infra/migrations/0006_files_and_batches.cql)."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+from dataclasses import dataclass
+from typing import Any
+
+from tandoor.clients import cql
+
+CHUNK_BYTES = 512 * 1024  # a file's bytes in rows of this size, in one partition
+
+
+@dataclass(frozen=True)
+class StoredFile:
+    file_id: str
+    user_id: str
+    purpose: str
+    filename: str
+    bytes: int
+    created_at: dt.datetime
+
+
+@dataclass(frozen=True)
+class StoredBatch:
+    batch_id: str
+    user_id: str
+    input_file_id: str
+    endpoint: str
+    completion_window: str
+    total: int
+    metadata: dict[str, str] | None
+    created_at: dt.datetime
+    cancelled_at: dt.datetime | None
+
+
+class FileStore:
+    def __init__(self, session: Any) -> None:
+        self._session = session
+
+    async def create(self, stored: StoredFile, content: bytes) -> None:
+        """The chunks first, then the row that makes the file visible."""
+        chunks = [content[i : i + CHUNK_BYTES] for i in range(0, len(content), CHUNK_BYTES)]
+        await asyncio.gather(
+            *(
+                cql(
+                    self._session,
+                    "INSERT INTO file_chunks (file_id, chunk, data) VALUES (%s, %s, %s)",
+                    (stored.file_id, n, chunk),
+                )
+                for n, chunk in enumerate(chunks)
+            )
+        )
+        await cql(
+            self._session,
+            "INSERT INTO files (file_id, user_id, purpose, filename, bytes, created_at) "
+            "VALUES (%s, %s, %s, %s, %s, %s)",
+            (
+                stored.file_id,
+                stored.user_id,
+                stored.purpose,
+                stored.filename,
+                stored.bytes,
+                stored.created_at,
+            ),
+        )
+
+    async def get(self, file_id: str) -> StoredFile | None:
+        rows = await cql(
+            self._session,
+            "SELECT file_id, user_id, purpose, filename, bytes, created_at FROM files "
+            "WHERE file_id = %s",
+            (file_id,),
+        )
+        return StoredFile(*rows[0]) if rows else None
+
+    async def content(self, file_id: str) -> bytes:
+        rows = await cql(
+            self._session, "SELECT data FROM file_chunks WHERE file_id = %s", (file_id,)
+        )
+        return b"".join(row.data for row in rows)
+
+    async def delete(self, file_id: str) -> None:
+        await cql(self._session, "DELETE FROM files WHERE file_id = %s", (file_id,))
+        await cql(self._session, "DELETE FROM file_chunks WHERE file_id = %s", (file_id,))
+
+
+class BatchStore:
+    def __init__(self, session: Any) -> None:
+        self._session = session
+
+    async def create(self, batch: StoredBatch) -> None:
+        await cql(
+            self._session,
+            "INSERT INTO api_batches (batch_id, user_id, input_file_id, endpoint, "
+            "completion_window, total, metadata, created_at) "
+            "VALUES (%s, %s, %s, %s, %s, %s, %s, %s)",
+            (
+                batch.batch_id,
+                batch.user_id,
+                batch.input_file_id,
+                batch.endpoint,
+                batch.completion_window,
+                batch.total,
+                batch.metadata,
+                batch.created_at,
+            ),
+        )
+        await cql(
+            self._session,
+            "INSERT INTO batches_by_user (user_id, created_at, batch_id) VALUES (%s, %s, %s)",
+            (batch.user_id, batch.created_at, batch.batch_id),
+        )
+
+    async def get(self, batch_id: str) -> StoredBatch | None:
+        rows = await cql(
+            self._session,
+            "SELECT batch_id, user_id, input_file_id, endpoint, completion_window, total, "
+            "metadata, created_at, cancelled_at FROM api_batches WHERE batch_id = %s",
+            (batch_id,),
+        )
+        return StoredBatch(*rows[0]) if rows else None
+
+    async def of_user(self, user_id: str, limit: int, after: dt.datetime | None) -> list[str]:
+        """Batch ids, newest first, created before `after` (a page's last)."""
+        if after is None:
+            query, params = "", (user_id, limit)
+        else:
+            query, params = " AND created_at < %s", (user_id, after, limit)  # type: ignore[assignment]
+        rows = await cql(
+            self._session,
+            f"SELECT batch_id FROM batches_by_user WHERE user_id = %s{query} LIMIT %s",
+            params,
+        )
+        return [row.batch_id for row in rows]
+
+    async def cancel(self, batch_id: str, at: dt.datetime) -> None:
+        await cql(
+            self._session,
+            "UPDATE api_batches SET cancelled_at = %s WHERE batch_id = %s",
+            (at, batch_id),
+        )
+
+    async def status_codes(self, user_id: str, batch_id: str) -> list[int | None]:
+        """One per line answered so far: its HTTP status, None for an error without one."""
+        rows = await cql(
+            self._session,
+            "SELECT status_code FROM batch_outputs WHERE user_id = %s AND batch_id = %s",
+            (user_id, batch_id),
+        )
+        return [row.status_code for row in rows]
+
+    async def outputs(self, user_id: str, batch_id: str) -> list[tuple[int | None, bytes]]:
+        """Each line's (status code, output line as JSON), in custom_id order."""
+        rows = await cql(
+            self._session,
+            "SELECT status_code, output FROM batch_outputs WHERE user_id = %s AND batch_id = %s",
+            (user_id, batch_id),
+        )
+        return [(row.status_code, row.output.encode()) for row in rows]
