@@ -17,7 +17,7 @@ from typing import Any
 
 import orjson
 
-from schemas.batch import final_output, line_of
+from schemas.batch import final_output
 from schemas.events import FinalEvent
 from tandoor.clients import cql
 
@@ -38,11 +38,6 @@ INSERT_USAGE = """
 INSERT INTO usage_by_user_day (user_id, day, model, request_id, tier, prompt_tokens,
     completion_tokens, finish_reason, finished_at)
 VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) USING TIMESTAMP ?
-"""
-INSERT_BATCH_RESULT = """
-INSERT INTO batch_results (batch_id, line, request_id, attempt, finish_reason, error, text,
-    prompt_tokens, completion_tokens, finished_at)
-VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) USING TIMESTAMP ?
 """
 INSERT_BATCH_OUTPUT = """
 INSERT INTO batch_outputs (user_id, batch_id, custom_id, status_code, output)
@@ -78,15 +73,12 @@ class HistoryWriter:
         self._message = session.prepare(INSERT_MESSAGE)
         self._usage = session.prepare(INSERT_USAGE)
         self._touch = session.prepare(TOUCH_CONVERSATION)
-        self._batch_result = session.prepare(INSERT_BATCH_RESULT)
         self._batch_output = session.prepare(INSERT_BATCH_OUTPUT)
 
     async def store(self, final: FinalEvent) -> None:
         writes = [self._store_usage(final)]
         if final.kind == "chat" and final.store and final.conversation_id:
             writes += [self._store_message(final), self._touch_conversation(final)]
-        if final.kind == "batch" and final.batch_id:
-            writes.append(self._store_batch_result(final, final.batch_id))
         if final.custom_id is not None and final.batch_id:
             writes.append(self._store_batch_output(final, final.batch_id))
         await asyncio.gather(*writes)
@@ -95,29 +87,6 @@ class HistoryWriter:
         output = final_output(final, self._redact(final.text))
         await cql(
             self._session, self._batch_output, batch_output_row(final.user_id, batch_id, output)
-        )
-
-    async def _store_batch_result(self, final: FinalEvent, batch_id: str) -> None:
-        line = line_of(final.request_id)
-        if line is None:
-            return  # not named by `tandoor batch`: nothing to file it under
-        usage = final.usage
-        await cql(
-            self._session,
-            self._batch_result,
-            (
-                batch_id,
-                line,
-                final.request_id,
-                final.attempt,
-                final.finish_reason,
-                final.error,
-                final.text,
-                usage.prompt_tokens,
-                usage.completion_tokens,
-                _utc(final.created_at_ms),
-                write_timestamp_us(final),
-            ),
         )
 
     async def _store_message(self, final: FinalEvent) -> None:

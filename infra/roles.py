@@ -18,7 +18,7 @@ from pathlib import Path
 
 from infra.errors import StartError
 from infra.idle_worker import READY as IDLE_READY
-from infra.topics import TopicSpec, ensure_topics, start_group_at_end
+from infra.topics import TopicSpec, batch_request_partitions, ensure_topics, start_group_at_end
 from schemas.topics import prompts_topic
 from tandoor.settings import Settings
 
@@ -208,10 +208,13 @@ async def model_aliases(
         "TANDOOR_MODELS": json.dumps({m: {"source": str(model_dir)} for m in models}),
         "TANDOOR_GATEWAY_GROUP": f"gateway-{models[0]}",
         "TANDOOR_PERSIST_GROUP": f"persist-{models[0]}",
+        "TANDOOR_ADMISSION_GROUP": f"admission-{models[0]}",
     }
     # A new persist group would store all `tokens` still retains (earliest), which on a
-    # machine that ran benchmarks is minutes of others' replies: it starts at the end.
+    # machine that ran benchmarks is minutes of others' replies: it starts at the end;
+    # so does admission, on `batch.requests`.
     await start_group_at_end(settings, env["TANDOOR_PERSIST_GROUP"])
+    await start_group_at_end(settings, env["TANDOOR_ADMISSION_GROUP"], batch_request_partitions())
     return models, env
 
 

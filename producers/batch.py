@@ -1,48 +1,32 @@
-"""Batch jobs: a JSONL file of prompts through the same pipeline, in the batch band.
+"""`tandoor batch`'s client: a JSONL file of prompts through the OpenAI Batches API.
 
 Each input line is `{"messages": [...]}` or `{"prompt": "..."}`, with optional
-`max_tokens` and `temperature`. A batch's id comes from its owner, model and file
-content, so submitting the same file again resumes it: how far submission got is
-kept in Cassandra, and each line's request id is `<batch id>.<line>`, so a line is
-never queued twice. The persistence consumer files each answer under its line;
-collecting reads them back in input order.
+`max_tokens` and `temperature`; every line is checked before anything is sent. Submit
+turns the file into OpenAI batch-input lines (custom_id `line-<n>`), uploads it
+(`POST /v1/files`) and creates a batch (`POST /v1/batches`); collect follows the batch
+(`GET /v1/batches/<id>`) and writes one result per input line, in input order, from
+its output and error files. Nothing here needs Kafka or Cassandra: only the gateway
+and a key.
 """
 
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
-import hashlib
 import os
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from producers.prompts import PromptSubmitter
-from schemas.batch import line_request_id
-from schemas.events import (
-    ANSWERED,
-    MAX_REPLY_TOKENS,
-    MAX_TEMPERATURE,
-    ChatMessage,
-    PromptRequest,
-    Sampling,
-    now_ms,
-)
-from tandoor.clients import cassandra_session, cql, kafka_producer, redis_client
-from tandoor.policies.api_keys import Principal
-from tandoor.policies.context import count_tokens
-from tandoor.policies.quota import QuotaExceeded, Quotas
-from tandoor.settings import Settings
+from schemas.events import MAX_REPLY_TOKENS, MAX_TEMPERATURE, ChatMessage
 
-BATCH_BAND = "batch"
-CHUNK = 64  # lines produced together, then recorded as submitted
 Progress = Callable[[int, int], None]  # (done, total)
+FINAL = {"completed", "cancelled", "expired", "failed"}
+POLL_S = 1.0
 
 
 class BatchLine(BaseModel):
@@ -62,16 +46,28 @@ class BatchLine(BaseModel):
     def chat(self) -> list[ChatMessage]:
         return self.messages or [ChatMessage(role="user", content=self.prompt or "")]
 
+    def request(self, number: int, model: str) -> dict[str, Any]:
+        """The line as OpenAI batch input."""
+        body = {
+            "model": model,
+            "messages": [m.model_dump() for m in self.chat()],
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+        }
+        return {"custom_id": f"line-{number}", "method": "POST", "url": CHAT, "body": body}
+
+
+CHAT = "/v1/chat/completions"
+
 
 class BatchError(Exception):
-    """A problem the caller must fix: a bad line, an unknown batch, someone else's."""
+    """A problem the caller must fix: a bad line, an unknown batch, a refused request."""
 
 
-def read_batch(path: Path) -> tuple[bytes, list[BatchLine]]:
-    """The file's bytes and its lines, every one checked before anything is sent."""
-    content = path.read_bytes()
+def read_batch(path: Path) -> list[BatchLine]:
+    """The file's lines, every one checked before anything is sent."""
     lines = []
-    for number, raw in enumerate(content.splitlines(), start=1):
+    for number, raw in enumerate(path.read_bytes().splitlines(), start=1):
         if not raw.strip():
             continue
         try:
@@ -80,12 +76,7 @@ def read_batch(path: Path) -> tuple[bytes, list[BatchLine]]:
             raise BatchError(f"{path}:{number}: {_first_error(exc)}") from exc
     if not lines:
         raise BatchError(f"{path}: no prompts")
-    return content, lines
-
-
-def batch_id_for(user_id: str, model: str, content: bytes) -> str:
-    digest = hashlib.sha256(b"\0".join([user_id.encode(), model.encode(), content]))
-    return f"b_{digest.hexdigest()[:24]}"
+    return lines
 
 
 @dataclass(frozen=True)
@@ -97,148 +88,115 @@ class Collected:
 
 
 class BatchClient:
-    """The Python API behind `tandoor batch submit|collect`, for one caller."""
+    """The Batches API for one key, at `api_url` (e.g. http://127.0.0.1:8000/v1)."""
 
-    def __init__(self, settings: Settings, caller: Principal) -> None:
-        self.settings = settings
-        self.caller = caller
+    def __init__(self, api_url: str, api_key: str) -> None:
+        self._http = httpx.AsyncClient(
+            base_url=api_url.rstrip("/"),
+            headers={"Authorization": f"Bearer {api_key}"},
+            timeout=httpx.Timeout(300, connect=10),
+        )
+
+    async def __aenter__(self) -> BatchClient:
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        await self._http.aclose()
 
     async def submit(self, path: Path, model: str, progress: Progress | None = None) -> str:
-        if model not in self.settings.models:
-            served = self.settings.served_models
-            raise BatchError(f"model {model!r} is not served; models: {served}")
-        content, lines = read_batch(path)
-        batch_id = batch_id_for(self.caller.user_id, model, content)
-        async with self._connections() as (session, submitter, quotas):
-            done = await self._register(session, batch_id, model, len(lines))
-            for start in range(done, len(lines), CHUNK):
-                chunk = range(start, min(start + CHUNK, len(lines)))
-                await asyncio.gather(
-                    *(self._send(submitter, quotas, batch_id, model, n, lines[n]) for n in chunk)
-                )
-                await cql(
-                    session,
-                    "UPDATE batches SET submitted = %s WHERE batch_id = %s",
-                    (chunk.stop, batch_id),
-                )
-                if progress:
-                    progress(chunk.stop, len(lines))
-        return batch_id
+        lines = read_batch(path)
+        content = b"".join(
+            orjson.dumps(line.request(n, model)) + b"\n" for n, line in enumerate(lines)
+        )
+        files = {"file": (path.name, content, "application/jsonl")}
+        uploaded = await self._call("POST", "/files", data={"purpose": "batch"}, files=files)
+        if progress:
+            progress(1, 2)
+        body = {"input_file_id": uploaded["id"], "endpoint": CHAT, "completion_window": "24h"}
+        batch = await self._call("POST", "/batches", json=body)
+        if progress:
+            progress(2, 2)
+        return str(batch["id"])
 
     async def collect(
         self, batch_id: str, out: Path, wait_s: float = 600, progress: Progress | None = None
     ) -> Collected:
-        """Wait until every line is answered, or until none has been answered for
-        `wait_s` (a batch that is progressing, however slowly, is waited for); then write
-        `out` in input order, atomically: rerunning it only rewrites the same file."""
+        """Follow the batch until it ends, or until no line has been answered for
+        `wait_s` (a batch that is progressing, however slowly, is waited for); then
+        write `out` in input order, atomically: rerunning it only rewrites the file."""
         loop = asyncio.get_running_loop()
-        async with self._connections() as (session, _, _):
-            total = await self._owned_lines(session, batch_id)
-            answered, last_answer = -1, loop.time()
-            while True:
-                rows = {r.line: r for r in await cql(session, SELECT_RESULTS, (batch_id,))}
-                if progress:
-                    progress(len(rows), total)
-                if len(rows) > answered:
-                    answered, last_answer = len(rows), loop.time()
-                if len(rows) >= total or loop.time() - last_answer > wait_s:
-                    break
-                await asyncio.sleep(1)
-        _write_atomically(out, [_result_line(n, rows.get(n)) for n in range(total)])
-        failed = sum(1 for r in rows.values() if r.finish_reason not in ANSWERED)
-        return Collected(batch_id, total, len(rows), failed + total - len(rows))
-
-    async def _send(
-        self,
-        submitter: PromptSubmitter,
-        quotas: Quotas,
-        batch_id: str,
-        model: str,
-        number: int,
-        line: BatchLine,
-    ) -> None:
-        request_id = line_request_id(batch_id, number)
-        policy = self.settings.tiers[self.caller.tier]
-        estimate = sum(count_tokens(m.content) + 6 for m in line.chat()) + line.max_tokens
-        while True:  # charged to the caller's quota; over it, wait as told
-            admitted_at = now_ms()
-            try:
-                await quotas.admit(
-                    self.caller.user_id, policy, request_id, estimate, admitted_at, False
-                )
+        answered, moved_at = -1, loop.time()
+        while True:
+            batch = await self._call("GET", f"/batches/{batch_id}")
+            counts = batch["request_counts"]
+            done = counts["completed"] + counts["failed"]
+            if progress:
+                progress(done, counts["total"])
+            if done > answered:
+                answered, moved_at = done, loop.time()
+            if batch["status"] in FINAL or loop.time() - moved_at > wait_s:
                 break
-            except QuotaExceeded as exc:
-                await asyncio.sleep(exc.retry_after_s)
-        await submitter.submit(
-            PromptRequest(
-                request_id=request_id,
-                model=model,
-                user_id=self.caller.user_id,
-                tier=self.caller.tier,
-                band=BATCH_BAND,
-                conversation_id=request_id,  # spreads the lines over the band's partitions
-                messages=line.chat(),
-                sampling=Sampling(max_tokens=line.max_tokens, temperature=line.temperature),
-                created_at_ms=admitted_at,  # the minute its quota was charged in
-                kind="batch",
-                batch_id=batch_id,
-                prompt_tokens_estimate=estimate - line.max_tokens,
-                charged_tokens=estimate,
-            )
-        )
+            await asyncio.sleep(POLL_S)
+        outputs = await self._outputs(batch_id)
+        total = counts["total"]
+        results = [_result(n, outputs.get(f"line-{n}")) for n in range(total)]
+        _write_atomically(out, results)
+        failed = sum("error" in r for r in results)
+        return Collected(batch_id, total, len(outputs), failed)
 
-    async def _register(self, session: Any, batch_id: str, model: str, lines: int) -> int:
-        """The batch's row (made once) and how many lines were already submitted."""
-        rows = await cql(
-            session, "SELECT user_id, submitted FROM batches WHERE batch_id = %s", (batch_id,)
-        )
-        if rows:
-            return int(rows[0].submitted or 0)
-        await cql(
-            session,
-            "INSERT INTO batches (batch_id, user_id, model, lines, submitted, created_at) "
-            "VALUES (%s, %s, %s, %s, 0, %s) IF NOT EXISTS",
-            (batch_id, self.caller.user_id, model, lines, dt.datetime.now(dt.UTC)),
-        )
-        return 0
+    async def _outputs(self, batch_id: str) -> dict[str, dict[str, Any]]:
+        """Every output line so far, by custom_id (the output and error files)."""
+        found = {}
+        for prefix in ("file-out-", "file-err-"):
+            response = await self._http.get(f"/files/{prefix}{batch_id}/content")
+            _raise_for(response)
+            for raw in response.content.splitlines():
+                line = orjson.loads(raw)
+                found[line["custom_id"]] = line
+        return found
 
-    async def _owned_lines(self, session: Any, batch_id: str) -> int:
-        rows = await cql(
-            session, "SELECT user_id, lines FROM batches WHERE batch_id = %s", (batch_id,)
-        )
-        if not rows or rows[0].user_id != self.caller.user_id:
-            raise BatchError(f"batch {batch_id} not found")  # someone else's looks the same
-        return int(rows[0].lines)
-
-    @asynccontextmanager
-    async def _connections(self) -> AsyncIterator[tuple[Any, PromptSubmitter, Quotas]]:
-        cache = redis_client(self.settings)
-        try:
-            with cassandra_session(self.settings, self.settings.keyspace) as session:
-                async with kafka_producer(self.settings, "batch") as producer:
-                    yield session, PromptSubmitter(self.settings, producer), Quotas(cache)
-        finally:
-            await cache.aclose()
+    async def _call(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
+        response = await self._http.request(method, path, **kwargs)
+        _raise_for(response)
+        result: dict[str, Any] = response.json()
+        return result
 
 
-SELECT_RESULTS = (
-    "SELECT line, request_id, finish_reason, error, text, prompt_tokens, completion_tokens "
-    "FROM batch_results WHERE batch_id = %s"
-)
+def api_url_from_env(host: str, port: int) -> str:
+    return os.environ.get("TANDOOR_API_URL") or f"http://{host}:{port}/v1"
 
 
-def _result_line(number: int, row: Any) -> dict[str, Any]:
-    if row is None:
+def _raise_for(response: httpx.Response) -> None:
+    if response.status_code < 400:
+        return
+    try:
+        message = response.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = response.text[:500]
+    raise BatchError(f"{response.status_code}: {message}")
+
+
+def _result(number: int, output: dict[str, Any] | None) -> dict[str, Any]:
+    if output is None:
         return {"line": number, "error": "not answered yet: collect again later"}
-    result: dict[str, Any] = {
-        "line": number,
-        "request_id": row.request_id,
-        "finish_reason": row.finish_reason,
-        "text": row.text,
-        "usage": {"prompt_tokens": row.prompt_tokens, "completion_tokens": row.completion_tokens},
-    }
-    if row.finish_reason not in ANSWERED:
-        result["error"] = row.error or row.finish_reason
+    response = output.get("response") or {}
+    result: dict[str, Any] = {"line": number, "request_id": response.get("request_id")}
+    body = response.get("body") or {}
+    if response.get("status_code") == 200:
+        choice = body["choices"][0]
+        usage = body["usage"]
+        result |= {
+            "finish_reason": choice["finish_reason"],
+            "text": choice["message"]["content"],
+            "usage": {k: usage[k] for k in ("prompt_tokens", "completion_tokens")},
+        }
+    elif response:
+        result["error"] = (body.get("error") or {}).get(
+            "message"
+        ) or f"HTTP {response['status_code']}"
+    else:
+        error = output.get("error") or {}
+        result["error"] = error.get("message") or error.get("code") or "failed"
     return result
 
 

@@ -1,10 +1,9 @@
 """How batch lines are named in the pipeline, and the OpenAI batch-output records their
 results are published as.
 
-Two kinds of batch line exist: `tandoor batch` files (the older path: request id
-`<batch id>.<line number>`) and lines written to `batch.requests` in OpenAI's batch
-input form, named by the tenant's `custom_id` (request id `bl_<digest>`, from the
-owner, the batch id and the custom_id, so the same line always has the same id).
+A batch line is written to `batch.requests` in OpenAI's batch input form and named by
+its tenant's `custom_id`: its request id is `bl_<digest>` of the owner, the batch id and
+the custom_id, so the same line always has the same id.
 """
 
 from __future__ import annotations
@@ -18,15 +17,6 @@ from schemas.events import ANSWERED, FinalEvent
 AUTHORIZATION_HEADER = "authorization"
 BATCH_ID_HEADER = "batch-id"
 MAX_CUSTOM_ID_CHARS = 512
-
-
-def line_request_id(batch_id: str, line: int) -> str:
-    return f"{batch_id}.{line}"
-
-
-def line_of(request_id: str) -> int | None:
-    _, sep, line = request_id.rpartition(".")
-    return int(line) if sep and line.isdigit() else None
 
 
 def custom_line_request_id(user_id: str, batch_id: str, custom_id: str) -> str:

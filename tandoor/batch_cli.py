@@ -1,4 +1,5 @@
-"""`tandoor batch submit|collect`: batch jobs from the command line, with progress."""
+"""`tandoor batch submit|collect`: batch jobs from the command line, with progress, as a
+client of the gateway's Batches API (TANDOOR_API_URL, default the local gateway)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,10 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
+import httpx
 import typer
 
-from producers.batch import BatchClient, BatchError, Progress
-from tandoor.policies.api_keys import resolve_key
+from producers.batch import BatchClient, BatchError, Progress, api_url_from_env
 from tandoor.settings import get_settings
 
 T = TypeVar("T")
@@ -27,8 +28,8 @@ def submit(
     model: str = typer.Option(..., help="A served model (TANDOOR_MODELS)."),
     api_key: str = API_KEY,
 ) -> None:
-    """Queue every line in the batch band; run it again to resume an interrupted submit.
-    Prints the batch id as the last line."""
+    """Upload the file and create a batch of it (every line is checked first). Prints
+    the batch id as the last line."""
     batch_id = _run(api_key, "submitting", lambda c, p: c.submit(file, model, p))
     typer.echo(batch_id)
 
@@ -55,21 +56,20 @@ def _run(
     work: Callable[[BatchClient, Progress], Coroutine[Any, Any, T]],
 ) -> T:
     settings = get_settings()
+    api_url = api_url_from_env(settings.host, settings.gateway_port)
 
     async def main() -> T:
-        caller = await resolve_key(settings, api_key)
-        if caller is None:
-            raise BatchError("invalid or revoked API key")
-        with typer.progressbar(length=1, label=label) as bar:
+        async with BatchClient(api_url, api_key) as client:
+            with typer.progressbar(length=1, label=label) as bar:
 
-            def progress(done: int, total: int) -> None:
-                bar.length = total
-                bar.update(done - bar.pos)
+                def progress(done: int, total: int) -> None:
+                    bar.length = total
+                    bar.update(done - bar.pos)
 
-            return await work(BatchClient(settings, caller), progress)
+                return await work(client, progress)
 
     try:
         return asyncio.run(main())
-    except BatchError as exc:
+    except (BatchError, httpx.HTTPError) as exc:
         typer.secho(f"error: {exc}", err=True, fg=typer.colors.RED)
         raise typer.Exit(2) from exc

@@ -18,6 +18,7 @@ import pytest
 
 from infra.process import free_port
 from infra.roles import (
+    AdmissionProcess,
     GatewayProcess,
     IdleWorkerProcess,
     PersistProcess,
@@ -86,6 +87,7 @@ async def stack(
         idle,
         worker=WorkerProcess(model, logs, env),
         persist=PersistProcess(logs, env),
+        admission=AdmissionProcess(logs, env),
         gateways=[GatewayProcess(logs, free_port(), env) for _ in range(2)],  # two replicas
     )
     async with running([IdleWorkerProcess(big, logs, env)]), the_stack.running():

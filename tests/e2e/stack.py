@@ -21,6 +21,7 @@ from infra.cassandra_server import CassandraServer
 from infra.kafka_server import KafkaServer
 from infra.redis_server import RedisServer
 from infra.roles import (
+    AdmissionProcess,
     GatewayProcess,
     PersistProcess,
     RoleProcess,
@@ -55,6 +56,7 @@ class Stack:
     idle: str  # no worker at all: busy at once; the free tier falls back to `model`
     worker: WorkerProcess
     persist: PersistProcess
+    admission: AdmissionProcess
     gateways: list[GatewayProcess]
     retired: list[RoleProcess] = field(default_factory=list)  # killed, kept for their logs
 
@@ -68,7 +70,7 @@ class Stack:
         return [f"http://127.0.0.1:{g.port}" for g in self.gateways]
 
     def roles(self) -> list[RoleProcess]:
-        return [self.worker, self.persist, *self.gateways]
+        return [self.worker, self.persist, self.admission, *self.gateways]
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[None]:

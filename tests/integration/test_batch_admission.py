@@ -18,17 +18,16 @@ from typing import Any
 
 import orjson
 import pytest
-from aiokafka import AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from infra.roles import AdmissionProcess, PersistProcess, WorkerProcess, running
 from infra.topics import batch_request_partitions, start_group_at_end
 from producers.batch_topic import ResultsReader, chat_line, send_lines
 from producers.model_load import backlog_clients, partition_backlog
-from schemas.topics import BandLayout
+from schemas.topics import BandLayout, prompts_topic
 from tandoor.policies.api_keys import create_key
 from tandoor.settings import Settings
 from tests.integration.conftest import SharedWorker
-from tests.integration.test_batch import queued
 from tests.waiting import eventually
 
 pytestmark = pytest.mark.integration
@@ -70,6 +69,18 @@ async def results(settings: Settings) -> AsyncIterator[ResultsReader]:
     await reader.start()
     yield reader
     await reader.stop()
+
+
+async def queued(settings: Settings, model: str) -> int:
+    """How many prompts were ever produced to the model's topic."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap)
+    await consumer.start()
+    try:
+        partitions = sum(band.partitions for band in settings.bands)
+        tps = [TopicPartition(prompts_topic(model), p) for p in range(partitions)]
+        return sum((await consumer.end_offsets(tps)).values())
+    finally:
+        await consumer.stop()
 
 
 async def batch_key(settings: Settings, name: str) -> tuple[str, str]:

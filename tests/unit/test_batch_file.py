@@ -1,4 +1,4 @@
-"""Reading batch files: every line checked before anything is sent; stable ids."""
+"""Reading batch files: every line checked before anything is sent, then OpenAI batch input."""
 
 from __future__ import annotations
 
@@ -6,8 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from producers.batch import BatchError, batch_id_for, read_batch
-from schemas.batch import line_of, line_request_id
+from producers.batch import BatchError, read_batch
 
 
 def test_lines_take_a_prompt_or_messages(tmp_path: Path) -> None:
@@ -15,7 +14,7 @@ def test_lines_take_a_prompt_or_messages(tmp_path: Path) -> None:
     path.write_text(
         '{"prompt": "Hi"}\n\n{"messages": [{"role": "user", "content": "Yo"}], "max_tokens": 9}\n'
     )
-    _, lines = read_batch(path)
+    lines = read_batch(path)
     assert [line.chat()[0].content for line in lines] == ["Hi", "Yo"]
     assert lines[1].max_tokens == 9
 
@@ -37,12 +36,15 @@ def test_a_bad_line_is_named(tmp_path: Path, text: str, problem: str) -> None:
         read_batch(path)
 
 
-def test_the_same_file_is_the_same_batch_for_the_same_owner_and_model() -> None:
-    same = batch_id_for("ada", "m", b"x")
-    assert same == batch_id_for("ada", "m", b"x")
-    assert len({same, batch_id_for("bob", "m", b"x"), batch_id_for("ada", "n", b"x")}) == 3
-
-
-def test_request_ids_name_their_line() -> None:
-    assert line_of(line_request_id("b_1f", 42)) == 42
-    assert line_of("r_abc") is None
+def test_lines_become_openai_batch_input_named_by_their_number(tmp_path: Path) -> None:
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"prompt": "Hi", "temperature": 0.5}\n')
+    (line,) = read_batch(path)
+    request = line.request(7, "smollm2")
+    assert request["custom_id"] == "line-7" and request["url"] == "/v1/chat/completions"
+    assert request["body"] == {
+        "model": "smollm2",
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 256,
+        "temperature": 0.5,
+    }

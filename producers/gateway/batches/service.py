@@ -6,6 +6,7 @@ and error files."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import uuid
 from typing import Any, Literal
@@ -127,7 +128,7 @@ class BatchService:
         await self._redis.set(key, 1, ex=BATCH_LINE_TTL_S)  # admission reads it first
         at = _now()
         await self.batches.cancel(batch.batch_id, at)
-        return StoredBatch(**{**batch.__dict__, "cancelled_at": at})
+        return dataclasses.replace(batch, cancelled_at=at)
 
     async def _object(self, batch: StoredBatch) -> dict[str, Any]:
         codes = await self.batches.status_codes(batch.user_id, batch.batch_id)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime as dt
 from dataclasses import dataclass
 from typing import Any
@@ -120,7 +121,11 @@ class BatchStore:
             "metadata, created_at, cancelled_at FROM api_batches WHERE batch_id = %s",
             (batch_id,),
         )
-        return StoredBatch(*rows[0]) if rows else None
+        if not rows:
+            return None
+        found = StoredBatch(*rows[0])
+        metadata = dict(found.metadata) if found.metadata else None  # the driver's map type
+        return dataclasses.replace(found, metadata=metadata)
 
     async def of_user(self, user_id: str, limit: int, after: dt.datetime | None) -> list[str]:
         """Batch ids, newest first, created before `after` (a page's last)."""
