@@ -75,6 +75,7 @@ async def stack(
     env["TANDOOR_MODERATION_BLOCKLIST"] = json.dumps([BLOCKED_TERM])
     env["TANDOOR_LOG_FORMAT"] = "json"  # test_operations follows request ids through them
     env["TANDOOR_WORKER_GRACE_S"] = "2"  # at teardown, no waiting for title jobs to end
+    env["TANDOOR_BATCH_BACKLOG_PER_WORKER"] = "32"  # batch lines fill the worker: quicker
     settings = cassandra.model_copy(
         update={"models": [model, big, idle], "fallbacks": fallbacks, "tiers": tiers}
     )

@@ -30,6 +30,7 @@ def test_migrations_apply_once(cassandra: Settings, keyspace: str) -> None:
             "0003_conversation_last_reply",
             "0004_batches",
             "0005_conversation_summary",
+            "0006_files_and_batches",
         ]
         assert migrate(session, keyspace) == []
         rows = session.execute(
