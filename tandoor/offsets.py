@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 import heapq
+import logging
+
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.errors import CommitFailedError, KafkaError
+
+log = logging.getLogger(__name__)
 
 
 class PartitionOffsets:
@@ -66,3 +72,16 @@ class OffsetTracker:
         for key in keys:
             self._partitions.pop(key, None)
             self._committed.pop(key, None)
+
+
+async def commit_finished(consumer: AIOKafkaConsumer, offsets: OffsetTracker) -> None:
+    """Commit every partition's position below its oldest unfinished record. A commit
+    that fails (a rebalance) is left to the rebalance listener, which commits again."""
+    moves = offsets.to_commit()
+    if not moves:
+        return
+    try:
+        await consumer.commit({TopicPartition(t, p): o for (t, p), o in moves.items()})
+        offsets.committed(moves)
+    except (CommitFailedError, KafkaError) as exc:
+        log.warning("commit of %s failed: %s", moves, exc)

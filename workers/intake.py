@@ -16,11 +16,11 @@ from typing import TypeAlias
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.coordinator.assignors.roundrobin import RoundRobinPartitionAssignor
-from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
+from aiokafka.errors import IllegalStateError, KafkaError
 from aiokafka.structs import ConsumerRecord
 
 from schemas.topics import BandLayout, prompts_topic, worker_group
-from tandoor.offsets import OffsetTracker
+from tandoor.offsets import OffsetTracker, commit_finished
 from tandoor.settings import Settings
 from workers.scheduler import BandScheduler
 
@@ -115,14 +115,7 @@ class PromptIntake(ConsumerRebalanceListener):  # type: ignore[misc]
         self.held[self.band_of(record)] -= 1
 
     async def commit(self) -> None:
-        moves = self.offsets.to_commit()
-        if not moves:
-            return
-        try:
-            await self.consumer.commit({TopicPartition(t, p): o for (t, p), o in moves.items()})
-            self.offsets.committed(moves)
-        except (CommitFailedError, KafkaError) as exc:  # a rebalance; the listener commits
-            log.warning("commit of %s failed: %s", moves, exc)
+        await commit_finished(self.consumer, self.offsets)
 
     def band_of(self, record: Record) -> str:
         return self.layout.band_of(record.partition).name

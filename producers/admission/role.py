@@ -28,7 +28,7 @@ from typing import TypeAlias
 
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
-from aiokafka.errors import CommitFailedError, KafkaError
+from aiokafka.errors import KafkaError
 from aiokafka.structs import ConsumerRecord
 from cassandra import OperationTimedOut
 from cassandra.cluster import Cluster, NoHostAvailable
@@ -50,7 +50,7 @@ from schemas.batch import (
 )
 from schemas.events import PromptRequest, now_ms
 from tandoor.clients import REDIS_DOWN, cassandra_cluster, kafka_producer, redis_client
-from tandoor.offsets import OffsetTracker
+from tandoor.offsets import OffsetTracker, commit_finished
 from tandoor.ops import OpsServer
 from tandoor.policies.api_keys import KeyStore, Principal
 from tandoor.policies.moderation import DefaultModerator
@@ -345,14 +345,7 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
             await self._commit()
 
     async def _commit(self) -> None:
-        moves = self.offsets.to_commit()
-        if not moves:
-            return
-        try:
-            await self.consumer.commit({TopicPartition(t, p): o for (t, p), o in moves.items()})
-            self.offsets.committed(moves)
-        except (CommitFailedError, KafkaError) as exc:  # a rebalance: the listener commits
-            log.warning("commit of %s failed: %s", moves, exc)
+        await commit_finished(self.consumer, self.offsets)
 
     async def _readiness(self) -> dict[str, bool]:
         return {

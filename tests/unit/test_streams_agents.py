@@ -3,8 +3,9 @@ forward and settle for each usage record."""
 
 from __future__ import annotations
 
+import contextlib
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import faust
@@ -55,15 +56,22 @@ class Sink:
         return Outputs(rollups=rollup, by_model=forward, settle=settle)
 
 
-@pytest.fixture
-async def app_and_sink() -> AsyncIterator[tuple[faust.App, Sink]]:
+@contextlib.contextmanager
+def unit_app(**settings: Any) -> Iterator[tuple[faust.App, Sink]]:
     sink = Sink()
-    app = create_app(Settings(streams_app_id=f"unit-{uuid.uuid4().hex[:6]}"), sink.outputs())
+    app_id = f"unit-{uuid.uuid4().hex[:6]}"
+    app = create_app(Settings(streams_app_id=app_id, **settings), sink.outputs())
     yield app, sink
     # Iterating a stream made faust's consumer, whose thread has an event loop of its own
     # that never ran (no broker here); close it, or it leaks its sockets.
     consumer: Any = app.consumer
     consumer._thread.thread_loop.close()
+
+
+@pytest.fixture
+def app_and_sink() -> Iterator[tuple[faust.App, Sink]]:
+    with unit_app() as made:
+        yield made
 
 
 async def test_the_user_agent_counts_forwards_and_settles(
@@ -111,16 +119,8 @@ def short_memory(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[faust.App, S
     """An app keeping 2 windows of each size and 60 s of counted ids, tidying up after
     every record."""
     monkeypatch.setattr("streams.tables.HOUSEKEEP_EVERY_S", 0.0)
-    sink = Sink()
-    settings = Settings(
-        streams_app_id=f"unit-{uuid.uuid4().hex[:6]}",
-        streams_retention_windows=2,
-        streams_dedupe_s=60,
-    )
-    app = create_app(settings, sink.outputs())
-    yield app, sink
-    consumer: Any = app.consumer
-    consumer._thread.thread_loop.close()
+    with unit_app(streams_retention_windows=2, streams_dedupe_s=60) as made:
+        yield made
 
 
 async def test_old_windows_and_ids_expire_by_record_time(
