@@ -36,6 +36,7 @@ from cassandra.cluster import Cluster, NoHostAvailable
 from producers.admission.answers import Answers
 from producers.admission.fairness import FairQueue
 from producers.admission.lines import Refused, parse_line, prompt_for
+from producers.admission.marks import CallerCache, LineMarks
 from producers.admission.metrics import AdmissionMetrics
 from producers.gateway.chat.checks import ReplyChecks
 from producers.model_load import LoadMonitor
@@ -52,10 +53,9 @@ from schemas.events import PromptRequest, now_ms
 from tandoor.clients import REDIS_DOWN, cassandra_cluster, kafka_producer, redis_client
 from tandoor.offsets import OffsetTracker, commit_finished
 from tandoor.ops import OpsServer
-from tandoor.policies.api_keys import KeyStore, Principal
+from tandoor.policies.api_keys import KeyStore
 from tandoor.policies.moderation import DefaultModerator
 from tandoor.policies.quota import QuotaExceeded, Quotas, QuotaUnavailable
-from tandoor.policies.redis_keys import BATCH_LINE_TTL_S, batch_cancel_key, batch_line_key
 from tandoor.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,6 @@ log = logging.getLogger(__name__)
 Record: TypeAlias = ConsumerRecord[bytes, bytes]
 POLL_S = 0.25  # how often the batch band's backlog is measured
 COMMIT_EVERY_S = 1.0
-KEY_CACHE_S = 30.0  # a revoked key stops being honoured within this
 RETRY_S = 1.0  # a store failing: try the line again after this
 UNREACHABLE = (*REDIS_DOWN, KafkaError, NoHostAvailable, OperationTimedOut)
 BAD = "invalid_request_error"
@@ -103,7 +102,6 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
         self.ops = OpsServer("admission", self.metrics.registry, self._readiness)
         self._sent: dict[str, int] = {}  # model -> forwarded since its load was measured
         self._measured: dict[str, object] = {}
-        self._keys: dict[str, tuple[float, Principal | None]] = {}
         self._arrived = asyncio.Event()
         self._stopping = asyncio.Event()
         self._cluster: Cluster | None = None
@@ -113,7 +111,8 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
         self._cluster = cassandra_cluster(self.settings)
         session = await asyncio.to_thread(self._cluster.connect, self.settings.keyspace)
         self._redis = redis_client(self.settings)
-        self.key_store = KeyStore(session, self._redis, set(self.settings.tiers))
+        self.callers = CallerCache(KeyStore(session, self._redis, set(self.settings.tiers)))
+        self.marks = LineMarks(self._redis)
         self.answers = Answers(self.producer, session)
         self.quotas = Quotas(self._redis)
         self.checks = ReplyChecks(
@@ -169,7 +168,7 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
     async def _admit(self, record: Record) -> None:
         headers = {name.lower(): value for name, value in record.headers}
         batch_id = _text(headers.get(BATCH_ID_HEADER)) or _text(record.key)
-        caller = await self._caller(_bearer(headers.get(AUTHORIZATION_HEADER)))
+        caller = await self.callers.resolve(_bearer(headers.get(AUTHORIZATION_HEADER)))
         parsed = parse_line(record.value)
         owner = caller.user_id if caller else "-"
         name = parsed.custom_id or f"@{record.partition}:{record.offset}"
@@ -189,11 +188,11 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
             owner_known = caller.user_id if caller else None
             await self._refuse(record, batch_id, owner_known, parsed.custom_id, request_id, refused)
             return
-        if await self._marked(prompt.request_id) == position:
+        if await self.marks.where(prompt.request_id) == position:
             self._done(record.partition, record.offset, "replayed")
             return
         waiting = Waiting(record.partition, record.offset, prompt)
-        if await self._is_cancelled(owner, batch_id):
+        if await self.marks.cancelled(owner, batch_id):
             await self._cancelled(waiting)
             return
         self.queued[prompt.request_id] = position
@@ -202,7 +201,7 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
 
     async def _seen_elsewhere(self, request_id: str, position: str) -> bool:
         """Another record of the batch already has this custom_id."""
-        seen = self.queued.get(request_id) or await self._marked(request_id)
+        seen = self.queued.get(request_id) or await self.marks.where(request_id)
         return seen is not None and seen != position
 
     async def _refuse(
@@ -221,7 +220,7 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
         )
         await self.answers.send(owner, batch_id, output)
         if custom_id is not None and batch_id:
-            await self._mark(request_id, where)
+            await self.marks.mark(request_id, where)
         self._done(record.partition, record.offset, "refused")
 
     async def _cancelled(self, waiting: Waiting) -> None:
@@ -229,25 +228,9 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
         prompt = waiting.prompt
         output = cancelled_output(prompt.custom_id, prompt.request_id)
         await self.answers.send(prompt.user_id, prompt.batch_id, output)
-        await self._mark(prompt.request_id, waiting.position)
+        await self.marks.mark(prompt.request_id, waiting.position)
         self.queued.pop(prompt.request_id, None)
         self._done(waiting.partition, waiting.offset, "cancelled")
-
-    async def _is_cancelled(self, owner: str, batch_id: str | None) -> bool:
-        assert self._redis is not None
-        return bool(batch_id and await self._redis.exists(batch_cancel_key(owner, batch_id)))
-
-    async def _caller(self, key: str | None) -> Principal | None:
-        if not key:
-            return None
-        now = time.monotonic()
-        cached = self._keys.get(key)
-        if cached is None or now - cached[0] > KEY_CACHE_S:
-            if len(self._keys) > 10_000:
-                self._keys.clear()
-            cached = (now, await self.key_store.resolve(key))
-            self._keys[key] = cached
-        return cached[1]
 
     # Forwarding.
 
@@ -287,7 +270,7 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
         prompt = waiting.prompt
         if self.queued.get(prompt.request_id) != waiting.position:
             return False  # its partition was revoked meanwhile: the new owner has it
-        if await self._is_cancelled(prompt.user_id, prompt.batch_id):
+        if await self.marks.cancelled(prompt.user_id, prompt.batch_id):
             await self._cancelled(waiting)
             return False
         admitted_at = now_ms()
@@ -305,7 +288,7 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
             queue.put_back(tenant, waiting, time.monotonic() + exc.retry_after_s)
             return False
         await self.submitter.submit(prompt.model_copy(update={"created_at_ms": admitted_at}))
-        await self._mark(prompt.request_id, waiting.position)
+        await self.marks.mark(prompt.request_id, waiting.position)
         queue.charge(tenant, prompt.charged_tokens)
         self.metrics.charged_tokens.labels(prompt.user_id).inc(prompt.charged_tokens)
         self._sent[prompt.model] = self._sent.get(prompt.model, 0) + 1
@@ -325,15 +308,6 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
                     return False
                 log.warning("batch line step failed (%r); retrying in %.0f s", exc, RETRY_S)
                 await asyncio.sleep(RETRY_S)
-
-    async def _marked(self, request_id: str) -> str | None:
-        assert self._redis is not None
-        value = await self._redis.get(batch_line_key(request_id))
-        return value.decode() if isinstance(value, bytes) else value
-
-    async def _mark(self, request_id: str, position: str) -> None:
-        assert self._redis is not None
-        await self._redis.set(batch_line_key(request_id), position, ex=BATCH_LINE_TTL_S)
 
     def _done(self, partition: int, offset: int, outcome: str) -> None:
         self.offsets.finished(topics.BATCH_REQUESTS, partition, offset)

@@ -1,0 +1,50 @@
+"""What admission keeps in Redis and in memory about lines and keys: where each handled
+line was read (so a line read again after a crash is skipped), which batches were
+cancelled, and the keys it has resolved lately."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from tandoor.policies.api_keys import KeyStore, Principal
+from tandoor.policies.redis_keys import BATCH_LINE_TTL_S, batch_cancel_key, batch_line_key
+
+KEY_CACHE_S = 30.0  # a revoked key stops being honoured within this
+KEY_CACHE_SIZE = 10_000
+
+
+class LineMarks:
+    def __init__(self, redis: Any) -> None:
+        self._redis = redis
+
+    async def where(self, request_id: str) -> str | None:
+        """Where the line was read ("partition:offset") when it was handled, if it was."""
+        value = await self._redis.get(batch_line_key(request_id))
+        return value.decode() if isinstance(value, bytes) else value
+
+    async def mark(self, request_id: str, position: str) -> None:
+        await self._redis.set(batch_line_key(request_id), position, ex=BATCH_LINE_TTL_S)
+
+    async def cancelled(self, owner: str, batch_id: str | None) -> bool:
+        return bool(batch_id and await self._redis.exists(batch_cancel_key(owner, batch_id)))
+
+
+class CallerCache:
+    """Keys resolved through the key store, kept KEY_CACHE_S (bad keys too)."""
+
+    def __init__(self, keys: KeyStore) -> None:
+        self._keys = keys
+        self._cached: dict[str, tuple[float, Principal | None]] = {}
+
+    async def resolve(self, key: str | None) -> Principal | None:
+        if not key:
+            return None
+        now = time.monotonic()
+        cached = self._cached.get(key)
+        if cached is None or now - cached[0] > KEY_CACHE_S:
+            if len(self._cached) > KEY_CACHE_SIZE:
+                self._cached.clear()
+            cached = (now, await self._keys.resolve(key))
+            self._cached[key] = cached
+        return cached[1]
