@@ -23,8 +23,11 @@ class LineMarks:
         value = await self._redis.get(batch_line_key(request_id))
         return value.decode() if isinstance(value, bytes) else value
 
-    async def mark(self, request_id: str, position: str) -> None:
-        await self._redis.set(batch_line_key(request_id), position, ex=BATCH_LINE_TTL_S)
+    async def mark(self, request_id: str, position: str, first_only: bool = False) -> None:
+        """`first_only`: keep an earlier mark (a refused repeat of a custom_id must not
+        take its name from the line that has it)."""
+        key = batch_line_key(request_id)
+        await self._redis.set(key, position, ex=BATCH_LINE_TTL_S, nx=first_only)
 
     async def cancelled(self, owner: str, batch_id: str | None) -> bool:
         return bool(batch_id and await self._redis.exists(batch_cancel_key(owner, batch_id)))

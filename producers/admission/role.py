@@ -185,6 +185,9 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
             if await self._seen_elsewhere(prompt.request_id, position):
                 raise Refused(400, f"custom_id {name!r} is used twice in batch {batch_id}", BAD)
         except Refused as refused:
+            if await self.marks.where(request_id) == position:  # answered before a crash
+                self._done(record.partition, record.offset, "replayed")
+                return
             owner_known = caller.user_id if caller else None
             await self._refuse(record, batch_id, owner_known, parsed.custom_id, request_id, refused)
             return
@@ -220,7 +223,7 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
         )
         await self.answers.send(owner, batch_id, output)
         if custom_id is not None and batch_id:
-            await self.marks.mark(request_id, where)
+            await self.marks.mark(request_id, where, first_only=True)
         self._done(record.partition, record.offset, "refused")
 
     async def _cancelled(self, waiting: Waiting) -> None:
