@@ -40,7 +40,7 @@ def jsonl(lines: list[dict[str, Any]]) -> bytes:
 
 
 def question(
-    stack: Stack, i: int, content: str | None = None, max_tokens: int = 6
+    stack: Stack, i: int, content: str | None = None, max_tokens: int = 4
 ) -> dict[str, Any]:
     body = {
         "model": stack.model,

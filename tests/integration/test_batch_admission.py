@@ -39,7 +39,7 @@ CRASH_LINES = 100
 BLOCKED = "zorblax"
 
 
-def question(model: str, i: int, max_tokens: int = 8) -> bytes:
+def question(model: str, i: int, max_tokens: int = 4) -> bytes:
     body = {
         "model": model,
         "messages": [{"role": "user", "content": f"What is {i} + {i}? Reply with the number."}],
@@ -161,11 +161,11 @@ async def test_a_200_line_batch_on_the_topic_is_answered_once_per_line(
     assert sorted(r["response"]["status_code"] for r in repeats) == [200, 400]
     texts = {r["custom_id"]: answered(r) for r in got if r["response"]["status_code"] == 200}
     assert len(texts) == LINES and all(texts.values())
-    # Each answer is to its own line: most repeat the question or give the sum.
+    # Each answer is to its own line: it repeats the line's number or gives the sum.
     right = sum(
-        f"{i} + {i}" in texts[f"line-{i}"] or str(2 * i) in texts[f"line-{i}"] for i in range(LINES)
+        str(i) in texts[f"line-{i}"] or str(2 * i) in texts[f"line-{i}"] for i in range(LINES)
     )
-    assert right > LINES // 2, f"only {right} answers match their line"
+    assert right > LINES * 3 // 4, f"only {right} answers match their line"
     # Only the good lines reached the model, and the band never held the whole batch.
     assert await queued(settings, worker.model) - before == LINES
     assert band_peak <= 3 * BACKLOG_PER_WORKER, f"the batch band held {band_peak} prompts"
@@ -182,7 +182,7 @@ async def test_kill_9_of_admission_mid_batch_runs_no_line_twice_and_loses_none(
     key, _ = await batch_key(settings, "crash-batcher")
     batch_id = f"crash-{uuid.uuid4().hex[:6]}"
     before = await queued(settings, worker.model)
-    lines = [question(worker.model, i, 4) for i in range(CRASH_LINES)]
+    lines = [question(worker.model, i) for i in range(CRASH_LINES)]
     await send_lines(producer, key, batch_id, lines)
 
     first = AdmissionProcess(tmp_path, roles_env)
@@ -220,15 +220,13 @@ async def test_a_small_batch_is_not_held_back_by_another_tenants_flood(
     flood_key, _ = await batch_key(settings, "flooder")
     small_key, _ = await batch_key(settings, "small-team")
     flood, small = f"flood-{uuid.uuid4().hex[:6]}", f"small-{uuid.uuid4().hex[:6]}"
-    await send_lines(
-        producer, flood_key, flood, [question(worker.model, i, 4) for i in range(FLOOD)]
-    )
+    await send_lines(producer, flood_key, flood, [question(worker.model, i) for i in range(FLOOD)])
     env = {**roles_env, "TANDOOR_BATCH_BACKLOG_PER_WORKER": str(FAIR_BACKLOG)}
     async with running([AdmissionProcess(tmp_path, env), PersistProcess(tmp_path, env)]):
         await all_results(results, flood, 2 * FAIR_BACKLOG)  # the flood is flowing
         flood_before = len(results.of(flood))
         await send_lines(
-            producer, small_key, small, [question(worker.model, i, 4) for i in range(SMALL)]
+            producer, small_key, small, [question(worker.model, i) for i in range(SMALL)]
         )
         await all_results(results, small, SMALL)
     flood_during = len(results.of(flood)) - flood_before
