@@ -95,8 +95,8 @@ def bootstrap_command() -> None:
 
 @app.command("run")
 def run() -> None:
-    """The main job: servers, a worker per model, persistence, streams, gateway; Ctrl-C
-    stops all."""
+    """The main job: servers, a worker per model, persistence, batch admission, streams,
+    gateway; Ctrl-C stops all."""
     from infra.roles import (
         AdmissionProcess,
         GatewayProcess,
