@@ -135,7 +135,8 @@ def concrete(path: str, conversation: str, message: str) -> list[str]:
     if path == "/web/{path}":
         return [f"/web/{f.name}" for f in sorted(WEB_DIR.iterdir()) if f.is_file()]
     assert "{path}" not in path, f"a new mount at {path}: say here what it serves"
-    return [path.format(conversation_id=conversation, message_id=message)]
+    ids = {"file_id": f"file-{message}", "batch_id": f"batch_{message}"}
+    return [path.format(conversation_id=conversation, message_id=message, **ids)]
 
 
 def wrong_credentials(valid: str, revoked: str, unknown: str) -> list[dict[str, Any]]:
