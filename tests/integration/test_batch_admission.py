@@ -165,7 +165,7 @@ async def test_a_200_line_batch_on_the_topic_is_answered_once_per_line(
     right = sum(
         str(i) in texts[f"line-{i}"] or str(2 * i) in texts[f"line-{i}"] for i in range(LINES)
     )
-    assert right > LINES * 3 // 4, f"only {right} answers match their line"
+    assert right > LINES // 2, f"only {right} answers match their line"
     # Only the good lines reached the model, and the band never held the whole batch.
     assert await queued(settings, worker.model) - before == LINES
     assert band_peak <= 3 * BACKLOG_PER_WORKER, f"the batch band held {band_peak} prompts"
