@@ -191,8 +191,12 @@ async def test_kill_9_of_admission_mid_batch_runs_no_line_twice_and_loses_none(
             await all_results(results, batch_id, CRASH_LINES // 4)
             await asyncio.to_thread(first.kill)
         async with running([AdmissionProcess(tmp_path, roles_env)]):
-            got = await all_results(results, batch_id, CRASH_LINES)
-            await asyncio.sleep(2)  # a line run twice would show a second result by now
+            await all_results(results, batch_id, CRASH_LINES)
+            # Nothing left to run: every prompt in the band is finished (committed), so a
+            # line run twice has its second final out, on its way through persist.
+            await eventually(
+                lambda: band_backlog(settings, worker.model), lambda n: n == 0, what="band empty"
+            )
             await results.poll()
 
     got = results.of(batch_id)
@@ -235,6 +239,15 @@ async def test_a_small_batch_is_not_held_back_by_another_tenants_flood(
     # One for one, plus what the band held when the small batch came and the lines a
     # slower reader may have counted late. In arrival order it would have been FLOOD.
     assert flood_during <= SMALL + 4 * FAIR_BACKLOG, flood_during
+
+
+async def band_backlog(settings: Settings, model: str) -> int:
+    """Prompts in the model's batch band past its workers' commits."""
+    layout = BandLayout([(b.name, b.partitions) for b in settings.bands])
+    batch = layout.band("batch").partitions
+    async with backlog_clients(settings) as (admin, offsets):
+        backlog, _ = await partition_backlog(admin, offsets, layout.total_partitions, model)
+    return sum(n for p, n in backlog.items() if p in batch)
 
 
 @contextlib.asynccontextmanager
