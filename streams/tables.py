@@ -7,8 +7,12 @@ Bounded state, whatever the traffic:
   last it counted: its records all come from one partition); a copy of a usage record
   published twice is known by its request id, kept in `counted-by-user` until the
   partition's stream time (the newest finish time it has seen) is `streams_dedupe_s`
-  past it, so it holds minutes of traffic, not all of it. The per-model rollups get
-  only the records the per-user ones counted, and keep re-runs' ids the same way;
+  past it, so it holds minutes of traffic, not all of it. A copy skipped that way is
+  in no rollup's offset, and its id may have expired by the time it is read again, so
+  the partition keeps the offset of the last copy it skipped (`\\xffskipped/<partition>`
+  in the same table: written before the ids it outlives are dropped). The per-model
+  rollups get only the records the per-user ones counted, and keep re-runs' ids the
+  same way;
 - a rollup is dropped once stream time is `streams_retention_windows` windows past
   its end.
 Tables change only inside a stream, on the partition of the record being processed
@@ -42,6 +46,7 @@ DIMENSIONS = ("user", "model")
 RollupKey = tuple[str, int, str, str]  # (window, start_ms, dimension, key)
 CLOSE_GRACE_MS = 10_000  # records finishing this late still land before "closed"
 HOUSEKEEP_EVERY_S = 1.0
+SKIPPED_PREFIX = b"\xffskipped/"  # 0xff is never in UTF-8: no counted id begins so
 
 
 @dataclass
@@ -49,6 +54,7 @@ class PartitionBook:
     """One table partition's entries: when each expires, what changed, what closed."""
 
     stream_ms: int = 0  # the newest finish time counted here
+    skipped_to: int = -1  # the offset of the last copy skipped by its id
     windows: dict[bytes, tuple[int, int]] = field(default_factory=dict)  # key: (end, expiry)
     counted: deque[tuple[int, bytes]] = field(default_factory=deque)  # (at_ms, id), in order
     dirty: set[bytes] = field(default_factory=set)
@@ -80,7 +86,11 @@ class RollupTables:
         of the record published twice."""
         partition, offset = _position()
         book = self._book(dimension, partition)
+        if offset <= book.skipped_to:
+            return False  # a copy skipped before, read again after a restart
         if record_id is not None and not self._first_time(dimension, book, record_id, at_ms):
+            book.skipped_to = offset
+            self._counted[dimension][_skipped_key(partition)] = str(offset).encode()
             return False
         table = self._tables[dimension]
         for window, start, _, key in keys:
@@ -170,6 +180,11 @@ class RollupTables:
                 book.stream_ms = max(book.stream_ms, rollup.start_ms)
         recovered = []
         for record_id, value in self._counted[dimension].items():
+            if record_id == _skipped_key(partition):
+                book.skipped_to = int(value)
+                continue
+            if record_id.startswith(SKIPPED_PREFIX):
+                continue
             owner, _, at = value.decode().partition(":")
             if int(owner) == partition:
                 recovered.append((int(at), record_id))
@@ -190,6 +205,10 @@ class RollupTables:
             del book.windows[name]
             book.dirty.discard(name)
             book.closed.discard(name)
+
+
+def _skipped_key(partition: int) -> bytes:
+    return SKIPPED_PREFIX + str(partition).encode()
 
 
 def _position() -> tuple[int, int]:
