@@ -22,6 +22,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 Dtype = Literal["auto", "bfloat16", "float16", "float32"]
+Executor = Literal["auto", "uni", "mp"]
 
 # Models that ship in a Python package (workers/model_store.py prepares their folders).
 BUNDLED_MODELS = ("smollm2",)
@@ -72,6 +73,9 @@ class ModelConfig(BaseModel):
     max_model_len: int = Field(default=2048, ge=64)
     quantization: str | None = None  # a vLLM method ("fp8", "awq", "gptq", ...)
     tensor_parallel_size: int = Field(default=1, ge=1)
+    # auto: the model runs in the engine-core process on a CPU (one process fewer to
+    # start, faster decoding), vLLM's choice elsewhere (workers/executor.py).
+    executor: Executor = "auto"
     speculative: Speculative | None = None
     max_num_seqs: int = Field(default=32, ge=1)  # prompts in flight per worker
     # KV cache per worker (SmolLM2: ~22.5 KiB a token, so 1 GiB is ~46k tokens).
@@ -80,6 +84,15 @@ class ModelConfig(BaseModel):
     memory_share: float = Field(default=0.3, gt=0, le=1)  # vLLM's gpu_memory_utilization
     # A Jinja chat template file used instead of the one in the model's tokenizer.
     chat_template: Path | None = None
+
+    @model_validator(mode="after")
+    def _one_process_one_engine(self) -> ModelConfig:
+        if self.executor == "uni" and self.tensor_parallel_size > 1:
+            raise ValueError(
+                f"executor 'uni' runs one process: tensor_parallel_size "
+                f"{self.tensor_parallel_size} needs 'mp' or 'auto'"
+            )
+        return self
 
 
 def parse_models(raw: Any) -> Any:

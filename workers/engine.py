@@ -28,8 +28,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from schemas.events import ChatMessage, Sampling
-from tandoor.models import Dtype
+from tandoor.models import Dtype, Executor
 from workers.dtype import resolve_dtype
+from workers.executor import resolve_executor
 
 if TYPE_CHECKING:  # vLLM imports torch: loaded only when an engine starts
     from vllm import SamplingParams
@@ -60,6 +61,7 @@ class EngineOptions:
     kv_cache_memory_bytes: int | None = None
     quantization: str | None = None
     tensor_parallel_size: int = 1
+    executor: Executor = "auto"  # auto: "uni" on a CPU (workers/executor.py)
     speculative: dict[str, Any] | None = None  # vLLM's speculative_config
     chat_template: str | None = None  # None: the tokenizer's own
 
@@ -104,7 +106,9 @@ class Engine:
 
         dtype = resolve_dtype(options.dtype)
         log.info("engine dtype %s: %s", dtype.dtype, dtype.reason)
-        args = _engine_args(options, dtype.dtype)
+        executor = resolve_executor(options.executor, options.tensor_parallel_size)
+        log.info("engine executor %s", executor or "vLLM's choice")
+        args = _engine_args(options, dtype.dtype, executor)
         # In a thread: loading takes tens of seconds and must not stall the event loop.
         # AsyncLLM binds its asyncio tasks and zmq sockets to a loop lazily, on first use.
         llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
@@ -202,7 +206,9 @@ def _import_vllm() -> None:
     import vllm.v1.engine.async_llm  # noqa: F401
 
 
-def _engine_args(options: EngineOptions, dtype: str) -> AsyncEngineArgs:
+def _engine_args(
+    options: EngineOptions, dtype: str, executor: str | None
+) -> AsyncEngineArgs:
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     return AsyncEngineArgs(
@@ -216,6 +222,7 @@ def _engine_args(options: EngineOptions, dtype: str) -> AsyncEngineArgs:
         enable_prefix_caching=options.enable_prefix_caching,
         quantization=options.quantization,
         tensor_parallel_size=options.tensor_parallel_size,
+        distributed_executor_backend=executor,
         speculative_config=options.speculative,
     )
 

@@ -50,6 +50,7 @@ def engine_options(name: str, config: ModelConfig, model_dir: Path) -> EngineOpt
         kv_cache_memory_bytes=None if kv_mib is None else kv_mib * 1024 * 1024,
         quantization=config.quantization,
         tensor_parallel_size=config.tensor_parallel_size,
+        executor=config.executor,
         speculative=None if config.speculative is None else config.speculative.vllm_config(),
         chat_template=_chat_template(name, config.chat_template),
     )

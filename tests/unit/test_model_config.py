@@ -46,6 +46,8 @@ def test_a_list_of_names_serves_bundled_models_with_defaults() -> None:
         ({"smollm2": {"max_num_seq": 8}}, "max_num_seq\n  Extra inputs are not permitted"),
         ({"smollm2": {"dtype": "fp8"}}, "'auto', 'bfloat16', 'float16' or 'float32'"),
         ({"smollm2": {"tensor_parallel_size": 0}}, "greater than or equal to 1"),
+        ({"smollm2": {"executor": "ray"}}, "'auto', 'uni' or 'mp'"),
+        ({"x": {"source": "/m", "executor": "uni", "tensor_parallel_size": 2}}, "needs 'mp'"),
         ({}, "at least 1 item"),
         ("smollm2", "valid dictionary"),
     ],

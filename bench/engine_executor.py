@@ -1,0 +1,84 @@
+"""Where the engine runs its model on a CPU: in the engine-core process (`uni`, what
+`executor: auto` takes there) against vLLM's default worker process (`mp`), one after the
+other on this machine, each in a fresh process.
+
+    python -m bench.engine_executor [--streams 16] [--max-tokens 128] [--rounds 2]
+
+Prints start-up time (import to ready) and decode speed at 1 and at `--streams` streams.
+Needs no servers: the engine only."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import time
+
+from bench.machine import describe_machine
+from schemas.events import ChatMessage, Sampling
+from tandoor.settings import Settings
+from workers.engine import Engine, EngineOptions
+from workers.model_store import resolve_model_dir
+
+MODES = ("uni", "mp")
+
+
+async def measure_one(mode: str, streams: int, max_tokens: int) -> dict[str, float]:
+    model_dir = resolve_model_dir("smollm2", Settings())
+    started = time.monotonic()
+    options = EngineOptions(model_dir, max_num_seqs=32, kv_cache_memory_bytes=1 << 30)
+    engine = await Engine.start(EngineOptions(**{**options.__dict__, "executor": mode}))
+    start_s = time.monotonic() - started
+    prompt = engine.render_prompt([ChatMessage(role="user", content="Tell me about the sea.")])
+    sampling = Sampling(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+    async def reply(i: int) -> int:
+        return sum([o.new_tokens async for o in engine.generate(f"{mode}-{i}", prompt, sampling)])
+
+    async def tokens_per_s(count: int) -> float:
+        began = time.monotonic()
+        made = await asyncio.gather(*(reply(i) for i in range(count)))
+        return sum(made) / (time.monotonic() - began)
+
+    await reply(-1)  # the first request pays one-off costs
+    figures = {
+        "start_s": start_s,
+        "one": await tokens_per_s(1),
+        "many": await tokens_per_s(streams),
+    }
+    await engine.shutdown()
+    return figures
+
+
+def run_in_child(mode: str, args: argparse.Namespace) -> dict[str, float]:
+    command = [sys.executable, "-m", "bench.engine_executor", "--child", mode]
+    command += ["--streams", str(args.streams), "--max-tokens", str(args.max_tokens)]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        raise SystemExit(f"{mode} failed:\n{done.stderr[-3000:]}")
+    return dict(json.loads(lines[-1]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--streams", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=2, help="each mode this many times")
+    parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(asyncio.run(measure_one(args.child, args.streams, args.max_tokens))))
+        return
+    print(describe_machine())
+    print(f"{'executor':<10}{'start s':>9}{'tok/s at 1':>12}{f'tok/s at {args.streams}':>14}")
+    for _ in range(args.rounds):  # interleaved: a drifting machine shows in both
+        for mode in MODES:
+            got = run_in_child(mode, args)
+            print(f"{mode:<10}{got['start_s']:>9.1f}{got['one']:>12.0f}{got['many']:>14.0f}")
+
+
+if __name__ == "__main__":
+    main()
