@@ -206,9 +206,7 @@ def _import_vllm() -> None:
     import vllm.v1.engine.async_llm  # noqa: F401
 
 
-def _engine_args(
-    options: EngineOptions, dtype: str, executor: str | None
-) -> AsyncEngineArgs:
+def _engine_args(options: EngineOptions, dtype: str, executor: str | None) -> AsyncEngineArgs:
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     return AsyncEngineArgs(
