@@ -218,6 +218,18 @@ async def model_aliases(
     return models, env
 
 
+async def add_model(
+    settings: Settings, env: dict[str, str], model_dir: Path, prefix: str, **options: object
+) -> tuple[str, dict[str, str]]:
+    """A fresh name for another model (`model_dir`), with its prompt topic created, added
+    to the models `env` serves, each of `options` (ModelConfig fields) set."""
+    model = f"{prefix}-{uuid.uuid4().hex[:6]}"
+    partitions = sum(band.partitions for band in settings.bands)
+    await ensure_topics(settings.kafka_bootstrap, [TopicSpec(prompts_topic(model), partitions)])
+    models = {**json.loads(env["TANDOOR_MODELS"]), model: {"source": str(model_dir), **options}}
+    return model, {**env, "TANDOOR_MODELS": json.dumps(models)}
+
+
 def with_models(
     env: dict[str, str], only: Sequence[str] | None = None, **options: object
 ) -> dict[str, str]:

@@ -66,6 +66,10 @@ install_system_packages
 install_virtualenv
 log "fetching server jars (cached)"
 .venv/bin/tandoor infra fetch
-log "preparing the bundled model (converted once, then cached)"
-.venv/bin/tandoor prepare-model smollm2
+log "preparing the bundled models (converted once, then cached)"
+# Side by side: each conversion is mostly one thread.
+.venv/bin/tandoor prepare-model smollm2 & smollm2=$!
+.venv/bin/tandoor prepare-model gemma3 & gemma3=$!
+wait "$smollm2"
+wait "$gemma3"
 log "done"

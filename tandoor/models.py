@@ -25,7 +25,7 @@ Dtype = Literal["auto", "bfloat16", "float16", "float32"]
 Executor = Literal["auto", "uni", "mp"]
 
 # Models that ship in a Python package (workers/model_store.py prepares their folders).
-BUNDLED_MODELS = ("smollm2",)
+BUNDLED_MODELS = ("smollm2", "gemma3")
 BUNDLED_PREFIX = "bundled:"
 
 

@@ -109,8 +109,12 @@ class Settings(BaseSettings):
     kafka_replication_factor: int = Field(default=1, ge=1)  # every topic's, internal ones too
     # Served name -> how it is served: source, dtype, max_model_len (the context budget),
     # quantization, parallelism, slots, KV cache, template (tandoor/models.py).
+    # By default the two bundled models: the main job serves both.
     models: dict[str, ModelConfig] = Field(
-        default_factory=lambda: {"smollm2": ModelConfig(source="bundled:smollm2")}, min_length=1
+        default_factory=lambda: {
+            name: ModelConfig(source=f"bundled:{name}") for name in ("smollm2", "gemma3")
+        },
+        min_length=1,
     )
     bands: list[Band] = DEFAULT_BANDS
     tiers: dict[str, TierPolicy] = DEFAULT_TIERS

@@ -1,6 +1,7 @@
 """The whole stack for end-to-end tests (tests/e2e/stack.py), started once for the
-package and its fault tests: two gateway processes, a worker with the bundled model, the
-persistence consumer, and the real Kafka, Cassandra and Redis.
+package and its fault tests: two gateway processes, a worker with the bundled SmolLM2, a
+worker with the bundled Gemma 3 (a second, different real model), the persistence
+consumer, batch admission, and the real Kafka, Cassandra and Redis.
 
 Two more model names test what happens when a model is busy. `big` has a worker that
 takes nothing (infra/idle_worker.py): its prompts wait, and the free tier falls back to
@@ -23,6 +24,7 @@ from infra.roles import (
     IdleWorkerProcess,
     PersistProcess,
     WorkerProcess,
+    add_model,
     model_aliases,
     running,
 )
@@ -46,6 +48,14 @@ TIERS = {
         concurrent_streams=8,
         max_reply_tokens=4,
     ),
+    # Replies of a few tokens, for the page's picker test (Gemma is slow on a CPU).
+    "brief": TierPolicy(
+        band="interactive-paid",
+        requests_per_minute=100,
+        tokens_per_minute=1_000_000,
+        concurrent_streams=4,
+        max_reply_tokens=8,
+    ),
     # Two requests a minute, served while Redis is down: the quota applies again after.
     "tight": TierPolicy(
         band="interactive-paid",
@@ -64,11 +74,15 @@ async def stack(
     logs = tmp_path_factory.mktemp("stack")
     model_dir = await asyncio.to_thread(resolve_model_dir, "smollm2", cassandra)
     (model, big, idle), env = await model_aliases(cassandra, model_dir, ["gw", "big", "idle"])
+    gemma_dir = await asyncio.to_thread(resolve_model_dir, "gemma3", cassandra)
+    # Few slots: a reply of Gemma costs several times SmolLM2's on a CPU (its vocabulary).
+    second, env = await add_model(cassandra, env, gemma_dir, "gemma", max_num_seqs=4)
     tiers = cassandra.tiers | TIERS
     env["TANDOOR_TIERS"] = json.dumps({name: p.model_dump() for name, p in tiers.items()})
     fallbacks = {
         big: Fallback(model=model, backlog=SHED_BACKLOG, tiers=["free"]),
         idle: Fallback(model=model, backlog=1000, tiers=["free"]),
+        second: Fallback(model=model, backlog=1, tiers=["free"]),  # between two real models
     }
     env["TANDOOR_FALLBACKS"] = json.dumps({m: f.model_dump() for m, f in fallbacks.items()})
     env["TANDOOR_BACKLOG_POLL_S"] = "0.5"
@@ -77,7 +91,7 @@ async def stack(
     env["TANDOOR_WORKER_GRACE_S"] = "2"  # at teardown, no waiting for title jobs to end
     env["TANDOOR_BATCH_BACKLOG_PER_WORKER"] = "32"  # batch lines fill the worker: quicker
     settings = cassandra.model_copy(
-        update={"models": [model, big, idle], "fallbacks": fallbacks, "tiers": tiers}
+        update={"models": [model, big, idle, second], "fallbacks": fallbacks, "tiers": tiers}
     )
     the_stack = Stack(
         settings,
@@ -86,7 +100,9 @@ async def stack(
         model,
         big,
         idle,
+        second,
         worker=WorkerProcess(model, logs, env),
+        second_worker=WorkerProcess(second, logs, env),
         persist=PersistProcess(logs, env),
         admission=AdmissionProcess(logs, env),
         gateways=[GatewayProcess(logs, free_port(), env) for _ in range(2)],  # two replicas

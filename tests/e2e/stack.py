@@ -54,7 +54,9 @@ class Stack:
     model: str  # served by the stack's worker
     big: str  # an idle worker (takes nothing): prompts wait; the free tier falls back
     idle: str  # no worker at all: busy at once; the free tier falls back to `model`
+    second: str  # another real model (Gemma 3); the free tier falls back to `model`
     worker: WorkerProcess
+    second_worker: WorkerProcess
     persist: PersistProcess
     admission: AdmissionProcess
     gateways: list[GatewayProcess]
@@ -70,7 +72,7 @@ class Stack:
         return [f"http://127.0.0.1:{g.port}" for g in self.gateways]
 
     def roles(self) -> list[RoleProcess]:
-        return [self.worker, self.persist, self.admission, *self.gateways]
+        return [self.worker, self.second_worker, self.persist, self.admission, *self.gateways]
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[None]:

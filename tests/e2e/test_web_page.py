@@ -196,6 +196,19 @@ async def test_replies_are_rendered_as_escaped_markdown(stack: Stack, page: Page
     assert '<pre><code class="language-py">print(&quot;&lt;hi&gt;&quot;)</code></pre>' in html
 
 
+async def test_the_model_picker_sends_to_the_model_chosen(stack: Stack, page: Page) -> None:
+    await sign_in(page, stack, tier="brief")  # short replies: Gemma is slow on a CPU
+    picker = page.get_by_label("Model", exact=True)
+    offered = await picker.locator("option").all_inner_texts()
+    assert {stack.model, stack.second} <= set(offered), offered
+    await picker.select_option(stack.second)
+    await ask(page, "Name a colour.")
+    await replies_over(page, 1)
+    await expect(page.locator(".message.assistant .meta").last).to_contain_text(stack.second)
+    await expect(page.locator("#chat-model")).to_have_text(stack.second)
+    await shot(page, "08-second-model")
+
+
 async def test_edit_rename_and_delete(stack: Stack, page: Page) -> None:
     await sign_in(page, stack)
     await ask(page, "What is 2 + 2?")

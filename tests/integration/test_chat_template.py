@@ -35,3 +35,37 @@ async def test_the_override_replaces_the_tokenizers_template(settings: Settings)
     # A continued reply ends with its partial text, not with a new assistant turn.
     continued = tokenizer.decode(custom.render_prompt(messages, "General Ken"))
     assert continued == "[user] Hello there\n[assistant] General Ken"
+
+
+async def test_the_bundled_gemma_renders_its_turns_and_stops_at_their_end(
+    settings: Settings,
+) -> None:
+    """The bundled Gemma's GGUF has no template: its folder gets Gemma's turn format, and
+    its generation config ends a reply at <end_of_turn> (the model writes it, not EOS)."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from workers.model_store import GEMMA_END_OF_TURN
+
+    folder = await asyncio.to_thread(resolve_model_dir, "gemma3", settings)
+    tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, folder)
+    gemma = Engine(cast(Any, None), tokenizer, 2048)
+    messages = [
+        ChatMessage(role="system", content="Be brief."),
+        ChatMessage(role="user", content="Hi"),
+        ChatMessage(role="assistant", content="Hello"),
+        ChatMessage(role="user", content="Name a colour."),
+    ]
+    assert tokenizer.decode(gemma.render_prompt(messages)) == (
+        "<bos><start_of_turn>user\nBe brief.<end_of_turn>\n"
+        "<start_of_turn>user\nHi<end_of_turn>\n"
+        "<start_of_turn>model\nHello<end_of_turn>\n"
+        "<start_of_turn>user\nName a colour.<end_of_turn>\n"
+        "<start_of_turn>model\n"
+    )
+    continued = tokenizer.decode(gemma.render_prompt(messages[1:2], "Hel"))
+    assert continued == "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\nHel"
+    assert tokenizer.convert_tokens_to_ids("<end_of_turn>") == GEMMA_END_OF_TURN
+    generation = json.loads((folder / "generation_config.json").read_text())
+    assert GEMMA_END_OF_TURN in generation["eos_token_id"]

@@ -30,6 +30,13 @@ def fresh_settings() -> Iterator[None]:
     get_settings.cache_clear()
 
 
+def test_the_default_serves_both_bundled_models() -> None:
+    assert {n: c.source for n, c in Settings().models.items()} == {
+        "smollm2": "bundled:smollm2",
+        "gemma3": "bundled:gemma3",
+    }
+
+
 def test_a_list_of_names_serves_bundled_models_with_defaults() -> None:
     settings = Settings.model_validate({"models": ["smollm2"]})
     config = settings.models["smollm2"]
