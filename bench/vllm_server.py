@@ -1,5 +1,6 @@
-"""vLLM's own OpenAI server, started with the same engine settings as a worker: the
-reference every Tandoor benchmark is compared with, in the same run."""
+"""vLLM's own OpenAI server, started with the same engine settings as a worker (dtype and
+executor included): the reference every Tandoor benchmark is compared with, in the same
+run."""
 
 from __future__ import annotations
 
@@ -17,11 +18,16 @@ import httpx
 from bench.loadgen import RunStats, openai_sender, run_level, warm_up
 from tandoor.settings import Settings
 from workers.dtype import resolve_dtype
+from workers.executor import resolve_executor
 
 
 def start_vllm_server(
     model_dir: Path, port: int, args: argparse.Namespace
 ) -> subprocess.Popen[bytes]:
+    config = Settings().models["smollm2"]
+    # As a worker here runs it (on a CPU: in the engine-core process); this also sets the
+    # environment vLLM needs for that, which the server inherits.
+    executor = resolve_executor(config.executor, config.tensor_parallel_size)
     argv = [
         sys.executable,
         "-m",
@@ -35,7 +41,7 @@ def start_vllm_server(
         "--port",
         str(port),
         "--dtype",
-        resolve_dtype(Settings().models["smollm2"].dtype).dtype,  # what a worker here computes in
+        resolve_dtype(config.dtype).dtype,  # what a worker here computes in
         "--max-model-len",
         "2048",
         "--enforce-eager",
@@ -44,6 +50,7 @@ def start_vllm_server(
         str(args.max_seqs),
         "--kv-cache-memory-bytes",
         str(args.kv_cache_mib * 1024 * 1024),
+        *(["--distributed-executor-backend", executor] if executor else []),
     ]
     log = open(args.log_dir / "vllm-server.log", "wb")
     return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

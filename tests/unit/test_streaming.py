@@ -55,3 +55,31 @@ async def test_a_client_that_stops_reading_is_cut_off_and_its_slot_freed() -> No
     stream = ReplyStream(endless(), slots.take(), write_timeout_s=0.2, headers={})
     await asyncio.wait_for(stream(SCOPE, never_disconnects, stuck_after_three), 5)
     assert len(written) == 4 and slots.open == 0
+
+
+async def test_frames_of_waiting_events_go_out_in_one_write() -> None:
+    """Frames made while more events wait are written together; the last of a run, and
+    every frame of a reply whose events come one by one, at once."""
+    waiting = [True, True, False, False, True, False]  # after each frame: more queued?
+
+    async def frames() -> AsyncIterator[str]:
+        for i in range(len(waiting)):
+            yield f"data: {i}\n\n"
+
+    bodies: list[bytes] = []
+
+    async def record(message: Message) -> None:
+        if message["type"] == "http.response.body":
+            bodies.append(message["body"])
+
+    queued = iter(waiting)
+    stream = ReplyStream(
+        frames(), StreamSlots(1).take(), 5, {}, resumable=False, queued=lambda: next(queued)
+    )
+    await stream(SCOPE, never_disconnects, record)
+    assert bodies == [
+        b"data: 0\n\ndata: 1\n\ndata: 2\n\n",
+        b"data: 3\n\n",
+        b"data: 4\n\ndata: 5\n\n",
+        b"",
+    ]

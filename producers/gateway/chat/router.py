@@ -72,7 +72,8 @@ def _streamed(reply: Reply, svc: ChatService, slot: Slot) -> ReplyStream:
             yield chunk
 
     headers = {**SSE_HEADERS, "X-Request-Id": reply.request_id}
-    return ReplyStream(stream(), slot, svc.deps.settings.gateway_write_timeout_s, headers)
+    timeout = svc.deps.settings.gateway_write_timeout_s
+    return ReplyStream(stream(), slot, timeout, headers, queued=reply.watch.queued)
 
 
 @router.post("/{conversation_id}/stop", status_code=202)

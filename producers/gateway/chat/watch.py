@@ -33,6 +33,10 @@ class ReplyWatch:
         self._out: asyncio.Queue[Delivered | None] = asyncio.Queue()
         self.task = asyncio.create_task(self._follow(), name=f"reply-{sub.request_id}")
 
+    def queued(self) -> bool:
+        """Whether events are waiting for the client (they make frames without a wait)."""
+        return not self._out.empty()
+
     async def events(self) -> AsyncIterator[Delivered | None]:
         """For the connected client: events, or None now and then as a keep-alive."""
         while True:

@@ -45,4 +45,6 @@ async def chat_completions(
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunks = completion_chunks(reply, include_usage, moderator.output_filter)
         timeout = svc.deps.settings.gateway_write_timeout_s
-        return ReplyStream(chunks, slot, timeout, SSE_HEADERS, resumable=False)
+        return ReplyStream(
+            chunks, slot, timeout, SSE_HEADERS, resumable=False, queued=reply.watch.queued
+        )
