@@ -4,7 +4,7 @@ memory (bench/sse_reference.py), with the same clients, in one run. A synthetic 
 (bench/synthetic_worker.py) answers every prompt at once with token events of
 --tokens-per-event tokens, what the real worker's coalescing sends at full speed.
 
-    python -m bench.token_path [--clients 32] [--requests 2] [--events 256]
+    python -m bench.token_path [--clients 32] [--requests 24] [--events 256]
 
 The stack (Kafka, Cassandra, Redis) must be up: `tandoor infra up`. The target is
 200,000 tokens/s per gateway process.
@@ -135,7 +135,9 @@ def report(name: str, result: Throughput) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--clients", type=int, default=32)
-    parser.add_argument("--requests", type=int, default=2, help="per client")
+    parser.add_argument(
+        "--requests", type=int, default=24, help="per client (fewer: warm-up dominates)"
+    )
     parser.add_argument("--events", type=int, default=256, help="per reply")
     parser.add_argument("--tokens-per-event", type=int, default=16)
     parser.add_argument("--log-dir", type=Path, default=Path(".tandoor/bench"))
