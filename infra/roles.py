@@ -200,10 +200,7 @@ async def model_aliases(
 ) -> tuple[list[str], dict[str, str]]:
     """Like model_alias, for several names served together (the first names the groups)."""
     models = [f"{prefix}-{uuid.uuid4().hex[:6]}" for prefix in prefixes]
-    partitions = sum(band.partitions for band in settings.bands)
-    await ensure_topics(
-        settings.kafka_bootstrap, [TopicSpec(prompts_topic(m), partitions) for m in models]
-    )
+    await _create_prompt_topics(settings, models)
     env = {
         "TANDOOR_MODELS": json.dumps({m: {"source": str(model_dir)} for m in models}),
         "TANDOOR_GATEWAY_GROUP": f"gateway-{models[0]}",
@@ -224,10 +221,16 @@ async def add_model(
     """A fresh name for another model (`model_dir`), with its prompt topic created, added
     to the models `env` serves, each of `options` (ModelConfig fields) set."""
     model = f"{prefix}-{uuid.uuid4().hex[:6]}"
-    partitions = sum(band.partitions for band in settings.bands)
-    await ensure_topics(settings.kafka_bootstrap, [TopicSpec(prompts_topic(model), partitions)])
+    await _create_prompt_topics(settings, [model])
     models = {**json.loads(env["TANDOOR_MODELS"]), model: {"source": str(model_dir), **options}}
     return model, {**env, "TANDOOR_MODELS": json.dumps(models)}
+
+
+async def _create_prompt_topics(settings: Settings, models: Sequence[str]) -> None:
+    partitions = sum(band.partitions for band in settings.bands)
+    await ensure_topics(
+        settings.kafka_bootstrap, [TopicSpec(prompts_topic(m), partitions) for m in models]
+    )
 
 
 def with_models(

