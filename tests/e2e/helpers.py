@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import random
+import string
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -12,6 +14,13 @@ import httpx
 from tandoor.policies.api_keys import create_key
 from tests.e2e.stack import Stack
 from tests.waiting import eventually
+
+
+def user_name(prefix: str) -> str:
+    """A fresh user id of letters after `prefix`: tests that put the name in a prompt
+    compare it with the stored one, and a run of digits there (`fault-11-624467`) is
+    redacted as a phone number."""
+    return f"{prefix}-{''.join(random.choices(string.ascii_lowercase, k=8))}"
 
 
 async def auth(stack: Stack, tier: str = "plus") -> dict[str, str]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
@@ -25,7 +24,7 @@ from typing import Any
 import httpx
 
 from tandoor.policies.api_keys import create_key
-from tests.e2e.helpers import sse
+from tests.e2e.helpers import sse, user_name
 from tests.e2e.stack import Stack
 from tests.waiting import eventually, while_progressing
 
@@ -234,9 +233,7 @@ async def clients(stack: Stack, count: int, tier: str = "plus") -> AsyncIterator
     made: list[ChatClient] = []
     try:
         for i in range(count):
-            key, principal = await create_key(
-                stack.settings, f"fault-{i}-{uuid.uuid4().hex[:6]}", tier
-            )
+            key, principal = await create_key(stack.settings, user_name(f"fault{i}"), tier)
             headers = {"Authorization": f"Bearer {key}"}
             urls = stack.urls[i % len(stack.urls) :] + stack.urls[: i % len(stack.urls)]
             async with httpx.AsyncClient(base_url=urls[0], timeout=30) as http:

@@ -16,7 +16,6 @@ import os
 import random
 import re
 import signal
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,7 +37,7 @@ from tests.e2e.faults.checks import (
     mid_stream,
 )
 from tests.e2e.faults.driver import MAX_TOKENS, ChatClient, clients
-from tests.e2e.helpers import sse
+from tests.e2e.helpers import sse, user_name
 from tests.e2e.stack import Stack
 from tests.ops import samples
 from tests.waiting import eventually, while_progressing
@@ -270,9 +269,7 @@ async def chat_until(user: ChatClient, stop: asyncio.Event) -> None:
 async def api_clients(stack: Stack, count: int, spare_url: str) -> AsyncIterator[list[ApiClient]]:
     made = []
     for i in range(count):
-        key, principal = await create_key(
-            stack.settings, f"chaos-{i}-{uuid.uuid4().hex[:6]}", "plus"
-        )
+        key, principal = await create_key(stack.settings, user_name(f"chaos{i}"), "plus")
         urls = stack.urls[i % 2 :] + stack.urls[: i % 2] + [spare_url]
         headers = {"Authorization": f"Bearer {key}"}
         made.append(ApiClient(f"api{i}", principal.user_id, stack.model, headers, urls))
