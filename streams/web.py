@@ -48,9 +48,9 @@ def refusal(token: str | None, authorization: str | None) -> str | None:
     return None
 
 
-def _install_ops_pages(app: faust.App, rollups: RollupTables) -> None:
-    """/metrics (faust's Prometheus sensors: events, lag, commits...; and the entries each
-    table holds), /health, /ready."""
+def metrics_registry(app: faust.App, rollups: RollupTables) -> CollectorRegistry:
+    """faust's Prometheus sensors (events, lag, commits...; served by faust on /metrics)
+    and the entries each table holds."""
     registry = CollectorRegistry()
     setup_prometheus_sensors(app, registry=registry, name_prefix="tandoor_streams")
     entries = Gauge(
@@ -61,6 +61,12 @@ def _install_ops_pages(app: faust.App, rollups: RollupTables) -> None:
     )
     for table in rollups.sizes():
         entries.labels(table).set_function(partial(_entries, rollups, table))
+    return registry
+
+
+def _install_ops_pages(app: faust.App, rollups: RollupTables) -> None:
+    """/metrics (metrics_registry), /health, /ready."""
+    metrics_registry(app, rollups)
 
     @app.page("/health")
     class Health(View):

@@ -37,6 +37,7 @@ class Attempt:
     carried: tuple[Recorded, ...] = ()  # published by the attempt this one continues
     recording: bool = False  # each token event goes to the transcript first
     stale_transcript: bool = False  # a record failed: drop it as soon as Redis answers
+    band: str = ""  # the priority band it came from, for the latency metrics
     submitted_ms: float = 0.0
     first_token_ms: float | None = None
     last_token_ms: float = 0.0

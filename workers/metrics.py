@@ -5,6 +5,9 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+# Batch-band prompts may wait minutes behind interactive ones: the top buckets keep
+# their quantiles from all landing in +Inf.
+WAIT_BUCKETS = (*LATENCY_BUCKETS, 60, 300, 1800)
 
 
 class WorkerMetrics:
@@ -23,13 +26,22 @@ class WorkerMetrics:
             ["model"],
             registry=self.registry,
         ).labels(**labels)
-        self.ttft = Histogram(
+        # Per band (the partition range the prompt came from: a handful, from the
+        # settings), so interactive latency is not hidden under batch waits.
+        self._ttft = Histogram(
             "tandoor_worker_time_to_first_token_seconds",
             "Prompt created to first token",
-            ["model"],
-            buckets=LATENCY_BUCKETS,
+            ["model", "band"],
+            buckets=WAIT_BUCKETS,
             registry=self.registry,
-        ).labels(**labels)
+        )
+        self._queue = Histogram(
+            "tandoor_worker_queue_seconds",
+            "Prompt created to the worker handing it to the engine",
+            ["model", "band"],
+            buckets=WAIT_BUCKETS,
+            registry=self.registry,
+        )
         self.tokens = Counter(
             "tandoor_worker_generated_tokens",
             "Completion tokens (rate() gives tokens/s)",
@@ -65,6 +77,12 @@ class WorkerMetrics:
     def prompt(self, tokens: int, cached: int) -> None:
         self.prompt_tokens.inc(tokens)
         self.cached_tokens.inc(cached)
+
+    def first_token(self, band: str, seconds: float) -> None:
+        self._ttft.labels(model=self._model, band=band).observe(seconds)
+
+    def queued(self, band: str, seconds: float) -> None:
+        self._queue.labels(model=self._model, band=band).observe(seconds)
 
     def finished(self, reason: str) -> None:
         self._finished.labels(model=self._model, reason=reason).inc()

@@ -61,13 +61,15 @@ class RequestRunner:
         self.capacity = capacity
         self.metrics = metrics
 
-    async def run(self, prompt: PromptRequest, tracked: Tracked) -> None:
+    async def run(self, prompt: PromptRequest, tracked: Tracked, band: str) -> None:
+        """`band`: the priority band of the partition the prompt came from."""
         arrival = await self._arrival(prompt)
         if arrival is None:
             return
         tracked.leased = arrival.leased
         tracked.cancelled = tracked.cancelled or arrival.cancelled
         attempt = await self._attempt(prompt, tracked, arrival)
+        attempt.band = band
         self.metrics.waiting.inc()
         try:
             await self._run(attempt)
@@ -211,6 +213,7 @@ class RequestRunner:
         coalescer = Coalescer(self.config.coalesce_s, self.config.coalesce_tokens)
         sampling = attempt.prompt.sampling.model_copy(update={"max_tokens": max_tokens})
         attempt.submitted_ms = time.time() * 1000
+        self.metrics.queued(attempt.band, _since(attempt.prompt, attempt.submitted_ms))
         tracked.in_engine = True
         if tracked.cancelled:
             return "cancelled"
@@ -241,7 +244,7 @@ class RequestRunner:
             attempt.first_token_ms = now
             self.metrics.waiting.dec()
             self.metrics.running.inc()
-            self.metrics.ttft.observe(max(0.0, now - attempt.prompt.created_at_ms) / 1000)
+            self.metrics.first_token(attempt.band, _since(attempt.prompt, now))
         attempt.last_token_ms = now
         attempt.completion_tokens += new_tokens
 
@@ -329,6 +332,11 @@ class RequestRunner:
             "-" if usage.ttft_ms is None else f"{usage.ttft_ms:.0f}",
             f": {error}" if error else "",
         )
+
+
+def _since(prompt: PromptRequest, ms: float) -> float:
+    """Seconds from the prompt's creation (clocks of two hosts: never negative)."""
+    return max(0.0, ms - prompt.created_at_ms) / 1000
 
 
 def _continuable(transcript: tuple[Recorded, ...]) -> tuple[Recorded, ...]:

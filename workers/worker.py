@@ -159,7 +159,7 @@ class Worker:
                 bind_request_id(prompt.request_id)
                 tracked = self._tracked.setdefault(prompt.request_id, Tracked(prompt.request_id))
                 try:
-                    await self._runner.run(prompt, tracked)
+                    await self._runner.run(prompt, tracked, self.intake.band_of(record))
                 finally:
                     self._tracked.pop(prompt.request_id, None)
             self.intake.finished(record)  # not reached when handed back (cancelled)
