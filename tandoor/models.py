@@ -24,8 +24,12 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 Dtype = Literal["auto", "bfloat16", "float16", "float32"]
 Executor = Literal["auto", "uni", "mp"]
 
-# Models that ship in a Python package (workers/model_store.py prepares their folders).
-BUNDLED_MODELS = ("smollm2", "gemma3")
+# Models that ship in a Python package (workers/model_store.py prepares their folders),
+# with the names the chat page's picker shows for them.
+BUNDLED_MODELS = {
+    "smollm2": "SmolLM2 135M Instruct",
+    "gemma3": "Gemma 3 270M (pretrained)",
+}
 BUNDLED_PREFIX = "bundled:"
 
 
@@ -84,6 +88,9 @@ class ModelConfig(BaseModel):
     memory_share: float = Field(default=0.3, gt=0, le=1)  # vLLM's gpu_memory_utilization
     # A Jinja chat template file used instead of the one in the model's tokenizer.
     chat_template: Path | None = None
+    # What the chat page's picker shows (the served name when unset; a bundled model
+    # served under its own name gets its display name).
+    display_name: str | None = Field(default=None, min_length=1, max_length=80)
 
     @model_validator(mode="after")
     def _one_process_one_engine(self) -> ModelConfig:
@@ -118,6 +125,7 @@ def _with_source(name: str, config: Any) -> Any:
                 f"need none are the bundled ones: {', '.join(BUNDLED_MODELS)}"
             )
         source = BUNDLED_PREFIX + name
+        config = {**config, "display_name": config.get("display_name") or BUNDLED_MODELS[name]}
     elif source.startswith(BUNDLED_PREFIX) and source[len(BUNDLED_PREFIX) :] not in BUNDLED_MODELS:
         raise ValueError(
             f"model {name!r}: {source!r} is not bundled; bundled models: "

@@ -112,7 +112,8 @@ class Settings(BaseSettings):
     # By default the two bundled models: the main job serves both.
     models: dict[str, ModelConfig] = Field(
         default_factory=lambda: {
-            name: ModelConfig(source=BUNDLED_PREFIX + name) for name in BUNDLED_MODELS
+            name: ModelConfig(source=BUNDLED_PREFIX + name, display_name=shown)
+            for name, shown in BUNDLED_MODELS.items()
         },
         min_length=1,
     )

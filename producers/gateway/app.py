@@ -17,6 +17,7 @@ from producers.gateway.middleware import install_middleware
 from producers.gateway.openai_api.router import router as openai_router
 from producers.gateway.services import Services, open_services
 from producers.gateway.streaming import StreamSlots
+from producers.gateway.usage import router as usage_router
 from producers.gateway.web_page import install_page
 from tandoor.ops import OpsServer, readiness_body, run_checks
 from tandoor.settings import Settings
@@ -52,6 +53,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(chat_router)
     app.include_router(openai_router)
     app.include_router(batches_router)
+    app.include_router(usage_router)
     install_page(app)
 
     @app.get("/health", tags=["health"])

@@ -34,6 +34,7 @@ class Services:
     conversations: ConversationService
     chat: ChatService
     cluster: Any  # the Cassandra cluster, for readiness
+    session: Any  # its session, for reads of no one service (the usage page)
     load: LoadMonitor
     batches: BatchService
 
@@ -84,7 +85,7 @@ async def open_services(settings: Settings, slots: StreamSlots) -> AsyncIterator
         )
         keys = KeyStore(session, cache, set(settings.tiers))
         batches = BatchService(session, producer, cache)
-        yield Services(settings, keys, conversations, chat, cluster, load, batches)
+        yield Services(settings, keys, conversations, chat, cluster, session, load, batches)
 
 
 def services(request: Request) -> Services:

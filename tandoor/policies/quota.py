@@ -101,6 +101,15 @@ class Admission:
     counted: bool = True  # False: admitted while Redis was down (nothing to settle there)
 
 
+@dataclass(frozen=True)
+class QuotaUse:
+    """How much of each limit a user holds right now (the usage page)."""
+
+    requests: int  # in the sliding minute
+    tokens: int  # charged in the current fixed minute window (estimates until settled)
+    streams: int  # open, their leases not run out
+
+
 class QuotaUnavailable(Exception):
     """Redis is down and the tier fails closed."""
 
@@ -179,6 +188,20 @@ class Quotas:
                 raise QuotaExceeded("concurrent_streams", BUSY_RETRY_MS)
             self._uncounted[user_id] += 1
         return Admission(user_id, request_id, 0, tokens, counted=False)
+
+    async def in_use(self, user_id: str, now_ms: int) -> QuotaUse | None:
+        """What `admit` would count now; None while Redis is unreachable."""
+        window = now_ms - now_ms % WINDOW_MS
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.zcount(requests_log_key(user_id), f"({now_ms - WINDOW_MS}", "+inf")
+        pipe.get(tokens_window_key(user_id, window))
+        pipe.zcount(streams_key(user_id), f"({now_ms}", "+inf")
+        try:
+            requests, tokens, streams = await pipe.execute()
+        except REDIS_DOWN as exc:
+            log.warning("quota use of %s unknown, Redis unreachable (%s)", user_id, exc)
+            return None
+        return QuotaUse(int(requests), int(tokens or 0), int(streams))
 
     async def settle(self, admission: Admission, actual_tokens: int) -> None:
         """Replace the estimate with the real usage in the window it was charged to;

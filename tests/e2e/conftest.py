@@ -28,7 +28,9 @@ from infra.roles import (
     model_aliases,
     running,
 )
+from tandoor.models import BUNDLED_MODELS
 from tandoor.settings import Fallback, Settings, TierPolicy
+from tests.e2e.browser import browser, page  # noqa: F401 (the page tests' fixtures)
 from tests.e2e.stack import BLOCKED_TERM, SHED_BACKLOG, Stack
 from workers.model_store import resolve_model_dir
 
@@ -76,7 +78,9 @@ async def stack(
     (model, big, idle), env = await model_aliases(cassandra, model_dir, ["gw", "big", "idle"])
     gemma_dir = await asyncio.to_thread(resolve_model_dir, "gemma3", cassandra)
     # Few slots: a reply of Gemma costs several times SmolLM2's on a CPU (its vocabulary).
-    second, env = await add_model(cassandra, env, gemma_dir, "gemma", max_num_seqs=4)
+    second, env = await add_model(
+        cassandra, env, gemma_dir, "gemma", max_num_seqs=4, display_name=BUNDLED_MODELS["gemma3"]
+    )
     tiers = cassandra.tiers | TIERS
     env["TANDOOR_TIERS"] = json.dumps({name: p.model_dump() for name, p in tiers.items()})
     fallbacks = {

@@ -27,8 +27,14 @@ async def models(caller: Caller, deps: Annotated[Services, Depends(services)]) -
     return {
         "object": "list",
         "data": [
-            {"id": m, "object": "model", "created": 0, "owned_by": "tandoor"}
-            for m in deps.settings.models
+            {
+                "id": name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "tandoor",
+                "display_name": config.display_name or name,  # beside OpenAI's fields
+            }
+            for name, config in deps.settings.models.items()
         ],
     }
 

@@ -48,18 +48,30 @@ async function apiError(response) {
   return new ApiError(response.status, message, retryAfter);
 }
 
+// Each error in plain words, once: the gateway's messages end with "retry in N s" where
+// a wait applies, which becomes the page's own "Try again in N seconds."
 export function explain(error) {
   if (!(error instanceof ApiError)) return `Something went wrong: ${error.message}`;
+  const message = withoutRetry(error.message);
   switch (error.status) {
     case 401:
       return "Your API key was not accepted. Sign in again.";
     case 413:
-      return `That message is too long for the model: ${error.message}`;
+      return `That message is too long for the model: ${message}.`;
     case 429:
-      return `Too many requests: ${error.message}. Try again in ${error.retryAfter ?? "a few"} seconds.`;
+      return `Too many requests: ${message}. ${retryIn(error.retryAfter)}`;
     case 503:
-      return `The service is busy or unavailable: ${error.message}`;
+      return `The service is busy or unavailable: ${message}. ${retryIn(error.retryAfter)}`;
     default:
-      return error.message;
+      return `${message}.`;
   }
+}
+
+function withoutRetry(message) {
+  return message.replace(/[;,.]?\s*(please\s+)?retry in \d+ s\.?\s*$/i, "").replace(/\.$/, "");
+}
+
+function retryIn(seconds) {
+  if (!seconds) return "Try again in a few seconds.";
+  return `Try again in ${seconds} second${seconds === 1 ? "" : "s"}.`;
 }

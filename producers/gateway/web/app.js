@@ -2,14 +2,23 @@
 // streamed over server-sent events and rendered as they arrive.
 
 import { Api, ApiError, explain } from "/web/api.js";
+import { addCodeCopyButtons, copyButton } from "/web/copy.js";
 import { renderMarkdown, escapeHtml } from "/web/markdown.js";
 import { readEvents } from "/web/sse.js";
+import { renderUsage } from "/web/usage.js";
 
 const KEY_STORAGE = "tandoor.apiKey";
 const RESUME_TRIES = 5;
 // A new chat's title until the model names it: its first message's opening characters,
 // counted as the gateway counts them (code points), which then asks the model for a title.
 const AUTO_TITLE_CHARS = 60; // producers/gateway/conversations/protocol.py
+// After a new chat's first reply the model's title comes from a background job, in the
+// lowest band: the sidebar (and the header) look again, less and less often.
+const TITLE_CHECK_FIRST_MS = 2000;
+const TITLE_CHECK_MAX_MS = 30000;
+const TITLE_CHECKS = 40;
+const USAGE_REFRESH_MS = 10000;
+const NEAR_BOTTOM_PX = 40;
 const $ = (id) => document.getElementById(id);
 
 const state = {
@@ -18,7 +27,11 @@ const state = {
   conversation: null, // {id, title, model, messages}
   reply: null, // the reply streaming now: {element, text, attempt, lastEventId, done}
   busy: false, // sending or streaming: the composer waits
+  following: true, // the list is scrolled to its end: a streaming reply keeps it there
+  modelNames: new Map(), // served name -> display name
+  usageTimer: null,
 };
+const sources = new WeakMap(); // a reply's body -> its Markdown, for the copy button
 
 // ---- signing in -------------------------------------------------------------
 
@@ -27,8 +40,9 @@ async function signIn(key) {
   const models = await api.json("GET", "/v1/models");
   state.api = api;
   sessionStorage.setItem(KEY_STORAGE, key);
+  state.modelNames = new Map(models.data.map((m) => [m.id, m.display_name || m.id]));
   $("model-picker").replaceChildren(
-    ...models.data.map((m) => new Option(m.id, m.id)),
+    ...models.data.map((m) => new Option(state.modelNames.get(m.id), m.id)),
   );
   $("signin").hidden = true;
   $("app").hidden = false;
@@ -54,6 +68,25 @@ async function loadConversations(reset) {
   state.cursor = page.next_cursor;
   $("more-conversations").hidden = !state.cursor;
   markCurrent();
+  const listed = state.conversation && page.data.find((c) => c.id === state.conversation.id);
+  if (listed) setTitle(listed.title); // renamed, or titled by the model, meanwhile
+}
+
+function setTitle(title) {
+  state.conversation.title = title;
+  $("chat-title").textContent = title || "New chat";
+}
+
+// Until the conversation's title changes from `provisional`, or another one is opened.
+async function watchTitle(id, provisional) {
+  let wait = TITLE_CHECK_FIRST_MS;
+  for (let check = 0; check < TITLE_CHECKS; check++) {
+    await sleep(wait);
+    wait = Math.min(wait * 1.5, TITLE_CHECK_MAX_MS);
+    if (state.conversation?.id !== id) return;
+    await loadConversations(true).catch(() => {});
+    if (state.conversation?.id !== id || state.conversation.title !== provisional) return;
+  }
 }
 
 function sidebarItem(conversation) {
@@ -84,16 +117,22 @@ async function openConversation(id) {
 }
 
 function showConversation(conversation) {
+  closeUsage();
   state.conversation = conversation;
   state.reply = null;
   $("chat-title").textContent = conversation ? conversation.title || "New chat" : "New chat";
-  $("chat-model").textContent = conversation ? conversation.model : "";
+  $("chat-model").textContent = conversation ? modelName(conversation.model) : "";
   $("rename").hidden = $("delete").hidden = !conversation;
   $("messages").replaceChildren();
   hideNotice();
   for (const message of visible(conversation)) $("messages").append(messageElement(message));
   setBusy(state.busy); // only the buttons: a message being sent keeps the composer busy
   markCurrent();
+  scrollToEnd(true);
+}
+
+function modelName(model) {
+  return state.modelNames.get(model) || model;
 }
 
 function visible(conversation) {
@@ -106,9 +145,9 @@ function messageElement(message) {
   item.dataset.id = message.id || "";
   const meta = document.createElement("div");
   meta.className = "meta";
-  meta.textContent = message.role === "user" ? "You" : `Assistant${message.model ? ` · ${message.model}` : ""}`;
+  meta.textContent = message.role === "user" ? "You" : `Assistant${message.model ? ` · ${modelName(message.model)}` : ""}`;
   if (message.status === "stopped") meta.append(" · stopped");
-  if (message.status === "failed") meta.append(" · not sent");
+  if (message.status === "failed") meta.append(message.role === "user" ? " · not sent" : " · failed");
   if (message.role === "user" && message.id && message.status !== "failed") {
     const edit = document.createElement("button");
     edit.type = "button";
@@ -121,21 +160,51 @@ function messageElement(message) {
   const body = document.createElement("div");
   body.className = "body";
   setBody(body, message.role, message.content);
-  if (message.status === "stopped" && !message.content) body.textContent = "(stopped before any text)";
+  if (!message.content) explainEmpty(body, message.status);
+  if (message.role === "assistant") {
+    meta.append(copyButton("quiet", "Copy this reply", () => sources.get(body) ?? ""));
+  }
+  meta.append(timeElement(message.created_at));
   item.append(meta, body);
   return item;
 }
 
+function timeElement(createdAt) {
+  const at = createdAt ? new Date(createdAt) : new Date();
+  const time = document.createElement("time");
+  time.dateTime = at.toISOString();
+  time.textContent = at.toLocaleTimeString([], { hour: "2-digit", minute: "2-digit" });
+  time.title = at.toLocaleString();
+  return time;
+}
+
+// A reply that ended with no text says why instead of showing an empty bubble.
+function explainEmpty(body, status) {
+  const reason = { stopped: "Stopped before any text.", failed: "No reply: it failed." }[status];
+  if (!reason) return;
+  const note = document.createElement("p");
+  note.className = "placeholder";
+  note.textContent = reason;
+  body.replaceChildren(note);
+}
+
 function setBody(body, role, text) {
   // The user's own text is shown as typed; the model's is rendered Markdown.
-  body.innerHTML = role === "user" ? escapeHtml(text).replace(/\n/g, "<br>") : renderMarkdown(text);
+  if (role === "user") {
+    body.innerHTML = escapeHtml(text).replace(/\n/g, "<br>");
+    return;
+  }
+  body.innerHTML = renderMarkdown(text);
+  sources.set(body, text);
+  addCodeCopyButtons(body);
 }
 
 // ---- sending, streaming, resuming ---------------------------------------------------
 
 async function send(text) {
+  let created = null;
   if (!state.conversation) {
-    const created = await state.api.json("POST", "/v1/conversations", {
+    created = await state.api.json("POST", "/v1/conversations", {
       model: $("model-picker").value,
       title: Array.from(text).slice(0, AUTO_TITLE_CHARS).join(""),
     });
@@ -146,7 +215,9 @@ async function send(text) {
   const userMessage = messageElement({ role: "user", content: text });
   userMessage.dataset.content = text;
   $("messages").append(userMessage);
+  scrollToEnd(true);
   await streamReply(() => state.api.request("POST", path, { content: text }), userMessage);
+  if (created) watchTitle(created.id, created.title);
 }
 
 async function streamReply(open, userMessage = null) {
@@ -232,8 +303,11 @@ function handle(reply, event, userMessage) {
   } else if (event.type === "final") {
     const element = ensureReplyElement(reply, event.model);
     element.classList.remove("streaming");
-    if (event.finish_reason === "cancelled") element.querySelector(".meta").append(" · stopped");
+    const stopped = event.finish_reason === "cancelled";
+    if (stopped) element.querySelector(".meta").append(" · stopped");
+    if (!reply.text) explainEmpty(element.querySelector(".body"), stopped ? "stopped" : event.error ? "failed" : "");
     if (event.error) notify(new Error(event.error));
+    scrollToEnd();
   } else if (event.type === "error") {
     notify(new Error(event.error));
   }
@@ -305,8 +379,7 @@ async function rename() {
   const updated = await state.api.json("PATCH", `/v1/conversations/${state.conversation.id}`, {
     title: title.trim(),
   });
-  state.conversation.title = updated.title;
-  $("chat-title").textContent = updated.title;
+  setTitle(updated.title);
   await loadConversations(true);
 }
 
@@ -337,8 +410,40 @@ function hideNotice() {
   $("notice").hidden = true;
 }
 
-function scrollToEnd() {
-  $("messages").scrollTop = $("messages").scrollHeight;
+// New text keeps the list at its end only if the reader was there: scrolled up to read,
+// they stay put and the "latest" button offers the way back.
+function scrollToEnd(force = false) {
+  const list = $("messages");
+  if (force) state.following = true;
+  if (state.following) list.scrollTop = list.scrollHeight;
+  $("to-latest").hidden = state.following || list.scrollHeight <= list.clientHeight;
+}
+
+function onScroll() {
+  const list = $("messages");
+  state.following = list.scrollHeight - list.scrollTop - list.clientHeight < NEAR_BOTTOM_PX;
+  $("to-latest").hidden = state.following;
+}
+
+// ---- the usage view -------------------------------------------------------------------
+
+async function openUsage() {
+  $("chat").hidden = true;
+  $("usage").hidden = false;
+  clearInterval(state.usageTimer);
+  state.usageTimer = setInterval(() => refreshUsage().catch(notify), USAGE_REFRESH_MS);
+  await refreshUsage();
+}
+
+async function refreshUsage() {
+  renderUsage(await state.api.json("GET", "/v1/usage"));
+}
+
+function closeUsage() {
+  clearInterval(state.usageTimer);
+  state.usageTimer = null;
+  $("usage").hidden = true;
+  $("chat").hidden = false;
 }
 
 const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
@@ -382,6 +487,10 @@ function wire() {
   $("rename").addEventListener("click", () => rename().catch(notify));
   $("delete").addEventListener("click", () => remove().catch(notify));
   $("sign-out").addEventListener("click", signOut);
+  $("show-usage").addEventListener("click", () => openUsage().catch(notify));
+  $("close-usage").addEventListener("click", closeUsage);
+  $("messages").addEventListener("scroll", onScroll);
+  $("to-latest").addEventListener("click", () => scrollToEnd(true));
 }
 
 wire();

@@ -1,0 +1,115 @@
+"""GET /v1/usage: the caller's own usage, for the page's usage view.
+
+Requests and tokens per UTC day come from `usage_by_user_day`, which the persistence
+consumer writes from the usage stream (one row per finished request, so a replay does
+not count twice); what each per-minute limit holds right now comes from the quota keys
+in Redis that admission charges. Nothing here takes a user id: a key sees its own user.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import time
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends
+from pydantic import BaseModel
+
+from producers.gateway.auth import Caller
+from producers.gateway.services import Services, services
+from tandoor.clients import cql
+from tandoor.policies.quota import QuotaUse
+from tandoor.settings import TierPolicy
+
+DAYS = 7
+SELECT_DAY = (
+    "SELECT prompt_tokens, completion_tokens FROM usage_by_user_day WHERE user_id = %s AND day = %s"
+)
+
+router = APIRouter(prefix="/v1", tags=["usage"])
+
+
+class DayUsage(BaseModel):
+    day: dt.date
+    requests: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class Limit(BaseModel):
+    limit: int
+    used: int | None  # None: the quota store is unreachable right now
+
+
+class Limits(BaseModel):
+    requests_per_minute: Limit
+    tokens_per_minute: Limit
+    concurrent_streams: Limit
+
+
+class Usage(BaseModel):
+    tier: str
+    days: list[DayUsage]  # the last 7 UTC days, oldest first; the last one is today
+    today: DayUsage
+    last_7_days: DayUsage  # `day` is the first of the seven
+    limits: Limits
+
+
+async def day_usage(session: Any, user_id: str, day: dt.date) -> DayUsage:
+    rows = await cql(session, SELECT_DAY, (user_id, day))
+    prompt = sum(row.prompt_tokens or 0 for row in rows)
+    completion = sum(row.completion_tokens or 0 for row in rows)
+    return DayUsage(
+        day=day,
+        requests=len(rows),
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+    )
+
+
+def summed(days: list[DayUsage]) -> DayUsage:
+    return DayUsage(
+        day=days[0].day,
+        requests=sum(d.requests for d in days),
+        prompt_tokens=sum(d.prompt_tokens for d in days),
+        completion_tokens=sum(d.completion_tokens for d in days),
+        total_tokens=sum(d.total_tokens for d in days),
+    )
+
+
+def limits(policy: TierPolicy, use: QuotaUse | None) -> Limits:
+    def used(field: str) -> int | None:
+        return None if use is None else int(getattr(use, field))
+
+    return Limits(
+        requests_per_minute=Limit(limit=policy.requests_per_minute, used=used("requests")),
+        tokens_per_minute=Limit(limit=policy.tokens_per_minute, used=used("tokens")),
+        concurrent_streams=Limit(limit=policy.concurrent_streams, used=used("streams")),
+    )
+
+
+@router.get("/usage")
+async def usage(caller: Caller, deps: Annotated[Services, Depends(services)]) -> Usage:
+    """The caller's requests and tokens per day over the last 7 days, its tier's
+    per-minute limits and how much of each it holds now."""
+    now = time.time()
+    today = dt.datetime.fromtimestamp(now, dt.UTC).date()
+    first = today - dt.timedelta(days=DAYS - 1)
+    session = deps.session
+    days, use = await asyncio.gather(
+        asyncio.gather(
+            *(day_usage(session, caller.user_id, first + dt.timedelta(days=i)) for i in range(DAYS))
+        ),
+        deps.chat.deps.quotas.in_use(caller.user_id, int(now * 1000)),
+    )
+    policy = deps.settings.tiers[caller.tier]
+    return Usage(
+        tier=caller.tier,
+        days=list(days),
+        today=days[-1],
+        last_7_days=summed(list(days)),
+        limits=limits(policy, use),
+    )

@@ -1,0 +1,194 @@
+"""The chat page's finish, in headless Chromium against the whole stack: the header
+follows the title the model gives, a reply stopped before any text says so, copy
+buttons copy what was stored, the dark theme follows the system, the page does not
+scroll a reader away from what they read, and each message shows its time on hover."""
+
+from __future__ import annotations
+
+import signal
+from datetime import datetime
+from typing import Any
+
+import httpx
+import pytest
+from playwright.async_api import Page, expect
+
+from producers.gateway.conversations.protocol import provisional_title
+from tests.e2e.browser import ask, replies, replies_over, shot, sign_in
+from tests.e2e.stack import Stack
+from tests.waiting import eventually
+
+pytestmark = pytest.mark.integration
+
+LUMINANCE = """selector => {
+  const [r, g, b] = getComputedStyle(document.querySelector(selector)).backgroundColor
+    .match(/\\d+/g).map(Number);
+  return (0.2126 * r + 0.7152 * g + 0.0722 * b) / 255;
+}"""
+SCROLL = """() => { const l = document.getElementById('messages');
+  return {top: l.scrollTop, overflow: l.scrollHeight - l.clientHeight}; }"""
+
+
+async def stored(stack: Stack, headers: dict[str, str], conversation: str) -> dict[str, Any]:
+    async with httpx.AsyncClient(base_url=stack.url, timeout=30) as http:
+        response = await http.get(f"/v1/conversations/{conversation}", headers=headers)
+        assert response.status_code == 200, response.text
+        return dict(response.json())
+
+
+async def current_id(page: Page) -> str:
+    found = await page.locator('#conversation-list button[aria-current="true"]').get_attribute(
+        "data-id"
+    )
+    assert found, "no conversation is open"
+    return found
+
+
+async def test_the_header_follows_the_title_the_model_gives(stack: Stack, page: Page) -> None:
+    headers = await sign_in(page, stack)
+    question = "What is the tallest mountain in Africa? Answer in one sentence."
+    await ask(page, question)
+    await replies_over(page, 1)
+    conversation = await current_id(page)
+
+    async def title() -> str:
+        return str((await stored(stack, headers, conversation))["title"])
+
+    provisional = provisional_title(question)
+    given = await eventually(title, lambda t: t != provisional, what="the model's title")
+    await expect(page.locator("#chat-title")).to_have_text(given, timeout=120_000)
+    current = page.locator('#conversation-list button[aria-current="true"]')
+    await expect(current).to_have_text(given)
+    await shot(page, "09-header-follows-title")
+
+
+async def test_a_reply_stopped_before_any_text_says_so(stack: Stack, page: Page) -> None:
+    headers = await sign_in(page, stack)
+    await page.get_by_label("Model", exact=True).select_option(stack.second)
+    worker = stack.second_worker
+    assert worker.proc is not None
+    worker.proc.send_signal(signal.SIGSTOP)  # no token can come before the stop
+    try:
+        await ask(page, "Tell me about the moon.")
+        await expect(page.locator(".message.assistant.streaming")).to_have_count(1)
+        await page.get_by_role("button", name="Stop").click()
+    finally:
+        worker.proc.send_signal(signal.SIGCONT)
+    await replies_over(page, 1)
+    reply = page.locator(".message.assistant").last
+    await expect(reply.locator(".body")).to_have_text("Stopped before any text.")
+    await expect(reply.locator(".meta")).to_contain_text("stopped")
+    await shot(page, "10-stopped-before-text")
+
+    answer = (await stored(stack, headers, await current_id(page)))["messages"][-1]
+    assert (answer["status"], answer["content"]) == ("stopped", ""), answer
+    await page.reload()  # the stored reply says the same
+    await page.locator("#conversation-list button").first.click()
+    await expect(page.locator(".message.assistant .body")).to_have_text("Stopped before any text.")
+
+
+async def test_copy_buttons_and_message_times(stack: Stack, page: Page) -> None:
+    await page.context.grant_permissions(["clipboard-read", "clipboard-write"], origin=stack.url)
+    headers = await sign_in(page, stack)
+    await ask(page, "Name three rivers in Europe.")
+    await replies_over(page, 1)
+    conversation = await stored(stack, headers, await current_id(page))
+    asked, answer = conversation["messages"][-2:]
+
+    await page.get_by_role("button", name="Copy this reply").click()
+    await expect(page.get_by_role("button", name="Copy this reply")).to_have_text("Copied")
+    assert await page.evaluate("navigator.clipboard.readText()") == answer["content"]
+    await shot(page, "12-reply-copied")
+
+    # A code block's button copies the code alone, as the page renders replies.
+    code = await page.evaluate(
+        """async () => {
+          const { renderMarkdown } = await import('/web/markdown.js');
+          const { addCodeCopyButtons } = await import('/web/copy.js');
+          const body = document.createElement('div');
+          body.innerHTML = renderMarkdown('Run:\\n```py\\nprint("a < b")\\n```\\nDone.');
+          addCodeCopyButtons(body);
+          document.getElementById('messages').append(body);
+          body.querySelector('button.copy').click();
+          await new Promise(resolve => setTimeout(resolve, 200));
+          return navigator.clipboard.readText();
+        }"""
+    )
+    assert code == 'print("a < b")'
+
+    # Hovering a message shows when it was sent: the stored time, after a reload too.
+    await page.reload()
+    await page.locator("#conversation-list button").first.click()
+    mine = page.locator(".message.user").last
+    time = mine.locator(".meta time")
+    assert await time.evaluate("t => getComputedStyle(t).opacity") == "0"
+    await mine.hover()
+    await eventually(
+        lambda: time.evaluate("t => getComputedStyle(t).opacity"),
+        lambda opacity: opacity == "1",
+        what="the time shown on hover",
+    )
+    shown_at = datetime.fromisoformat(str(await time.get_attribute("datetime")))
+    assert shown_at == datetime.fromisoformat(asked["created_at"]), (shown_at, asked)
+    await shot(page, "13-message-time-on-hover")
+
+
+async def test_the_dark_theme_follows_the_system(stack: Stack, page: Page) -> None:
+    await sign_in(page, stack)
+    assert await page.evaluate(LUMINANCE, "body") > 0.8
+    await page.emulate_media(color_scheme="dark")
+    assert await page.evaluate(LUMINANCE, "body") < 0.2
+    await ask(page, "Say hello.")
+    await replies_over(page, 1)
+    assert await page.evaluate(LUMINANCE, ".message.assistant") < 0.2
+    await shot(page, "11-dark-theme")
+
+
+async def test_a_reader_scrolled_up_is_not_pulled_down(stack: Stack, page: Page) -> None:
+    await page.set_viewport_size({"width": 1000, "height": 420})
+    await sign_in(page, stack)
+    latest = page.get_by_role("button", name="Scroll to the latest message")
+    await ask(page, "Write a long story about a lighthouse keeper and the sea.")
+    # Followed to the end while it streams: no button in the way.
+    await eventually(
+        lambda: page.evaluate(SCROLL),
+        lambda scroll: scroll["overflow"] > 100,
+        what="a reply taller than the list",
+    )
+    await expect(latest).to_be_hidden()
+    assert (await replies(page))["streaming"], "the reply ended too soon to scroll away from it"
+
+    await page.locator("#messages").evaluate("list => list.scrollTo(0, 0)")
+    await expect(latest).to_be_visible()
+    before = (await replies(page))["streamed"]
+    await eventually(
+        lambda: replies(page),
+        lambda shown: len(shown["streamed"]) > len(before) + 20 or not shown["streaming"],
+        what="more of the reply",
+    )
+    assert (await page.evaluate(SCROLL))["top"] == 0, "the reader was pulled down"
+    await shot(page, "14-scroll-to-latest")
+
+    await latest.click()
+    await expect(latest).to_be_hidden()
+    position = await page.evaluate(SCROLL)
+    assert position["overflow"] - position["top"] < 40, position
+    await page.keyboard.press("Escape")
+    await replies_over(page, 1)
+
+
+async def test_every_error_is_said_once(stack: Stack, page: Page) -> None:
+    await sign_in(page, stack)
+    await reply_streaming_refused(page)
+    notices = page.get_by_role("alert")
+    texts = [t for t in await notices.all_inner_texts() if t.strip()]
+    assert len(texts) == 1 and texts[0].count("too long") == 1, texts
+
+
+async def reply_streaming_refused(page: Page) -> None:
+    """A message past the model's context: refused (413) before any reply."""
+    await ask(page, "word " * 5000)
+    await expect(page.get_by_role("alert").filter(has_text="too long")).to_be_visible()
+    await expect(page.locator(".message.assistant")).to_have_count(0)
+    await expect(page.locator(".message.user")).to_have_count(0)
+    await shot(page, "15-error-said-once")
