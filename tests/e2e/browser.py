@@ -60,11 +60,16 @@ async def page(browser: Browser) -> AsyncIterator[Page]:
     page = await context.new_page()
     errors: list[str] = []
     page.on("pageerror", lambda error: errors.append(str(error)))
+    # The page keeps to its strict CSP: anything it blocks is reported here, and fails.
+    page.on(
+        "console",
+        lambda m: errors.append(m.text) if "Content Security Policy" in m.text else None,
+    )
     page.on("console", lambda message: print("console:", message.text))
     page.on("response", lambda r: print("response:", r.request.method, r.url, r.status))
     yield page
     await context.close()
-    assert not errors, f"JavaScript errors on the page: {errors}"
+    assert not errors, f"JavaScript errors or CSP violations on the page: {errors}"
 
 
 async def shot(page: Page, name: str) -> None:
