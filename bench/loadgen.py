@@ -14,6 +14,8 @@ from pathlib import Path
 
 import httpx
 
+from bench.procstats import cpu_snapshot
+
 QUESTIONS = [
     "Explain how a bicycle stays upright.",
     "Describe the water cycle.",
@@ -42,6 +44,8 @@ class RunStats:
     output_tokens: int = 0
     errors: int = 0
     wall_s: float = 0.0
+    cores: dict[str, float] = field(default_factory=dict)  # CPU seconds per wall second
+    counted: dict[str, float] = field(default_factory=dict)  # what a Probe's counters added
 
     @property
     def tokens_per_s(self) -> float:
@@ -67,8 +71,25 @@ def table(rows: list[tuple[str, RunStats]]) -> str:
     return "\n".join(lines)
 
 
-async def run_level(send: Send, concurrency: int, per_stream: int) -> RunStats:
+@dataclass
+class Probe:
+    """What to read around each load level besides the client's view: the CPU each
+    process tree used (name -> pid), and counters some role serves (name -> value)."""
+
+    processes: dict[str, int] = field(default_factory=dict)
+    counters: Callable[[], Awaitable[dict[str, float]]] | None = None
+
+    async def read(self) -> tuple[dict[str, float], dict[str, float]]:
+        counted = await self.counters() if self.counters else {}
+        return cpu_snapshot(self.processes), counted
+
+
+async def run_level(
+    send: Send, concurrency: int, per_stream: int, probe: Probe | None = None
+) -> RunStats:
     stats = RunStats(concurrency)
+    probe = probe or Probe()
+    cpu_before, counted_before = await probe.read()
     counter = iter(range(concurrency * per_stream))
 
     async def stream() -> None:
@@ -84,6 +105,9 @@ async def run_level(send: Send, concurrency: int, per_stream: int) -> RunStats:
     started = time.perf_counter()
     await asyncio.gather(*(stream() for _ in range(concurrency)))
     stats.wall_s = time.perf_counter() - started
+    cpu_after, counted_after = await probe.read()
+    stats.cores = {n: (cpu_after[n] - cpu_before[n]) / stats.wall_s for n in cpu_after}
+    stats.counted = {n: counted_after[n] - counted_before.get(n, 0.0) for n in counted_after}
     return stats
 
 
@@ -164,7 +188,22 @@ async def warm_up(send: Send, tries: int = 30) -> None:
     raise RuntimeError(f"the warm-up still failed after {tries} tries")
 
 
-async def measure(name: str, send: Send, args: argparse.Namespace) -> list[tuple[str, RunStats]]:
+async def measure(
+    name: str, send: Send, args: argparse.Namespace, probe: Probe | None = None
+) -> list[tuple[str, RunStats]]:
     """A warm-up, then every load level of the run."""
     await warm_up(send)
-    return [(name, await run_level(send, c, args.requests_per_stream)) for c in args.concurrency]
+    return [
+        (name, await run_level(send, c, args.requests_per_stream, probe)) for c in args.concurrency
+    ]
+
+
+def cpu_table(runs: list[tuple[str, RunStats]]) -> str:
+    """Cores each process tree used at each load level (CPU seconds per wall second)."""
+    lines = []
+    for name, stats in runs:
+        if stats.cores:
+            used = ", ".join(f"{p} {c:.2f}" for p, c in stats.cores.items())
+            total = sum(stats.cores.values())
+            lines.append(f"{name} @{stats.concurrency}: cores used {total:.2f} ({used})")
+    return "\n".join(lines)

@@ -46,6 +46,31 @@ def tree_rss_mib(pid: int) -> float:
     return total
 
 
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds one process has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime
+
+
+def tree_cpu_s(pid: int) -> float:
+    """A process with its live descendants (a worker's engine core, vLLM's API server's)."""
+    total = 0.0
+    for p in [pid, *descendants(pid)]:
+        try:
+            total += cpu_s(p)
+        except FileNotFoundError:  # exited meanwhile
+            continue
+    return total
+
+
+def cpu_snapshot(processes: dict[str, int]) -> dict[str, float]:
+    """CPU seconds so far of each named process tree."""
+    return {name: tree_cpu_s(pid) for name, pid in processes.items()}
+
+
 def open_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 

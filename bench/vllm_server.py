@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.loadgen import RunStats, openai_sender, run_level, warm_up
+from bench.loadgen import Probe, RunStats, openai_sender, run_level, warm_up
 from tandoor.settings import Settings
 from workers.dtype import resolve_dtype
 from workers.executor import resolve_executor
@@ -71,16 +71,23 @@ async def wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 
     raise RuntimeError(f"{url} not ready in {timeout_s} s")
 
 
-async def bench_direct(model_dir: Path, args: argparse.Namespace) -> list[tuple[str, RunStats]]:
+async def bench_direct(
+    model_dir: Path, args: argparse.Namespace, beside: dict[str, int] | None = None
+) -> list[tuple[str, RunStats]]:
+    """`beside`: other processes (name -> pid) whose CPU use to show with the server's."""
     port = args.vllm_port
     proc = start_vllm_server(model_dir, port, args)
+    probe = Probe({"vLLM server": proc.pid, **(beside or {})})
     try:
         await wait_http(f"http://127.0.0.1:{port}/health", proc)
         async with httpx.AsyncClient(limits=httpx.Limits(max_connections=64)) as client:
             send = openai_sender(client, f"http://127.0.0.1:{port}", "smollm2", args.max_tokens)
             await warm_up(send)
             return [
-                ("vLLM OpenAI server", await run_level(send, c, args.requests_per_stream))
+                (
+                    "vLLM OpenAI server",
+                    await run_level(send, c, args.requests_per_stream, probe),
+                )
                 for c in args.concurrency
             ]
     finally:

@@ -23,8 +23,11 @@ from tandoor.policies.quota import QuotaUse
 from tandoor.settings import TierPolicy
 
 DAYS = 7
+# Summed by Cassandra within the day's partition: one row back however busy the day.
 SELECT_DAY = (
-    "SELECT prompt_tokens, completion_tokens FROM usage_by_user_day WHERE user_id = %s AND day = %s"
+    "SELECT count(*) AS requests, sum(CAST(prompt_tokens AS bigint)) AS prompt, "
+    "sum(CAST(completion_tokens AS bigint)) AS completion "
+    "FROM usage_by_user_day WHERE user_id = %s AND day = %s"
 )
 
 router = APIRouter(prefix="/v1", tags=["usage"])
@@ -58,12 +61,11 @@ class Usage(BaseModel):
 
 
 async def day_usage(session: Any, user_id: str, day: dt.date) -> DayUsage:
-    rows = await cql(session, SELECT_DAY, (user_id, day))
-    prompt = sum(row.prompt_tokens or 0 for row in rows)
-    completion = sum(row.completion_tokens or 0 for row in rows)
+    (row,) = await cql(session, SELECT_DAY, (user_id, day))
+    prompt, completion = row.prompt or 0, row.completion or 0
     return DayUsage(
         day=day,
-        requests=len(rows),
+        requests=row.requests,
         prompt_tokens=prompt,
         completion_tokens=completion,
         total_tokens=prompt + completion,

@@ -45,7 +45,7 @@ async def current_id(page: Page) -> str:
 
 
 async def test_the_header_follows_the_title_the_model_gives(stack: Stack, page: Page) -> None:
-    headers = await sign_in(page, stack)
+    headers = await sign_in(page, stack, tier="brief")  # a few tokens: the title is the point
     question = "What is the tallest mountain in Africa? Answer in one sentence."
     await ask(page, question)
     await replies_over(page, 1)
@@ -89,7 +89,7 @@ async def test_a_reply_stopped_before_any_text_says_so(stack: Stack, page: Page)
 
 async def test_copy_buttons_and_message_times(stack: Stack, page: Page) -> None:
     await page.context.grant_permissions(["clipboard-read", "clipboard-write"], origin=stack.url)
-    headers = await sign_in(page, stack)
+    headers = await sign_in(page, stack, tier="brief")
     await ask(page, "Name three rivers in Europe.")
     await replies_over(page, 1)
     conversation = await stored(stack, headers, await current_id(page))
@@ -134,7 +134,7 @@ async def test_copy_buttons_and_message_times(stack: Stack, page: Page) -> None:
 
 
 async def test_the_dark_theme_follows_the_system(stack: Stack, page: Page) -> None:
-    await sign_in(page, stack)
+    await sign_in(page, stack, tier="brief")
     assert await page.evaluate(LUMINANCE, "body") > 0.8
     await page.emulate_media(color_scheme="dark")
     assert await page.evaluate(LUMINANCE, "body") < 0.2
