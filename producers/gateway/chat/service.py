@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime as dt
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ from producers.gateway.chat.jobs import ConversationJobs
 from producers.gateway.chat.protocol import PostMessage, ReplyOptions, sampling_for
 from producers.gateway.chat.watch import ReplyWatch
 from producers.gateway.conversations.protocol import Conversation, Message
-from producers.gateway.conversations.service import ConversationService
+from producers.gateway.conversations.service import ConversationService, from_ms
 from producers.gateway.errors import ApiError, not_found
 from producers.gateway.shedding import ModelRouter
 from producers.gateway.streaming import StreamSlots
@@ -225,7 +224,7 @@ class ChatService:
         """Store the user's message (if there is a new one), produce the prompt, follow it."""
         d = self.deps
         store = not isinstance(p.conversation, ApiCall) or p.conversation.store
-        conversation = await self._opened(p.caller, p.conversation)  # p's stays an ApiCall
+        conversation = self._opened(p)  # p's stays an ApiCall
         sub = await d.fanout.subscribe(p.request_id)
         start_by = p.now + int(self._silence_limit_s(p.caller.tier) * 1000)
         if not await self.inflight.claim(conversation.id, sub, start_by):  # one at a time
@@ -234,9 +233,7 @@ class ChatService:
         user_message_id = f"m_{uuid.uuid4().hex}" if p.text is not None and store else None
         try:
             if p.text is not None and user_message_id is not None:
-                await d.conversations.add_user_message(
-                    p.caller.user_id, conversation, user_message_id, p.text, p.now
-                )
+                await self._store_user_message(p, conversation, user_message_id, p.text)
             await self._produce(p, conversation, sub, store, user_message_id)
         except BaseException:
             d.fanout.unsubscribe(sub)
@@ -287,24 +284,28 @@ class ChatService:
                 headers={"Retry-After": str(QUEUE_RETRY_S)},
             ) from exc
 
-    async def _opened(
-        self, caller: Principal, conversation: Conversation | ApiCall
-    ) -> Conversation:
-        """The conversation to answer in: an API call's is made now (kept unless told not
-        to be: then it exists only in the prompt's id)."""
-        if not isinstance(conversation, ApiCall):
-            return conversation
-        if conversation.store:
-            return await self.deps.conversations.create(
-                caller.user_id, conversation.model, conversation.title
-            )
-        now = dt.datetime.now(dt.UTC)
+    async def _store_user_message(
+        self, p: _Prompt, conversation: Conversation, message_id: str, text: str
+    ) -> None:
+        conversations, user_id = self.deps.conversations, p.caller.user_id
+        if isinstance(p.conversation, ApiCall):  # its conversation is new: stored with it
+            await conversations.create_with_message(user_id, conversation, message_id, text)
+        else:
+            await conversations.add_user_message(user_id, conversation, message_id, text, p.now)
+
+    @staticmethod
+    def _opened(p: _Prompt) -> Conversation:
+        """The conversation to answer in: an API call's is made here, and stored with its
+        message (unless told not to be: then it exists only in the prompt's id)."""
+        if not isinstance(p.conversation, ApiCall):
+            return p.conversation
+        at = from_ms(p.now)  # as the message's row is keyed (mark_failed finds it)
         return Conversation(
             id=f"c_{uuid.uuid4().hex}",
-            model=conversation.model,
-            title=conversation.title,
-            created_at=now,
-            updated_at=now,
+            model=p.conversation.model,
+            title=p.conversation.title,
+            created_at=at,
+            updated_at=at,
         )
 
     async def _withdraw(self, request_id: str) -> None:

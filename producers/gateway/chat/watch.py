@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TypeVar
+from typing import TypeVar, cast
 
 from consumers.fanout import Delivered, Subscription
 from schemas.events import FinalEvent
@@ -21,6 +21,7 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 KEEPALIVE_S = 15.0
+SETTLE_WAIT_S = 2.0
 OnFinal = Callable[[FinalEvent | None], Awaitable[None]]
 
 
@@ -50,19 +51,31 @@ class ReplyWatch:
             yield item
 
     async def _follow(self) -> None:
-        final: FinalEvent | None = None
+        last: Delivered | None = None
         try:
-            while final is None:
+            while last is None:
                 item = await next_within(self.sub.queue, self._give_up_s)
-                self._out.put_nowait(item)
                 if isinstance(item.event, FinalEvent):
-                    final = item.event
+                    last = item
+                else:
+                    self._out.put_nowait(item)
         except TimeoutError:
             log.warning("%s: no event for %.0f s; giving up", self.sub.request_id, self._give_up_s)
         except asyncio.CancelledError:
             self._out.put_nowait(None)
             raise  # the replica shuts down: not this replica's reply to settle any more
+        final = last.event if last is not None else None
+        # Settled before the client hears the end, so the request it sends next finds its
+        # stream slot free and the conversation idle (no 429, no 409); a slow Redis delays
+        # the end by SETTLE_WAIT_S at most, and settling then goes on behind it.
+        settling = asyncio.create_task(self._settle(cast(FinalEvent | None, final)))
+        await asyncio.wait({settling}, timeout=SETTLE_WAIT_S)
+        if last is not None:
+            self._out.put_nowait(last)
         self._out.put_nowait(None)
+        await settling
+
+    async def _settle(self, final: FinalEvent | None) -> None:
         try:
             await self._on_final(final)
         except Exception:  # settling must not kill the task; but say what was missed

@@ -194,7 +194,7 @@ class ConversationService:
     ) -> None:
         """Store the user's message and move the conversation to the top of the sidebar,
         all at once: they are separate rows (this is on the path to the first token)."""
-        at = _from_ms(at_ms)
+        at = from_ms(at_ms)
         await asyncio.gather(
             cql(
                 self._session,
@@ -205,12 +205,41 @@ class ConversationService:
             self._move_to_top(user_id, conversation, at),
         )
 
+    async def create_with_message(
+        self, user_id: str, conversation: Conversation, message_id: str, content: str
+    ) -> None:
+        """A new conversation with its first message, in one round trip: an API call's
+        (on the path to the first token). The conversation's times are the message's, so
+        its sidebar row is already the one at the top."""
+        await asyncio.gather(
+            cql(
+                self._session,
+                "INSERT INTO conversations (conversation_id, user_id, model, title, created_at, "
+                "updated_at) VALUES (%s, %s, %s, %s, %s, %s)",
+                (
+                    conversation.id,
+                    user_id,
+                    conversation.model,
+                    conversation.title,
+                    conversation.created_at,
+                    conversation.updated_at,
+                ),
+            ),
+            self._index(user_id, conversation),
+            cql(
+                self._session,
+                "INSERT INTO messages_by_conversation (conversation_id, created_at, message_id, "
+                "role, content, status, model) VALUES (%s, %s, %s, 'user', %s, 'sent', %s)",
+                (conversation.id, conversation.created_at, message_id, content, conversation.model),
+            ),
+        )
+
     async def mark_failed(self, conversation_id: str, message_id: str, at_ms: int) -> None:
         await cql(
             self._session,
             "UPDATE messages_by_conversation SET status = 'failed' WHERE conversation_id = %s "
             "AND created_at = %s AND message_id = %s",
-            (conversation_id, _from_ms(at_ms), message_id),
+            (conversation_id, from_ms(at_ms), message_id),
         )
 
     async def mark_replaced(self, conversation_id: str, messages: Sequence[Message]) -> None:
@@ -302,7 +331,7 @@ def _to_ms(value: dt.datetime) -> int:
     return int(_utc(value).timestamp() * 1000)
 
 
-def _from_ms(ms: int) -> dt.datetime:
+def from_ms(ms: int) -> dt.datetime:
     return dt.datetime(1970, 1, 1, tzinfo=dt.UTC) + dt.timedelta(milliseconds=ms)
 
 
@@ -316,4 +345,4 @@ def _parse_cursor(cursor: str | None) -> tuple[dt.datetime, str] | None:
     at = count(ms, MAX_CURSOR_MS)
     if not sep or at is None or not conversation_id:
         raise ApiError(400, "cursor: not a value from next_cursor", param="cursor")
-    return _from_ms(at), conversation_id
+    return from_ms(at), conversation_id
