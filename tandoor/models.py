@@ -125,10 +125,12 @@ def _with_source(name: str, config: Any) -> Any:
                 f"need none are the bundled ones: {', '.join(BUNDLED_MODELS)}"
             )
         source = BUNDLED_PREFIX + name
-        config = {**config, "display_name": config.get("display_name") or BUNDLED_MODELS[name]}
-    elif source.startswith(BUNDLED_PREFIX) and source[len(BUNDLED_PREFIX) :] not in BUNDLED_MODELS:
-        raise ValueError(
-            f"model {name!r}: {source!r} is not bundled; bundled models: "
-            f"{', '.join(BUNDLED_PREFIX + m for m in BUNDLED_MODELS)}"
-        )
+    if source.startswith(BUNDLED_PREFIX):
+        bundled = source[len(BUNDLED_PREFIX) :]
+        if bundled not in BUNDLED_MODELS:
+            raise ValueError(
+                f"model {name!r}: {source!r} is not bundled; bundled models: "
+                f"{', '.join(BUNDLED_PREFIX + m for m in BUNDLED_MODELS)}"
+            )
+        config = {**config, "display_name": config.get("display_name") or BUNDLED_MODELS[bundled]}
     return {**config, "source": source}

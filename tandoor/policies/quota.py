@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Literal, cast
 
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
 from tandoor.clients import REDIS_DOWN
 from tandoor.policies.redis_keys import (
@@ -198,7 +199,7 @@ class Quotas:
         pipe.zcount(streams_key(user_id), f"({now_ms}", "+inf")
         try:
             requests, tokens, streams = await pipe.execute()
-        except REDIS_DOWN as exc:
+        except (*REDIS_DOWN, RedisError) as exc:  # read-only in a failover too: unknown
             log.warning("quota use of %s unknown, Redis unreachable (%s)", user_id, exc)
             return None
         return QuotaUse(int(requests), int(tokens or 0), int(streams))

@@ -5,6 +5,7 @@ scroll a reader away from what they read, and each message shows its time on hov
 
 from __future__ import annotations
 
+import re
 import signal
 from datetime import datetime
 from typing import Any
@@ -109,8 +110,9 @@ async def test_copy_buttons_and_message_times(stack: Stack, page: Page) -> None:
           body.innerHTML = renderMarkdown('Run:\\n```py\\nprint("a < b")\\n```\\nDone.');
           addCodeCopyButtons(body);
           document.getElementById('messages').append(body);
-          body.querySelector('button.copy').click();
-          await new Promise(resolve => setTimeout(resolve, 200));
+          const button = body.querySelector('button.copy');
+          button.click();
+          while (button.textContent === 'Copy') await new Promise(r => setTimeout(r, 10));
           return navigator.clipboard.readText();
         }"""
     )
@@ -163,8 +165,8 @@ async def test_a_reader_scrolled_up_is_not_pulled_down(stack: Stack, page: Page)
     before = (await replies(page))["streamed"]
     await eventually(
         lambda: replies(page),
-        lambda shown: len(shown["streamed"]) > len(before) + 20 or not shown["streaming"],
-        what="more of the reply",
+        lambda shown: len(shown["streamed"]) > len(before) + 20,
+        what="more of the reply, streamed while the reader is scrolled up",
     )
     assert (await page.evaluate(SCROLL))["top"] == 0, "the reader was pulled down"
     await shot(page, "14-scroll-to-latest")
@@ -178,17 +180,27 @@ async def test_a_reader_scrolled_up_is_not_pulled_down(stack: Stack, page: Page)
 
 
 async def test_every_error_is_said_once(stack: Stack, page: Page) -> None:
+    """A 413 (no wait to suggest) and a 503 whose message carries the gateway's own
+    "retry in N s": each said once, in the page's words."""
     await sign_in(page, stack)
-    await reply_streaming_refused(page)
-    notices = page.get_by_role("alert")
-    texts = [t for t in await notices.all_inner_texts() if t.strip()]
-    assert len(texts) == 1 and texts[0].count("too long") == 1, texts
-
-
-async def reply_streaming_refused(page: Page) -> None:
-    """A message past the model's context: refused (413) before any reply."""
-    await ask(page, "word " * 5000)
+    await ask(page, "word " * 5000)  # past the model's context: refused before any reply
     await expect(page.get_by_role("alert").filter(has_text="too long")).to_be_visible()
     await expect(page.locator(".message.assistant")).to_have_count(0)
     await expect(page.locator(".message.user")).to_have_count(0)
+    (too_long,) = await alerts(page)
+    assert too_long.count("too long") == 1, too_long
     await shot(page, "15-error-said-once")
+
+    await page.get_by_role("button", name="New chat").click()
+    await page.get_by_label("Model", exact=True).select_option(stack.idle)  # no worker
+    await ask(page, "Hello?")
+    await expect(page.get_by_role("alert").filter(has_text="busy")).to_be_visible()
+    (busy,) = await alerts(page)
+    pattern = r"The service is busy or unavailable: .+\. Try again in \d+ seconds?\."
+    assert re.fullmatch(pattern, busy), busy
+    assert "retry" not in busy.lower() and busy.count("Try again") == 1, busy
+
+
+async def alerts(page: Page) -> list[str]:
+    """The alerts showing, by their text."""
+    return [t for t in await page.get_by_role("alert").all_inner_texts() if t.strip()]

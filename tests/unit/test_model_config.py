@@ -37,6 +37,24 @@ def test_the_default_serves_both_bundled_models() -> None:
     }
 
 
+def test_display_names_come_from_the_config_or_the_bundle(folder: Path) -> None:
+    configs = {
+        "smollm2": {},
+        "alias": {"source": "bundled:gemma3"},
+        "named": {"source": "bundled:gemma3", "display_name": "Ours"},
+        "local": {"source": str(folder)},
+    }
+    models = Settings.model_validate({"models": configs}).models
+    assert {name: config.display_name for name, config in models.items()} == {
+        "smollm2": "SmolLM2 135M Instruct",
+        "alias": "Gemma 3 270M (pretrained)",
+        "named": "Ours",
+        "local": None,  # the model list shows its served name
+    }
+    with pytest.raises(ValidationError, match="display_name"):
+        ModelConfig(source=str(folder), display_name="")
+
+
 def test_every_bundled_name_has_a_recipe() -> None:
     from tandoor.models import BUNDLED_MODELS
     from workers.model_store import BUNDLED

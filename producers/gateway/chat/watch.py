@@ -69,10 +69,12 @@ class ReplyWatch:
         # stream slot free and the conversation idle (no 429, no 409); a slow Redis delays
         # the end by SETTLE_WAIT_S at most, and settling then goes on behind it.
         settling = asyncio.create_task(self._settle(cast(FinalEvent | None, final)))
-        await asyncio.wait({settling}, timeout=SETTLE_WAIT_S)
-        if last is not None:
-            self._out.put_nowait(last)
-        self._out.put_nowait(None)
+        try:
+            await asyncio.wait({settling}, timeout=SETTLE_WAIT_S)
+        finally:  # cancelled meanwhile too: the client still gets its end
+            if last is not None:
+                self._out.put_nowait(last)
+            self._out.put_nowait(None)
         await settling
 
     async def _settle(self, final: FinalEvent | None) -> None:

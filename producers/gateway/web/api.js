@@ -67,8 +67,9 @@ export function explain(error) {
   }
 }
 
+// "...; retry in 10 s", "...; retry (another replica answers)", "..., please retry"
 function withoutRetry(message) {
-  return message.replace(/[;,.]?\s*(please\s+)?retry in \d+ s\.?\s*$/i, "").replace(/\.$/, "");
+  return message.replace(/[;,:.]?\s*(please\s+)?retry\b[^;]*$/i, "").replace(/\.$/, "");
 }
 
 function retryIn(seconds) {

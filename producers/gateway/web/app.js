@@ -19,6 +19,7 @@ const TITLE_CHECK_MAX_MS = 30000;
 const TITLE_CHECKS = 40;
 const USAGE_REFRESH_MS = 10000;
 const NEAR_BOTTOM_PX = 40;
+const ANSWERED = new Set(["stop", "length"]); // finish reasons of a reply that ran
 const $ = (id) => document.getElementById(id);
 
 const state = {
@@ -77,15 +78,21 @@ function setTitle(title) {
   $("chat-title").textContent = title || "New chat";
 }
 
-// Until the conversation's title changes from `provisional`, or another one is opened.
+// Until the conversation's title changes from `provisional`, while it stays open and
+// unrenamed; then the sidebar shows it too.
 async function watchTitle(id, provisional) {
+  const unchanged = () => state.conversation?.id === id && state.conversation.title === provisional;
   let wait = TITLE_CHECK_FIRST_MS;
-  for (let check = 0; check < TITLE_CHECKS; check++) {
+  for (let check = 0; check < TITLE_CHECKS && unchanged(); check++) {
     await sleep(wait);
     wait = Math.min(wait * 1.5, TITLE_CHECK_MAX_MS);
-    if (state.conversation?.id !== id) return;
-    await loadConversations(true).catch(() => {});
-    if (state.conversation?.id !== id || state.conversation.title !== provisional) return;
+    if (!unchanged()) return;
+    const found = await state.api.json("GET", `/v1/conversations/${id}`).catch(() => null);
+    if (found && found.title !== provisional && unchanged()) {
+      setTitle(found.title);
+      await loadConversations(true).catch(() => {});
+      return;
+    }
   }
 }
 
@@ -216,8 +223,12 @@ async function send(text) {
   userMessage.dataset.content = text;
   $("messages").append(userMessage);
   scrollToEnd(true);
-  await streamReply(() => state.api.request("POST", path, { content: text }), userMessage);
-  if (created) watchTitle(created.id, created.title);
+  const reply = await streamReply(
+    () => state.api.request("POST", path, { content: text }),
+    userMessage,
+  );
+  // Only an answered first reply gets a title job (producers/gateway/chat/jobs.py).
+  if (created && ANSWERED.has(reply.finishReason)) watchTitle(created.id, created.title);
 }
 
 async function streamReply(open, userMessage = null) {
@@ -231,7 +242,10 @@ async function streamReply(open, userMessage = null) {
       await sleep(500 * 2 ** tries); // the connection dropped: resume where it stopped
       await resumeFrom(reply);
     }
-    if (!reply.done) notify(new Error("the connection dropped; reopen the chat to see the reply"));
+    if (!reply.done) {
+      endUnfinished(reply);
+      notify(new Error("the connection dropped; reopen the chat to see the reply"));
+    }
   } catch (error) {
     if (userMessage && error instanceof ApiError) userMessage.remove();
     notify(error);
@@ -240,6 +254,7 @@ async function streamReply(open, userMessage = null) {
     setBusy(false);
     loadConversations(true).catch(() => {});
   }
+  return reply;
 }
 
 async function resumeReply() {
@@ -303,14 +318,24 @@ function handle(reply, event, userMessage) {
   } else if (event.type === "final") {
     const element = ensureReplyElement(reply, event.model);
     element.classList.remove("streaming");
+    reply.finishReason = event.finish_reason;
     const stopped = event.finish_reason === "cancelled";
     if (stopped) element.querySelector(".meta").append(" · stopped");
     if (!reply.text) explainEmpty(element.querySelector(".body"), stopped ? "stopped" : event.error ? "failed" : "");
     if (event.error) notify(new Error(event.error));
     scrollToEnd();
   } else if (event.type === "error") {
+    endUnfinished(reply);
     notify(new Error(event.error));
   }
+}
+
+// A reply that ended without its final (an error event, or resuming gave up): no
+// cursor left blinking, and no empty bubble.
+function endUnfinished(reply) {
+  if (!reply.element) return;
+  reply.element.classList.remove("streaming");
+  if (!reply.text) explainEmpty(reply.element.querySelector(".body"), "failed");
 }
 
 function ensureReplyElement(reply, model) {
@@ -431,19 +456,30 @@ async function openUsage() {
   $("chat").hidden = true;
   $("usage").hidden = false;
   clearInterval(state.usageTimer);
-  state.usageTimer = setInterval(() => refreshUsage().catch(notify), USAGE_REFRESH_MS);
+  state.usageTimer = setInterval(refreshUsage, USAGE_REFRESH_MS);
   await refreshUsage();
 }
 
+// Its errors show in the view itself (the chat's notice is hidden behind it).
 async function refreshUsage() {
-  renderUsage(await state.api.json("GET", "/v1/usage"));
+  try {
+    renderUsage(await state.api.json("GET", "/v1/usage"));
+    $("usage-notice").hidden = true;
+  } catch (error) {
+    if (error instanceof ApiError && error.status === 401) signOut();
+    $("usage-notice").textContent = `${explain(error)} The figures shown may be out of date.`;
+    $("usage-notice").hidden = false;
+  }
 }
 
 function closeUsage() {
+  if ($("usage").hidden) return;
   clearInterval(state.usageTimer);
   state.usageTimer = null;
   $("usage").hidden = true;
+  $("usage-notice").hidden = true;
   $("chat").hidden = false;
+  scrollToEnd(true); // hidden, the list lost its place
 }
 
 const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
@@ -487,7 +523,7 @@ function wire() {
   $("rename").addEventListener("click", () => rename().catch(notify));
   $("delete").addEventListener("click", () => remove().catch(notify));
   $("sign-out").addEventListener("click", signOut);
-  $("show-usage").addEventListener("click", () => openUsage().catch(notify));
+  $("show-usage").addEventListener("click", openUsage);
   $("close-usage").addEventListener("click", closeUsage);
   $("messages").addEventListener("scroll", onScroll);
   $("to-latest").addEventListener("click", () => scrollToEnd(true));
