@@ -40,12 +40,22 @@ async def test_redis_down_paid_tiers_are_served_and_the_free_tier_gets_a_503(
             await chat_all([*paid, tight], 1)
             refused = await post(stack, free, "Am I served?")
             stop = await post(stack, paid[0], "", path="stop")  # no in-flight record to read
+            async with httpx.AsyncClient(base_url=stack.urls[0], timeout=60) as http:
+                usage = await http.get("/v1/usage", headers=paid[0].headers)
         finally:
             await servers_back(stack.settings)
         assert refused.status_code == 503, refused.text
         assert refused.json()["error"]["type"] == "service_unavailable"
         assert int(refused.headers["Retry-After"]) >= 1
         assert stop.status_code == 503 and "Retry-After" in stop.headers, stop.text
+        # The usage page still answers: stored usage from Cassandra, quota use unknown.
+        assert usage.status_code == 200, usage.text
+        limits = usage.json()["limits"]
+        assert {name: limit["used"] for name, limit in limits.items()} == dict.fromkeys(limits)
+        assert (
+            limits["requests_per_minute"]["limit"]
+            == stack.settings.tiers["plus"].requests_per_minute
+        )
 
         await tight.chat(2)  # the request during the outage was not counted...
         over = await post(stack, tight, "One more?")  # ...and now the quota applies again
