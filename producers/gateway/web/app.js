@@ -310,7 +310,7 @@ function handle(reply, event, userMessage) {
   } else if (event.type === "restart") {
     reply.text = ""; // a worker restarted the reply: drop the partial text
     reply.attempt = event.attempt;
-    ensureReplyElement(reply).querySelector(".meta").append(" · restarted");
+    addMetaNote(ensureReplyElement(reply), " · restarted");
   } else if (event.type === "token") {
     reply.text += event.delta;
     setBody(ensureReplyElement(reply).querySelector(".body"), "assistant", reply.text);
@@ -320,7 +320,7 @@ function handle(reply, event, userMessage) {
     element.classList.remove("streaming");
     reply.finishReason = event.finish_reason;
     const stopped = event.finish_reason === "cancelled";
-    if (stopped) element.querySelector(".meta").append(" · stopped");
+    if (stopped) addMetaNote(element, " · stopped");
     if (!reply.text) explainEmpty(element.querySelector(".body"), stopped ? "stopped" : event.error ? "failed" : "");
     if (event.error) notify(new Error(event.error));
     scrollToEnd();
@@ -328,6 +328,12 @@ function handle(reply, event, userMessage) {
     endUnfinished(reply);
     notify(new Error(event.error));
   }
+}
+
+// Beside the author's name, ahead of the buttons and the time, as a stored one shows it.
+function addMetaNote(element, note) {
+  const meta = element.querySelector(".meta");
+  meta.insertBefore(document.createTextNode(note), meta.querySelector("button, time"));
 }
 
 // A reply that ended without its final (an error event, or resuming gave up): no
