@@ -4,7 +4,7 @@ from /proc, and consumer-group lag from Kafka."""
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,15 +35,20 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def tree_rss_mib(pid: int) -> float:
-    """A role with its children (a worker's vLLM engine core is one)."""
+def tree_total(pid: int, measure: Callable[[int], float]) -> float:
+    """`measure` summed over a process and its live descendants (a worker's vLLM engine
+    core is one; so is vLLM's API server's)."""
     total = 0.0
     for p in [pid, *descendants(pid)]:
         try:
-            total += rss_mib(p)
+            total += measure(p)
         except FileNotFoundError:  # exited meanwhile
             continue
     return total
+
+
+def tree_rss_mib(pid: int) -> float:
+    return tree_total(pid, rss_mib)
 
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -56,14 +61,7 @@ def cpu_s(pid: int) -> float:
 
 
 def tree_cpu_s(pid: int) -> float:
-    """A process with its live descendants (a worker's engine core, vLLM's API server's)."""
-    total = 0.0
-    for p in [pid, *descendants(pid)]:
-        try:
-            total += cpu_s(p)
-        except FileNotFoundError:  # exited meanwhile
-            continue
-    return total
+    return tree_total(pid, cpu_s)
 
 
 def cpu_snapshot(processes: dict[str, int]) -> dict[str, float]:

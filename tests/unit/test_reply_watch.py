@@ -47,10 +47,11 @@ async def read_all(reply: ReplyWatch, seen: list[str]) -> None:
 
 
 async def test_the_end_reaches_the_client_after_the_reply_is_settled() -> None:
-    settled, seen = asyncio.Event(), []
+    settling, settled, seen = asyncio.Event(), asyncio.Event(), []
 
     async def on_final(event: FinalEvent | None) -> None:
         assert event is not None and event.text == "hi"
+        settling.set()
         await settled.wait()
         seen.append("settled")
 
@@ -59,7 +60,9 @@ async def test_the_end_reaches_the_client_after_the_reply_is_settled() -> None:
     sub.push(token(0))
     sub.push(final())
     client = asyncio.create_task(read_all(reply, seen))
-    await asyncio.sleep(0.1)
+    await settling.wait()
+    for _ in range(50):  # every ready task has its turns: the client reads all it is given
+        await asyncio.sleep(0)
     assert seen == ["TokenEvent"], "the end went out before the reply was settled"
     settled.set()
     await asyncio.wait_for(client, 5)

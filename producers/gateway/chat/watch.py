@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TypeVar, cast
+from typing import TypeVar
 
 from consumers.fanout import Delivered, Subscription
 from schemas.events import FinalEvent
@@ -51,12 +51,13 @@ class ReplyWatch:
             yield item
 
     async def _follow(self) -> None:
-        last: Delivered | None = None
+        last: Delivered | None = None  # the final event, with its place in Kafka
+        final: FinalEvent | None = None
         try:
-            while last is None:
+            while final is None:
                 item = await next_within(self.sub.queue, self._give_up_s)
                 if isinstance(item.event, FinalEvent):
-                    last = item
+                    last, final = item, item.event
                 else:
                     self._out.put_nowait(item)
         except TimeoutError:
@@ -64,11 +65,10 @@ class ReplyWatch:
         except asyncio.CancelledError:
             self._out.put_nowait(None)
             raise  # the replica shuts down: not this replica's reply to settle any more
-        final = last.event if last is not None else None
         # Settled before the client hears the end, so the request it sends next finds its
         # stream slot free and the conversation idle (no 429, no 409); a slow Redis delays
         # the end by SETTLE_WAIT_S at most, and settling then goes on behind it.
-        settling = asyncio.create_task(self._settle(cast(FinalEvent | None, final)))
+        settling = asyncio.create_task(self._settle(final))
         try:
             await asyncio.wait({settling}, timeout=SETTLE_WAIT_S)
         finally:  # cancelled meanwhile too: the client still gets its end
