@@ -85,7 +85,11 @@ class Probe:
 
 
 async def run_level(
-    send: Send, concurrency: int, per_stream: int, probe: Probe | None = None
+    send: Send,
+    concurrency: int,
+    per_stream: int,
+    probe: Probe | None = None,
+    show_errors: bool = True,
 ) -> RunStats:
     stats = RunStats(concurrency)
     probe = probe or Probe()
@@ -100,7 +104,8 @@ async def run_level(
                 stats.output_tokens += tokens
             except Exception as exc:  # counted and shown; the run goes on
                 stats.errors += 1
-                print(f"  error: {exc!r}", file=sys.stderr)
+                if show_errors:
+                    print(f"  error: {exc!r}", file=sys.stderr)
 
     started = time.perf_counter()
     await asyncio.gather(*(stream() for _ in range(concurrency)))
@@ -178,12 +183,18 @@ def compare(
     return "\n".join(lines)
 
 
-async def warm_up(send: Send, tries: int = 30) -> None:
-    """Until 4 requests at once all succeed: a worker that just said it is ready may not
-    have joined its group yet, and the gateway then answers 503 (no worker) for seconds."""
+async def warm_up(send: Send, concurrency: int, tries: int = 30) -> None:
+    """Until 4 requests at once all succeed (a worker that just said it is ready may not
+    have joined its group yet, and the gateway then answers 503 for seconds), then one
+    unmeasured request per stream at `concurrency`: the JVMs on the path (Kafka) compile
+    their hot code while serving, which a long-running server has long done, and which
+    took 0.04 cores of 2 in the first measured minutes when it was left to the run."""
     for _ in range(tries):
-        if (await run_level(send, 4, 1)).errors == 0:
+        failed = (await run_level(send, 4, 1, show_errors=False)).errors
+        if not failed:
+            await run_level(send, concurrency, 1)
             return
+        print(f"  warm-up: {failed} of 4 failed (a worker still joining?); again", flush=True)
         await asyncio.sleep(2)
     raise RuntimeError(f"the warm-up still failed after {tries} tries")
 
@@ -192,7 +203,7 @@ async def measure(
     name: str, send: Send, args: argparse.Namespace, probe: Probe | None = None
 ) -> list[tuple[str, RunStats]]:
     """A warm-up, then every load level of the run."""
-    await warm_up(send)
+    await warm_up(send, max(args.concurrency))
     return [
         (name, await run_level(send, c, args.requests_per_stream, probe)) for c in args.concurrency
     ]

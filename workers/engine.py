@@ -188,6 +188,11 @@ class Engine:
         """Running, and its engine-core process has not died."""
         return self._llm is not None and not self._llm.errored
 
+    async def log_stats(self) -> None:
+        """vLLM's own summary into the log: throughput, requests running and waiting, KV
+        cache use, prefix-cache hit rate (what its OpenAI server logs every 10 s)."""
+        await self._running().do_log_stats()
+
     def _running(self) -> AsyncLLM:
         if self._llm is None:
             raise RuntimeError("the engine has been shut down")

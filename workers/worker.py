@@ -32,6 +32,7 @@ from workers.request import RequestRunner, RunnerConfig
 log = logging.getLogger(__name__)
 
 COMMIT_INTERVAL_S = 0.1
+ENGINE_STATS_S = 10.0
 
 
 class WorkerFailed(RuntimeError):
@@ -94,6 +95,7 @@ class Worker:
         loops = [
             self._watch(asyncio.create_task(self._commit_loop(), name="commit-loop")),
             self._watch(asyncio.create_task(self._renew_loop(), name="lease-renewal")),
+            self._watch(asyncio.create_task(self._engine_stats_loop(), name="engine-stats")),
         ]
         try:
             await self._intake_loop()
@@ -197,6 +199,12 @@ class Worker:
         while True:
             await asyncio.sleep(COMMIT_INTERVAL_S)
             await self.intake.commit()
+
+    async def _engine_stats_loop(self) -> None:
+        while True:
+            await asyncio.sleep(ENGINE_STATS_S)
+            if self._engine is not None:
+                await self._engine.log_stats()
 
     async def _renew_loop(self) -> None:
         """Renew the leases of requests in hand; stop the ones another worker took."""

@@ -1,7 +1,8 @@
 """OpenAI's Files and Batches API on the real stack (gateway, admission, worker,
 persist): the official client, unchanged, runs a 200-line batch; moderation and output
 redaction apply as on every other surface; `tandoor batch` is a client of the same API;
-a batch can be cancelled; bad files and other people's batches are refused."""
+a batch can be cancelled; bad files and other people's batches are refused; each user
+lists only their own files."""
 
 from __future__ import annotations
 
@@ -182,6 +183,34 @@ async def test_bad_files_and_other_peoples_batches_are_refused(stack: Stack) -> 
         with pytest.raises(openai.NotFoundError):
             await stranger.files.content(f"file-out-{batch.id}")
         await finished(owner, batch.id)
+
+
+async def test_the_openai_client_lists_the_callers_own_files_page_by_page(stack: Stack) -> None:
+    owner, stranger = await client_for(stack), await client_for(stack)
+    async with owner, stranger:
+        uploaded = [
+            await owner.files.create(
+                file=(f"in-{i}.jsonl", jsonl([question(stack, i)])), purpose="batch"
+            )
+            for i in range(5)
+        ]
+        theirs = await stranger.files.create(
+            file=("x.jsonl", jsonl([question(stack, 9)])), purpose="batch"
+        )
+        newest_first = [f.id for f in reversed(uploaded)]
+        # The client follows `after` from page to page by itself.
+        assert [f.id async for f in owner.files.list(limit=2)] == newest_first
+        assert [f.id async for f in owner.files.list(limit=2, order="asc")] == newest_first[::-1]
+        page = await owner.files.list(limit=2)
+        assert ([f.id for f in page.data], page.has_more) == (newest_first[:2], True)
+        shown = {(f.filename, f.bytes, f.purpose) for f in page.data}
+        assert shown == {(f.filename, f.bytes, "batch") for f in uploaded[-2:]}
+        await owner.files.delete(uploaded[0].id)
+        assert [f.id async for f in owner.files.list()] == newest_first[:-1]
+        assert [f.id async for f in owner.files.list(purpose="fine-tune")] == []
+        assert [f.id async for f in stranger.files.list()] == [theirs.id]
+        with pytest.raises(openai.NotFoundError):  # another user's file is no cursor
+            await owner.files.list(after=theirs.id)
 
 
 async def run_cli(

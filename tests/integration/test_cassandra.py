@@ -31,6 +31,7 @@ def test_migrations_apply_once(cassandra: Settings, keyspace: str) -> None:
             "0004_batches",
             "0005_conversation_summary",
             "0006_files_and_batches",
+            "0007_files_by_user",
         ]
         assert migrate(session, keyspace) == []
         rows = session.execute(
@@ -45,6 +46,7 @@ def test_migrations_apply_once(cassandra: Settings, keyspace: str) -> None:
         "usage_by_user_day",
         "api_keys",
         "files",
+        "files_by_user",
         "file_chunks",
         "api_batches",
         "batches_by_user",

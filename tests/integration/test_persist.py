@@ -12,13 +12,13 @@ from typing import Any
 
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
-from aiokafka.structs import ConsumerRecord
+from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from infra.roles import PersistProcess
 from infra.topics import start_group_at_end
 from schemas import topics
 from schemas.codec import encode
-from schemas.events import FinalEvent, FinishReason, Usage, now_ms
+from schemas.events import FinalEvent, FinishReason, TokenEvent, Usage, now_ms
 from tandoor.clients import assign_from_end, cassandra_session, kafka_producer
 from tandoor.settings import Settings
 from tests.waiting import eventually
@@ -247,3 +247,49 @@ async def test_a_final_that_cannot_be_stored_is_dead_lettered_and_the_rest_go_on
     assert [(r.message_id, r.content) for r in rows] == [(healthy.request_id, "an ordinary reply")]
     assert letter.value == encode(poison)
     assert b"not stored after 3 tries" in dict(letter.headers)["error"]
+
+
+async def committed_offset(settings: Settings, group: str, tp: TopicPartition) -> int:
+    consumer = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap, group_id=group)
+    await consumer.start()
+    try:
+        return await consumer.committed(tp) or 0
+    finally:
+        await consumer.stop()
+
+
+async def test_deltas_alone_are_committed_so_a_restart_replays_little(
+    settings: Settings,
+    persist_env: dict[str, str],
+    producer: AIOKafkaProducer,
+    start_persist: StartPersist,
+) -> None:
+    """Persistence skips deltas and commits them less often than each fetch, but it
+    commits them: a reply still streaming is not replayed from its start."""
+    await start_persist()
+    request_id = f"req-{uuid.uuid4().hex[:10]}"
+    sent = [
+        await producer.send_and_wait(
+            topics.TOKENS,
+            encode(
+                TokenEvent(
+                    request_id=request_id,
+                    attempt=1,
+                    seq=seq,
+                    delta="word ",
+                    token_count=1,
+                    created_at_ms=now_ms(),
+                )
+            ),
+            key=request_id.encode(),
+        )
+        for seq in range(20)
+    ]
+    tp = TopicPartition(topics.TOKENS, sent[-1].partition)
+    end = sent[-1].offset + 1
+    group = persist_env["TANDOOR_PERSIST_GROUP"]
+    await eventually(
+        lambda: committed_offset(settings, group, tp),
+        lambda offset: offset >= end,
+        what="persistence to commit a reply's deltas",
+    )

@@ -10,6 +10,7 @@ from fastapi.responses import Response
 
 from producers.gateway.auth import Caller
 from producers.gateway.batches.service import BatchService, CreateBatch
+from producers.gateway.batches.store import Order
 from producers.gateway.services import Services, services
 
 router = APIRouter(prefix="/v1", tags=["batches"])
@@ -30,6 +31,18 @@ async def upload_file(
     purpose: Annotated[str, Form()],
 ) -> dict[str, Any]:
     return await svc.upload(caller, file.filename or "upload.jsonl", purpose, await file.read())
+
+
+@router.get("/files")
+async def list_files(
+    caller: Caller,
+    svc: Batches,
+    limit: Annotated[int, Query(ge=1, le=10_000)] = 10_000,
+    order: Annotated[Order, Query()] = "desc",
+    after: Annotated[str | None, Query(max_length=200)] = None,
+    purpose: Annotated[str | None, Query(max_length=64)] = None,
+) -> dict[str, Any]:
+    return await svc.list_files(caller, limit, order, after, purpose)
 
 
 @router.get("/files/{file_id}")

@@ -17,7 +17,13 @@ from aiokafka.errors import KafkaError
 from pydantic import BaseModel, ConfigDict, Field
 
 from producers.batch_topic import send_lines
-from producers.gateway.batches.store import BatchStore, FileStore, StoredBatch, StoredFile
+from producers.gateway.batches.store import (
+    BatchStore,
+    FileStore,
+    Order,
+    StoredBatch,
+    StoredFile,
+)
 from producers.gateway.errors import ApiError, not_found, unavailable
 from schemas.batch import MAX_CUSTOM_ID_CHARS
 from tandoor.policies.api_keys import Principal
@@ -74,9 +80,18 @@ class BatchService:
         return await self.files.content(file_id)
 
     async def delete_file(self, caller: Principal, file_id: str) -> dict[str, Any]:
-        await self._own_file(caller, file_id)
-        await self.files.delete(file_id)
+        await self.files.delete(await self._own_file(caller, file_id))
         return {"id": file_id, "object": "file", "deleted": True}
+
+    async def list_files(
+        self, caller: Principal, limit: int, order: Order, after: str | None, purpose: str | None
+    ) -> dict[str, Any]:
+        """The caller's uploads (a batch's output and error files are reached from it)."""
+        if purpose not in (None, "batch"):  # the only purpose an upload may have here
+            return _page([], has_more=False)
+        since = await self._own_file(caller, after) if after else None
+        found = await self.files.of_user(caller.user_id, limit + 1, order, since)
+        return _page([_file_object(f) for f in found[:limit]], has_more=len(found) > limit)
 
     # Batches.
 
@@ -109,13 +124,7 @@ class BatchService:
         since = (await self._own_batch(caller, after)).created_at if after else None
         ids = await self.batches.of_user(caller.user_id, limit + 1, since)
         data = [await self.retrieve(caller, batch_id) for batch_id in ids[:limit]]
-        return {
-            "object": "list",
-            "data": data,
-            "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None,
-            "has_more": len(ids) > limit,
-        }
+        return _page(data, has_more=len(ids) > limit)
 
     async def cancel(self, caller: Principal, batch_id: str) -> dict[str, Any]:
         batch = await self._own_batch(caller, batch_id)
@@ -218,6 +227,17 @@ def _status(batch: StoredBatch, answered: int) -> str:
     if done:
         return "completed"
     return "expired" if _now() > batch.created_at + COMPLETION_WINDOW else "in_progress"
+
+
+def _page(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
+    """OpenAI's cursor page: the next one starts `after` its last id."""
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": has_more,
+    }
 
 
 def _file_object(stored: StoredFile) -> dict[str, Any]:

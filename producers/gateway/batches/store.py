@@ -1,4 +1,5 @@
-"""Files and batches in Cassandra (infra/migrations/0006_files_and_batches.cql)."""
+"""Files and batches in Cassandra (infra/migrations/0006_files_and_batches.cql,
+0007_files_by_user.cql)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,12 @@ import asyncio
 import dataclasses
 import datetime as dt
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from tandoor.clients import cql
 
 CHUNK_BYTES = 512 * 1024  # a file's bytes in rows of this size, in one partition
+Order = Literal["asc", "desc"]
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,19 @@ class FileStore:
                 stored.created_at,
             ),
         )
+        await cql(
+            self._session,
+            "INSERT INTO files_by_user (user_id, created_at, file_id, purpose, filename, bytes) "
+            "VALUES (%s, %s, %s, %s, %s, %s)",
+            (
+                stored.user_id,
+                stored.created_at,
+                stored.file_id,
+                stored.purpose,
+                stored.filename,
+                stored.bytes,
+            ),
+        )
 
     async def get(self, file_id: str) -> StoredFile | None:
         rows = await cql(
@@ -82,9 +97,49 @@ class FileStore:
         )
         return b"".join(row.data for row in rows)
 
-    async def delete(self, file_id: str) -> None:
-        await cql(self._session, "DELETE FROM files WHERE file_id = %s", (file_id,))
-        await cql(self._session, "DELETE FROM file_chunks WHERE file_id = %s", (file_id,))
+    async def of_user(
+        self, user_id: str, limit: int, order: Order, after: StoredFile | None
+    ) -> list[StoredFile]:
+        """Up to `limit` of the user's files in `order` of creation, after `after`: the
+        rest of its millisecond first (uploads may share one), then later ones."""
+        if after is None:
+            return await self._listed(user_id, "", (), order, limit)
+        newer, later = (">", "<") if order == "desc" else ("<", ">")  # file_id, created_at
+        same_ms = await self._listed(
+            user_id,
+            f" AND created_at = %s AND file_id {newer} %s",
+            (after.created_at, after.file_id),
+            order,
+            limit,
+        )
+        if len(same_ms) == limit:
+            return same_ms
+        rest = await self._listed(
+            user_id, f" AND created_at {later} %s", (after.created_at,), order, limit - len(same_ms)
+        )
+        return same_ms + rest
+
+    async def _listed(
+        self, user_id: str, where: str, params: tuple[Any, ...], order: Order, limit: int
+    ) -> list[StoredFile]:
+        direction = "DESC" if order == "desc" else "ASC"
+        rows = await cql(
+            self._session,
+            "SELECT file_id, user_id, purpose, filename, bytes, created_at FROM files_by_user "
+            f"WHERE user_id = %s{where} ORDER BY created_at {direction} LIMIT %s",
+            (user_id, *params, limit),
+        )
+        return [StoredFile(*row) for row in rows]
+
+    async def delete(self, stored: StoredFile) -> None:
+        """Out of the list first: a file listed can always be fetched."""
+        await cql(
+            self._session,
+            "DELETE FROM files_by_user WHERE user_id = %s AND created_at = %s AND file_id = %s",
+            (stored.user_id, stored.created_at, stored.file_id),
+        )
+        await cql(self._session, "DELETE FROM files WHERE file_id = %s", (stored.file_id,))
+        await cql(self._session, "DELETE FROM file_chunks WHERE file_id = %s", (stored.file_id,))
 
 
 class BatchStore:

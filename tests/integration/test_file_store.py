@@ -1,0 +1,53 @@
+"""Listing a user's files against real Cassandra: every file once, in order, however
+the pages fall, uploads sharing a millisecond included."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from producers.gateway.batches.store import FileStore, Order, StoredFile
+from tandoor.clients import cassandra_session
+from tandoor.settings import Settings
+
+pytestmark = pytest.mark.integration
+
+AT = dt.datetime(2026, 12, 1, 12, 0, 0, 123000)
+
+
+@pytest.fixture
+def session(cassandra: Settings, migrated_keyspace: str) -> Iterator[Any]:
+    with cassandra_session(cassandra, migrated_keyspace) as s:
+        yield s
+
+
+def stored(file_id: str, at: dt.datetime, user: str = "alice") -> StoredFile:
+    return StoredFile(file_id, user, "batch", f"{file_id}.jsonl", 10, at)
+
+
+async def every_page(files: FileStore, order: Order, limit: int) -> list[str]:
+    seen: list[str] = []
+    after: StoredFile | None = None
+    while page := await files.of_user("alice", limit, order, after):
+        seen += [f.file_id for f in page]
+        after = page[-1]
+    return seen
+
+
+@pytest.mark.parametrize("limit", [1, 2, 3, 10])
+async def test_pages_list_every_file_once_in_order(session: Any, limit: int) -> None:
+    files = FileStore(session)
+    earlier, later = AT - dt.timedelta(seconds=1), AT + dt.timedelta(seconds=1)
+    uploads = [stored("f-early", earlier), *(stored(f"f-same-{i}", AT) for i in range(4))]
+    uploads += [stored("f-late", later), stored("f-bob", AT, user="bob")]
+    for upload in uploads:
+        await files.create(upload, b"{}\n")
+    same_ms = [f"f-same-{i}" for i in range(4)]  # within a millisecond: by id
+    assert await every_page(files, "desc", limit) == ["f-late", *same_ms, "f-early"]
+    assert await every_page(files, "asc", limit) == ["f-early", *same_ms[::-1], "f-late"]
+    await files.delete(uploads[2])
+    assert "f-same-1" not in await every_page(files, "desc", limit)
+    assert await files.get("f-same-1") is None
