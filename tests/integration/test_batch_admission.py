@@ -2,8 +2,9 @@
 role, the package's real worker and the persistence consumer, results read back from
 `batch.results`. A bad line, a bad key and a repeated custom_id are answered with errors
 and never reach the model's topic; the band's backlog stays shallow; kill -9 of the
-admission role mid-batch runs no line twice and loses none; a tenant's flood does not
-hold back another tenant's small batch."""
+admission role mid-batch runs no line twice and loses none, nor do admission members
+joining and leaving mid-batch; a tenant's flood does not hold back another tenant's
+small batch."""
 
 from __future__ import annotations
 
@@ -207,6 +208,43 @@ async def test_kill_9_of_admission_mid_batch_runs_no_line_twice_and_loses_none(
     # A line forwarded just before the kill may be forwarded again (its mark in Redis
     # not yet written); the worker finds its final and does not run it twice.
     assert CRASH_LINES <= await queued(settings, worker.model) - before <= CRASH_LINES + 1
+
+
+async def test_admission_members_joining_and_leaving_mid_batch_lose_and_repeat_nothing(
+    settings: Settings,
+    worker: WorkerProcess,
+    producer: AIOKafkaProducer,
+    roles_env: dict[str, str],
+    results: ResultsReader,
+    tmp_path: Path,
+) -> None:
+    """A second admission joins a quarter in (a rebalance), the first leaves at half (its
+    partitions, the batch's among them if it still had it, move with lines in hand)."""
+    key, _ = await batch_key(settings, "scaling-batcher")
+    batch_id = f"scale-{uuid.uuid4().hex[:6]}"
+    before = await queued(settings, worker.model)
+    await send_lines(
+        producer, key, batch_id, [question(worker.model, i) for i in range(CRASH_LINES)]
+    )
+
+    first, second = AdmissionProcess(tmp_path, roles_env), AdmissionProcess(tmp_path, roles_env)
+    async with running([PersistProcess(tmp_path, roles_env), first]):
+        await all_results(results, batch_id, CRASH_LINES // 4)
+        async with running([second]):
+            await all_results(results, batch_id, CRASH_LINES // 2)
+            assert await asyncio.to_thread(first.terminate) == 0  # a clean leave
+            await all_results(results, batch_id, CRASH_LINES)
+            await eventually(
+                lambda: band_backlog(settings, worker.model), lambda n: n == 0, what="band empty"
+            )
+            await results.poll()
+
+    got = results.of(batch_id)
+    by_id = Counter(r["custom_id"] for r in got)
+    assert sorted(by_id) == sorted(f"line-{i}" for i in range(CRASH_LINES))
+    assert set(by_id.values()) == {1}, [c for c, n in by_id.items() if n > 1]
+    assert all(answered(r) for r in got)
+    assert await queued(settings, worker.model) - before == CRASH_LINES  # none forwarded twice
 
 
 async def test_a_small_batch_is_not_held_back_by_another_tenants_flood(
