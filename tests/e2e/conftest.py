@@ -31,6 +31,7 @@ from infra.roles import (
 from tandoor.models import BUNDLED_MODELS
 from tandoor.settings import Fallback, Settings, TierPolicy
 from tests.e2e.browser import browser, page  # noqa: F401 (the page tests' fixtures)
+from tests.e2e.guarded import guarded  # noqa: F401 (the security tests' replica)
 from tests.e2e.stack import BLOCKED_TERM, SHED_BACKLOG, Stack
 from workers.model_store import resolve_model_dir
 
