@@ -107,7 +107,7 @@ async def bench_gateway(model_dir: Path, args: argparse.Namespace) -> list[tuple
         limits = httpx.Limits(max_connections=64)
         async with httpx.AsyncClient(limits=limits) as client:
             url = f"http://127.0.0.1:{gateway.port}"
-            send = openai_sender(client, url, model, args.max_tokens, key)
+            send = openai_sender(client, url, model, args, key)
             return await measure("Tandoor gateway (full path)", send, args, probe)
 
 

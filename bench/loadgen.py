@@ -116,8 +116,20 @@ async def run_level(
     return stats
 
 
+def reply_tokens(i: int, max_tokens: int, spread: float) -> int:
+    """Request i's length: `max_tokens`, or with `spread` s spread evenly over
+    max_tokens x [1 - s, 1 + s] (a golden-ratio sequence: the same for every target), so
+    that replies do not all end in the same step."""
+    u = (i * 0.6180339887498949) % 1.0
+    return max(1, round(max_tokens * (1 - spread + 2 * spread * u)))
+
+
 def openai_sender(
-    client: httpx.AsyncClient, base_url: str, model: str, max_tokens: int, key: str = ""
+    client: httpx.AsyncClient,
+    base_url: str,
+    model: str,
+    args: argparse.Namespace,
+    key: str = "",
 ) -> Send:
     """Streams a chat completion the way an OpenAI client does; TTFT is the first content."""
     headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -126,7 +138,7 @@ def openai_sender(
         body = {
             "model": model,
             "stream": True,
-            "max_tokens": max_tokens,
+            "max_tokens": reply_tokens(i, args.max_tokens, args.spread_tokens),
             "temperature": 0,
             "ignore_eos": True,
             "stream_options": {"include_usage": True},
@@ -159,6 +171,12 @@ def parse_args(doc: str | None) -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--requests-per-stream", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument(
+        "--spread-tokens",
+        type=float,
+        default=0.0,
+        help="spread replies' lengths over max-tokens x [1-s, 1+s] (0: all equal, in waves)",
+    )
     parser.add_argument("--max-seqs", type=int, default=32)
     parser.add_argument("--kv-cache-mib", type=int, default=1024)
     parser.add_argument("--vllm-port", type=int, default=18765)

@@ -81,7 +81,7 @@ async def bench_direct(
     try:
         await wait_http(f"http://127.0.0.1:{port}/health", proc)
         async with httpx.AsyncClient(limits=httpx.Limits(max_connections=64)) as client:
-            send = openai_sender(client, f"http://127.0.0.1:{port}", "smollm2", args.max_tokens)
+            send = openai_sender(client, f"http://127.0.0.1:{port}", "smollm2", args)
             await warm_up(send, max(args.concurrency))
             return [
                 (
