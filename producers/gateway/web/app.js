@@ -29,6 +29,7 @@ const state = {
   reply: null, // the reply streaming now: {element, text, attempt, lastEventId, done}
   busy: false, // sending or streaming: the composer waits
   following: true, // the list is scrolled to its end: a streaming reply keeps it there
+  pinnedAt: 0, // the scrollTop the page last set: below it, the reader has scrolled up
   modelNames: new Map(), // served name -> display name
   usageTimer: null,
 };
@@ -446,14 +447,26 @@ function hideNotice() {
 function scrollToEnd(force = false) {
   const list = $("messages");
   if (force) state.following = true;
-  if (state.following) list.scrollTop = list.scrollHeight;
+  // Scrolled up since the page last pinned the list, its scroll event not handled yet:
+  // new text must not pull the reader back down. (Not a list that shrank under a
+  // re-render: the browser keeps that one at its end.)
+  else if (list.scrollTop < state.pinnedAt - NEAR_BOTTOM_PX && !nearEnd(list)) {
+    state.following = false;
+  }
+  if (state.following) {
+    list.scrollTop = list.scrollHeight;
+    state.pinnedAt = list.scrollTop;
+  }
   $("to-latest").hidden = state.following || list.scrollHeight <= list.clientHeight;
 }
 
 function onScroll() {
-  const list = $("messages");
-  state.following = list.scrollHeight - list.scrollTop - list.clientHeight < NEAR_BOTTOM_PX;
+  state.following = nearEnd($("messages"));
   $("to-latest").hidden = state.following;
+}
+
+function nearEnd(list) {
+  return list.scrollHeight - list.scrollTop - list.clientHeight < NEAR_BOTTOM_PX;
 }
 
 // ---- the usage view -------------------------------------------------------------------
