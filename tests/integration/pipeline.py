@@ -40,12 +40,16 @@ def prompt(
 
 async def committed_offset(settings: Settings, model: str, partition: int) -> int | None:
     """Where the workers of `model` will resume in `partition`."""
-    consumer = AIOKafkaConsumer(
-        bootstrap_servers=settings.kafka_bootstrap, group_id=topics.worker_group(model)
-    )
+    tp = TopicPartition(topics.prompts_topic(model), partition)
+    return await group_committed(settings, topics.worker_group(model), tp)
+
+
+async def group_committed(settings: Settings, group: str, tp: TopicPartition) -> int | None:
+    """Where `group` will resume in `tp` (None: it never committed there)."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap, group_id=group)
     await consumer.start()
     try:
-        offset = await consumer.committed(TopicPartition(topics.prompts_topic(model), partition))
+        offset = await consumer.committed(tp)
         return None if offset is None else int(offset)
     finally:
         await consumer.stop()

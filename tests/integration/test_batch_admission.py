@@ -172,6 +172,24 @@ async def test_a_200_line_batch_on_the_topic_is_answered_once_per_line(
     assert band_peak <= 3 * BACKLOG_PER_WORKER, f"the batch band held {band_peak} prompts"
 
 
+async def all_settled(
+    settings: Settings, results: ResultsReader, model: str, batch_id: str
+) -> None:
+    """Every line answered, and nothing left to run: every prompt in the band is finished
+    (committed), so a line run twice has its second final out, on its way through persist."""
+    await all_results(results, batch_id, CRASH_LINES)
+    await eventually(lambda: band_backlog(settings, model), lambda n: n == 0, what="band empty")
+    await results.poll()
+
+
+def assert_each_line_answered_once(results: ResultsReader, batch_id: str) -> None:
+    got = results.of(batch_id)
+    by_id = Counter(r["custom_id"] for r in got)
+    assert sorted(by_id) == sorted(f"line-{i}" for i in range(CRASH_LINES))
+    assert set(by_id.values()) == {1}, [c for c, n in by_id.items() if n > 1]
+    assert all(answered(r) for r in got)
+
+
 async def test_kill_9_of_admission_mid_batch_runs_no_line_twice_and_loses_none(
     settings: Settings,
     worker: WorkerProcess,
@@ -192,19 +210,9 @@ async def test_kill_9_of_admission_mid_batch_runs_no_line_twice_and_loses_none(
             await all_results(results, batch_id, CRASH_LINES // 4)
             await asyncio.to_thread(first.kill)
         async with running([AdmissionProcess(tmp_path, roles_env)]):
-            await all_results(results, batch_id, CRASH_LINES)
-            # Nothing left to run: every prompt in the band is finished (committed), so a
-            # line run twice has its second final out, on its way through persist.
-            await eventually(
-                lambda: band_backlog(settings, worker.model), lambda n: n == 0, what="band empty"
-            )
-            await results.poll()
+            await all_settled(settings, results, worker.model, batch_id)
 
-    got = results.of(batch_id)
-    by_id = Counter(r["custom_id"] for r in got)
-    assert sorted(by_id) == sorted(f"line-{i}" for i in range(CRASH_LINES))
-    assert set(by_id.values()) == {1}, [c for c, n in by_id.items() if n > 1]
-    assert all(answered(r) for r in got)
+    assert_each_line_answered_once(results, batch_id)
     # A line forwarded just before the kill may be forwarded again (its mark in Redis
     # not yet written); the worker finds its final and does not run it twice.
     assert CRASH_LINES <= await queued(settings, worker.model) - before <= CRASH_LINES + 1
@@ -233,17 +241,9 @@ async def test_admission_members_joining_and_leaving_mid_batch_lose_and_repeat_n
         async with running([second]):
             await all_results(results, batch_id, CRASH_LINES // 2)
             assert await asyncio.to_thread(first.terminate) == 0  # a clean leave
-            await all_results(results, batch_id, CRASH_LINES)
-            await eventually(
-                lambda: band_backlog(settings, worker.model), lambda n: n == 0, what="band empty"
-            )
-            await results.poll()
+            await all_settled(settings, results, worker.model, batch_id)
 
-    got = results.of(batch_id)
-    by_id = Counter(r["custom_id"] for r in got)
-    assert sorted(by_id) == sorted(f"line-{i}" for i in range(CRASH_LINES))
-    assert set(by_id.values()) == {1}, [c for c, n in by_id.items() if n > 1]
-    assert all(answered(r) for r in got)
+    assert_each_line_answered_once(results, batch_id)
     assert await queued(settings, worker.model) - before == CRASH_LINES  # none forwarded twice
 
 

@@ -21,6 +21,7 @@ from schemas.codec import encode
 from schemas.events import FinalEvent, FinishReason, TokenEvent, Usage, now_ms
 from tandoor.clients import assign_from_end, cassandra_session, kafka_producer
 from tandoor.settings import Settings
+from tests.integration.pipeline import group_committed
 from tests.waiting import eventually
 
 pytestmark = pytest.mark.integration
@@ -249,15 +250,6 @@ async def test_a_final_that_cannot_be_stored_is_dead_lettered_and_the_rest_go_on
     assert b"not stored after 3 tries" in dict(letter.headers)["error"]
 
 
-async def committed_offset(settings: Settings, group: str, tp: TopicPartition) -> int:
-    consumer = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap, group_id=group)
-    await consumer.start()
-    try:
-        return await consumer.committed(tp) or 0
-    finally:
-        await consumer.stop()
-
-
 async def test_deltas_alone_are_committed_so_a_restart_replays_little(
     settings: Settings,
     persist_env: dict[str, str],
@@ -289,7 +281,7 @@ async def test_deltas_alone_are_committed_so_a_restart_replays_little(
     end = sent[-1].offset + 1
     group = persist_env["TANDOOR_PERSIST_GROUP"]
     await eventually(
-        lambda: committed_offset(settings, group, tp),
-        lambda offset: offset >= end,
+        lambda: group_committed(settings, group, tp),
+        lambda offset: offset is not None and offset >= end,
         what="persistence to commit a reply's deltas",
     )
