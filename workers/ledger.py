@@ -43,6 +43,7 @@ from tandoor.policies.redis_keys import (
     lease_key,
     reply_key,
 )
+from workers.script_batch import BatchedScript
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +142,7 @@ class RequestLedger:
         self.owner = owner
         self._lease_ms = max(1, round(lease_s * 1000))
         self._arrive = client.register_script(ARRIVE)
-        self._record = client.register_script(RECORD)
+        self._record = BatchedScript(client, client.register_script(RECORD))
         self._finish = client.register_script(FINISH)
         self._renew = client.register_script(RENEW)
 

@@ -11,7 +11,9 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as aioredis
 
+from infra.process import free_port
 from tandoor.clients import redis_client
+from tandoor.policies.redis_keys import lease_key, reply_key
 from tandoor.settings import Settings
 from workers.ledger import Arrival, Busy, Finished, Recorded, RequestLedger
 
@@ -80,3 +82,52 @@ async def test_a_lease_given_back_is_taken_at_once(client: aioredis.Redis) -> No
     await leaving.release(rid)  # handed back at SIGTERM
     taken = await staying.arrive(rid)
     assert isinstance(taken, Arrival) and taken.attempt == 2
+
+
+async def test_records_made_together_share_a_round_trip_and_each_gets_its_own_answer(
+    client: aioredis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine step hands every running request a token at once: their records go in
+    one pipeline, and a lost lease or a gap answers only the request it belongs to."""
+    worker, rival = ledger(client, "w1"), ledger(client, "w2")
+    rids = [request() for _ in range(32)]
+    for rid in rids:
+        assert isinstance(await worker.arrive(rid), Arrival)
+    taken_over, gapped = rids[7], rids[19]
+    await client.delete(lease_key(taken_over))  # as if w1 stalled past its lease
+    assert isinstance(await rival.arrive(taken_over), Arrival)
+    pipelines = 0
+    real_pipeline = client.pipeline
+
+    def counted(*args: object, **kwargs: object) -> object:
+        nonlocal pipelines
+        pipelines += 1
+        return real_pipeline(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(client, "pipeline", counted)
+    seq = {rid: 2 if rid == gapped else 0 for rid in rids}
+    outcomes = await asyncio.gather(
+        *(worker.record(rid, Recorded(1, seq[rid], f"w{i}", 1)) for i, rid in enumerate(rids))
+    )
+    assert pipelines == 1
+    expected = {taken_over: "lost", gapped: "gap"}
+    assert outcomes == [expected.get(rid, "ok") for rid in rids]
+    stored = [await client.lrange(reply_key(rid), 0, -1) for rid in rids]
+    assert stored == [
+        [] if rid in expected else [Recorded(1, 0, f"w{i}", 1).encode()]
+        for i, rid in enumerate(rids)
+    ]
+
+
+async def test_records_made_together_while_redis_is_unreachable_each_say_so(
+    settings: Settings,
+) -> None:
+    down = redis_client(settings.model_copy(update={"redis_port": free_port()}))
+    worker = ledger(down, "w1")
+    try:
+        outcomes = await asyncio.gather(
+            *(worker.record(request(), Recorded(1, 0, "x", 1)) for _ in range(8))
+        )
+    finally:
+        await down.aclose()
+    assert outcomes == ["down"] * 8

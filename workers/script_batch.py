@@ -1,0 +1,60 @@
+"""Calls of one Redis script made in the same turn of the event loop go to Redis in one
+pipeline. A worker records each request's token event before publishing it, and an
+engine step hands every running request its next tokens at once: at 32 streams that
+was 32 round trips per step, each a wake-up of Redis and of the worker's event loop
+on the cores the engine computes on."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.commands.core import AsyncScript
+from redis.typing import EncodableT, KeyT
+
+Call = tuple[Sequence[KeyT], Sequence[EncodableT], "asyncio.Future[Any]"]
+
+
+class BatchedScript:
+    def __init__(self, client: aioredis.Redis, script: AsyncScript) -> None:
+        self._client = client
+        self._script = script
+        self._waiting: list[Call] = []
+        self._flushes: set[asyncio.Task[None]] = set()
+
+    async def __call__(self, keys: Sequence[KeyT], args: Sequence[EncodableT]) -> Any:
+        """The script's reply for this call, or the error Redis (or reaching it) gave."""
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._waiting.append((keys, args, future))
+        if len(self._waiting) == 1:
+            # A task's first step runs in the loop's next turn: after this turn's callers.
+            flush = asyncio.ensure_future(self._flush())
+            self._flushes.add(flush)
+            flush.add_done_callback(self._flushes.discard)
+        return await future
+
+    async def _flush(self) -> None:
+        calls, self._waiting = self._waiting, []
+        try:
+            async with self._client.pipeline(transaction=False) as pipe:
+                for keys, args, _ in calls:
+                    await self._script(keys=keys, args=args, client=pipe)
+                replies = await pipe.execute(raise_on_error=False)
+        except asyncio.CancelledError:  # the worker is stopping: so are its callers
+            for *_, future in calls:
+                future.cancel()
+            raise
+        except Exception as exc:  # reaching Redis failed: every call in it did
+            for *_, future in calls:
+                if not future.done():
+                    future.set_exception(exc)
+            return
+        for (*_, future), reply in zip(calls, replies, strict=True):
+            if future.done():  # its caller was cancelled meanwhile
+                continue
+            if isinstance(reply, Exception):
+                future.set_exception(reply)
+            else:
+                future.set_result(reply)
