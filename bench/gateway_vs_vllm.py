@@ -2,7 +2,7 @@
 running beside it) against vLLM's own OpenAI server: the same OpenAI-style streaming
 client, model, engine settings and load, one after the other on this machine.
 
-    python -m bench.gateway_vs_vllm [--requests-per-stream 2] [--max-tokens 128]
+    python -m bench.gateway_vs_vllm [--requests-per-stream 2] [--max-tokens 128] [--rounds 3]
 
 The stack (Kafka, Cassandra, Redis) must be up: `tandoor infra up`.
 """
@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.loadgen import (
     Probe,
     RunStats,
-    compare,
+    alternate,
     cpu_table,
     measure,
     openai_sender,
@@ -115,11 +115,15 @@ def main() -> None:
     args = parse_args(__doc__)
     print(describe_machine(), flush=True)
     model_dir = resolve_model_dir("smollm2", Settings())
-    direct = asyncio.run(bench_direct(model_dir, args, servers(Settings())))
-    gateway = asyncio.run(bench_gateway(model_dir, args))
-    print(compare(direct, gateway, "gateway"))
-    print(cpu_table(direct + gateway))
-    print(latency_table(gateway))
+    pairs = alternate(
+        args.rounds,
+        lambda: asyncio.run(bench_direct(model_dir, args, servers(Settings()))),
+        lambda: asyncio.run(bench_gateway(model_dir, args)),
+        "gateway",
+    )
+    for direct, gateway in pairs:
+        print(cpu_table(direct + gateway))
+        print(latency_table(gateway))
 
 
 if __name__ == "__main__":

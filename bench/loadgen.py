@@ -177,6 +177,13 @@ def parse_args(doc: str | None) -> argparse.Namespace:
         default=0.0,
         help="spread replies' lengths over max-tokens x [1-s, 1+s] (0: all equal, in waves)",
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run both targets this many times, alternating, and report each round's "
+        "ratios and their medians (the machine's speed drifts between runs)",
+    )
     parser.add_argument("--max-seqs", type=int, default=32)
     parser.add_argument("--kv-cache-mib", type=int, default=1024)
     parser.add_argument("--vllm-port", type=int, default=18765)
@@ -197,6 +204,38 @@ def compare(
             f"concurrency {d.concurrency}: {name}/direct throughput "
             f"{o.tokens_per_s / d.tokens_per_s:.1%}, TTFT p50 delta "
             f"{o.ttft_ms(50) - d.ttft_ms(50):+.1f} ms, errors {o.errors} vs {d.errors}"
+        )
+    return "\n".join(lines)
+
+
+Runs = list[tuple[str, RunStats]]
+
+
+def alternate(
+    rounds: int, direct: Callable[[], Runs], other: Callable[[], Runs], name: str
+) -> list[tuple[Runs, Runs]]:
+    """Both targets `rounds` times, one after the other, each round printed as it ends;
+    then each load level's median ratios over the rounds."""
+    pairs = []
+    for number in range(1, rounds + 1):
+        pair = direct(), other()
+        print(f"round {number} of {rounds}\n{compare(*pair, name)}", flush=True)
+        pairs.append(pair)
+    if rounds > 1:
+        print(median_ratios(pairs, name))
+    return pairs
+
+
+def median_ratios(pairs: list[tuple[Runs, Runs]], name: str) -> str:
+    lines = []
+    for level, (_, first) in enumerate(pairs[0][0]):
+        ratios = [o[level][1].tokens_per_s / d[level][1].tokens_per_s for d, o in pairs]
+        deltas = [o[level][1].ttft_ms(50) - d[level][1].ttft_ms(50) for d, o in pairs]
+        lines.append(
+            f"concurrency {first.concurrency}, {len(pairs)} rounds: {name}/direct throughput "
+            f"median {statistics.median(ratios):.1%} ({', '.join(f'{r:.1%}' for r in ratios)}), "
+            f"TTFT p50 delta median {statistics.median(deltas):+.1f} ms "
+            f"({', '.join(f'{d:+.1f}' for d in deltas)})"
         )
     return "\n".join(lines)
 

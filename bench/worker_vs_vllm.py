@@ -15,7 +15,7 @@ import time
 import uuid
 from pathlib import Path
 
-from bench.loadgen import RunStats, Send, compare, measure, parse_args, question
+from bench.loadgen import RunStats, Send, alternate, measure, parse_args, question
 from bench.machine import describe_machine
 from bench.vllm_server import bench_direct
 from consumers.token_reader import TokenCollector
@@ -71,8 +71,12 @@ def main() -> None:
     args = parse_args(__doc__)
     print(describe_machine(), flush=True)
     model_dir = resolve_model_dir("smollm2", Settings())
-    direct = asyncio.run(bench_direct(model_dir, args))
-    print(compare(direct, asyncio.run(bench_worker(model_dir, args)), "worker"))
+    alternate(
+        args.rounds,
+        lambda: asyncio.run(bench_direct(model_dir, args)),
+        lambda: asyncio.run(bench_worker(model_dir, args)),
+        "worker",
+    )
 
 
 if __name__ == "__main__":
