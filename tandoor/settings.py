@@ -214,7 +214,10 @@ class Settings(BaseSettings):
     # Persistence consumer: its group on `tokens`.
     persist_group: str = "persist"
 
-    coalesce_ms: float = Field(default=15.0, ge=0)
+    # Each token event costs a Redis record, a produce, two fetches and an SSE write on
+    # the engine's cores; the first word goes out token by token whatever the window
+    # (workers/coalesce.py; measured in docs/benchmarks.md).
+    coalesce_ms: float = Field(default=100.0, ge=0)
     coalesce_tokens: int = Field(default=16, ge=1)
 
     @field_validator("models", mode="before")

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from workers.coalesce import Coalescer
+from workers.coalesce import OPENING_EVENTS, Coalescer
 from workers.scheduler import BandScheduler
 
 BANDS = ["paid", "free", "batch"]
@@ -58,24 +58,34 @@ def test_kept_slots_are_validated() -> None:
         BandScheduler(BANDS, max_slots=4, kept_for_top=5)
 
 
-def test_first_delta_is_sent_at_once_then_coalesced() -> None:
+def test_deltas_go_at_once_until_the_first_word_ends_then_are_coalesced() -> None:
     c = Coalescer(window_s=0.010, max_tokens=100)
-    assert c.add("Hel", 1, now=0.000) == ("Hel", 1)
-    assert c.add("lo", 1, now=0.002) is None
-    assert c.add(",", 1, now=0.004) is None
-    assert c.add(" world", 1, now=0.011) == ("lo, world", 3)
-    assert c.flush(now=0.012) is None
+    assert c.add("Cert", 1, now=0.000) == ("Cert", 1)
+    assert c.add("ainly", 1, now=0.001) == ("ainly", 1), "the first word is not over"
+    assert c.add("!", 1, now=0.002) == ("!", 1)
+    assert c.add(" Here", 1, now=0.003) == (" Here", 1), "the space ends the first word"
+    assert c.add(" is", 1, now=0.004) is None
+    assert c.add(",", 1, now=0.006) is None
+    assert c.add(" world", 1, now=0.014) == (" is, world", 3)
+    assert c.flush(now=0.015) is None
+
+
+def test_a_reply_without_spaces_is_coalesced_after_a_few_events() -> None:
+    c = Coalescer(window_s=1.0, max_tokens=100)
+    sent = [c.add("x", 1, now=i / 1000) for i in range(OPENING_EVENTS + 3)]
+    assert sent[:OPENING_EVENTS] == [("x", 1)] * OPENING_EVENTS
+    assert sent[OPENING_EVENTS:] == [None] * 3
 
 
 def test_token_cap_flushes_before_the_window() -> None:
     c = Coalescer(window_s=1.0, max_tokens=3)
-    c.add("a", 1, now=0.0)
+    c.add("a ", 1, now=0.0)
     assert c.add("b", 1, now=0.1) is None
     assert c.add("c", 2, now=0.2) == ("bc", 3)
 
 
 def test_final_flush_returns_the_rest() -> None:
     c = Coalescer(window_s=1.0, max_tokens=100)
-    c.add("a", 1, now=0.0)
+    c.add("a ", 1, now=0.0)
     c.add("🙂", 1, now=0.1)
     assert c.flush(now=0.2) == ("🙂", 1)
