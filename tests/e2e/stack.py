@@ -122,9 +122,14 @@ class Stack:
                 )
 
     async def revive(self) -> None:
-        """Start again any role that died: a failed test must not sink the next one."""
+        """Start again any role that died: a failed test must not sink the next one. Its
+        log is kept beside the new one (start() truncates it) and its end printed."""
         for role in self.roles():
             if role.proc is not None and role.proc.poll() is not None:
+                kept = role.log_file.with_name(f"{role.log_file.stem}.died.log")
+                role.log_file.replace(kept)
+                tail = kept.read_text(errors="replace")[-3000:]
+                print(f"{role.name} had died (exit {role.proc.returncode}), revived:\n{tail}")
                 role.start()
                 await role.wait_ready()
 

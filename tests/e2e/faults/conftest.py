@@ -12,7 +12,10 @@ from tests.e2e.stack import Stack, servers_back
 
 @pytest.fixture(autouse=True)
 async def healthy_servers(stack: Stack) -> AsyncIterator[None]:
-    """Whatever a test stopped comes back before the next one, even when it failed."""
+    """Whatever a test stopped comes back before the next one, even when it failed; and
+    a role that died outside any test (one gateway did, seconds after it was ready,
+    while the engines loaded) is started again before the next test, saying so."""
+    await stack.revive()
     yield
     await servers_back(stack.settings)
     await stack.revive()
