@@ -23,7 +23,7 @@ class Coalescer:
         self._text: list[str] = []
         self._tokens = 0
         self._last_flush = 0.0
-        self._opening = 0  # events sent while the first word had not ended; -1 after
+        self._opening_left = OPENING_EVENTS  # events sent at once; 0 once the word ended
         self._last_char = ""
 
     def add(self, delta: str, tokens: int, now: float) -> tuple[str, int] | None:
@@ -31,7 +31,7 @@ class Coalescer:
         self._text.append(delta)
         self._tokens += tokens
         due = (
-            self._opening >= 0
+            self._opening_left > 0
             or now - self._last_flush >= self.window_s
             or self._tokens >= self.max_tokens
         )
@@ -49,8 +49,8 @@ class Coalescer:
         return chunk
 
     def _note_opening(self, text: str) -> None:
-        if self._opening < 0 or not text:
+        if not self._opening_left or not text:
             return
         ended = _WORD_ENDED.search(self._last_char + text) is not None
         self._last_char = text[-1]
-        self._opening = -1 if ended or self._opening + 1 >= OPENING_EVENTS else self._opening + 1
+        self._opening_left = 0 if ended else self._opening_left - 1
