@@ -15,6 +15,7 @@ from cassandra.policies import (
     ExponentialReconnectionPolicy,
     TokenAwarePolicy,
 )
+from cassandra.query import BatchStatement, BatchType
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -128,3 +129,13 @@ async def cql(session: Any, statement: Any, params: Sequence[object] = ()) -> li
     response = session.execute_async(statement, params)
     response.add_callbacks(on_page, lambda exc: loop.call_soon_threadsafe(settle, exc))
     return await done
+
+
+async def cql_together(session: Any, statements: Sequence[tuple[str, Sequence[object]]]) -> None:
+    """Rows of different tables (different partitions) that mean nothing apart, in one
+    logged batch: Cassandra applies all of them or, if the caller dies before it is sent,
+    none; separate inserts left half a record when the caller died between them."""
+    batch = BatchStatement(batch_type=BatchType.LOGGED)
+    for statement, params in statements:
+        batch.add(statement, params)
+    await cql(session, batch)

@@ -9,7 +9,7 @@ import datetime as dt
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from tandoor.clients import cql
+from tandoor.clients import cql, cql_together
 
 CHUNK_BYTES = 512 * 1024  # a file's bytes in rows of this size, in one partition
 Order = Literal["asc", "desc"]
@@ -43,7 +43,7 @@ class FileStore:
         self._session = session
 
     async def create(self, stored: StoredFile, content: bytes) -> None:
-        """The chunks first, then the row that makes the file visible."""
+        """The chunks first, then the rows that make the file visible and listed."""
         chunks = [content[i : i + CHUNK_BYTES] for i in range(0, len(content), CHUNK_BYTES)]
         await asyncio.gather(
             *(
@@ -55,31 +55,21 @@ class FileStore:
                 for n, chunk in enumerate(chunks)
             )
         )
-        await cql(
+        row = (stored.purpose, stored.filename, stored.bytes)
+        await cql_together(  # visible and listed together, or neither
             self._session,
-            "INSERT INTO files (file_id, user_id, purpose, filename, bytes, created_at) "
-            "VALUES (%s, %s, %s, %s, %s, %s)",
-            (
-                stored.file_id,
-                stored.user_id,
-                stored.purpose,
-                stored.filename,
-                stored.bytes,
-                stored.created_at,
-            ),
-        )
-        await cql(
-            self._session,
-            "INSERT INTO files_by_user (user_id, created_at, file_id, purpose, filename, bytes) "
-            "VALUES (%s, %s, %s, %s, %s, %s)",
-            (
-                stored.user_id,
-                stored.created_at,
-                stored.file_id,
-                stored.purpose,
-                stored.filename,
-                stored.bytes,
-            ),
+            [
+                (
+                    "INSERT INTO files (file_id, user_id, created_at, purpose, filename, bytes) "
+                    "VALUES (%s, %s, %s, %s, %s, %s)",
+                    (stored.file_id, stored.user_id, stored.created_at, *row),
+                ),
+                (
+                    "INSERT INTO files_by_user (user_id, created_at, file_id, purpose, filename, "
+                    "bytes) VALUES (%s, %s, %s, %s, %s, %s)",
+                    (stored.user_id, stored.created_at, stored.file_id, *row),
+                ),
+            ],
         )
 
     async def get(self, file_id: str) -> StoredFile | None:

@@ -15,7 +15,11 @@ from producers.gateway.conversations.protocol import (
     Message,
 )
 from producers.gateway.errors import ApiError, count, not_found
-from tandoor.clients import cql
+from tandoor.clients import cql, cql_together
+
+# A message up to this size goes in one batch with its conversation's rows; Cassandra
+# warns of batches over 5 KiB and refuses them over 50 KiB (a message may be 128 KB).
+BATCHED_MESSAGE_BYTES = 4096
 
 
 class ConversationService:
@@ -31,14 +35,9 @@ class ConversationService:
         conversation = Conversation(
             id=f"c_{uuid.uuid4().hex}", model=model, title=title, created_at=now, updated_at=now
         )
-        await asyncio.gather(  # two rows, two partitions: no order needed
-            cql(
-                self._session,
-                "INSERT INTO conversations (conversation_id, user_id, model, title, created_at, "
-                "updated_at) VALUES (%s, %s, %s, %s, %s, %s)",
-                (conversation.id, user_id, model, title, now, now),
-            ),
-            self._index(user_id, conversation),
+        await cql_together(  # listed and readable together, or neither
+            self._session,
+            [_conversation_row(user_id, conversation), _sidebar_row(user_id, conversation)],
         )
         return conversation
 
@@ -196,43 +195,23 @@ class ConversationService:
         all at once: they are separate rows (this is on the path to the first token)."""
         at = from_ms(at_ms)
         await asyncio.gather(
-            cql(
-                self._session,
-                "INSERT INTO messages_by_conversation (conversation_id, created_at, message_id, "
-                "role, content, status, model) VALUES (%s, %s, %s, 'user', %s, 'sent', %s)",
-                (conversation.id, at, message_id, content, conversation.model),
-            ),
+            cql(self._session, *_user_message_row(conversation, at, message_id, content)),
             self._move_to_top(user_id, conversation, at),
         )
 
     async def create_with_message(
         self, user_id: str, conversation: Conversation, message_id: str, content: str
     ) -> None:
-        """A new conversation with its first message, in one round trip: an API call's
-        (on the path to the first token). The conversation's times are the message's, so
-        its sidebar row is already the one at the top."""
-        await asyncio.gather(
-            cql(
-                self._session,
-                "INSERT INTO conversations (conversation_id, user_id, model, title, created_at, "
-                "updated_at) VALUES (%s, %s, %s, %s, %s, %s)",
-                (
-                    conversation.id,
-                    user_id,
-                    conversation.model,
-                    conversation.title,
-                    conversation.created_at,
-                    conversation.updated_at,
-                ),
-            ),
-            self._index(user_id, conversation),
-            cql(
-                self._session,
-                "INSERT INTO messages_by_conversation (conversation_id, created_at, message_id, "
-                "role, content, status, model) VALUES (%s, %s, %s, 'user', %s, 'sent', %s)",
-                (conversation.id, conversation.created_at, message_id, content, conversation.model),
-            ),
-        )
+        """A new conversation with its first message: an API call's (on the path to the
+        first token), all rows or none. The conversation's times are the message's, so its
+        sidebar row is already the one at the top."""
+        message = _user_message_row(conversation, conversation.created_at, message_id, content)
+        rows = [_conversation_row(user_id, conversation), _sidebar_row(user_id, conversation)]
+        if len(content.encode()) <= BATCHED_MESSAGE_BYTES:  # nearly every message
+            await cql_together(self._session, [message, *rows])  # one round trip
+            return
+        await cql(self._session, *message)  # unreadable until its conversation exists
+        await cql_together(self._session, rows)
 
     async def mark_failed(self, conversation_id: str, message_id: str, at_ms: int) -> None:
         await cql(
@@ -293,19 +272,44 @@ class ConversationService:
         return rows[0] if rows else None
 
     async def _index(self, user_id: str, conversation: Conversation) -> None:
-        """The sidebar row, clustered by updated_at (newest first)."""
-        await cql(
-            self._session,
-            "INSERT INTO conversations_by_user (user_id, updated_at, conversation_id, "
-            "model, title) VALUES (%s, %s, %s, %s, %s)",
-            (
-                user_id,
-                conversation.updated_at,
-                conversation.id,
-                conversation.model,
-                conversation.title,
-            ),
-        )
+        await cql(self._session, *_sidebar_row(user_id, conversation))
+
+
+Row = tuple[str, tuple[object, ...]]
+
+
+def _conversation_row(user_id: str, conversation: Conversation) -> Row:
+    return (
+        "INSERT INTO conversations (conversation_id, user_id, model, title, created_at, "
+        "updated_at) VALUES (%s, %s, %s, %s, %s, %s)",
+        (
+            conversation.id,
+            user_id,
+            conversation.model,
+            conversation.title,
+            conversation.created_at,
+            conversation.updated_at,
+        ),
+    )
+
+
+def _user_message_row(
+    conversation: Conversation, at: dt.datetime, message_id: str, content: str
+) -> Row:
+    return (
+        "INSERT INTO messages_by_conversation (conversation_id, created_at, message_id, "
+        "role, content, status, model) VALUES (%s, %s, %s, 'user', %s, 'sent', %s)",
+        (conversation.id, at, message_id, content, conversation.model),
+    )
+
+
+def _sidebar_row(user_id: str, conversation: Conversation) -> Row:
+    """The sidebar row, clustered by updated_at (newest first)."""
+    return (
+        "INSERT INTO conversations_by_user (user_id, updated_at, conversation_id, "
+        "model, title) VALUES (%s, %s, %s, %s, %s)",
+        (user_id, conversation.updated_at, conversation.id, conversation.model, conversation.title),
+    )
 
 
 def _conversation(conversation_id: str, row: Any) -> Conversation:
