@@ -7,6 +7,7 @@ before it reaches the model, in the reply as it streams, and in the reply as sto
 
 from __future__ import annotations
 
+import string
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
@@ -29,11 +30,17 @@ PATTERNS: list[tuple[str, re2._Regexp[str]]] = [
 # What a streamed reply may still turn into something to redact: its last, unfinished
 # word (an e-mail has no spaces) and a trailing run of digit groups with the word it
 # runs into (a phone, a card, a list of cards: "4111 1111 1111 1111," is not cut).
+# Text without '@' or a digit can only turn into an address from its trailing run of
+# the characters a local part is made of: "Hello!" is sent whole, "Hello" is held.
 # Both are held back whole up to HOLD_CHARS, so anything shorter is redacted exactly as
 # in the stored reply; a longer run is released in pieces (each search is bounded by
 # HOLD_CHARS, so a stream costs linear time however it is cut).
 _LAST_WORD = re2.compile(r"\S*$")
-_DIGIT_RUN = re2.compile(r"(?:[+(]?\d[\d().-]*[ -]?)+\S*$")
+_PHONE_RUN_TAIL = re2.compile(r"[\d ().+\-]*$")  # what [phone] and [card] are made of
+_DIGIT = re2.compile(r"\d")
+_LOCAL_PART_TAIL = re2.compile(rf"[{WORD}.+\-]*$")  # as in the [email] pattern
+_ASCII_LOCAL_PART = string.ascii_letters + string.digits + "_.+-"
+_DIGIT_RUN = re2.compile(r"(?:\+?\d[\d ().-]*|\+)\S*$")  # a phone's characters, as in [phone]
 HOLD_CHARS = 4096
 _SHORT_HOLD = 64
 _MAYBE_PERSONAL = re2.compile(r"[@\d]")  # every pattern needs one
@@ -91,8 +98,8 @@ class StreamRedactor:
 
     def feed(self, chunk: str) -> str:
         text = self._pending + chunk
-        if not _MAYBE_PERSONAL.search(text):  # most chunks: only a word to hold back
-            hold = _last_word_start(text)
+        if not _MAYBE_PERSONAL.search(text):  # most chunks: only an address's start
+            hold = _local_part_start(text)
             self._pending = text[hold:]
             return text[:hold]
         hold = _hold_from(text)
@@ -112,8 +119,34 @@ def _hold_from(text: str) -> int:
         found = [m.start() for p in (_LAST_WORD, _DIGIT_RUN) if (m := p.search(text, start))]
         hold = min(found, default=len(text))
         if hold > start or start == 0:
+            break
+    return _not_inside_a_match(text, hold, max(0, len(text) - HOLD_CHARS))
+
+
+def _not_inside_a_match(text: str, hold: int, floor: int) -> int:
+    """`hold`, moved back until it cuts neither a word (a digit run can begin inside an
+    address: "bob@10.0.0.1" held from "1" released "bob@10.0.0.") nor a run of a
+    phone's characters with a digit in it (a phone may span words: "0)  9()9(0")."""
+    while True:
+        start = floor + _last_word_start(text[floor:hold])
+        run = _PHONE_RUN_TAIL.search(text[floor:start])
+        if run and _DIGIT.search(run.group()):
+            start = floor + run.start()
+        if start == hold:
             return hold
-    return hold
+        hold = start
+
+
+def _local_part_start(text: str) -> int:
+    """Where the trailing run of characters an address's local part may hold starts.
+    Looked for in the last word only; str.rstrip where the word is ASCII (exact there),
+    RE2's own classes elsewhere (its reverse scan of a pattern anchored at the end reads
+    just that run)."""
+    word = _last_word_start(text)
+    if text.isascii():
+        return len(text[word:].rstrip(_ASCII_LOCAL_PART)) + word
+    match = _LOCAL_PART_TAIL.search(text, word)
+    return match.start() if match else len(text)
 
 
 def _last_word_start(text: str) -> int:

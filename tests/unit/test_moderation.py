@@ -1,6 +1,10 @@
 from __future__ import annotations
 
+import itertools
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tandoor.policies.moderation import DefaultModerator, StreamRedactor, redact
 
@@ -98,3 +102,42 @@ def test_addresses_and_blocked_words_in_any_script() -> None:
     moderator = DefaultModerator(["café"])
     assert not moderator.check_input("un CAFÉ noir").allowed
     assert moderator.check_input("cafés et croissants").allowed  # a whole word only
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        "Write to bob@10.0.0.1 today.",  # leaked whole: a digit run held inside the domain
+        "Reach me at ops@host.lan1 or later.",  # leaked its last character
+        "IP 10.0.0.1 and mail a@10.0.0.12 now",  # redacted as a phone, leaving "a@"
+        "Call 555 ) 123-4567 now",  # a phone over three words
+    ],
+)
+def test_addresses_and_phones_stream_as_they_are_stored_however_cut(reply: str) -> None:
+    for size in range(1, 6):
+        assert streamed(reply, size) == redact(reply), size
+
+
+def test_a_word_ended_by_punctuation_is_sent_without_waiting_for_the_next() -> None:
+    redactor = StreamRedactor()
+    assert redactor.feed("Hello") == ""  # may still become Hello@example.com
+    assert redactor.feed("!") == "Hello!"  # no address runs through a "!"
+    assert redactor.feed(" I'm") == " I'"
+    assert redactor.feed("@x.io ") == "[email] "  # the held "m" was an address's start
+
+
+# Replies built from the characters that personal data is made of, cut anywhere: the
+# stream must show exactly what is stored, whatever the cuts.
+REPLY_ALPHABET = "ab é_.+-@()019 ,!'\n"
+
+
+@settings(max_examples=3000, deadline=None)
+@given(
+    text=st.text(alphabet=REPLY_ALPHABET, max_size=60),
+    cuts=st.lists(st.integers(min_value=0, max_value=60), max_size=12),
+)
+def test_any_reply_cut_anywhere_streams_as_it_is_stored(text: str, cuts: list[int]) -> None:
+    redactor = StreamRedactor()
+    bounds = [0, *sorted(set(cuts)), len(text)]
+    pieces = [redactor.feed(text[a:b]) for a, b in itertools.pairwise(bounds)]
+    assert "".join(pieces) + redactor.flush() == redact(text)
