@@ -27,20 +27,21 @@ PATTERNS: list[tuple[str, re2._Regexp[str]]] = [
     ("[card]", re2.compile(r"()\b((?:\d[ -]?){12,18}\d)\b")),
     ("[phone]", re2.compile(rf"(^|[^{WORD}+])(\+?\d[\d ().-]{{7,}}\d)\b")),
 ]
-# What a streamed reply may still turn into something to redact: its last, unfinished
-# word (an e-mail has no spaces) and a trailing run of digit groups with the word it
-# runs into (a phone, a card, a list of cards: "4111 1111 1111 1111," is not cut).
-# Text without '@' or a digit can only turn into an address from its trailing run of
-# the characters a local part is made of: "Hello!" is sent whole, "Hello" is held.
-# Both are held back whole up to HOLD_CHARS, so anything shorter is redacted exactly as
-# in the stored reply; a longer run is released in pieces (each search is bounded by
+# What a streamed reply may still turn into something to redact is held back. Text
+# without '@' or a digit: only its trailing run of the characters an address's local
+# part is made of ("Hello!" is sent whole, "Hello" is held). Otherwise its last,
+# unfinished word (an address has no spaces) and a trailing run of a phone's characters
+# with the word it runs into (a phone, a card, a list of cards: "4111 1111 1111 1111,"
+# is not cut), moved back so that no word and no such run with a digit in it is cut.
+# All held back whole up to HOLD_CHARS, so anything shorter is redacted exactly as in
+# the stored reply; a longer run is released in pieces (each search is bounded by
 # HOLD_CHARS, so a stream costs linear time however it is cut).
 _LAST_WORD = re2.compile(r"\S*$")
+_DIGIT_RUN = re2.compile(r"(?:\+?\d[\d ().-]*|\+)\S*$")  # a phone's characters, as in [phone]
 _PHONE_RUN_TAIL = re2.compile(r"[\d ().+\-]*$")  # what [phone] and [card] are made of
 _DIGIT = re2.compile(r"\d")
 _LOCAL_PART_TAIL = re2.compile(rf"[{WORD}.+\-]*$")  # as in the [email] pattern
 _ASCII_LOCAL_PART = string.ascii_letters + string.digits + "_.+-"
-_DIGIT_RUN = re2.compile(r"(?:\+?\d[\d ().-]*|\+)\S*$")  # a phone's characters, as in [phone]
 HOLD_CHARS = 4096
 _SHORT_HOLD = 64
 _MAYBE_PERSONAL = re2.compile(r"[@\d]")  # every pattern needs one
