@@ -15,7 +15,11 @@ import pytest
 
 from producers.gateway.batches.store import CHUNK_BYTES, FileStore, StoredFile
 from producers.gateway.conversations.protocol import Conversation
-from producers.gateway.conversations.service import BATCHED_MESSAGE_BYTES, ConversationService
+from producers.gateway.conversations.service import (
+    BATCHED_MESSAGE_BYTES,
+    ConversationService,
+    from_ms,
+)
 from producers.gateway.errors import ApiError
 from tandoor.clients import cassandra_session
 from tandoor.settings import Settings
@@ -124,3 +128,28 @@ async def test_an_api_calls_conversation_appears_with_its_message_or_not_at_all(
             continue
         assert conversation_id in listed, crash
         assert [m.content for m in opened.messages] == [question], crash
+
+
+@pytest.mark.parametrize("text", ["and in French?", "é" * BATCHED_MESSAGE_BYTES])
+async def test_a_follow_up_message_never_hides_its_conversation(session: Any, text: str) -> None:
+    """A sidebar row whose time its conversation does not have is passed over: moving to
+    the top half done (the old row gone, the time not yet changed) hid the conversation."""
+    conversations = ConversationService(session, [MODEL])
+    made: list[tuple[str, dt.datetime]] = []
+
+    async def follow_up(through: Any) -> None:
+        opened = await conversations.create(USER, MODEL, "t")
+        at_ms = int(opened.updated_at.timestamp() * 1000) + 60_000
+        made.append((opened.id, from_ms(at_ms)))
+        await ConversationService(through, [MODEL]).add_user_message(
+            USER, opened, f"m_{uuid.uuid4().hex}", text, at_ms
+        )
+
+    crashes = await every_crash(session, follow_up)
+    listed = {c.id: c.updated_at for c in (await conversations.page(USER, 1000, None)).data}
+    assert listed[made[0][0]] == made[0][1]  # the whole write moved it to the top
+    for (conversation_id, moved_at), crash in zip(made, ["whole", *crashes], strict=True):
+        assert conversation_id in listed, crash
+        stored = [m.content for m in (await conversations.get(USER, conversation_id)).messages]
+        if listed[conversation_id] == moved_at:  # at the top: its message is there
+            assert stored == [text], crash

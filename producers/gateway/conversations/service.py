@@ -191,26 +191,30 @@ class ConversationService:
     async def add_user_message(
         self, user_id: str, conversation: Conversation, message_id: str, content: str, at_ms: int
     ) -> None:
-        """Store the user's message and move the conversation to the top of the sidebar,
-        all at once: they are separate rows (this is on the path to the first token)."""
+        """Store the user's message and move the conversation to the top of the sidebar
+        (this is on the path to the first token)."""
         at = from_ms(at_ms)
-        await asyncio.gather(
-            cql(self._session, *_user_message_row(conversation, at, message_id, content)),
-            self._move_to_top(user_id, conversation, at),
-        )
+        message = _user_message_row(conversation, at, message_id, content)
+        await self._with_message(message, content, _moved_to_top(user_id, conversation, at))
 
     async def create_with_message(
         self, user_id: str, conversation: Conversation, message_id: str, content: str
     ) -> None:
         """A new conversation with its first message: an API call's (on the path to the
-        first token), all rows or none. The conversation's times are the message's, so its
-        sidebar row is already the one at the top."""
+        first token). The conversation's times are the message's, so its sidebar row is
+        already the one at the top."""
         message = _user_message_row(conversation, conversation.created_at, message_id, content)
         rows = [_conversation_row(user_id, conversation), _sidebar_row(user_id, conversation)]
+        await self._with_message(message, content, rows)
+
+    async def _with_message(self, message: Row, content: str, rows: list[Row]) -> None:
+        """A user's message and the rows that show it: all or none, in one round trip,
+        where the message fits in a batch; a longer one first, on its own (until the rows
+        follow, its conversation does not exist yet or is not yet at the top)."""
         if len(content.encode()) <= BATCHED_MESSAGE_BYTES:  # nearly every message
-            await cql_together(self._session, [message, *rows])  # one round trip
+            await cql_together(self._session, [message, *rows])
             return
-        await cql(self._session, *message)  # unreadable until its conversation exists
+        await cql(self._session, *message)
         await cql_together(self._session, rows)
 
     async def mark_failed(self, conversation_id: str, message_id: str, at_ms: int) -> None:
@@ -230,26 +234,6 @@ class ConversationService:
                 "WHERE conversation_id = %s AND created_at = %s AND message_id = %s",
                 (conversation_id, message.created_at, message.id),
             )
-
-    async def _move_to_top(self, user_id: str, conversation: Conversation, at: dt.datetime) -> None:
-        writes = [
-            cql(
-                self._session,
-                "UPDATE conversations SET updated_at = %s WHERE conversation_id = %s",
-                (at, conversation.id),
-            ),
-            self._index(user_id, conversation.model_copy(update={"updated_at": at})),
-        ]
-        if conversation.updated_at != at:  # else the old sidebar row is the new one
-            writes.append(
-                cql(
-                    self._session,
-                    "DELETE FROM conversations_by_user WHERE user_id = %s AND "
-                    "updated_at = %s AND conversation_id = %s",
-                    (user_id, conversation.updated_at, conversation.id),
-                )
-            )
-        await asyncio.gather(*writes)
 
     async def _owned(self, user_id: str, conversation_id: str) -> Conversation:
         return _conversation(conversation_id, await self._owned_row(user_id, conversation_id))
@@ -301,6 +285,28 @@ def _user_message_row(
         "role, content, status, model) VALUES (%s, %s, %s, 'user', %s, 'sent', %s)",
         (conversation.id, at, message_id, content, conversation.model),
     )
+
+
+def _moved_to_top(user_id: str, conversation: Conversation, at: dt.datetime) -> list[Row]:
+    """Its time, its new sidebar row, and the old row gone: together, or a sidebar row
+    left without its time would hide the conversation (rows that do not match it are
+    passed over)."""
+    rows = [
+        (
+            "UPDATE conversations SET updated_at = %s WHERE conversation_id = %s",
+            (at, conversation.id),
+        ),
+        _sidebar_row(user_id, conversation.model_copy(update={"updated_at": at})),
+    ]
+    if conversation.updated_at != at:  # else the old sidebar row is the new one
+        rows.append(
+            (
+                "DELETE FROM conversations_by_user WHERE user_id = %s AND updated_at = %s "
+                "AND conversation_id = %s",
+                (user_id, conversation.updated_at, conversation.id),
+            )
+        )
+    return rows
 
 
 def _sidebar_row(user_id: str, conversation: Conversation) -> Row:
