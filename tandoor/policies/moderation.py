@@ -144,8 +144,9 @@ def _local_part_start(text: str) -> int:
     RE2's own classes elsewhere (its reverse scan of a pattern anchored at the end reads
     just that run)."""
     word = _last_word_start(text)
-    if text.isascii():
-        return len(text[word:].rstrip(_ASCII_LOCAL_PART)) + word
+    tail = text[word:]
+    if tail.isascii():
+        return word + len(tail.rstrip(_ASCII_LOCAL_PART))
     match = _LOCAL_PART_TAIL.search(text, word)
     return match.start() if match else len(text)
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from aiokafka import AIOKafkaProducer
@@ -15,7 +16,7 @@ from aiokafka import AIOKafkaProducer
 from infra.roles import WorkerProcess
 from infra.topics import TopicSpec, ensure_topics
 from schemas import topics
-from tandoor.clients import kafka_producer
+from tandoor.clients import cassandra_session, kafka_producer
 from tandoor.settings import Settings
 from workers.model_store import resolve_model_dir
 
@@ -26,6 +27,13 @@ MAX_TOKENS = 1200  # small, so a long request makes the next one wait inside the
 # Coalescing by count only (the window is longer than any reply), so how tokens are
 # grouped into events does not depend on how fast this CPU generates them.
 COALESCE_TOKENS = 4
+
+
+@pytest.fixture
+def session(cassandra: Settings, migrated_keyspace: str) -> Iterator[Any]:
+    """A Cassandra session on this test's own migrated keyspace."""
+    with cassandra_session(cassandra, migrated_keyspace) as s:
+        yield s
 
 
 class SharedWorker:

@@ -4,24 +4,15 @@ the pages fall, uploads sharing a millisecond included."""
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from producers.gateway.batches.store import FileStore, Order, StoredFile
-from tandoor.clients import cassandra_session
-from tandoor.settings import Settings
 
 pytestmark = pytest.mark.integration
 
 AT = dt.datetime(2026, 12, 1, 12, 0, 0, 123000)
-
-
-@pytest.fixture
-def session(cassandra: Settings, migrated_keyspace: str) -> Iterator[Any]:
-    with cassandra_session(cassandra, migrated_keyspace) as s:
-        yield s
 
 
 def stored(file_id: str, at: dt.datetime, user: str = "alice") -> StoredFile:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import datetime as dt
 import itertools
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -21,8 +21,6 @@ from producers.gateway.conversations.service import (
     from_ms,
 )
 from producers.gateway.errors import ApiError
-from tandoor.clients import cassandra_session
-from tandoor.settings import Settings
 
 pytestmark = pytest.mark.integration
 
@@ -54,12 +52,6 @@ class DyingSession:
             future.result()  # applied on the server; the caller never hears of it
             raise Died(f"died after statement {n}")
         return future
-
-
-@pytest.fixture
-def session(cassandra: Settings, migrated_keyspace: str) -> Iterator[Any]:
-    with cassandra_session(cassandra, migrated_keyspace) as s:
-        yield s
 
 
 async def every_crash(session: Any, write: Callable[[Any], Awaitable[None]]) -> list[str]:

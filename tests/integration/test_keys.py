@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -16,12 +16,6 @@ from tandoor.policies.redis_keys import api_key_cache_key
 from tandoor.settings import Settings
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def session(cassandra: Settings, migrated_keyspace: str) -> Iterator[Any]:
-    with cassandra_session(cassandra, migrated_keyspace) as s:
-        yield s
 
 
 @pytest.fixture
