@@ -1,7 +1,8 @@
 """A gateway that dies part-way through a write, against real Cassandra: at every
 statement, before it is sent and after it is applied, what a user can see afterwards
 is the whole record or nothing (a listed file that cannot be fetched, a conversation
-without its message, are the failures)."""
+without its message, are the failures), and a delete the user retries leaves nothing
+stored."""
 
 from __future__ import annotations
 
@@ -13,7 +14,13 @@ from typing import Any
 
 import pytest
 
-from producers.gateway.batches.store import CHUNK_BYTES, FileStore, StoredFile
+from producers.gateway.batches.store import (
+    CHUNK_BYTES,
+    BatchStore,
+    FileStore,
+    StoredBatch,
+    StoredFile,
+)
 from producers.gateway.conversations.protocol import Conversation
 from producers.gateway.conversations.service import (
     BATCHED_MESSAGE_BYTES,
@@ -145,3 +152,77 @@ async def test_a_follow_up_message_never_hides_its_conversation(session: Any, te
         stored = [m.content for m in (await conversations.get(USER, conversation_id)).messages]
         if listed[conversation_id] == moved_at:  # at the top: its message is there
             assert stored == [text], crash
+
+
+async def test_an_uploaded_batch_is_listed_and_readable_whole_or_not_at_all(session: Any) -> None:
+    batches = BatchStore(session)
+    made: list[str] = []
+
+    async def create(through: Any) -> None:
+        batch_id = f"batch_{uuid.uuid4().hex}"
+        made.append(batch_id)
+        batch = StoredBatch(
+            batch_id, USER, "file-x", "/v1/chat/completions", "24h", 3, None, AT, None
+        )
+        await BatchStore(through).create(batch)
+
+    crashes = await every_crash(session, create)
+    listed = set(await batches.of_user(USER, 1000, None))
+    assert made[0] in listed
+    for batch_id, crash in zip(made[1:], crashes, strict=True):
+        assert (await batches.get(batch_id) is not None) == (batch_id in listed), crash
+
+
+async def test_a_deleted_conversation_leaves_nothing_stored_once_retried(session: Any) -> None:
+    """The user sees the delete fail and deletes again (or finds it gone): its messages
+    and sidebar rows are gone with it. Cut short after the conversation's row, the old
+    delete left the messages where the retry (a 404) could not reach them."""
+    conversations = ConversationService(session, [MODEL])
+    made: list[str] = []
+
+    async def delete(through: Any) -> None:
+        opened = await conversations.create(USER, MODEL, "t")
+        at_ms = int(opened.updated_at.timestamp() * 1000) + 60_000
+        await conversations.add_user_message(USER, opened, f"m_{uuid.uuid4().hex}", "hi", at_ms)
+        made.append(opened.id)
+        await ConversationService(through, [MODEL]).delete(USER, opened.id)
+
+    crashes = await every_crash(session, delete)
+    for conversation_id, crash in zip(made, ["whole", *crashes], strict=True):
+        try:
+            await conversations.delete(USER, conversation_id)  # the user's retry
+        except ApiError as exc:
+            assert exc.status == 404, crash
+        assert rows_of(session, "messages_by_conversation", conversation_id) == 0, crash
+        assert conversation_id not in sidebar_ids(session), crash
+
+
+async def test_a_deleted_file_leaves_no_bytes_stored_once_retried(session: Any) -> None:
+    files = FileStore(session)
+    content = b"y" * (CHUNK_BYTES + 1)
+    made: list[str] = []
+
+    async def delete(through: Any) -> None:
+        stored = StoredFile(f"file-{uuid.uuid4().hex}", USER, "batch", "in.jsonl", len(content), AT)
+        await files.create(stored, content)
+        made.append(stored.file_id)
+        await FileStore(through).delete(stored)
+
+    crashes = await every_crash(session, delete)
+    for file_id, crash in zip(made, ["whole", *crashes], strict=True):
+        stored = await files.get(file_id)
+        if stored is not None:  # the user still sees it: deletes it again
+            await files.delete(stored)
+        assert rows_of(session, "file_chunks", file_id, key="file_id") == 0, crash
+        assert file_id not in {f.file_id for f in await files.of_user(USER, 1000, "desc", None)}
+
+
+def rows_of(session: Any, table: str, value: str, key: str = "conversation_id") -> int:
+    return len(list(session.execute(f"SELECT {key} FROM {table} WHERE {key} = %s", (value,))))
+
+
+def sidebar_ids(session: Any) -> set[str]:
+    rows = session.execute(
+        "SELECT conversation_id FROM conversations_by_user WHERE user_id = %s", (USER,)
+    )
+    return {row.conversation_id for row in rows}

@@ -14,8 +14,11 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
+from consumers.history import HistoryWriter
 from infra.roles import PersistProcess
 from infra.topics import start_group_at_end
+from producers.gateway.conversations.service import ConversationService
+from producers.gateway.errors import ApiError
 from schemas import topics
 from schemas.codec import encode
 from schemas.events import FinalEvent, FinishReason, TokenEvent, Usage, now_ms
@@ -285,3 +288,29 @@ async def test_deltas_alone_are_committed_so_a_restart_replays_little(
         lambda offset: offset is not None and offset >= end,
         what="persistence to commit a reply's deltas",
     )
+
+
+async def test_a_reply_finished_after_its_conversation_was_deleted_is_not_kept(
+    session: Any,
+) -> None:
+    """Deleted while the reply still runs: the reply's writes carry its prompt's time,
+    older than the delete, so Cassandra keeps them shadowed and nothing of the chat
+    comes back (opening it is a 404, its partition holds no row)."""
+    conversations = ConversationService(session, ["smollm2"])
+    opened = await conversations.create("alice", "smollm2", "t")
+    prompt_at = now_ms() - 1000
+    request_id = f"req-{uuid.uuid4().hex[:10]}"
+    await conversations.add_user_message("alice", opened, request_id, "hi", prompt_at)
+    await conversations.delete("alice", opened.id)
+
+    reply = final(opened.id, "the reply", request_id=request_id, prompt_at=prompt_at)
+    await HistoryWriter(session).store(reply)
+
+    stored = session.execute(
+        "SELECT message_id FROM messages_by_conversation WHERE conversation_id = %s",
+        (opened.id,),
+    )
+    assert list(stored) == []
+    with pytest.raises(ApiError) as gone:
+        await conversations.get("alice", opened.id)
+    assert gone.value.status == 404

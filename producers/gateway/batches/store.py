@@ -122,14 +122,20 @@ class FileStore:
         return [StoredFile(*row) for row in rows]
 
     async def delete(self, stored: StoredFile) -> None:
-        """Out of the list first: a file listed can always be fetched."""
-        await cql(
+        """All three tables in one batch: a delete cut short after the file's row left
+        its bytes stored where no retry could reach them (the file answered 404)."""
+        await cql_together(
             self._session,
-            "DELETE FROM files_by_user WHERE user_id = %s AND created_at = %s AND file_id = %s",
-            (stored.user_id, stored.created_at, stored.file_id),
+            [
+                (
+                    "DELETE FROM files_by_user WHERE user_id = %s AND created_at = %s "
+                    "AND file_id = %s",
+                    (stored.user_id, stored.created_at, stored.file_id),
+                ),
+                ("DELETE FROM files WHERE file_id = %s", (stored.file_id,)),
+                ("DELETE FROM file_chunks WHERE file_id = %s", (stored.file_id,)),
+            ],
         )
-        await cql(self._session, "DELETE FROM files WHERE file_id = %s", (stored.file_id,))
-        await cql(self._session, "DELETE FROM file_chunks WHERE file_id = %s", (stored.file_id,))
 
 
 class BatchStore:
@@ -137,26 +143,30 @@ class BatchStore:
         self._session = session
 
     async def create(self, batch: StoredBatch) -> None:
-        await cql(
+        await cql_together(  # readable and listed together, or neither
             self._session,
-            "INSERT INTO api_batches (batch_id, user_id, input_file_id, endpoint, "
-            "completion_window, total, metadata, created_at) "
-            "VALUES (%s, %s, %s, %s, %s, %s, %s, %s)",
-            (
-                batch.batch_id,
-                batch.user_id,
-                batch.input_file_id,
-                batch.endpoint,
-                batch.completion_window,
-                batch.total,
-                batch.metadata,
-                batch.created_at,
-            ),
-        )
-        await cql(
-            self._session,
-            "INSERT INTO batches_by_user (user_id, created_at, batch_id) VALUES (%s, %s, %s)",
-            (batch.user_id, batch.created_at, batch.batch_id),
+            [
+                (
+                    "INSERT INTO api_batches (batch_id, user_id, input_file_id, endpoint, "
+                    "completion_window, total, metadata, created_at) "
+                    "VALUES (%s, %s, %s, %s, %s, %s, %s, %s)",
+                    (
+                        batch.batch_id,
+                        batch.user_id,
+                        batch.input_file_id,
+                        batch.endpoint,
+                        batch.completion_window,
+                        batch.total,
+                        batch.metadata,
+                        batch.created_at,
+                    ),
+                ),
+                (
+                    "INSERT INTO batches_by_user (user_id, created_at, batch_id) "
+                    "VALUES (%s, %s, %s)",
+                    (batch.user_id, batch.created_at, batch.batch_id),
+                ),
+            ],
         )
 
     async def get(self, batch_id: str) -> StoredBatch | None:

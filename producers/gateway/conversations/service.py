@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import datetime as dt
 import uuid
 from collections.abc import Sequence
@@ -141,48 +140,43 @@ class ConversationService:
 
     async def rename(self, user_id: str, conversation_id: str, title: str) -> Conversation:
         conversation = await self._owned(user_id, conversation_id)
-        await cql(
-            self._session,
-            "UPDATE conversations SET title = %s WHERE conversation_id = %s",
-            (title, conversation_id),
-        )
         renamed = conversation.model_copy(update={"title": title})
-        await self._index(user_id, renamed)
+        await cql_together(
+            self._session,
+            [
+                (
+                    "UPDATE conversations SET title = %s WHERE conversation_id = %s",
+                    (title, conversation_id),
+                ),
+                _sidebar_row(user_id, renamed),
+            ],
+        )
         return renamed
 
     async def delete(self, user_id: str, conversation_id: str) -> None:
+        """Its messages, every sidebar row (the left-behind ones too) and the conversation,
+        in one batch: a delete cut short by a dying gateway left messages that no retry
+        could reach (the conversation, gone first, answered 404)."""
         await self._owned(user_id, conversation_id)
-        await cql(
-            self._session,
-            "DELETE FROM conversations WHERE conversation_id = %s",
-            (conversation_id,),
-        )
-        await cql(
-            self._session,
-            "DELETE FROM messages_by_conversation WHERE conversation_id = %s",
-            (conversation_id,),
-        )
-        await self._unindex(user_id, conversation_id)
-
-    async def _unindex(self, user_id: str, conversation_id: str) -> None:
-        """Every sidebar row of the conversation, the left-behind ones too (a delete is
-        rare; reading the user's sidebar once for it is cheap)."""
-        rows = await cql(
+        sidebar = await cql(
             self._session,
             "SELECT updated_at, conversation_id FROM conversations_by_user WHERE user_id = %s",
             (user_id,),
         )
-        await asyncio.gather(
-            *(
-                cql(
-                    self._session,
-                    "DELETE FROM conversations_by_user WHERE user_id = %s AND updated_at = %s "
-                    "AND conversation_id = %s",
-                    (user_id, row.updated_at, conversation_id),
-                )
-                for row in rows
-                if row.conversation_id == conversation_id
-            )
+        await cql_together(
+            self._session,
+            [
+                (
+                    "DELETE FROM messages_by_conversation WHERE conversation_id = %s",
+                    (conversation_id,),
+                ),
+                *(
+                    _sidebar_row_deleted(user_id, row.updated_at, conversation_id)
+                    for row in sidebar
+                    if row.conversation_id == conversation_id
+                ),
+                ("DELETE FROM conversations WHERE conversation_id = %s", (conversation_id,)),
+            ],
         )
 
     async def owned(self, user_id: str, conversation_id: str) -> Conversation:
@@ -255,9 +249,6 @@ class ConversationService:
         )
         return rows[0] if rows else None
 
-    async def _index(self, user_id: str, conversation: Conversation) -> None:
-        await cql(self._session, *_sidebar_row(user_id, conversation))
-
 
 Row = tuple[str, tuple[object, ...]]
 
@@ -299,13 +290,7 @@ def _moved_to_top(user_id: str, conversation: Conversation, at: dt.datetime) -> 
         _sidebar_row(user_id, conversation.model_copy(update={"updated_at": at})),
     ]
     if conversation.updated_at != at:  # else the old sidebar row is the new one
-        rows.append(
-            (
-                "DELETE FROM conversations_by_user WHERE user_id = %s AND updated_at = %s "
-                "AND conversation_id = %s",
-                (user_id, conversation.updated_at, conversation.id),
-            )
-        )
+        rows.append(_sidebar_row_deleted(user_id, conversation.updated_at, conversation.id))
     return rows
 
 
@@ -315,6 +300,14 @@ def _sidebar_row(user_id: str, conversation: Conversation) -> Row:
         "INSERT INTO conversations_by_user (user_id, updated_at, conversation_id, "
         "model, title) VALUES (%s, %s, %s, %s, %s)",
         (user_id, conversation.updated_at, conversation.id, conversation.model, conversation.title),
+    )
+
+
+def _sidebar_row_deleted(user_id: str, updated_at: dt.datetime, conversation_id: str) -> Row:
+    return (
+        "DELETE FROM conversations_by_user WHERE user_id = %s AND updated_at = %s "
+        "AND conversation_id = %s",
+        (user_id, updated_at, conversation_id),
     )
 
 
