@@ -17,6 +17,9 @@ from schemas.events import ANSWERED, FinalEvent
 AUTHORIZATION_HEADER = "authorization"
 BATCH_ID_HEADER = "batch-id"
 MAX_CUSTOM_ID_CHARS = 512
+# A line is one Kafka record: under the producer's and broker's 1 MiB, with room for
+# the headers. Far beyond any served model's context in any case.
+MAX_LINE_BYTES = 1_000_000
 
 
 def custom_line_request_id(user_id: str, batch_id: str, custom_id: str) -> str:

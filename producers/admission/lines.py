@@ -35,9 +35,12 @@ class BatchInputLine(BaseModel):
 class Refused(Exception):
     """A line that is answered with a 4xx result and never forwarded."""
 
-    def __init__(self, status: int, message: str, kind: str, param: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, kind: str, param: str | None = None, kept: bool = True
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.kind, self.param = status, message, kind, param
+        self.kept = kept  # False: on `batch.results` only (a row would replace another's)
 
 
 @dataclass(frozen=True)

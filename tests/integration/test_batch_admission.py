@@ -26,6 +26,7 @@ from infra.topics import batch_request_partitions, start_group_at_end
 from producers.batch_topic import ResultsReader, chat_line, send_lines
 from producers.model_load import backlog_clients, partition_backlog
 from schemas.topics import BandLayout, prompts_topic
+from tandoor.clients import cassandra_session
 from tandoor.policies.api_keys import create_key
 from tandoor.settings import Settings
 from tests.integration.conftest import SharedWorker
@@ -116,7 +117,7 @@ async def test_a_200_line_batch_on_the_topic_is_answered_once_per_line(
     results: ResultsReader,
     tmp_path: Path,
 ) -> None:
-    key, _ = await batch_key(settings, "kafka-batcher")
+    key, owner = await batch_key(settings, "kafka-batcher")
     batch_id = f"nightly-{uuid.uuid4().hex[:6]}"
     good = [question(worker.model, i) for i in range(LINES)]
     bad = [
@@ -146,8 +147,19 @@ async def test_a_200_line_batch_on_the_topic_is_answered_once_per_line(
         [AdmissionProcess(tmp_path, roles_env), PersistProcess(tmp_path, roles_env)]
     ):
         async with watch_batch_band(settings, worker.model) as peak:
-            got = await all_results(results, batch_id, LINES + len(bad) + 1)
+            got = list(await all_results(results, batch_id, LINES + len(bad) + 1))
             band_peak = max(peak)
+            # line-0 yet again, once its answer is stored: refused, the answer kept.
+            await send_lines(producer, key, batch_id, [question(worker.model, 0)])
+            late = (await all_results(results, batch_id, len(got) + 1))[len(got) :]
+    assert [r["response"]["status_code"] for r in late] == [400], late
+    with cassandra_session(settings, settings.keyspace) as session:
+        kept = session.execute(
+            "SELECT status_code FROM batch_outputs WHERE user_id = %s AND batch_id = %s "
+            "AND custom_id = 'line-0'",
+            (owner, batch_id),
+        )
+        assert [row.status_code for row in kept] == [200], "the repeat replaced the answer"
 
     by_id = Counter(r["custom_id"] for r in got)
     assert by_id[None] == 1 and by_id["line-0"] == 2, by_id  # the broken line, the repeat

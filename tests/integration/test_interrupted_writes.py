@@ -2,7 +2,7 @@
 statement, before it is sent and after it is applied, what a user can see afterwards
 is the whole record or nothing (a listed file that cannot be fetched, a conversation
 without its message, are the failures), and a delete the user retries leaves nothing
-stored."""
+stored. A batch that Kafka takes only part of is withdrawn."""
 
 from __future__ import annotations
 
@@ -12,8 +12,13 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import orjson
 import pytest
+import redis.asyncio as aioredis
+from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaTimeoutError
 
+from producers.gateway.batches.service import BatchService, CreateBatch
 from producers.gateway.batches.store import (
     CHUNK_BYTES,
     BatchStore,
@@ -28,6 +33,8 @@ from producers.gateway.conversations.service import (
     from_ms,
 )
 from producers.gateway.errors import ApiError
+from tandoor.policies.api_keys import Principal
+from tandoor.policies.redis_keys import batch_cancel_key
 
 pytestmark = pytest.mark.integration
 
@@ -226,3 +233,47 @@ def sidebar_ids(session: Any) -> set[str]:
         "SELECT conversation_id FROM conversations_by_user WHERE user_id = %s", (USER,)
     )
     return {row.conversation_id for row in rows}
+
+
+class KafkaGivingOut:
+    """A producer that takes `takes` records, then times out."""
+
+    def __init__(self, producer: AIOKafkaProducer, takes: int) -> None:
+        self._producer, self._left = producer, takes
+
+    async def send(self, *args: Any, **kwargs: Any) -> Any:
+        if self._left == 0:
+            raise KafkaTimeoutError()
+        self._left -= 1
+        return await self._producer.send(*args, **kwargs)
+
+
+async def test_a_batch_kafka_takes_only_part_of_is_withdrawn(
+    session: Any, producer: AIOKafkaProducer, redis_url: str, unique: str
+) -> None:
+    """The client is told to retry and nothing was kept: the batch is not listed, and the
+    lines already queued are answered as cancelled (admission reads the mark first), so
+    a retry runs no line twice. Before, the batch stayed listed, 'cancelling' forever."""
+    caller = Principal(f"u-{unique}", "batch", "k")
+    redis = aioredis.Redis.from_url(redis_url)
+    lines = b"".join(
+        orjson.dumps(
+            {"custom_id": f"l{i}", "method": "POST", "url": "/v1/chat/completions", "body": {}}
+        )
+        + b"\n"
+        for i in range(5)
+    )
+    try:
+        service = BatchService(session, KafkaGivingOut(producer, takes=2), redis)
+        uploaded = await service.upload(caller, "in.jsonl", "batch", lines)
+        body = CreateBatch(
+            input_file_id=uploaded["id"], endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        with pytest.raises(ApiError) as refused:
+            await service.create(caller, "tdr_key", body)
+        assert refused.value.status == 503
+        assert await service.batches.of_user(caller.user_id, 10, None) == []
+        marks = await redis.keys(batch_cancel_key(caller.user_id, "*"))
+        assert len(marks) == 1, "the queued lines are not answered as cancelled"
+    finally:
+        await redis.aclose()

@@ -25,7 +25,7 @@ from producers.gateway.batches.store import (
     StoredFile,
 )
 from producers.gateway.errors import ApiError, not_found, unavailable
-from schemas.batch import MAX_CUSTOM_ID_CHARS
+from schemas.batch import MAX_CUSTOM_ID_CHARS, MAX_LINE_BYTES
 from tandoor.policies.api_keys import Principal
 from tandoor.policies.redis_keys import BATCH_LINE_TTL_S, batch_cancel_key
 
@@ -112,10 +112,20 @@ class BatchService:
         await self.batches.create(batch)
         try:
             await send_lines(self._producer, api_key, batch.batch_id, lines)
-        except KafkaError as exc:  # some lines may be out: they are answered as cancelled
-            await self._cancel(batch)
+        except KafkaError as exc:
+            await self._withdraw(batch)
             raise unavailable("the batch could not be queued (Kafka)") from exc
-        return await self._object(batch)
+        # No read from here on: a failure now would answer "nothing was changed" to a
+        # batch that runs, and the client's retry would run it twice.
+        return _batch_object(batch, codes=[])
+
+    async def _withdraw(self, batch: StoredBatch) -> None:
+        """A batch only part queued: admission answers the lines that got out as
+        cancelled (that mark first), and the batch is no longer listed or found."""
+        await self._redis.set(
+            batch_cancel_key(batch.user_id, batch.batch_id), 1, ex=BATCH_LINE_TTL_S
+        )
+        await self.batches.delete(batch)
 
     async def retrieve(self, caller: Principal, batch_id: str) -> dict[str, Any]:
         return await self._object(await self._own_batch(caller, batch_id))
@@ -140,34 +150,7 @@ class BatchService:
         return dataclasses.replace(batch, cancelled_at=at)
 
     async def _object(self, batch: StoredBatch) -> dict[str, Any]:
-        codes = await self.batches.status_codes(batch.user_id, batch.batch_id)
-        completed, failed = sum(code == 200 for code in codes), sum(code != 200 for code in codes)
-        status = _status(batch, len(codes))
-        final = status in ("completed", "cancelled", "expired")
-        created, expires = _epoch(batch.created_at), _epoch(batch.created_at + COMPLETION_WINDOW)
-        cancelling = _epoch(batch.cancelled_at) if batch.cancelled_at else None
-        return {
-            "id": batch.batch_id,
-            "object": "batch",
-            "endpoint": batch.endpoint,
-            "errors": None,
-            "input_file_id": batch.input_file_id,
-            "completion_window": batch.completion_window,
-            "status": status,
-            "output_file_id": OUTPUT_PREFIX + batch.batch_id if final and completed else None,
-            "error_file_id": ERROR_PREFIX + batch.batch_id if final and failed else None,
-            "created_at": created,
-            "in_progress_at": created,
-            "expires_at": expires,
-            "finalizing_at": None,
-            "completed_at": _epoch(_now()) if status == "completed" else None,
-            "failed_at": None,
-            "expired_at": expires if status == "expired" else None,
-            "cancelling_at": cancelling,
-            "cancelled_at": cancelling if status == "cancelled" else None,
-            "request_counts": {"total": batch.total, "completed": completed, "failed": failed},
-            "metadata": batch.metadata,
-        }
+        return _batch_object(batch, await self.batches.status_codes(batch.user_id, batch.batch_id))
 
     async def _batch_file(self, caller: Principal, file_id: str) -> tuple[StoredBatch, bytes]:
         output = file_id.startswith(OUTPUT_PREFIX)
@@ -198,6 +181,10 @@ def input_lines(content: bytes, endpoint: str) -> list[bytes]:
     for number, raw in enumerate(content.splitlines(), start=1):
         if not raw.strip():
             continue
+        if len(raw) > MAX_LINE_BYTES:  # Kafka would refuse it half-way through the batch
+            raise ApiError(
+                400, f"line {number} is {len(raw)} bytes: at most {MAX_LINE_BYTES}", param=PARAM
+            )
         try:
             line = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
@@ -220,13 +207,45 @@ def input_lines(content: bytes, endpoint: str) -> list[bytes]:
     return lines
 
 
+def _batch_object(batch: StoredBatch, codes: list[int | None]) -> dict[str, Any]:
+    """OpenAI's batch object, from the status code of each line answered so far."""
+    completed, failed = sum(code == 200 for code in codes), sum(code != 200 for code in codes)
+    status = _status(batch, len(codes))
+    final = status in ("completed", "cancelled", "expired")
+    created, expires = _epoch(batch.created_at), _epoch(batch.created_at + COMPLETION_WINDOW)
+    cancelling = _epoch(batch.cancelled_at) if batch.cancelled_at else None
+    return {
+        "id": batch.batch_id,
+        "object": "batch",
+        "endpoint": batch.endpoint,
+        "errors": None,
+        "input_file_id": batch.input_file_id,
+        "completion_window": batch.completion_window,
+        "status": status,
+        "output_file_id": OUTPUT_PREFIX + batch.batch_id if final and completed else None,
+        "error_file_id": ERROR_PREFIX + batch.batch_id if final and failed else None,
+        "created_at": created,
+        "in_progress_at": created,
+        "expires_at": expires,
+        "finalizing_at": None,
+        "completed_at": _epoch(_now()) if status == "completed" else None,
+        "failed_at": None,
+        "expired_at": expires if status == "expired" else None,
+        "cancelling_at": cancelling,
+        "cancelled_at": cancelling if status == "cancelled" else None,
+        "request_counts": {"total": batch.total, "completed": completed, "failed": failed},
+        "metadata": batch.metadata,
+    }
+
+
 def _status(batch: StoredBatch, answered: int) -> str:
     done = answered >= batch.total
-    if batch.cancelled_at is not None:
-        return "cancelled" if done else "cancelling"
+    past_window = _now() > batch.created_at + COMPLETION_WINDOW
+    if batch.cancelled_at is not None:  # lines never answered end with the window too
+        return "cancelled" if done or past_window else "cancelling"
     if done:
         return "completed"
-    return "expired" if _now() > batch.created_at + COMPLETION_WINDOW else "in_progress"
+    return "expired" if past_window else "in_progress"
 
 
 def _page(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:

@@ -169,6 +169,19 @@ class BatchStore:
             ],
         )
 
+    async def delete(self, batch: StoredBatch) -> None:
+        await cql_together(
+            self._session,
+            [
+                (
+                    "DELETE FROM batches_by_user WHERE user_id = %s AND created_at = %s "
+                    "AND batch_id = %s",
+                    (batch.user_id, batch.created_at, batch.batch_id),
+                ),
+                ("DELETE FROM api_batches WHERE batch_id = %s", (batch.batch_id,)),
+            ],
+        )
+
     async def get(self, batch_id: str) -> StoredBatch | None:
         rows = await cql(
             self._session,

@@ -1,0 +1,53 @@
+"""What the Batches API says of a batch and of its input file, without servers."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import orjson
+import pytest
+
+from producers.gateway.batches.service import _batch_object, input_lines
+from producers.gateway.batches.store import StoredBatch
+from producers.gateway.errors import ApiError
+from schemas.batch import MAX_LINE_BYTES
+
+URL = "/v1/chat/completions"
+
+
+def batch(age: dt.timedelta, cancelled: bool) -> StoredBatch:
+    created = dt.datetime.now(dt.UTC).replace(tzinfo=None) - age  # naive, as Cassandra gives
+    return StoredBatch("b", "u", "f", URL, "24h", 3, None, created, created if cancelled else None)
+
+
+@pytest.mark.parametrize(
+    ("age_h", "cancelled", "status"),
+    [
+        (1, False, "in_progress"),
+        (25, False, "expired"),
+        (1, True, "cancelling"),
+        # Lines that never reach admission are never answered: the window ends it.
+        (25, True, "cancelled"),
+    ],
+)
+def test_a_batch_with_lines_unanswered_ends_with_its_window(
+    age_h: int, cancelled: bool, status: str
+) -> None:
+    shown = _batch_object(batch(dt.timedelta(hours=age_h), cancelled), codes=[200])
+    assert shown["status"] == status
+    assert shown["request_counts"] == {"total": 3, "completed": 1, "failed": 0}
+
+
+def line(custom_id: str, content: str) -> bytes:
+    body = {"model": "m", "messages": [{"role": "user", "content": content}]}
+    return orjson.dumps({"custom_id": custom_id, "method": "POST", "url": URL, "body": body})
+
+
+def test_a_line_kafka_would_refuse_is_a_400_naming_it() -> None:
+    """One record per line: past the limit, Kafka refused it mid-batch, after the lines
+    before it were queued."""
+    fits = line("a", "x" * (MAX_LINE_BYTES - 200))
+    assert input_lines(fits + b"\n", URL) == [fits]
+    with pytest.raises(ApiError, match=r"line 2 is 1000\d{3} bytes: at most 1000000") as error:
+        input_lines(fits + b"\n" + line("b", "x" * MAX_LINE_BYTES) + b"\n", URL)
+    assert error.value.status == 400
