@@ -15,12 +15,11 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
-import cassandra
 import orjson
 from aiokafka import AIOKafkaConsumer
 from aiokafka.errors import KafkaError
 from aiokafka.structs import ConsumerRecord
-from cassandra.cluster import Cluster, NoHostAvailable
+from cassandra.cluster import Cluster
 from cassandra.connection import ConnectionException
 
 from consumers.history import HistoryWriter
@@ -29,7 +28,7 @@ from schemas import topics
 from schemas.batch import final_output
 from schemas.codec import SchemaError, decode, is_final
 from schemas.events import FinalEvent
-from tandoor.clients import cassandra_cluster, kafka_producer
+from tandoor.clients import CASSANDRA_DOWN, cassandra_cluster, kafka_producer
 from tandoor.ops import OpsServer
 from tandoor.policies.moderation import DefaultModerator
 from tandoor.settings import Settings
@@ -43,14 +42,7 @@ POISON_TRIES = 3
 # nothing, so they are committed at most this often; a batch with finals at once.
 DELTAS_COMMIT_S = 1.0
 # Cassandra unreachable or overloaded: wait, whatever it takes, rather than drop.
-UNAVAILABLE = (
-    NoHostAvailable,
-    ConnectionException,
-    cassandra.OperationTimedOut,
-    cassandra.Unavailable,
-    cassandra.WriteTimeout,
-    cassandra.CoordinationFailure,
-)
+UNAVAILABLE = (*CASSANDRA_DOWN, ConnectionException)
 Stored = tuple[ConsumerRecord[bytes, bytes], FinalEvent]
 
 

@@ -9,7 +9,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from cassandra.cluster import EXEC_PROFILE_DEFAULT, Cluster, ExecutionProfile
+from cassandra import ConsistencyLevel, OperationTimedOut, RequestExecutionException
+from cassandra.cluster import EXEC_PROFILE_DEFAULT, Cluster, ExecutionProfile, NoHostAvailable
 from cassandra.policies import (
     DCAwareRoundRobinPolicy,
     ExponentialReconnectionPolicy,
@@ -19,6 +20,7 @@ from cassandra.query import BatchStatement, BatchType
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ReadOnlyError as RedisReadOnlyError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tandoor.settings import Settings
@@ -42,7 +44,14 @@ def cassandra_cluster(settings: Settings) -> Cluster:
         # After a Cassandra restart, be back within seconds: the driver's default
         # backoff grows to 10 minutes, leaving a role failing long after it is up.
         reconnection_policy=ExponentialReconnectionPolicy(0.5, CASSANDRA_RECONNECT_MAX_S),
-        execution_profiles={EXEC_PROFILE_DEFAULT: ExecutionProfile(load_balancing_policy=policy)},
+        execution_profiles={
+            EXEC_PROFILE_DEFAULT: ExecutionProfile(
+                load_balancing_policy=policy,
+                # Read what was just written at replication 3 (the deployed keyspaces):
+                # the driver's LOCAL_ONE let a read miss a write one replica had taken.
+                consistency_level=ConsistencyLevel.LOCAL_QUORUM,
+            )
+        },
     )
 
 
@@ -55,8 +64,12 @@ def cassandra_session(settings: Settings, keyspace: str | None = None) -> Iterat
         cluster.shutdown()
 
 
-# What a call to an unreachable Redis raises (after redis_client's short retries).
-REDIS_DOWN = (RedisConnectionError, RedisTimeoutError)
+# What a call to an unreachable Redis raises (after redis_client's short retries), or a
+# replica answers while a failover promotes another.
+REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, RedisReadOnlyError)
+# Cassandra unreachable or overloaded (timeouts, too few replicas): worth a retry, unlike
+# a statement it refuses.
+CASSANDRA_DOWN = (NoHostAvailable, OperationTimedOut, RequestExecutionException)
 
 
 def redis_client(settings: Settings) -> aioredis.Redis:

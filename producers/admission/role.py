@@ -30,8 +30,7 @@ import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import KafkaError
 from aiokafka.structs import ConsumerRecord
-from cassandra import OperationTimedOut
-from cassandra.cluster import Cluster, NoHostAvailable
+from cassandra.cluster import Cluster
 
 from producers.admission.answers import Answers
 from producers.admission.fairness import FairQueue
@@ -50,7 +49,13 @@ from schemas.batch import (
     refused_output,
 )
 from schemas.events import PromptRequest, now_ms
-from tandoor.clients import REDIS_DOWN, cassandra_cluster, kafka_producer, redis_client
+from tandoor.clients import (
+    CASSANDRA_DOWN,
+    REDIS_DOWN,
+    cassandra_cluster,
+    kafka_producer,
+    redis_client,
+)
 from tandoor.offsets import OffsetTracker, commit_finished
 from tandoor.ops import OpsServer
 from tandoor.policies.api_keys import KeyStore
@@ -64,7 +69,7 @@ Record: TypeAlias = ConsumerRecord[bytes, bytes]
 POLL_S = 0.25  # how often the batch band's backlog is measured
 COMMIT_EVERY_S = 1.0
 RETRY_S = 1.0  # a store failing: try the line again after this
-UNREACHABLE = (*REDIS_DOWN, KafkaError, NoHostAvailable, OperationTimedOut)
+UNREACHABLE = (*REDIS_DOWN, KafkaError, *CASSANDRA_DOWN)
 BAD = "invalid_request_error"
 
 
@@ -183,12 +188,14 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
                 raise parsed.problem or Refused(400, "invalid line", BAD)
             prompt = await prompt_for(self.checks, caller, batch_id, parsed.line)
             if await self._seen_elsewhere(prompt.request_id, position):
-                raise Refused(400, f"custom_id {name!r} is used twice in batch {batch_id}", BAD)
+                # Its row in batch_outputs is the first line's: the answer is not kept.
+                message = f"custom_id {name!r} is used twice in batch {batch_id}"
+                raise Refused(400, message, BAD, kept=False)
         except Refused as refused:
             if await self.marks.where(request_id) == position:  # answered before a crash
                 self._done(record.partition, record.offset, "replayed")
                 return
-            owner_known = caller.user_id if caller else None
+            owner_known = caller.user_id if caller and refused.kept else None
             await self._refuse(record, batch_id, owner_known, parsed.custom_id, request_id, refused)
             return
         if await self.marks.where(prompt.request_id) == position:

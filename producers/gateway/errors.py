@@ -4,23 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from cassandra import OperationTimedOut, RequestExecutionException
-from cassandra.cluster import NoHostAvailable
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tandoor.clients import REDIS_DOWN
+from tandoor.clients import CASSANDRA_DOWN, REDIS_DOWN
 
 # A store that cannot be reached (restarting, overloaded): a 503 the client may retry,
 # never a bare 500. Where a request can be served without it, the route handles it first.
-UNREACHABLE = (
-    NoHostAvailable,
-    OperationTimedOut,
-    RequestExecutionException,
-    *REDIS_DOWN,
-)
+UNREACHABLE = (*CASSANDRA_DOWN, *REDIS_DOWN)
 UNREACHABLE_RETRY_S = 5
 
 

@@ -54,6 +54,10 @@ local tokens, request_id, lease = tonumber(ARGV[6]), ARGV[7], tonumber(ARGV[8])
 local minute, holds_stream = tonumber(ARGV[10]), ARGV[11] == '1'
 redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - minute)
+local charged_at = redis.call('ZSCORE', KEYS[1], request_id)
+if charged_at then  -- the same request again (a retry, a replay): charged once
+  return {1, 'ok', 0, tonumber(charged_at)}
+end
 if holds_stream and redis.call('ZCARD', KEYS[3]) >= streams then
   return {0, 'concurrent_streams', tonumber(ARGV[9])}
 end
@@ -72,7 +76,7 @@ if holds_stream then
   redis.call('ZADD', KEYS[3], now + lease, request_id)
   redis.call('PEXPIRE', KEYS[3], lease)
 end
-return {1, 'ok', 0}
+return {1, 'ok', 0, now}
 """
 
 # Once per request (the gateway and the streams app may both try): adjust the admission
@@ -149,7 +153,9 @@ class Quotas:
         holds_stream: bool = True,
     ) -> Admission:
         """Charge one request and `tokens` estimated tokens, or raise QuotaExceeded.
-        A batch line streams to nobody: it takes no concurrent-stream slot."""
+        A batch line streams to nobody: it takes no concurrent-stream slot. The same
+        request id within the minute is charged once (admission retries a line whose
+        produce failed, and replays one after a crash)."""
         window = now_ms - now_ms % WINDOW_MS
         keys = [
             requests_log_key(user_id),
@@ -170,14 +176,15 @@ class Quotas:
             int(holds_stream),
         ]
         try:
-            allowed, limit, retry_ms = await self._admit(keys=keys, args=args)
+            allowed, limit, retry_ms, *charged_at = await self._admit(keys=keys, args=args)
         except REDIS_DOWN as exc:
             log.warning("quotas unreachable (%s): %s fails %s", exc, user_id, policy.redis_down)
             return self._uncounted_admission(user_id, policy, request_id, tokens, holds_stream)
         if not allowed:
             name = limit.decode() if isinstance(limit, bytes) else str(limit)
             raise QuotaExceeded(cast(Limit, name), int(retry_ms))
-        return Admission(user_id, request_id, window, tokens)
+        charged_ms = int(charged_at[0])
+        return Admission(user_id, request_id, charged_ms - charged_ms % WINDOW_MS, tokens)
 
     def _uncounted_admission(
         self, user_id: str, policy: TierPolicy, request_id: str, tokens: int, holds_stream: bool

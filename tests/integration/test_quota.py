@@ -67,6 +67,19 @@ async def test_tokens_are_settled_with_real_usage(quotas: Quotas, unique: str, t
     await quotas.admit(unique, policy(tpm=1000), "b", 600, t0)
 
 
+async def test_the_same_request_admitted_again_is_charged_once(
+    quotas: Quotas, unique: str, t0: int
+) -> None:
+    """Batch admission retries a line whose produce failed, and replays it after a
+    crash: its tokens and its request are counted once."""
+    for at in (t0, t0 + 1_000, t0 + 59_500):  # the last in the next window
+        again = await quotas.admit(unique, policy(rpm=2, tpm=1000), "line", 600, at)
+        assert again.window_start_ms == t0 - t0 % 60_000  # settled where it was charged
+    await quotas.admit(unique, policy(rpm=2, tpm=1000), "other", 400, t0)
+    with pytest.raises(QuotaExceeded, match="requests per minute"):
+        await quotas.admit(unique, policy(rpm=2, tpm=1000), "third", 1, t0)
+
+
 async def test_a_refused_request_is_not_charged(quotas: Quotas, unique: str, t0: int) -> None:
     with pytest.raises(QuotaExceeded):
         await quotas.admit(unique, policy(rpm=2, tpm=100), "big", 500, t0)

@@ -1,10 +1,12 @@
 from __future__ import annotations
 
 import pytest
+from cassandra import ConsistencyLevel
 from pydantic import ValidationError
 
 from infra.topics import declared_topics
 from schemas import topics
+from tandoor.clients import cassandra_cluster
 from tandoor.models import ModelConfig
 from tandoor.settings import Band, Settings
 
@@ -41,3 +43,10 @@ def test_every_model_gets_a_prompt_topic_with_all_band_partitions() -> None:
 def test_a_tier_must_use_a_declared_band() -> None:
     with pytest.raises(ValidationError, match="tier 'free' uses band 'interactive-free'"):
         Settings(bands=[Band(name="only", partitions=2)])
+
+
+def test_cassandra_reads_and_writes_at_a_quorum() -> None:
+    """The deployed keyspaces keep 3 replicas: at the driver's LOCAL_ONE a read could
+    miss a write that one replica had taken (a batch created, then 404)."""
+    cluster = cassandra_cluster(Settings())
+    assert cluster.profile_manager.default.consistency_level == ConsistencyLevel.LOCAL_QUORUM
