@@ -302,7 +302,7 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
         queue.charge(tenant, prompt.charged_tokens)
         self.metrics.charged_tokens.labels(prompt.user_id).inc(prompt.charged_tokens)
         self._sent[prompt.model] = self._sent.get(prompt.model, 0) + 1
-        del self.queued[prompt.request_id]
+        self.queued.pop(prompt.request_id, None)  # gone already if revoked meanwhile
         self._done(waiting.partition, waiting.offset, "forwarded")
         return True
 
@@ -344,8 +344,12 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
         await self._commit()
         gone = {tp.partition for tp in revoked}
         for queue in self.queues.values():
-            for waiting in queue.remove(lambda w: w.partition in gone):
-                self.queued.pop(waiting.prompt.request_id, None)
+            queue.remove(lambda w: w.partition in gone)
+        # By `queued`, not by what the queues held: a line being forwarded (a produce
+        # retried) is out of its queue, and must not go on once its partition moved.
+        for request_id, position in list(self.queued.items()):
+            if int(position.split(":")[0]) in gone:
+                del self.queued[request_id]
         self.offsets.forget([(tp.topic, tp.partition) for tp in revoked])
 
     async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
