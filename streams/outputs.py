@@ -21,7 +21,7 @@ Send = Callable[[bytes, bytes], Awaitable[Any]]  # (key, value)
 class Outputs:
     rollups: Send  # to usage.rollups
     by_model: Send  # the record again, keyed by model
-    settle: Callable[[UsageRecord], Awaitable[None]]  # the tokens-per-minute quota
+    settle: Callable[[UsageRecord], Awaitable[None]]  # the quota: stream slot, tokens
 
 
 def kafka_outputs(settings: Settings, by_model: faust.TopicT, rollups: faust.TopicT) -> Outputs:
@@ -38,10 +38,13 @@ def kafka_outputs(settings: Settings, by_model: faust.TopicT, rollups: faust.Top
 
 
 async def settle_quota(quotas: Quotas, record: UsageRecord) -> None:
-    """Settle the tokens-per-minute charge with the real usage (once per request,
-    whoever comes first: this app, or the gateway that followed the reply)."""
+    """Free the request's concurrent-stream slot and settle the tokens-per-minute charge
+    with the real usage (once per request, whoever comes first: this app, or the gateway
+    that followed the reply). A gateway that died mid-reply frees neither: the slot was
+    held until its lease ran out, 15 minutes of a free user's only one."""
     if record.charged_tokens and record.charged_at_ms is not None and record.user_id:
         admission = charged(
             record.user_id, record.request_id, record.charged_at_ms, record.charged_tokens
         )
+        await quotas.release(admission)
         await quotas.settle(admission, record.prompt_tokens + record.completion_tokens)

@@ -4,8 +4,9 @@ reaches Kafka: requests per minute, tokens per minute, concurrent streams.
 Requests per minute slide: a log of the last minute's requests, so no burst fits
 across a minute's boundary. Tokens per minute are fixed windows (keys expire with their
 window), charged with an estimate at admission and settled with the real usage later.
-A stream holds a slot until it is released, or until its lease runs out if the
-releaser died.
+A stream holds a slot until it is released (by the gateway that follows it, or by the
+streams app when the request's usage record arrives, so a gateway that died mid-reply
+does not hold it), or until its lease runs out.
 
 When Redis is down, each tier follows its `redis_down` policy (tandoor/settings.py):
 

@@ -22,7 +22,7 @@ from schemas.codec import encode
 from schemas.events import FinalEvent, FinishReason, Usage, UsageRecord, now_ms
 from tandoor.clients import kafka_producer, redis_client
 from tandoor.policies.quota import Quotas
-from tandoor.policies.redis_keys import tokens_window_key
+from tandoor.policies.redis_keys import streams_key, tokens_window_key
 from tandoor.settings import Settings, TierPolicy
 from tests.waiting import eventually, while_progressing
 
@@ -204,6 +204,8 @@ async def test_rollups_match_by_hand_and_survive_a_kill_9(
 
         # The charged record comes after the ones above.
         assert await eventually(charged, lambda n: n != 500, what="the settlement") == 60
+        # And its stream slot freed before that: nobody followed the reply to free it.
+        assert await cache.zscore(streams_key(user), used.request_id) is None
         app.kill()
 
         # Replayed and new records while it is down: the replay must not count.
