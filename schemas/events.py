@@ -16,6 +16,10 @@ from pydantic import BaseModel, ConfigDict, Field
 FinishReason = Literal["stop", "length", "cancelled", "expired", "error"]
 # A reply that ran to its end (the model stopped, or reached max_tokens): a successful one.
 ANSWERED: frozenset[FinishReason] = frozenset({"stop", "length"})
+# How a final's `error` begins when the prompt was too long for the engine (the
+# gateway's tiktoken estimate let it through): the caller's fault, unlike every other
+# error (the engine failed, token events were not delivered), which a retry may cure.
+TOO_LONG_FOR_ENGINE = "prompt has "
 PromptKind = Literal["chat", "title", "summary", "batch"]
 
 # What any surface (chat API, OpenAI API, batch lines) accepts for one reply.

@@ -19,7 +19,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 
 from schemas.codec import SchemaError, decode, encode
-from schemas.events import FinalEvent, FinishReason, PromptRequest, now_ms
+from schemas.events import TOO_LONG_FOR_ENGINE, FinalEvent, FinishReason, PromptRequest, now_ms
 from workers.attempt import Attempt, LeaseLost, Tracked, token_event, usage_of, usage_record
 from workers.capacity import Capacity
 from workers.coalesce import Coalescer
@@ -145,7 +145,7 @@ class RequestRunner:
         limit = self.engine.max_model_len
         if attempt.prompt_tokens >= limit:
             error = (
-                f"prompt has {attempt.prompt_tokens} tokens; the context window of "
+                f"{TOO_LONG_FOR_ENGINE}{attempt.prompt_tokens} tokens; the context window of "
                 f"{self.config.model} is {limit} tokens"
             )
             await self._finish(attempt, "error", error)

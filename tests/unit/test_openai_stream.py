@@ -7,8 +7,10 @@ from types import SimpleNamespace
 from typing import Any, cast
 
 import orjson
+import pytest
 
 from producers.gateway.chat.service import Reply
+from producers.gateway.errors import ApiError
 from producers.gateway.openai_api.service import completion_body, completion_chunks
 from schemas.events import Event
 from tandoor.policies.moderation import DefaultModerator
@@ -115,3 +117,24 @@ async def test_a_missing_event_is_filled_in_from_the_final() -> None:
 async def test_text_sent_that_differs_from_the_final_ends_with_an_error() -> None:
     _, others = await streamed(replaying([*tokens("Once upon", 4), final("Twice")]))
     assert others[-1]["error"]["code"] == "restarted", others
+
+
+@pytest.mark.parametrize(
+    ("error", "status", "retry"),
+    [
+        ("prompt has 2100 tokens; the context window of m is 2048 tokens", 400, None),
+        ("generation failed: engine dead", 502, "1"),
+        ("3 token events were not delivered: KafkaTimeoutError()", 502, "1"),
+    ],
+)
+async def test_a_failed_completion_blames_the_request_only_when_it_was_at_fault(
+    error: str, status: int, retry: str | None
+) -> None:
+    """A prompt the engine finds too long is the caller's (400); an engine that failed
+    or token events lost are not, and an SDK retries a 5xx (every one was a 400)."""
+    failed = final("").model_copy(update={"finish_reason": "error", "error": error})
+    with pytest.raises(ApiError) as refused:
+        await completion_body(replaying([failed]), DefaultModerator())
+    assert refused.value.status == status
+    assert refused.value.headers.get("Retry-After") == retry
+    assert error in refused.value.message

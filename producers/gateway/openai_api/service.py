@@ -16,7 +16,7 @@ from producers.gateway.chat.sse import NO_ANSWER
 from producers.gateway.conversations.protocol import provisional_title
 from producers.gateway.errors import ApiError
 from producers.gateway.openai_api.protocol import ChatCompletionRequest
-from schemas.events import ChatMessage, FinalEvent, TokenEvent
+from schemas.events import TOO_LONG_FOR_ENGINE, ChatMessage, FinalEvent, TokenEvent
 from tandoor.policies.api_keys import Principal
 from tandoor.policies.moderation import Moderator, OutputFilter
 
@@ -158,8 +158,15 @@ def _checked(final: FinalEvent) -> FinalEvent:
             kind="service_unavailable",
             headers={"Retry-After": "5"},
         )
-    if final.finish_reason == "error":
-        raise ApiError(400, final.error or "the model could not answer", param="messages")
+    if final.finish_reason == "error" and (final.error or "").startswith(TOO_LONG_FOR_ENGINE):
+        raise ApiError(400, f"context_length_exceeded: {final.error}", param="messages")
+    if final.finish_reason == "error":  # not the request's fault: an SDK retries a 5xx
+        raise ApiError(
+            502,
+            f"the model failed to answer ({final.error or 'no reason given'}); retry",
+            kind="api_error",
+            headers={"Retry-After": "1"},
+        )
     return final
 
 
