@@ -76,6 +76,38 @@ async def test_stop_mid_answer_keeps_the_partial_reply(
     assert messages[-1]["status"] == "stopped" and messages[-1]["content"] == reply_text(events)
 
 
+async def test_stop_before_a_worker_takes_the_prompt_ends_the_reply_at_once(
+    stack: Stack, http: httpx.AsyncClient
+) -> None:
+    """`big`'s worker takes nothing: the prompt waits in Kafka. Stop answers it as
+    cancelled there and then: the stream ends, the reply is stored as stopped, and the
+    conversation takes a new message. It waited for a worker to reach the prompt (the
+    queue's wait budget and more), refusing new messages meanwhile."""
+    headers = await auth(stack)
+    conversation = await new_conversation(http, headers, stack.big)
+    path = f"/v1/conversations/{conversation}/messages"
+    for attempt in range(2):  # the second: the conversation took a new message
+        events: list[Any] = []
+        body = {"content": f"Name a colour ({attempt}).", "max_tokens": 8}
+        async with http.stream("POST", path, json=body, headers=headers) as response:
+            assert response.status_code == 200, await response.aread()
+            async for _, data in sse(response):
+                events.append(data)
+                if isinstance(data, dict) and data["type"] == "start":
+                    stop = await http.post(
+                        f"/v1/conversations/{conversation}/stop", headers=headers
+                    )
+                    assert stop.status_code == 202, stop.text
+        final = events[-2]
+        assert final["type"] == "final" and final["finish_reason"] == "cancelled", events
+        assert reply_text(events) == ""
+    stored = await stored_reply(http, headers, conversation, count=2)
+    assert [(m["role"], m["status"], m["content"]) for m in stored][1::2] == [
+        ("assistant", "stopped", ""),
+        ("assistant", "stopped", ""),
+    ]
+
+
 async def test_closing_the_tab_does_not_stop_generation_and_resume_works(
     stack: Stack, http: httpx.AsyncClient
 ) -> None:
@@ -173,8 +205,22 @@ async def test_over_quota_is_a_429_before_anything_is_queued(
     assert refused.status_code == 429
     assert 1 <= int(refused.headers["Retry-After"]) <= 60
     assert refused.json()["error"]["type"] == "rate_limit_error"
-    messages = (await http.get(f"/v1/conversations/{conversation}", headers=headers)).json()
-    assert [m["content"] for m in messages["messages"] if m["role"] == "user"] == ["Hi", "Hi"]
+    before = await stored_reply(http, headers, conversation, count=2)
+    assert [m["content"] for m in before if m["role"] == "user"] == ["Hi", "Hi"]
+    # Regenerate and edit refused the same way leave every message as it was (they hid
+    # the replies they would replace before the quota said no).
+    for path, body in (
+        ("regenerate", {}),
+        (f"messages/{before[0]['id']}/edit", {"content": "Bye"}),
+    ):
+        again = await http.post(
+            f"/v1/conversations/{conversation}/{path}", json=body, headers=headers
+        )
+        assert again.status_code == 429, again.text
+    after = (await http.get(f"/v1/conversations/{conversation}", headers=headers)).json()
+    assert [(m["id"], m["status"]) for m in after["messages"]] == [
+        (m["id"], m["status"]) for m in before
+    ]
 
 
 async def test_a_message_too_long_for_the_model_is_a_413(

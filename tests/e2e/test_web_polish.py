@@ -1,7 +1,8 @@
 """The chat page's finish, in headless Chromium against the whole stack: the header
 follows the title the model gives, a reply stopped before any text says so, copy
 buttons copy what was stored, the dark theme follows the system, the page does not
-scroll a reader away from what they read, and each message shows its time on hover."""
+scroll a reader away from what they read, each message shows its time on hover, and a
+chat whose reply never came is asked for it once."""
 
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ import pytest
 from playwright.async_api import Page, expect
 
 from producers.gateway.conversations.protocol import provisional_title
+from producers.gateway.conversations.service import ConversationService
+from schemas.events import now_ms
+from tandoor.clients import cassandra_session
 from tests.e2e.browser import ask, replies, replies_over, shot, sign_in
 from tests.e2e.stack import Stack
 from tests.waiting import eventually
@@ -204,3 +208,35 @@ async def test_every_error_is_said_once(stack: Stack, page: Page) -> None:
 async def alerts(page: Page) -> list[str]:
     """The alerts showing, by their text."""
     return [t for t in await page.get_by_role("alert").all_inner_texts() if t.strip()]
+
+
+async def test_a_chat_whose_reply_never_came_asks_for_it_once(stack: Stack, page: Page) -> None:
+    """A gateway that died after storing the message, before queueing it: the page asks
+    for the running reply, hears that none runs, looks for a stored one a few times and
+    stops. It asked again and again, request after request, for as long as it was open."""
+    headers = await sign_in(page, stack)
+    async with httpx.AsyncClient(base_url=stack.url, timeout=30) as http:
+        created = await http.post("/v1/conversations", json={"title": "orphan"}, headers=headers)
+        conversation_id = created.json()["id"]
+    with cassandra_session(stack.settings, stack.settings.keyspace) as session:
+        owner = session.execute(
+            "SELECT user_id FROM conversations WHERE conversation_id = %s", (conversation_id,)
+        ).one()
+        conversations = ConversationService(session, stack.settings.served_models)
+        opened = await conversations.owned(owner.user_id, conversation_id)
+        await conversations.add_user_message(
+            owner.user_id, opened, "m_orphan", "Is anyone there?", now_ms()
+        )
+    asked: list[str] = []
+    page.on("request", lambda request: asked.append(request.url))
+    await page.reload()
+    await page.locator(f'#conversation-list button[data-id="{conversation_id}"]').click()
+    await expect(page.locator(".message.user .body")).to_have_text("Is anyone there?")
+
+    async def opened_times() -> int:
+        return sum(url.endswith(f"/v1/conversations/{conversation_id}") for url in asked)
+
+    # Opened, then looked at once a second for a stored reply, five times.
+    await eventually(opened_times, lambda n: n >= 6, what="the page's looks for a reply")
+    assert sum(url.endswith("/stream") for url in asked) == 1, asked
+    await expect(page.get_by_role("button", name="Send")).to_be_visible()

@@ -9,14 +9,17 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
+import orjson
 import pytest
 
 from infra.process import free_port
 from infra.roles import GatewayProcess
 from producers.gateway.app import create_app
 from producers.gateway.conversations.service import ConversationService
-from tandoor.clients import cassandra_session
+from schemas.events import now_ms
+from tandoor.clients import cassandra_session, redis_client
 from tandoor.policies.api_keys import create_key
+from tandoor.policies.redis_keys import inflight_key
 from tandoor.settings import Settings
 
 pytestmark = pytest.mark.integration
@@ -236,3 +239,27 @@ async def test_tandoor_gateway_serves_over_http(
     finally:
         # uvicorn drains, then re-raises SIGTERM: the conventional "terminated" status.
         assert gateway.terminate() in (0, -15)
+
+
+async def test_resuming_a_reply_that_will_never_come_is_a_404(
+    client: httpx.AsyncClient, settings: Settings
+) -> None:
+    """Its gateway died between claiming the conversation and queueing the prompt: the
+    record stays for an hour, but nobody took the request by its start deadline.
+    Resuming it hung, without a byte, for that hour (the page opening the chat too)."""
+    auth = await user_key(settings)
+    conversation_id = (await client.post("/v1/conversations", json={}, headers=auth)).json()["id"]
+    record = {"request_id": f"r_{uuid.uuid4().hex}", "partition": 0, "offset": 0}
+    redis = redis_client(settings)
+    try:
+        await redis.set(
+            inflight_key(conversation_id),
+            orjson.dumps({**record, "start_by_ms": now_ms() - 1}),
+            ex=3600,
+        )
+        async with asyncio.timeout(60):
+            resumed = await client.get(f"/v1/conversations/{conversation_id}/stream", headers=auth)
+    finally:
+        await redis.aclose()
+    assert resumed.status_code == 404, resumed.text
+    assert "no reply is being generated" in resumed.json()["error"]["message"]

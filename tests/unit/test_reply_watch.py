@@ -5,12 +5,13 @@ settlement that hangs delays the end by SETTLE_WAIT_S at most."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 
 import pytest
 
 from consumers.fanout import Delivered, Subscription
 from producers.gateway.chat import watch
-from producers.gateway.chat.watch import ReplyWatch
+from producers.gateway.chat.watch import ReplyWatch, with_keepalives
 from schemas.events import FinalEvent, TokenEvent, Usage
 
 
@@ -88,3 +89,31 @@ async def test_a_hung_settlement_delays_the_end_by_a_bounded_wait(
     settled.set()  # and the settling still completes behind it
     await asyncio.wait_for(reply.task, 5)
     assert seen[-1] == "settled"
+
+
+async def test_a_resumed_stream_keeps_alive_then_ends_and_closes_its_reader() -> None:
+    """A reply read back from Kafka whose worker is gone: keep-alives while it is quiet,
+    the end after the give-up time, and the reader (a Kafka consumer) closed."""
+    closed = asyncio.Event()
+
+    async def reader() -> AsyncIterator[int]:
+        try:
+            yield 1
+            await asyncio.sleep(3600)  # nothing more will come
+            yield 2
+        finally:
+            closed.set()
+
+    got = [item async for item in with_keepalives(reader(), keepalive_s=0.01, give_up_s=0.05)]
+    assert got[0] == 1 and set(got[1:]) == {None} and 3 <= len(got[1:]) <= 5, got
+    assert closed.is_set()
+
+
+async def test_a_resumed_stream_passes_every_event_and_ends_with_its_reader() -> None:
+    async def reader() -> AsyncIterator[int]:
+        for n in range(3):
+            await asyncio.sleep(0.03)  # longer than a keep-alive
+            yield n
+
+    got = [item async for item in with_keepalives(reader(), keepalive_s=0.01, give_up_s=1)]
+    assert [n for n in got if n is not None] == [0, 1, 2] and None in got

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -15,14 +16,41 @@ import redis.asyncio as aioredis
 
 from consumers.fanout import Subscription
 from producers.gateway.errors import ApiError
-from schemas.events import now_ms
+from schemas.codec import encode
+from schemas.events import FinalEvent, Usage, now_ms
 from tandoor.clients import REDIS_DOWN
-from tandoor.policies.redis_keys import attempt_key, done_key, inflight_key
+from tandoor.policies.redis_keys import (
+    ATTEMPT_TTL_S,
+    REPLY_TTL_S,
+    attempt_key,
+    done_key,
+    final_key,
+    inflight_key,
+)
 
 log = logging.getLogger(__name__)
 
 TTL_S = 3600  # past it a record whose reply was never settled lapses
 
+
+@dataclass(frozen=True)
+class Queued:
+    """What a stop needs of the prompt to answer it itself while it waits in Kafka."""
+
+    model: str
+    created_at_ms: int
+
+
+# A prompt no worker has taken yet, answered as done with `final` (KEYS: attempt, done,
+# final; ARGV: final, done ttl s, final ttl s). A worker's arrival checks done first, so
+# exactly one of the two gets the request; the worker that takes the prompt later
+# delivers this final again with its usage record.
+END_UNTAKEN = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('SET', KEYS[2], '1', 'EX', tonumber(ARGV[2]))
+redis.call('SET', KEYS[3], ARGV[1], 'EX', tonumber(ARGV[3]))
+return 1
+"""
 
 # Replace a stale record only if it is still the one judged stale.
 REPLACE = """
@@ -38,8 +66,11 @@ class InFlight:
     def __init__(self, redis: aioredis.Redis) -> None:
         self._redis = redis
         self._replace = redis.register_script(REPLACE)
+        self._end_untaken = redis.register_script(END_UNTAKEN)
 
-    async def claim(self, conversation_id: str, sub: Subscription, start_by_ms: int) -> bool:
+    async def claim(
+        self, conversation_id: str, sub: Subscription, start_by_ms: int, prompt: Queued
+    ) -> bool:
         """Record the reply as the conversation's running one, where its events start;
         False if another live reply holds the conversation. Redis down: the reply runs
         unrecorded (stop and resume wait for Redis)."""
@@ -49,6 +80,9 @@ class InFlight:
                 "partition": sub.partition,
                 "offset": sub.next_offset,
                 "start_by_ms": start_by_ms,
+                "model": prompt.model,
+                "prompt_at_ms": prompt.created_at_ms,
+                "conversation_id": conversation_id,
             }
         )
         key = inflight_key(conversation_id)
@@ -65,10 +99,27 @@ class InFlight:
 
     async def _stale(self, record: dict[str, Any]) -> bool:
         """Its request is done, or nobody took it before it had to start."""
-        request_id = record["request_id"]
-        if await self._redis.exists(done_key(request_id)):
+        if await self._redis.exists(done_key(record["request_id"])):
             return True
-        taken = await self._redis.exists(attempt_key(request_id))
+        return await self.abandoned(record)
+
+    async def end_untaken(
+        self, record: dict[str, Any], user_id: str, tier: str
+    ) -> FinalEvent | None:
+        """The recorded reply's final, cancelled, if no worker has taken its prompt yet
+        (the caller publishes it); None if one has, or the record predates the fields."""
+        if "model" not in record:
+            return None
+        final = _cancelled_in_queue(record, user_id, tier)
+        keys = [attempt_key(final.request_id), done_key(final.request_id)]
+        keys.append(final_key(final.request_id))
+        args: list[bytes | int] = [encode(final), ATTEMPT_TTL_S, REPLY_TTL_S]
+        return final if await self._end_untaken(keys=keys, args=args) else None
+
+    async def abandoned(self, record: dict[str, Any]) -> bool:
+        """Nobody took its request before it had to start: its gateway died before
+        queueing it, or no worker came. It will never answer."""
+        taken = await self._redis.exists(attempt_key(record["request_id"]))
         return not taken and now_ms() > int(record.get("start_by_ms", 0))
 
     async def release(self, conversation_id: str, request_id: str) -> None:
@@ -93,7 +144,21 @@ class InFlight:
             )
         return current
 
-    async def ensure_idle(self, conversation_id: str) -> None:
-        held = await self.current(conversation_id)
-        if held is not None and not await self._stale(held):
-            raise ApiError(409, "a reply is being generated: stop it first", kind="conflict_error")
+
+def _cancelled_in_queue(record: dict[str, Any], user_id: str, tier: str) -> FinalEvent:
+    """The final a worker would publish for a prompt cancelled before it started."""
+    at, prompt_at = now_ms(), int(record["prompt_at_ms"])
+    return FinalEvent(
+        request_id=record["request_id"],
+        attempt=1,
+        seq=0,
+        finish_reason="cancelled",
+        text="",
+        usage=Usage(prompt_tokens=0, completion_tokens=0, queue_ms=at - prompt_at, decode_ms=0),
+        model=record["model"],
+        user_id=user_id,
+        tier=tier,
+        conversation_id=record["conversation_id"],
+        created_at_ms=at,
+        prompt_created_at_ms=prompt_at,
+    )

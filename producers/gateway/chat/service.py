@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
@@ -19,16 +19,18 @@ from consumers.fanout import Delivered, Subscription, TokenFanout, read_request
 from producers.control import request_cancel
 from producers.gateway.chat.checks import ReplyChecks
 from producers.gateway.chat.history import after_summary, as_chat, usable, visible
-from producers.gateway.chat.inflight import InFlight
+from producers.gateway.chat.inflight import InFlight, Queued
 from producers.gateway.chat.jobs import ConversationJobs
 from producers.gateway.chat.protocol import PostMessage, ReplyOptions, sampling_for
-from producers.gateway.chat.watch import ReplyWatch
+from producers.gateway.chat.watch import KEEPALIVE_S, ReplyWatch, with_keepalives
 from producers.gateway.conversations.protocol import Conversation, Message
 from producers.gateway.conversations.service import ConversationService, from_ms
 from producers.gateway.errors import ApiError, not_found
 from producers.gateway.shedding import ModelRouter
 from producers.gateway.streaming import StreamSlots
 from producers.prompts import PromptSubmitter
+from schemas import topics
+from schemas.codec import encode
 from schemas.events import ANSWERED, ChatMessage, FinalEvent, PromptRequest, now_ms
 from tandoor.clients import REDIS_DOWN
 from tandoor.policies.api_keys import Principal
@@ -78,6 +80,7 @@ class _Prompt:
     admission: Admission
     dropped: int
     summarized: bool
+    replaces: Sequence[Message]  # hidden once the reply holds the conversation
 
 
 @dataclass
@@ -125,27 +128,28 @@ class ChatService:
     ) -> Reply:
         """A fresh reply to the last user message; the replies after it are replaced."""
         conversation = await self.deps.conversations.owned(caller.user_id, conversation_id)
-        await self.inflight.ensure_idle(conversation_id)
         shown = await self._visible(caller, conversation_id)
         users = [i for i, m in enumerate(shown) if m.role == "user"]
         if not users:
             raise ApiError(409, "there is no message to reply to yet", kind="conflict_error")
-        await self.deps.conversations.mark_replaced(conversation_id, shown[users[-1] + 1 :])
-        return await self.reply(caller, conversation, usable(shown[: users[-1] + 1]), None, body)
+        last = users[-1] + 1
+        return await self.reply(
+            caller, conversation, usable(shown[:last]), None, body, replaces=shown[last:]
+        )
 
     async def edit(
         self, caller: Principal, conversation_id: str, message_id: str, body: PostMessage
     ) -> Reply:
         """Replace a user message and everything after it, then reply to the new text."""
         conversation = await self.deps.conversations.owned(caller.user_id, conversation_id)
-        await self.inflight.ensure_idle(conversation_id)
         shown = await self._visible(caller, conversation_id)
         at = next((i for i, m in enumerate(shown) if m.id == message_id and m.role == "user"), None)
         if at is None:
             raise not_found("user message")
         text = await self.moderated(body.content)
-        await self.deps.conversations.mark_replaced(conversation_id, shown[at:])
-        return await self.reply(caller, conversation, usable(shown[:at]), text, body)
+        return await self.reply(
+            caller, conversation, usable(shown[:at]), text, body, replaces=shown[at:]
+        )
 
     async def reply(
         self,
@@ -155,8 +159,12 @@ class ChatService:
         new_text: str | None,
         options: ReplyOptions,
         summary: str | None = None,
+        replaces: Sequence[Message] = (),
     ) -> Reply:
-        """Context, quota, then the prompt: the part every way of asking shares."""
+        """Context, quota, then the prompt: the part every way of asking shares. What
+        `replaces` names (a regenerate's old replies, an edit's old turns) is hidden only
+        once this reply holds the conversation: a refusal (busy, too long, over quota,
+        another reply running) leaves the conversation as it was."""
         d = self.deps
         client_context = isinstance(conversation, ApiCall)
         max_tokens = d.checks.max_tokens(caller, options)
@@ -184,6 +192,7 @@ class ChatService:
                     admission,
                     context.dropped,
                     summary is not None and not client_context,
+                    replaces,
                 )
             )
         except BaseException:
@@ -196,20 +205,37 @@ class ChatService:
 
     async def stop(self, caller: Principal, conversation_id: str) -> str:
         await self.deps.conversations.owned(caller.user_id, conversation_id)
-        request_id = str((await self.inflight.running(conversation_id, 409))["request_id"])
+        record = await self.inflight.running(conversation_id, 409)
+        request_id = str(record["request_id"])
         await request_cancel(self.deps.producer, self.deps.redis, request_id, "stop button")
+        # Still waiting in Kafka: answered here and now. The stop showed only once a
+        # worker reached the prompt (up to the queue's wait budget), and the
+        # conversation refused new messages meanwhile.
+        final = await self.inflight.end_untaken(record, caller.user_id, caller.tier)
+        if final is not None:
+            await self.deps.producer.send_and_wait(
+                topics.TOKENS, encode(final), key=request_id.encode(), partition=record["partition"]
+            )
         return request_id
 
     async def resume_events(
         self, caller: Principal, conversation_id: str
-    ) -> AsyncIterator[Delivered]:
-        """The current reply's events from its start: the caller skips what was sent."""
+    ) -> AsyncIterator[Delivered | None]:
+        """The current reply's events from its start (the caller skips what was sent),
+        with keep-alives, ending after the tier's silence limit. A 404 when no reply
+        runs, or when the one recorded will never answer (it hung until the record's
+        hour was up)."""
         await self.deps.conversations.owned(caller.user_id, conversation_id)
         record = await self.inflight.running(conversation_id, 404)
+        if await self.inflight.abandoned(record):
+            raise ApiError(
+                404, "no reply is being generated in this conversation", kind="not_found_error"
+            )
         events = read_request(
             self.deps.settings, record["request_id"], record["partition"], record["offset"]
         )
-        return self._clearing_when_final(conversation_id, record["request_id"], events)
+        cleared = self._clearing_when_final(conversation_id, record["request_id"], events)
+        return with_keepalives(cleared, KEEPALIVE_S, self._silence_limit_s(caller.tier))
 
     async def _clearing_when_final(
         self, conversation_id: str, request_id: str, events: AsyncIterator[Delivered]
@@ -227,11 +253,14 @@ class ChatService:
         conversation = self._opened(p)  # p's stays an ApiCall
         sub = await d.fanout.subscribe(p.request_id)
         start_by = p.now + int(self._silence_limit_s(p.caller.tier) * 1000)
-        if not await self.inflight.claim(conversation.id, sub, start_by):  # one at a time
+        queued = Queued(p.model, p.now)
+        if not await self.inflight.claim(conversation.id, sub, start_by, queued):  # one at a time
             d.fanout.unsubscribe(sub)
             raise ApiError(409, "a reply is being generated: stop it first", kind="conflict_error")
         user_message_id = f"m_{uuid.uuid4().hex}" if p.text is not None and store else None
         try:
+            if p.replaces:
+                await d.conversations.mark_replaced(conversation.id, p.replaces)
             if p.text is not None and user_message_id is not None:
                 await self._store_user_message(p, conversation, user_message_id, p.text)
             await self._produce(p, conversation, sub, store, user_message_id)

@@ -9,6 +9,7 @@ worker marks the request done."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
@@ -82,6 +83,38 @@ class ReplyWatch:
             await self._on_final(final)
         except Exception:  # settling must not kill the task; but say what was missed
             log.exception("%s: settling the finished reply failed", self.sub.request_id)
+
+
+async def with_keepalives(
+    events: AsyncIterator[T], keepalive_s: float, give_up_s: float
+) -> AsyncIterator[T | None]:
+    """`events`, with None after each `keepalive_s` without one; it ends after
+    `give_up_s` without one (a reply read back from Kafka whose worker is gone)."""
+    source = aiter(events)
+    step: asyncio.Future[T] | None = None
+    try:
+        while True:
+            step = asyncio.ensure_future(anext(source))
+            silent = 0.0
+            while not (await asyncio.wait({step}, timeout=keepalive_s))[0]:
+                silent += keepalive_s
+                if silent >= give_up_s:
+                    log.warning("no event for %.0f s; the resumed stream ends", silent)
+                    return
+                yield None
+            try:
+                item = step.result()
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:  # ended, or the client left: the reader goes with it
+        if step is not None and not step.done():
+            step.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                await step
+        aclose = getattr(source, "aclose", None)
+        if aclose is not None:
+            await aclose()
 
 
 async def next_within(queue: asyncio.Queue[T], timeout_s: float) -> T:

@@ -19,6 +19,7 @@ from tandoor.clients import cql, cql_together
 # A message up to this size goes in one batch with its conversation's rows; Cassandra
 # warns of batches over 5 KiB and refuses them over 50 KiB (a message may be 128 KB).
 BATCHED_MESSAGE_BYTES = 4096
+REPLACED_PER_BATCH = 200  # status updates of about 100 bytes each
 
 
 class ConversationService:
@@ -220,13 +221,19 @@ class ConversationService:
         )
 
     async def mark_replaced(self, conversation_id: str, messages: Sequence[Message]) -> None:
-        """Hide messages superseded by a regenerate or an edit (kept, not deleted)."""
-        for message in messages:
-            await cql(
+        """Hide messages superseded by a regenerate or an edit (kept, not deleted): in
+        batches on their one partition, all of a batch or none (under Cassandra's 50 KiB)."""
+        for start in range(0, len(messages), REPLACED_PER_BATCH):
+            await cql_together(
                 self._session,
-                "UPDATE messages_by_conversation SET status = 'replaced' "
-                "WHERE conversation_id = %s AND created_at = %s AND message_id = %s",
-                (conversation_id, message.created_at, message.id),
+                [
+                    (
+                        "UPDATE messages_by_conversation SET status = 'replaced' "
+                        "WHERE conversation_id = %s AND created_at = %s AND message_id = %s",
+                        (conversation_id, message.created_at, message.id),
+                    )
+                    for message in messages[start : start + REPLACED_PER_BATCH]
+                ],
             )
 
     async def _owned(self, user_id: str, conversation_id: str) -> Conversation:

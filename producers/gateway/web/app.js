@@ -9,6 +9,7 @@ import { renderUsage } from "/web/usage.js";
 
 const KEY_STORAGE = "tandoor.apiKey";
 const RESUME_TRIES = 5;
+const STORED_TRIES = 5; // a finished reply not stored yet: look again each second
 // A new chat's title until the model names it: its first message's opening characters,
 // counted as the gateway counts them (code points), which then asks the model for a title.
 const AUTO_TITLE_CHARS = 60; // producers/gateway/conversations/protocol.py
@@ -117,11 +118,26 @@ function markCurrent() {
 
 // ---- one conversation ---------------------------------------------------------
 
-async function openConversation(id) {
+async function openConversation(id, resume = true) {
   const conversation = await state.api.json("GET", `/v1/conversations/${id}`);
   showConversation(conversation);
+  if (resume && awaitsReply(conversation)) await resumeReply();
+}
+
+function awaitsReply(conversation) {
   const last = conversation.messages.at(-1);
-  if (last && last.role === "user" && last.status === "sent") await resumeReply();
+  return Boolean(last && last.role === "user" && last.status === "sent");
+}
+
+// No reply runs any more: show it once it is stored (persistence may lag a moment),
+// never asking for the stream again (a reply that never came looped here, request
+// after request).
+async function showWhenStored(id) {
+  for (let tries = 0; tries < STORED_TRIES && state.conversation?.id === id; tries++) {
+    await openConversation(id, false);
+    if (!awaitsReply(state.conversation)) return;
+    await sleep(1000);
+  }
 }
 
 function showConversation(conversation) {
@@ -276,8 +292,8 @@ async function resumeFrom(reply) {
     await follow(reply, await state.api.request("GET", path, undefined, headers));
   } catch (error) {
     if (error instanceof ApiError && error.status === 404) {
-      reply.done = true; // it finished meanwhile: the stored reply is complete
-      await openConversation(state.conversation.id);
+      reply.done = true; // it finished meanwhile, or never started
+      await showWhenStored(state.conversation.id);
       return;
     }
     if (error instanceof ApiError && error.status !== 0) throw error;
