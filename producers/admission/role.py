@@ -283,21 +283,22 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
         if await self.marks.cancelled(prompt.user_id, prompt.batch_id):
             await self._cancelled(waiting)
             return False
-        admitted_at = now_ms()
         policy = self.settings.tiers[prompt.tier]
         try:
-            await self.quotas.admit(
+            admission = await self.quotas.admit(
                 prompt.user_id,
                 policy,
                 prompt.request_id,
                 prompt.charged_tokens,
-                admitted_at,
+                now_ms(),
                 holds_stream=False,
             )
         except (QuotaExceeded, QuotaUnavailable) as exc:
             queue.put_back(tenant, waiting, time.monotonic() + exc.retry_after_s)
             return False
-        await self.submitter.submit(prompt.model_copy(update={"created_at_ms": admitted_at}))
+        # A retry is charged at its first time: the usage record settles that minute.
+        admitted = prompt.model_copy(update={"created_at_ms": admission.charged_at_ms})
+        await self.submitter.submit(admitted)
         await self.marks.mark(prompt.request_id, waiting.position)
         queue.charge(tenant, prompt.charged_tokens)
         self.metrics.charged_tokens.labels(prompt.user_id).inc(prompt.charged_tokens)

@@ -24,6 +24,7 @@ Once Redis answers again every tier is counted again, from where Redis left off.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import Counter
 from dataclasses import dataclass
@@ -105,6 +106,7 @@ class Admission:
     window_start_ms: int
     estimated_tokens: int
     counted: bool = True  # False: admitted while Redis was down (nothing to settle there)
+    charged_at_ms: int = 0  # when it was charged (the first time, for a request again)
 
 
 @dataclass(frozen=True)
@@ -180,12 +182,14 @@ class Quotas:
             allowed, limit, retry_ms, *charged_at = await self._admit(keys=keys, args=args)
         except REDIS_DOWN as exc:
             log.warning("quotas unreachable (%s): %s fails %s", exc, user_id, policy.redis_down)
-            return self._uncounted_admission(user_id, policy, request_id, tokens, holds_stream)
+            uncounted = self._uncounted_admission(user_id, policy, request_id, tokens, holds_stream)
+            return dataclasses.replace(uncounted, charged_at_ms=now_ms)
         if not allowed:
             name = limit.decode() if isinstance(limit, bytes) else str(limit)
             raise QuotaExceeded(cast(Limit, name), int(retry_ms))
         charged_ms = int(charged_at[0])
-        return Admission(user_id, request_id, charged_ms - charged_ms % WINDOW_MS, tokens)
+        window_start = charged_ms - charged_ms % WINDOW_MS
+        return Admission(user_id, request_id, window_start, tokens, charged_at_ms=charged_ms)
 
     def _uncounted_admission(
         self, user_id: str, policy: TierPolicy, request_id: str, tokens: int, holds_stream: bool

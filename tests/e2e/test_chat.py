@@ -180,6 +180,12 @@ async def test_edit_reruns_from_the_edited_message(stack: Stack, http: httpx.Asy
         {"content": "What is the capital of France?", "max_tokens": 32, "temperature": 0},
     )
     assert "Paris" in reply_text(edited)
+    too_long = await http.post(  # refused before a reply runs: nothing is replaced
+        f"/v1/conversations/{conversation}/messages/{edited[0]['user_message_id']}/edit",
+        json={"content": "word " * 6000},
+        headers=headers,
+    )
+    assert too_long.status_code == 413, too_long.text
     messages = await stored_reply(http, headers, conversation, count=2)
     shown = [(m["role"], m["content"]) for m in messages if m["status"] != "replaced"]
     assert shown == [("user", "What is the capital of France?"), ("assistant", reply_text(edited))]

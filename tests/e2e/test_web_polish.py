@@ -238,5 +238,7 @@ async def test_a_chat_whose_reply_never_came_asks_for_it_once(stack: Stack, page
 
     # Opened, then looked at once a second for a stored reply, five times.
     await eventually(opened_times, lambda n: n >= 6, what="the page's looks for a reply")
+    await page.wait_for_timeout(2500)  # and then no more (it looked once a second)
+    assert await opened_times() == 6, asked
     assert sum(url.endswith("/stream") for url in asked) == 1, asked
     await expect(page.get_by_role("button", name="Send")).to_be_visible()

@@ -251,9 +251,9 @@ class KafkaGivingOut:
 async def test_a_batch_kafka_takes_only_part_of_is_withdrawn(
     session: Any, producer: AIOKafkaProducer, redis_url: str, unique: str
 ) -> None:
-    """The client is told to retry and nothing was kept: the batch is not listed, and the
-    lines already queued are answered as cancelled (admission reads the mark first), so
-    a retry runs no line twice. Before, the batch stayed listed, 'cancelling' forever."""
+    """The client is told to retry and nothing was kept: the batch is not listed, and
+    the lines already queued are marked to be answered as cancelled when admission reads
+    them. Before, the batch stayed listed, 'cancelling' forever."""
     caller = Principal(f"u-{unique}", "batch", "k")
     redis = aioredis.Redis.from_url(redis_url)
     lines = b"".join(

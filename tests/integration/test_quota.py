@@ -74,7 +74,8 @@ async def test_the_same_request_admitted_again_is_charged_once(
     crash: its tokens and its request are counted once."""
     for at in (t0, t0 + 1_000, t0 + 59_500):  # the last in the next window
         again = await quotas.admit(unique, policy(rpm=2, tpm=1000), "line", 600, at)
-        assert again.window_start_ms == t0 - t0 % 60_000  # settled where it was charged
+        assert again.charged_at_ms == t0  # its usage record settles the minute charged
+        assert again.window_start_ms == t0 - t0 % 60_000
     await quotas.admit(unique, policy(rpm=2, tpm=1000), "other", 400, t0)
     with pytest.raises(QuotaExceeded, match="requests per minute"):
         await quotas.admit(unique, policy(rpm=2, tpm=1000), "third", 1, t0)

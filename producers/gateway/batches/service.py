@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import logging
 import uuid
 from typing import Any, Literal
 
@@ -26,8 +27,11 @@ from producers.gateway.batches.store import (
 )
 from producers.gateway.errors import ApiError, not_found, unavailable
 from schemas.batch import MAX_CUSTOM_ID_CHARS, MAX_LINE_BYTES
+from tandoor.clients import REDIS_DOWN
 from tandoor.policies.api_keys import Principal
 from tandoor.policies.redis_keys import BATCH_LINE_TTL_S, batch_cancel_key
+
+log = logging.getLogger(__name__)
 
 MAX_LINES = 50_000
 COMPLETION_WINDOW = dt.timedelta(hours=24)
@@ -120,11 +124,14 @@ class BatchService:
         return _batch_object(batch, codes=[])
 
     async def _withdraw(self, batch: StoredBatch) -> None:
-        """A batch only part queued: admission answers the lines that got out as
-        cancelled (that mark first), and the batch is no longer listed or found."""
-        await self._redis.set(
-            batch_cancel_key(batch.user_id, batch.batch_id), 1, ex=BATCH_LINE_TTL_S
-        )
+        """A batch only part queued: admission answers the lines that got out and are
+        not forwarded yet as cancelled (that mark first), and the batch is no longer
+        listed or found (whatever Redis says: the answer is a 503 either way)."""
+        key = batch_cancel_key(batch.user_id, batch.batch_id)
+        try:
+            await self._redis.set(key, 1, ex=BATCH_LINE_TTL_S)
+        except REDIS_DOWN as exc:
+            log.warning("%s: lines already queued may run (%s)", batch.batch_id, exc)
         await self.batches.delete(batch)
 
     async def retrieve(self, caller: Principal, batch_id: str) -> dict[str, Any]:

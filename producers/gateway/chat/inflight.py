@@ -46,7 +46,9 @@ class Queued:
 # exactly one of the two gets the request; the worker that takes the prompt later
 # delivers this final again with its usage record.
 END_UNTAKEN = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+if redis.call('EXISTS', KEYS[1]) == 1 or redis.call('EXISTS', KEYS[2]) == 1 then
+  return 0  -- a worker has it, or it is done (a second stop)
+end
 redis.call('SET', KEYS[2], '1', 'EX', tonumber(ARGV[2]))
 redis.call('SET', KEYS[3], ARGV[1], 'EX', tonumber(ARGV[3]))
 return 1
@@ -143,6 +145,13 @@ class InFlight:
                 missing_status, "no reply is being generated in this conversation", kind=kind
             )
         return current
+
+    async def ensure_idle(self, conversation_id: str) -> None:
+        """A 409 while another live reply holds the conversation (read only: the claim
+        decides; this spares a regenerate or an edit the quota charge of a refusal)."""
+        held = await self.current(conversation_id)
+        if held is not None and not await self._stale(held):
+            raise ApiError(409, "a reply is being generated: stop it first", kind="conflict_error")
 
 
 def _cancelled_in_queue(record: dict[str, Any], user_id: str, tier: str) -> FinalEvent:

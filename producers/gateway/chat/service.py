@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ from producers.prompts import PromptSubmitter
 from schemas import topics
 from schemas.codec import encode
 from schemas.events import ANSWERED, ChatMessage, FinalEvent, PromptRequest, now_ms
-from tandoor.clients import REDIS_DOWN
+from tandoor.clients import CASSANDRA_DOWN, REDIS_DOWN
 from tandoor.policies.api_keys import Principal
 from tandoor.policies.moderation import OutputFilter
 from tandoor.policies.quota import Admission, Quotas
@@ -40,6 +41,8 @@ from tandoor.policies.redis_keys import ATTEMPT_TTL_S, done_key
 from tandoor.settings import Settings
 
 QUEUE_RETRY_S = 2  # Kafka did not take the prompt: a broker restart takes seconds
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -80,7 +83,7 @@ class _Prompt:
     admission: Admission
     dropped: int
     summarized: bool
-    replaces: Sequence[Message]  # hidden once the reply holds the conversation
+    replaces: Sequence[Message]  # hidden once the reply is queued
 
 
 @dataclass
@@ -128,6 +131,7 @@ class ChatService:
     ) -> Reply:
         """A fresh reply to the last user message; the replies after it are replaced."""
         conversation = await self.deps.conversations.owned(caller.user_id, conversation_id)
+        await self.inflight.ensure_idle(conversation_id)
         shown = await self._visible(caller, conversation_id)
         users = [i for i, m in enumerate(shown) if m.role == "user"]
         if not users:
@@ -142,6 +146,7 @@ class ChatService:
     ) -> Reply:
         """Replace a user message and everything after it, then reply to the new text."""
         conversation = await self.deps.conversations.owned(caller.user_id, conversation_id)
+        await self.inflight.ensure_idle(conversation_id)
         shown = await self._visible(caller, conversation_id)
         at = next((i for i, m in enumerate(shown) if m.id == message_id and m.role == "user"), None)
         if at is None:
@@ -163,8 +168,8 @@ class ChatService:
     ) -> Reply:
         """Context, quota, then the prompt: the part every way of asking shares. What
         `replaces` names (a regenerate's old replies, an edit's old turns) is hidden only
-        once this reply holds the conversation: a refusal (busy, too long, over quota,
-        another reply running) leaves the conversation as it was."""
+        once this reply is queued: a refusal (busy, too long, over quota, another reply
+        running, Kafka down) leaves the conversation as it was."""
         d = self.deps
         client_context = isinstance(conversation, ApiCall)
         max_tokens = d.checks.max_tokens(caller, options)
@@ -259,8 +264,6 @@ class ChatService:
             raise ApiError(409, "a reply is being generated: stop it first", kind="conflict_error")
         user_message_id = f"m_{uuid.uuid4().hex}" if p.text is not None and store else None
         try:
-            if p.replaces:
-                await d.conversations.mark_replaced(conversation.id, p.replaces)
             if p.text is not None and user_message_id is not None:
                 await self._store_user_message(p, conversation, user_message_id, p.text)
             await self._produce(p, conversation, sub, store, user_message_id)
@@ -268,6 +271,7 @@ class ChatService:
             d.fanout.unsubscribe(sub)
             await self.inflight.release(conversation.id, p.request_id)
             raise
+        await self._hide_replaced(conversation.id, p.replaces)
         watch = self._follow(p, conversation, sub)
         return Reply(
             p.request_id, conversation, p.model, user_message_id, watch, p.dropped, p.summarized
@@ -312,6 +316,17 @@ class ChatService:
                 kind="service_unavailable",
                 headers={"Retry-After": str(QUEUE_RETRY_S)},
             ) from exc
+
+    async def _hide_replaced(self, conversation_id: str, replaced: Sequence[Message]) -> None:
+        """Once the new reply is queued: a refusal or a failed queueing before it leaves
+        the conversation as it was. Cassandra failing now leaves them shown beside the
+        new reply, which runs."""
+        if not replaced:
+            return
+        try:
+            await self.deps.conversations.mark_replaced(conversation_id, replaced)
+        except CASSANDRA_DOWN as exc:
+            log.warning("%s: superseded messages still shown (%s)", conversation_id, exc)
 
     async def _store_user_message(
         self, p: _Prompt, conversation: Conversation, message_id: str, text: str
