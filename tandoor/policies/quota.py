@@ -24,7 +24,6 @@ Once Redis answers again every tier is counted again, from where Redis left off.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections import Counter
 from dataclasses import dataclass
@@ -182,8 +181,9 @@ class Quotas:
             allowed, limit, retry_ms, *charged_at = await self._admit(keys=keys, args=args)
         except REDIS_DOWN as exc:
             log.warning("quotas unreachable (%s): %s fails %s", exc, user_id, policy.redis_down)
-            uncounted = self._uncounted_admission(user_id, policy, request_id, tokens, holds_stream)
-            return dataclasses.replace(uncounted, charged_at_ms=now_ms)
+            return self._uncounted_admission(
+                user_id, policy, request_id, tokens, holds_stream, now_ms
+            )
         if not allowed:
             name = limit.decode() if isinstance(limit, bytes) else str(limit)
             raise QuotaExceeded(cast(Limit, name), int(retry_ms))
@@ -192,7 +192,13 @@ class Quotas:
         return Admission(user_id, request_id, window_start, tokens, charged_at_ms=charged_ms)
 
     def _uncounted_admission(
-        self, user_id: str, policy: TierPolicy, request_id: str, tokens: int, holds_stream: bool
+        self,
+        user_id: str,
+        policy: TierPolicy,
+        request_id: str,
+        tokens: int,
+        holds_stream: bool,
+        now_ms: int,
     ) -> Admission:
         if policy.redis_down == "closed":
             raise QuotaUnavailable(policy.band)
@@ -200,7 +206,7 @@ class Quotas:
             if self._uncounted[user_id] >= policy.concurrent_streams:
                 raise QuotaExceeded("concurrent_streams", BUSY_RETRY_MS)
             self._uncounted[user_id] += 1
-        return Admission(user_id, request_id, 0, tokens, counted=False)
+        return Admission(user_id, request_id, 0, tokens, counted=False, charged_at_ms=now_ms)
 
     async def in_use(self, user_id: str, now_ms: int) -> QuotaUse | None:
         """What `admit` would count now; None while Redis is unreachable."""

@@ -60,7 +60,8 @@ async def test_requests_per_minute_slide_across_the_minute_boundary(
 
 
 async def test_tokens_are_settled_with_real_usage(quotas: Quotas, unique: str, t0: int) -> None:
-    first = await quotas.admit(unique, policy(tpm=1000), "a", 600, t0)
+    # Settled once per request id, across tests and runs: the id is this test's own.
+    first = await quotas.admit(unique, policy(tpm=1000), f"a-{unique}", 600, t0)
     with pytest.raises(QuotaExceeded, match="tokens per minute"):
         await quotas.admit(unique, policy(tpm=1000), "b", 600, t0)
     await quotas.settle(first, actual_tokens=300)  # the estimate was too high

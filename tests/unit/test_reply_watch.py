@@ -99,7 +99,7 @@ async def test_a_resumed_stream_keeps_alive_then_ends_and_closes_its_reader() ->
     async def reader() -> AsyncIterator[int]:
         try:
             yield 1
-            await asyncio.sleep(3600)  # nothing more will come
+            await asyncio.Event().wait()  # nothing more will come
             yield 2
         finally:
             closed.set()

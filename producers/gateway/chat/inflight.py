@@ -113,8 +113,8 @@ class InFlight:
         if "model" not in record:
             return None
         final = _cancelled_in_queue(record, user_id, tier)
-        keys = [attempt_key(final.request_id), done_key(final.request_id)]
-        keys.append(final_key(final.request_id))
+        request_id = final.request_id
+        keys = [attempt_key(request_id), done_key(request_id), final_key(request_id)]
         args: list[bytes | int] = [encode(final), ATTEMPT_TTL_S, REPLY_TTL_S]
         return final if await self._end_untaken(keys=keys, args=args) else None
 
