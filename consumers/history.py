@@ -55,9 +55,13 @@ def batch_output_row(user_id: str, batch_id: str, output: dict[str, Any]) -> tup
     return (user_id, batch_id, output["custom_id"], status, orjson.dumps(output).decode())
 
 
+def reply_slot_ms(prompt_created_at_ms: int) -> int:
+    """When a reply sits in the conversation: right after its prompt, in every attempt."""
+    return prompt_created_at_ms + 1
+
+
 def reply_time_ms(final: FinalEvent) -> int:
-    """When the reply sits in the conversation: right after its prompt, in every attempt."""
-    return (final.prompt_created_at_ms or final.created_at_ms) + 1
+    return reply_slot_ms(final.prompt_created_at_ms or final.created_at_ms)
 
 
 def write_timestamp_us(final: FinalEvent) -> int:

@@ -11,7 +11,7 @@ import orjson
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from schemas import topics
-from schemas.batch import AUTHORIZATION_HEADER, BATCH_ID_HEADER
+from schemas.batch import AUTHORIZATION_HEADER, BATCH_ID_HEADER, DEADLINE_HEADER
 
 RESULT_PARTITIONS = [
     TopicPartition(topics.BATCH_RESULTS, p) for p in range(topics.BATCH_PARTITIONS)
@@ -23,14 +23,21 @@ def chat_line(custom_id: str, body: dict[str, Any]) -> dict[str, Any]:
 
 
 async def send_lines(
-    producer: AIOKafkaProducer, api_key: str, batch_id: str, lines: Iterable[bytes]
+    producer: AIOKafkaProducer,
+    api_key: str,
+    batch_id: str,
+    lines: Iterable[bytes],
+    deadline_ms: int | None = None,
 ) -> int:
     """Produce raw lines (normally chat_line() as JSON) keyed by the batch id; returns
-    how many. All are durably in Kafka when it returns."""
+    how many. All are durably in Kafka when it returns. Lines not started by
+    `deadline_ms` are answered as expired."""
     headers = [
         (AUTHORIZATION_HEADER, f"Bearer {api_key}".encode()),
         (BATCH_ID_HEADER, batch_id.encode()),
     ]
+    if deadline_ms is not None:
+        headers.append((DEADLINE_HEADER, str(deadline_ms).encode()))
     sent = [
         await producer.send(topics.BATCH_REQUESTS, line, key=batch_id.encode(), headers=headers)
         for line in lines

@@ -16,6 +16,9 @@ from schemas.events import ANSWERED, FinalEvent
 # Header names on `batch.requests` records (Kafka header names are case-sensitive).
 AUTHORIZATION_HEADER = "authorization"
 BATCH_ID_HEADER = "batch-id"
+# Optional: when the batch's completion window ends (ms since the epoch). A line not
+# started by then is answered `batch_expired` and never runs.
+DEADLINE_HEADER = "batch-deadline-ms"
 MAX_CUSTOM_ID_CHARS = 512
 # A line is one Kafka record: under the producer's and broker's 1 MiB, with room for
 # the headers. Far beyond any served model's context in any case.
@@ -65,13 +68,17 @@ def cancelled_output(custom_id: str | None, request_id: str) -> dict[str, Any]:
     )
 
 
+def expired_output(custom_id: str | None, request_id: str) -> dict[str, Any]:
+    message = "the batch's completion window ended before this line ran"
+    return batch_output(custom_id, request_id, error={"code": "batch_expired", "message": message})
+
+
 def final_output(final: FinalEvent, text: str) -> dict[str, Any]:
     """A batch line's result from its final event; `text` is the reply as stored (after
     output moderation)."""
     custom_id, request_id = final.custom_id, final.request_id
-    if final.finish_reason == "expired":
-        message = "the line waited in the queue past its deadline"
-        return batch_output(custom_id, request_id, error={"code": "expired", "message": message})
+    if final.finish_reason == "expired":  # it waited in the model's topic past the window
+        return expired_output(custom_id, request_id)
     if final.finish_reason == "cancelled":
         message = "the batch was cancelled before this line finished"
         return batch_output(custom_id, request_id, error={"code": "cancelled", "message": message})

@@ -69,13 +69,19 @@ def parse_line(raw: bytes | None) -> Parsed:
 
 
 async def prompt_for(
-    checks: ReplyChecks, caller: Principal, batch_id: str, line: BatchInputLine
+    checks: ReplyChecks,
+    caller: Principal,
+    batch_id: str,
+    line: BatchInputLine,
+    deadline_ms: int | None = None,
 ) -> PromptRequest:
-    """The line as a batch-band prompt, or Refused with the status the API would give."""
+    """The line as a batch-band prompt, or Refused with the status the API would give.
+    A worker that reaches it only after `deadline_ms` answers it as expired."""
     try:
-        return await _prompt(checks, caller, batch_id, line)
+        prompt = await _prompt(checks, caller, batch_id, line)
     except ApiError as exc:
         raise Refused(exc.status, exc.message, exc.kind, exc.param) from exc
+    return prompt.model_copy(update={"deadline_ms": deadline_ms})
 
 
 async def _prompt(

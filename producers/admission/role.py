@@ -44,8 +44,10 @@ from schemas import topics
 from schemas.batch import (
     AUTHORIZATION_HEADER,
     BATCH_ID_HEADER,
+    DEADLINE_HEADER,
     cancelled_output,
     custom_line_request_id,
+    expired_output,
     refused_output,
 )
 from schemas.events import PromptRequest, now_ms
@@ -186,7 +188,8 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
                 raise Refused(401, "invalid or revoked API key", "authentication_error")
             if parsed.line is None:
                 raise parsed.problem or Refused(400, "invalid line", BAD)
-            prompt = await prompt_for(self.checks, caller, batch_id, parsed.line)
+            deadline_ms = _deadline_ms(headers.get(DEADLINE_HEADER))
+            prompt = await prompt_for(self.checks, caller, batch_id, parsed.line, deadline_ms)
             if await self._seen_elsewhere(prompt.request_id, position):
                 # Its row in batch_outputs is the first line's: the answer is not kept.
                 message = f"custom_id {name!r} is used twice in batch {batch_id}"
@@ -202,8 +205,7 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
             self._done(record.partition, record.offset, "replayed")
             return
         waiting = Waiting(record.partition, record.offset, prompt)
-        if await self.marks.cancelled(owner, batch_id):
-            await self._cancelled(waiting)
+        if await self._answered_unrun(waiting):
             return
         self.queued[prompt.request_id] = position
         fair = self.settings.admission_fairness == "vtc"
@@ -233,14 +235,21 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
             await self.marks.mark(request_id, where, first_only=True)
         self._done(record.partition, record.offset, "refused")
 
-    async def _cancelled(self, waiting: Waiting) -> None:
-        """A line of a cancelled batch: answered as cancelled, never run."""
+    async def _answered_unrun(self, waiting: Waiting) -> bool:
+        """A line of a cancelled batch, or one whose batch's window is over: answered
+        so, and never run. False for a line that may still run."""
         prompt = waiting.prompt
-        output = cancelled_output(prompt.custom_id, prompt.request_id)
+        if await self.marks.cancelled(prompt.user_id, prompt.batch_id):
+            outcome, output = "cancelled", cancelled_output(prompt.custom_id, prompt.request_id)
+        elif prompt.deadline_ms is not None and now_ms() > prompt.deadline_ms:
+            outcome, output = "expired", expired_output(prompt.custom_id, prompt.request_id)
+        else:
+            return False
         await self.answers.send(prompt.user_id, prompt.batch_id, output)
         await self.marks.mark(prompt.request_id, waiting.position)
         self.queued.pop(prompt.request_id, None)
-        self._done(waiting.partition, waiting.offset, "cancelled")
+        self._done(waiting.partition, waiting.offset, outcome)
+        return True
 
     # Forwarding.
 
@@ -280,8 +289,7 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
         prompt = waiting.prompt
         if self.queued.get(prompt.request_id) != waiting.position:
             return False  # its partition was revoked meanwhile: the new owner has it
-        if await self.marks.cancelled(prompt.user_id, prompt.batch_id):
-            await self._cancelled(waiting)
+        if await self._answered_unrun(waiting):
             return False
         policy = self.settings.tiers[prompt.tier]
         try:
@@ -368,6 +376,15 @@ def _text(value: bytes | None) -> str | None:
         return value.decode()[:256] or None
     except UnicodeDecodeError:
         return None
+
+
+def _deadline_ms(value: bytes | None) -> int | None:
+    text = _text(value)
+    if text is None:
+        return None
+    if not text.isascii() or not text.isdigit() or len(text) > 15:
+        raise Refused(400, f"{DEADLINE_HEADER}: not a time in ms since the epoch", BAD)
+    return int(text)
 
 
 def _bearer(value: bytes | None) -> str | None:

@@ -54,6 +54,12 @@ def inflight_key(conversation_id: str) -> str:
     return f"{PREFIX}:inflight:{conversation_id}"
 
 
+def newest_reply_key(conversation_id: str) -> str:
+    """The conversation's newest queued reply (request id, prompt time), set by the
+    gateway: the next turn waits for it to be stored (producers/gateway/chat/newest.py)."""
+    return f"{PREFIX}:newest:{conversation_id}"
+
+
 def titled_key(conversation_id: str) -> str:
     """Set once a conversation's title job was asked for: it is asked once."""
     return f"{PREFIX}:titled:{conversation_id}"

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import re
+import signal
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -54,6 +58,60 @@ async def test_the_second_turn_carries_the_first(stack: Stack, http: httpx.Async
     assert second_usage["prompt_tokens"] > (
         first_usage["prompt_tokens"] + first_usage["completion_tokens"]
     )
+
+
+@contextlib.contextmanager
+def persistence_paused(stack: Stack) -> Iterator[Callable[[], None]]:
+    """The persistence consumer stopped (SIGSTOP, for less than its group session):
+    replies end on the stream but are not stored yet. Yields what resumes it."""
+    proc = stack.persist.proc
+    assert proc is not None
+    proc.send_signal(signal.SIGSTOP)
+    resume = functools.partial(proc.send_signal, signal.SIGCONT)
+    try:
+        yield resume
+    finally:
+        resume()
+
+
+async def test_a_follow_up_sent_as_the_reply_ends_carries_it(
+    stack: Stack, http: httpx.AsyncClient
+) -> None:
+    """The next turn waits for the reply to be stored; it does not go without it."""
+    headers = await auth(stack)
+    conversation = await new_conversation(http, headers)
+    with persistence_paused(stack) as resume:
+        first = await chat(http, headers, conversation, "Count from 1 to 40.", max_tokens=24)
+        asyncio.get_running_loop().call_later(1.0, resume)  # while the follow-up waits
+        second = await chat(http, headers, conversation, "And?", max_tokens=4)
+    first_usage, second_usage = first[-2]["usage"], second[-2]["usage"]
+    assert first_usage["completion_tokens"] == 24  # longer than the follow-up's own turn
+    assert second_usage["prompt_tokens"] > (
+        first_usage["prompt_tokens"] + first_usage["completion_tokens"]
+    )
+
+
+async def test_regenerate_as_the_reply_ends_replaces_it_though_stored_after(
+    stack: Stack, http: httpx.AsyncClient
+) -> None:
+    """Persistence still behind when the regenerate's wait runs out: the old reply,
+    stored after the regenerate, is still hidden, not shown beside the new one."""
+    headers = await auth(stack)
+    conversation = await new_conversation(http, headers)
+    path = f"/v1/conversations/{conversation}/regenerate"
+    with persistence_paused(stack) as resume:
+        first = await chat(http, headers, conversation, "Name a colour.", max_tokens=16)
+        async with http.stream("POST", path, json={"max_tokens": 16}, headers=headers) as response:
+            assert response.status_code == 200, await response.aread()
+            events = sse(response)
+            again = [(await anext(events))[1]]
+            resume()  # the old reply is stored now, after the replace
+            again += [data async for _, data in events]
+    messages = await stored_reply(http, headers, conversation, count=2)
+    assert [(m["role"], m["status"], m["content"]) for m in messages[1:]] == [
+        ("assistant", "replaced", reply_text(first)),
+        ("assistant", "complete", reply_text(again)),
+    ]
 
 
 async def test_stop_mid_answer_keeps_the_partial_reply(

@@ -25,6 +25,9 @@ from infra.roles import AdmissionProcess, PersistProcess, WorkerProcess, running
 from infra.topics import batch_request_partitions, start_group_at_end
 from producers.batch_topic import ResultsReader, chat_line, send_lines
 from producers.model_load import backlog_clients, partition_backlog
+from schemas import topics
+from schemas.batch import AUTHORIZATION_HEADER, DEADLINE_HEADER
+from schemas.events import now_ms
 from schemas.topics import BandLayout, prompts_topic
 from tandoor.clients import cassandra_session
 from tandoor.policies.api_keys import create_key
@@ -182,6 +185,45 @@ async def test_a_200_line_batch_on_the_topic_is_answered_once_per_line(
     # Only the good lines reached the model, and the band never held the whole batch.
     assert await queued(settings, worker.model) - before == LINES
     assert band_peak <= 3 * BACKLOG_PER_WORKER, f"the batch band held {band_peak} prompts"
+
+
+async def test_lines_past_their_batch_deadline_are_answered_expired_and_never_run(
+    settings: Settings,
+    worker: WorkerProcess,
+    producer: AIOKafkaProducer,
+    roles_env: dict[str, str],
+    results: ResultsReader,
+    tmp_path: Path,
+) -> None:
+    key, owner = await batch_key(settings, "late-batcher")
+    late, on_time, garbled = (f"{name}-{uuid.uuid4().hex[:6]}" for name in ("late", "ok", "bad"))
+    before = await queued(settings, worker.model)
+    lines = [question(worker.model, i) for i in range(5)]
+    await send_lines(producer, key, late, lines, deadline_ms=now_ms() - 1000)
+    await send_lines(producer, key, on_time, lines[:1], deadline_ms=now_ms() + 3_600_000)
+    headers = [(AUTHORIZATION_HEADER, f"Bearer {key}".encode()), (DEADLINE_HEADER, b"tomorrow")]
+    await producer.send_and_wait(
+        topics.BATCH_REQUESTS, lines[0], key=garbled.encode(), headers=headers
+    )
+    async with running(
+        [AdmissionProcess(tmp_path, roles_env), PersistProcess(tmp_path, roles_env)]
+    ):
+        expired = await all_results(results, late, len(lines))
+        ran = await all_results(results, on_time, 1)
+        refused = await all_results(results, garbled, 1)
+    assert sorted(r["custom_id"] for r in expired) == [f"line-{i}" for i in range(5)]
+    assert all(r["response"] is None for r in expired), expired
+    assert {r["error"]["code"] for r in expired} == {"batch_expired"}
+    assert answered(ran[0])  # a deadline still ahead: run as usual
+    assert refused[0]["response"]["status_code"] == 400
+    assert "batch-deadline-ms" in refused[0]["response"]["body"]["error"]["message"]
+    assert await queued(settings, worker.model) - before == 1  # only the one on time
+    with cassandra_session(settings, settings.keyspace) as session:
+        kept = session.execute(
+            "SELECT custom_id FROM batch_outputs WHERE user_id = %s AND batch_id = %s",
+            (owner, late),
+        )
+        assert len(list(kept)) == len(lines)  # in the batch's error file
 
 
 async def all_settled(

@@ -96,10 +96,12 @@ def test_an_answer_is_a_chat_completion_with_the_stored_text() -> None:
     assert final_output(final(), "redacted") == out  # a replay publishes the same line
 
 
-@pytest.mark.parametrize("reason", ["expired", "cancelled"])
-def test_a_line_that_ended_without_an_answer_has_an_error(reason: str) -> None:
+@pytest.mark.parametrize(
+    ("reason", "code"), [("expired", "batch_expired"), ("cancelled", "cancelled")]
+)
+def test_a_line_that_ended_without_an_answer_has_an_error(reason: str, code: str) -> None:
     out = final_output(final(reason), "")
-    assert out["response"] is None and out["error"]["code"] == reason
+    assert out["response"] is None and out["error"]["code"] == code
 
 
 def test_a_refusal_is_the_http_error() -> None:

@@ -115,7 +115,8 @@ class BatchService:
         )
         await self.batches.create(batch)
         try:
-            await send_lines(self._producer, api_key, batch.batch_id, lines)
+            deadline_ms = 1000 * _epoch(batch.created_at + COMPLETION_WINDOW)
+            await send_lines(self._producer, api_key, batch.batch_id, lines, deadline_ms)
         except KafkaError as exc:
             await self._withdraw(batch)
             raise unavailable("the batch could not be queued (Kafka)") from exc

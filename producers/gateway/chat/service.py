@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
@@ -22,9 +22,14 @@ from producers.gateway.chat.checks import ReplyChecks
 from producers.gateway.chat.history import after_summary, as_chat, usable, visible
 from producers.gateway.chat.inflight import InFlight, Queued
 from producers.gateway.chat.jobs import ConversationJobs
+from producers.gateway.chat.newest import Newest, NewestReply
 from producers.gateway.chat.protocol import PostMessage, ReplyOptions, sampling_for
 from producers.gateway.chat.watch import KEEPALIVE_S, ReplyWatch, with_keepalives
-from producers.gateway.conversations.protocol import Conversation, Message
+from producers.gateway.conversations.protocol import (
+    Conversation,
+    ConversationWithMessages,
+    Message,
+)
 from producers.gateway.conversations.service import ConversationService, from_ms
 from producers.gateway.errors import ApiError, not_found
 from producers.gateway.shedding import ModelRouter
@@ -105,6 +110,7 @@ class ChatService:
     def __init__(self, deps: ChatDeps) -> None:
         self.deps = deps
         self.inflight = InFlight(deps.redis)
+        self.newest = NewestReply(deps.redis)
 
     async def moderated(self, content: str) -> str:
         return await self.deps.checks.moderated(content)
@@ -114,7 +120,7 @@ class ChatService:
         return self.deps.checks.moderator.output_filter
 
     async def post(self, caller: Principal, conversation_id: str, body: PostMessage) -> Reply:
-        opened = await self.deps.conversations.get(caller.user_id, conversation_id)
+        opened, _ = await self._settled(caller, conversation_id)  # unstored: left out
         conversation = Conversation(**opened.model_dump(include=set(Conversation.model_fields)))
         text = await self.moderated(body.content)
         summary, turns = after_summary(opened)
@@ -132,13 +138,14 @@ class ChatService:
         """A fresh reply to the last user message; the replies after it are replaced."""
         conversation = await self.deps.conversations.owned(caller.user_id, conversation_id)
         await self.inflight.ensure_idle(conversation_id)
-        shown = await self._visible(caller, conversation_id)
+        shown, unstored = await self._visible(caller, conversation_id)
         users = [i for i, m in enumerate(shown) if m.role == "user"]
         if not users:
             raise ApiError(409, "there is no message to reply to yet", kind="conflict_error")
         last = users[-1] + 1
+        replaces = [*shown[last:], *unstored]
         return await self.reply(
-            caller, conversation, usable(shown[:last]), None, body, replaces=shown[last:]
+            caller, conversation, usable(shown[:last]), None, body, replaces=replaces
         )
 
     async def edit(
@@ -147,13 +154,13 @@ class ChatService:
         """Replace a user message and everything after it, then reply to the new text."""
         conversation = await self.deps.conversations.owned(caller.user_id, conversation_id)
         await self.inflight.ensure_idle(conversation_id)
-        shown = await self._visible(caller, conversation_id)
+        shown, unstored = await self._visible(caller, conversation_id)
         at = next((i for i, m in enumerate(shown) if m.id == message_id and m.role == "user"), None)
         if at is None:
             raise not_found("user message")
         text = await self.moderated(body.content)
         return await self.reply(
-            caller, conversation, usable(shown[:at]), text, body, replaces=shown[at:]
+            caller, conversation, usable(shown[:at]), text, body, replaces=[*shown[at:], *unstored]
         )
 
     async def reply(
@@ -205,8 +212,21 @@ class ChatService:
             await d.quotas.release(admission)
             raise
 
-    async def _visible(self, caller: Principal, conversation_id: str) -> list[Message]:
-        return visible(await self.deps.conversations.get(caller.user_id, conversation_id))
+    async def _visible(
+        self, caller: Principal, conversation_id: str
+    ) -> tuple[list[Message], list[Message]]:
+        """What the conversation shows once its newest reply is stored; that reply's
+        stand-in in the second list if it was not stored within the wait."""
+        opened, unstored = await self._settled(caller, conversation_id)
+        return visible(opened), [unstored] if unstored is not None else []
+
+    async def _settled(
+        self, caller: Principal, conversation_id: str
+    ) -> tuple[ConversationWithMessages, Message | None]:
+        def read() -> Awaitable[ConversationWithMessages]:
+            return self.deps.conversations.get(caller.user_id, conversation_id)
+
+        return await self.newest.settled(conversation_id, read)
 
     async def stop(self, caller: Principal, conversation_id: str) -> str:
         await self.deps.conversations.owned(caller.user_id, conversation_id)
@@ -248,6 +268,8 @@ class ChatService:
         """A resumed reply whose gateway died: nobody else will mark it finished."""
         async for item in events:
             if isinstance(item.event, FinalEvent):  # before the client may close the stream
+                if (prompt_at := item.event.prompt_created_at_ms) is not None:
+                    await self.newest.note(conversation_id, Newest(request_id, prompt_at))
                 await self.inflight.release(conversation_id, request_id)
             yield item
 
@@ -369,9 +391,12 @@ class ChatService:
         conversation's jobs hear of it (a title after its first reply)."""
         d = self.deps
         asks_jobs = p.text is not None and not isinstance(p.conversation, ApiCall)
+        stored = not isinstance(p.conversation, ApiCall) or p.conversation.store
 
         async def finished(final: FinalEvent | None) -> None:
             d.fanout.unsubscribe(sub)
+            if final is not None and stored:  # noted before the conversation is idle
+                await self.newest.note(conversation.id, Newest(p.request_id, p.now))
             await self.inflight.release(conversation.id, p.request_id)
             used = final.usage.prompt_tokens + final.usage.completion_tokens if final else 0
             await d.quotas.settle(p.admission, used)

@@ -115,6 +115,7 @@ class ConversationService:
                 finish_reason=r.finish_reason,
             )
             for r in rows
+            if r.role is not None  # a reply replaced before it was stored (chat/newest.py)
         ]
         return ConversationWithMessages(
             **_conversation(conversation_id, row).model_dump(),
