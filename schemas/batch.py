@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from schemas.events import ANSWERED, FinalEvent
+from schemas.events import ANSWERED, TOO_LONG_FOR_ENGINE, FinalEvent
 
 # Header names on `batch.requests` records (Kafka header names are case-sensitive).
 AUTHORIZATION_HEADER = "authorization"
@@ -82,6 +82,11 @@ def final_output(final: FinalEvent, text: str) -> dict[str, Any]:
     if final.finish_reason == "cancelled":
         message = "the batch was cancelled before this line finished"
         return batch_output(custom_id, request_id, error={"code": "cancelled", "message": message})
+    if final.finish_reason == "error" and (final.error or "").startswith(TOO_LONG_FOR_ENGINE):
+        # Past admission's estimate but not the engine's count: the request's fault, a 400
+        # as over HTTP, not a 500 that invites a retry.
+        message = f"context_length_exceeded: {final.error}"
+        return refused_output(custom_id, request_id, 400, message, param="body.messages")
     if final.finish_reason not in ANSWERED:
         message = final.error or "the model could not answer"
         failed = {"error": {"message": message, "type": "server_error"}}

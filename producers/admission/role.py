@@ -168,6 +168,8 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
                 await asyncio.sleep(RETRY_S)
                 continue
             for record in [r for chunk in batch.values() for r in chunk]:
+                if TopicPartition(record.topic, record.partition) not in self.consumer.assignment():
+                    continue  # revoked mid-fetch: its new owner reads it from the commit
                 self.offsets.taken(record.topic, record.partition, record.offset)
                 await self._until_done(partial(self._admit, record))
             self._arrived.set()
@@ -231,7 +233,9 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
             custom_id, request_id, refused.status, refused.message, refused.kind, refused.param
         )
         await self.answers.send(owner, batch_id, output)
-        if custom_id is not None and batch_id:
+        # A repeat is not marked: its mark would be taken, read again after a restart,
+        # as the first line's, which would then be refused as the repeat.
+        if custom_id is not None and batch_id and refused.kept:
             await self.marks.mark(request_id, where, first_only=True)
         self._done(record.partition, record.offset, "refused")
 

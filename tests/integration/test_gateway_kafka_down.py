@@ -8,13 +8,15 @@ import subprocess
 import time
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import httpx
 import pytest
 
 from infra.idle_worker import idle_worker
 from infra.kafka_server import KafkaServer
-from producers.gateway.app import create_app
+from infra.process import free_port
+from infra.roles import GatewayProcess, running
 from tandoor.policies.api_keys import create_key
 from tandoor.settings import Settings
 
@@ -35,17 +37,35 @@ async def kafka_down(kafka: str, settings: Settings) -> AsyncIterator[KafkaServe
         await restart_stack()
 
 
+async def start_reply(http: httpx.AsyncClient, headers: dict[str, str], conv: str) -> None:
+    """Post a message and read its start event; the idle worker never takes the prompt,
+    so the reply stays running (closing the stream is not stop)."""
+    path = f"/v1/conversations/{conv}/messages"
+    async with http.stream("POST", path, json={"content": "Wait"}, headers=headers) as running:
+        assert running.status_code == 200, await running.aread()
+        async for line in running.aiter_lines():
+            if line.startswith("data: "):
+                return
+    raise AssertionError("no start event")
+
+
 async def test_kafka_down_is_a_503_and_the_message_is_kept_as_failed(
-    kafka_down: KafkaServer, cassandra: Settings, redis_url: str
+    kafka_down: KafkaServer, cassandra: Settings, redis_url: str, tmp_path: Path
 ) -> None:
-    app = create_app(cassandra.model_copy(update={"gateway_group": f"gw-{uuid.uuid4().hex}"}))
+    """Also: a Stop then is a 503 within seconds (it hung 40 s, then a 500), and a
+    regenerate finds no sent message to answer (the failed one is no question)."""
+    env = {"TANDOOR_GATEWAY_GROUP": f"gw-{uuid.uuid4().hex}"}
+    gateway = GatewayProcess(tmp_path, free_port(), env)
     key, _ = await create_key(cassandra, f"user-{uuid.uuid4().hex[:8]}", "plus")
     headers = {"Authorization": f"Bearer {key}"}
-    async with idle_worker(cassandra, cassandra.served_models[0]), app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
-            created = await http.post("/v1/conversations", json={}, headers=headers)
-            conversation = created.json()["id"]
+    async with idle_worker(cassandra, cassandra.served_models[0]), running([gateway]):
+        url = f"http://127.0.0.1:{gateway.port}"
+        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+            conversation, waiting = [
+                (await http.post("/v1/conversations", json={}, headers=headers)).json()["id"]
+                for _ in range(2)
+            ]
+            await start_reply(http, headers, waiting)
             await asyncio.to_thread(kafka_down.stop)
             started = time.monotonic()
             response = await http.post(
@@ -54,10 +74,19 @@ async def test_kafka_down_is_a_503_and_the_message_is_kept_as_failed(
                 headers=headers,
             )
             elapsed = time.monotonic() - started
-            opened = (await http.get(f"/v1/conversations/{conversation}", headers=headers)).json()
+            opened = await http.get(f"/v1/conversations/{conversation}", headers=headers)
+            regenerated = await http.post(
+                f"/v1/conversations/{conversation}/regenerate", json={}, headers=headers
+            )
+            started = time.monotonic()
+            stopped = await http.post(f"/v1/conversations/{waiting}/stop", headers=headers)
+            stop_took = time.monotonic() - started
             await restart_stack()
     assert response.status_code == 503 and elapsed < 10, (response.status_code, elapsed)
     assert response.json()["error"]["type"] == "service_unavailable"
-    assert [(m["content"], m["status"]) for m in opened["messages"]] == [
+    assert [(m["content"], m["status"]) for m in opened.json()["messages"]] == [
         ("Are you there?", "failed")
     ]
+    assert regenerated.status_code == 409, regenerated.text
+    assert stopped.status_code == 503 and stop_took < 10, (stopped.text, stop_took)
+    assert "Retry-After" in stopped.headers

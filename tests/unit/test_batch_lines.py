@@ -8,7 +8,7 @@ import pytest
 
 from producers.admission.lines import parse_line
 from schemas.batch import custom_line_request_id, final_output, refused_output
-from schemas.events import FinalEvent, Usage
+from schemas.events import TOO_LONG_FOR_ENGINE, FinalEvent, Usage
 
 
 def line(**changes: object) -> bytes:
@@ -102,6 +102,17 @@ def test_an_answer_is_a_chat_completion_with_the_stored_text() -> None:
 def test_a_line_that_ended_without_an_answer_has_an_error(reason: str, code: str) -> None:
     out = final_output(final(reason), "")
     assert out["response"] is None and out["error"]["code"] == code
+
+
+def test_a_prompt_the_engine_finds_too_long_is_a_400_not_a_500() -> None:
+    too_long = final("error").model_copy(
+        update={"error": f"{TOO_LONG_FOR_ENGINE}2100 tokens; the model takes at most 2048"}
+    )
+    out = final_output(too_long, "")
+    assert out["response"]["status_code"] == 400
+    assert "context_length_exceeded" in out["response"]["body"]["error"]["message"]
+    failed = final_output(final("error").model_copy(update={"error": "engine died"}), "")
+    assert failed["response"]["status_code"] == 500
 
 
 def test_a_refusal_is_the_http_error() -> None:

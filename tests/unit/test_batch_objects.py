@@ -38,6 +38,16 @@ def test_a_batch_with_lines_unanswered_ends_with_its_window(
     assert shown["request_counts"] == {"total": 3, "completed": 1, "failed": 0}
 
 
+def test_an_expired_batch_stays_expired_once_its_unrun_lines_are_answered() -> None:
+    """Past the window, admission answers the lines not run yet `batch_expired` (no HTTP
+    answer): every line is then answered, and the batch is still expired, not completed."""
+    late = batch(dt.timedelta(hours=25), cancelled=False)
+    shown = _batch_object(late, codes=[200, None, None])
+    assert shown["status"] == "expired" and shown["completed_at"] is None
+    assert shown["request_counts"] == {"total": 3, "completed": 1, "failed": 2}
+    assert _batch_object(late, codes=[200, 400, 200])["status"] == "completed"  # all ran
+
+
 def line(custom_id: str, content: str) -> bytes:
     body = {"model": "m", "messages": [{"role": "user", "content": content}]}
     return orjson.dumps({"custom_id": custom_id, "method": "POST", "url": URL, "body": body})

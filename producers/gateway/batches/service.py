@@ -146,9 +146,14 @@ class BatchService:
 
     async def cancel(self, caller: Principal, batch_id: str) -> dict[str, Any]:
         batch = await self._own_batch(caller, batch_id)
-        if batch.cancelled_at is None:
-            batch = await self._cancel(batch)
-        return await self._object(batch)
+        shown = await self._object(batch)
+        if shown["status"] in ("completed", "expired"):  # a cancel would rewrite its end
+            raise ApiError(
+                409, f"the batch is {shown['status']}: nothing to cancel", kind="conflict_error"
+            )
+        if batch.cancelled_at is not None:
+            return shown
+        return await self._object(await self._cancel(batch))
 
     async def _cancel(self, batch: StoredBatch) -> StoredBatch:
         key = batch_cancel_key(batch.user_id, batch.batch_id)
@@ -218,7 +223,7 @@ def input_lines(content: bytes, endpoint: str) -> list[bytes]:
 def _batch_object(batch: StoredBatch, codes: list[int | None]) -> dict[str, Any]:
     """OpenAI's batch object, from the status code of each line answered so far."""
     completed, failed = sum(code == 200 for code in codes), sum(code != 200 for code in codes)
-    status = _status(batch, len(codes))
+    status = _status(batch, codes)
     final = status in ("completed", "cancelled", "expired")
     created, expires = _epoch(batch.created_at), _epoch(batch.created_at + COMPLETION_WINDOW)
     cancelling = _epoch(batch.cancelled_at) if batch.cancelled_at else None
@@ -246,14 +251,16 @@ def _batch_object(batch: StoredBatch, codes: list[int | None]) -> dict[str, Any]
     }
 
 
-def _status(batch: StoredBatch, answered: int) -> str:
-    done = answered >= batch.total
+def _status(batch: StoredBatch, codes: list[int | None]) -> str:
+    done = len(codes) >= batch.total
     past_window = _now() > batch.created_at + COMPLETION_WINDOW
     if batch.cancelled_at is not None:  # lines never answered end with the window too
         return "cancelled" if done or past_window else "cancelling"
-    if done:
-        return "completed"
-    return "expired" if past_window else "in_progress"
+    # A line with no HTTP answer in a batch not cancelled is one the window ended
+    # (`batch_expired`): the batch stays expired once those answers are all in.
+    if past_window and (not done or None in codes):
+        return "expired"
+    return "completed" if done else "in_progress"
 
 
 def _page(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:

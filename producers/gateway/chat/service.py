@@ -11,6 +11,7 @@ import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
@@ -120,6 +121,8 @@ class ChatService:
         return self.deps.checks.moderator.output_filter
 
     async def post(self, caller: Principal, conversation_id: str, body: PostMessage) -> Reply:
+        await self.deps.conversations.owned(caller.user_id, conversation_id)
+        await self.inflight.ensure_idle(conversation_id)
         opened, _ = await self._settled(caller, conversation_id)  # unstored: left out
         conversation = Conversation(**opened.model_dump(include=set(Conversation.model_fields)))
         text = await self.moderated(body.content)
@@ -139,13 +142,14 @@ class ChatService:
         conversation = await self.deps.conversations.owned(caller.user_id, conversation_id)
         await self.inflight.ensure_idle(conversation_id)
         shown, unstored = await self._visible(caller, conversation_id)
-        users = [i for i, m in enumerate(shown) if m.role == "user"]
-        if not users:
+        # The last message sent: one that failed (Kafka refused it) is replaced, not answered.
+        sent = [i for i, m in enumerate(shown) if m.role == "user" and m.status != "failed"]
+        if not sent:
             raise ApiError(409, "there is no message to reply to yet", kind="conflict_error")
-        last = users[-1] + 1
-        replaces = [*shown[last:], *unstored]
+        cut = shown[sent[-1]]
+        replaces = [*shown[sent[-1] + 1 :], *_after(unstored, cut)]
         return await self.reply(
-            caller, conversation, usable(shown[:last]), None, body, replaces=replaces
+            caller, conversation, usable(shown[: sent[-1] + 1]), None, body, replaces=replaces
         )
 
     async def edit(
@@ -159,9 +163,9 @@ class ChatService:
         if at is None:
             raise not_found("user message")
         text = await self.moderated(body.content)
-        return await self.reply(
-            caller, conversation, usable(shown[:at]), text, body, replaces=[*shown[at:], *unstored]
-        )
+        replaces = [*shown[at:], *_after(unstored, shown[at])]
+        history = usable(shown[:at])
+        return await self.reply(caller, conversation, history, text, body, replaces=replaces)
 
     async def reply(
         self,
@@ -223,14 +227,34 @@ class ChatService:
     async def _settled(
         self, caller: Principal, conversation_id: str
     ) -> tuple[ConversationWithMessages, Message | None]:
-        def read() -> Awaitable[ConversationWithMessages]:
-            return self.deps.conversations.get(caller.user_id, conversation_id)
+        conversations = self.deps.conversations
 
-        return await self.newest.settled(conversation_id, read)
+        def read() -> Awaitable[ConversationWithMessages]:
+            return conversations.get(caller.user_id, conversation_id)
+
+        def stored(newest: Newest) -> Awaitable[bool]:
+            return conversations.has_message(conversation_id, newest.slot, newest.request_id)
+
+        return await self.newest.settled(conversation_id, read, stored)
 
     async def stop(self, caller: Principal, conversation_id: str) -> str:
         await self.deps.conversations.owned(caller.user_id, conversation_id)
         record = await self.inflight.running(conversation_id, 409)
+        request_id = str(record["request_id"])
+        try:
+            timeout_s = self.deps.settings.kafka_send_timeout_s
+            await asyncio.wait_for(self._stop(record, caller), timeout_s)
+        except (KafkaError, TimeoutError) as exc:
+            # The cancel is in Redis: a worker that takes the prompt later drops it.
+            raise ApiError(
+                503,
+                "the stop did not reach the workers (Kafka); the reply may go on, please retry",
+                kind="service_unavailable",
+                headers={"Retry-After": str(QUEUE_RETRY_S)},
+            ) from exc
+        return request_id
+
+    async def _stop(self, record: dict[str, Any], caller: Principal) -> None:
         request_id = str(record["request_id"])
         await request_cancel(self.deps.producer, self.deps.redis, request_id, "stop button")
         # Still waiting in Kafka: answered here and now. The stop showed only once a
@@ -241,7 +265,6 @@ class ChatService:
             await self.deps.producer.send_and_wait(
                 topics.TOKENS, encode(final), key=request_id.encode(), partition=record["partition"]
             )
-        return request_id
 
     async def resume_events(
         self, caller: Principal, conversation_id: str
@@ -268,8 +291,6 @@ class ChatService:
         """A resumed reply whose gateway died: nobody else will mark it finished."""
         async for item in events:
             if isinstance(item.event, FinalEvent):  # before the client may close the stream
-                if (prompt_at := item.event.prompt_created_at_ms) is not None:
-                    await self.newest.note(conversation_id, Newest(request_id, prompt_at))
                 await self.inflight.release(conversation_id, request_id)
             yield item
 
@@ -293,6 +314,8 @@ class ChatService:
             d.fanout.unsubscribe(sub)
             await self.inflight.release(conversation.id, p.request_id)
             raise
+        if store:  # the next turn waits for this reply to be stored (newest.py)
+            await self.newest.note(conversation.id, Newest(p.request_id, p.now))
         await self._hide_replaced(conversation.id, p.replaces)
         watch = self._follow(p, conversation, sub)
         return Reply(
@@ -391,12 +414,9 @@ class ChatService:
         conversation's jobs hear of it (a title after its first reply)."""
         d = self.deps
         asks_jobs = p.text is not None and not isinstance(p.conversation, ApiCall)
-        stored = not isinstance(p.conversation, ApiCall) or p.conversation.store
 
         async def finished(final: FinalEvent | None) -> None:
             d.fanout.unsubscribe(sub)
-            if final is not None and stored:  # noted before the conversation is idle
-                await self.newest.note(conversation.id, Newest(p.request_id, p.now))
             await self.inflight.release(conversation.id, p.request_id)
             used = final.usage.prompt_tokens + final.usage.completion_tokens if final else 0
             await d.quotas.settle(p.admission, used)
@@ -406,3 +426,8 @@ class ChatService:
 
         # The worker answers an expired prompt itself; silence past that means no worker.
         return ReplyWatch(sub, self._silence_limit_s(p.caller.tier), finished)
+
+
+def _after(unstored: list[Message], cut: Message) -> list[Message]:
+    """The unstored reply, if it comes after `cut` (not one a later turn followed)."""
+    return [m for m in unstored if m.created_at > cut.created_at]

@@ -181,6 +181,18 @@ class ConversationService:
             ],
         )
 
+    async def has_message(
+        self, conversation_id: str, created_at: dt.datetime, message_id: str
+    ) -> bool:
+        """Whether the message is stored (a row with only a replace mark is not)."""
+        rows = await cql(
+            self._session,
+            "SELECT role FROM messages_by_conversation WHERE conversation_id = %s "
+            "AND created_at = %s AND message_id = %s",
+            (conversation_id, created_at, message_id),
+        )
+        return bool(rows) and rows[0].role is not None
+
     async def owned(self, user_id: str, conversation_id: str) -> Conversation:
         return await self._owned(user_id, conversation_id)
 
