@@ -3,12 +3,19 @@ line that is not even JSON still names what is wrong; results in OpenAI's output
 
 from __future__ import annotations
 
+from typing import cast
+
 import orjson
 import pytest
 
-from producers.admission.lines import parse_line
+from producers.admission.lines import BatchInputLine, Refused, parse_line, prompt_for
+from producers.gateway.chat.checks import ReplyChecks
 from schemas.batch import custom_line_request_id, final_output, refused_output
 from schemas.events import TOO_LONG_FOR_ENGINE, FinalEvent, Usage
+from tandoor.policies.api_keys import Principal
+from tandoor.policies.moderation import DefaultModerator
+from tandoor.policies.quota import Quotas
+from tandoor.settings import Settings, TierPolicy
 
 
 def line(**changes: object) -> bytes:
@@ -119,3 +126,27 @@ def test_a_refusal_is_the_http_error() -> None:
     out = refused_output("q-1", "bl_1", 401, "invalid key", "authentication_error")
     assert out["response"]["status_code"] == 401
     assert out["response"]["body"]["error"]["type"] == "authentication_error"
+
+
+async def test_a_line_above_its_tiers_whole_minute_of_tokens_is_refused_not_held() -> None:
+    """Charged more than the tier's tokens a minute, the line would wait for room in
+    the quota for good, and every later line of its tenant behind it."""
+    tiny = TierPolicy(
+        band="batch", requests_per_minute=100, tokens_per_minute=50, concurrent_streams=1
+    )
+    settings = Settings(tiers=Settings().tiers | {"tiny": tiny})
+    checks = ReplyChecks(settings, DefaultModerator(), cast(Quotas, None))  # nothing charged
+    caller = Principal("u", "tiny", "k")
+
+    def asking(max_tokens: int) -> BatchInputLine:
+        hi = [{"role": "user", "content": "Hi"}]
+        model = next(iter(settings.models))
+        parsed = parse_line(line(body={"model": model, "max_tokens": max_tokens, "messages": hi}))
+        assert parsed.line is not None
+        return parsed.line
+
+    fits = await prompt_for(checks, caller, "b1", asking(1))
+    assert fits.charged_tokens <= 50
+    with pytest.raises(Refused) as refused:
+        await prompt_for(checks, caller, "b1", asking(50))
+    assert refused.value.status == 413 and "50 a minute" in refused.value.message

@@ -78,8 +78,23 @@ class ReplyChecks:
             )
         return context
 
+    def affordable(self, caller: Principal, tokens: int) -> None:
+        """A request above the tier's whole minute of tokens never fits: a 413 now, not
+        a 429 retried forever (nor a batch line held back for good)."""
+        per_minute = self.settings.tiers[caller.tier].tokens_per_minute
+        if tokens > per_minute:
+            raise ApiError(
+                413,
+                f"this request needs {tokens} tokens (its prompt and max_tokens); tier "
+                f"{caller.tier!r} allows {per_minute} a minute: send a shorter context or a "
+                "smaller max_tokens",
+                param="max_tokens",
+            )
+
     async def admit(self, caller: Principal, request_id: str, tokens: int, now: int) -> Admission:
-        """Charge the caller's quota, or refuse with 429 (over it) or 503 (unknowable)."""
+        """Charge the caller's quota, or refuse with 413 (never fits), 429 (over it) or
+        503 (unknowable)."""
+        self.affordable(caller, tokens)
         policy = self.settings.tiers[caller.tier]
         try:
             return await self.quotas.admit(caller.user_id, policy, request_id, tokens, now)
