@@ -208,7 +208,8 @@ class Settings(BaseSettings):
     # (producers/admission/fairness.py); "fifo" forwards lines in the order read (the
     # reference bench/batch_fairness.py compares with).
     admission_fairness: Literal["vtc", "fifo"] = "vtc"
-    # Lines read ahead of forwarding (all tenants); reading pauses beyond it.
+    # Lines read ahead of forwarding (all tenants): each assigned partition of
+    # `batch.requests` may fill its share, then it is paused until its lines move on.
     admission_max_waiting: int = Field(default=50_000, ge=1)
 
     # Persistence consumer: its group on `tokens`.

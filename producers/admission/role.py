@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
@@ -158,9 +159,7 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
 
     async def _read_lines(self) -> None:
         while not self._stopping.is_set():
-            if sum(q.size for q in self.queues.values()) >= self.settings.admission_max_waiting:
-                await asyncio.sleep(POLL_S)  # a full buffer: lines stay in Kafka meanwhile
-                continue
+            self._pause_full_partitions()
             try:
                 batch = await self.consumer.getmany(timeout_ms=200, max_records=500)
             except KafkaError as exc:
@@ -173,6 +172,23 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
                 self.offsets.taken(record.topic, record.partition, record.offset)
                 await self._until_done(partial(self._admit, record))
             self._arrived.set()
+
+    def _pause_full_partitions(self) -> None:
+        """A partition whose lines fill its share of the buffer is read no further until
+        they move on; the others are read on. One tenant held by its quota (or a slow
+        model) holds back only the batches that share its partition, not every batch."""
+        assigned = self.consumer.assignment()
+        if not assigned:
+            return
+        share = max(1, self.settings.admission_max_waiting // len(assigned))
+        held = Counter(position.partition(":")[0] for position in self.queued.values())
+        full = {tp for tp in assigned if held[str(tp.partition)] >= share}
+        paused = self.consumer.paused() & assigned
+        if full - paused:
+            log.info("buffer share full: pausing %s", sorted(tp.partition for tp in full - paused))
+            self.consumer.pause(*(full - paused))
+        if paused - full:
+            self.consumer.resume(*(paused - full))
 
     async def _admit(self, record: Record) -> None:
         headers = {name.lower(): value for name, value in record.headers}

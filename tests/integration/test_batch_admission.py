@@ -20,6 +20,7 @@ from typing import Any
 import orjson
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.partitioner import DefaultPartitioner
 
 from infra.roles import AdmissionProcess, PersistProcess, WorkerProcess, running
 from infra.topics import batch_request_partitions, start_group_at_end
@@ -31,7 +32,7 @@ from schemas.events import now_ms
 from schemas.topics import BandLayout, prompts_topic
 from tandoor.clients import cassandra_session
 from tandoor.policies.api_keys import create_key
-from tandoor.settings import Settings
+from tandoor.settings import Settings, TierPolicy
 from tests.integration.conftest import SharedWorker
 from tests.waiting import eventually
 
@@ -331,6 +332,51 @@ async def test_a_small_batch_is_not_held_back_by_another_tenants_flood(
     # One for one, plus what the band held when the small batch came and the lines a
     # slower reader may have counted late. In arrival order it would have been FLOOD.
     assert flood_during <= SMALL + 4 * FAIR_BACKLOG, flood_during
+
+
+def partition_of(batch_id: str) -> int:
+    """The partition of `batch.requests` a batch's lines go to (keyed by its id)."""
+    every = list(range(topics.BATCH_PARTITIONS))
+    return int(DefaultPartitioner()(batch_id.encode(), every, every))
+
+
+async def test_a_tenant_held_by_its_quota_does_not_stop_other_batches_being_read(
+    settings: Settings,
+    worker: WorkerProcess,
+    producer: AIOKafkaProducer,
+    roles_env: dict[str, str],
+    results: ResultsReader,
+    tmp_path: Path,
+) -> None:
+    """The buffer of lines read ahead is shared out by partition: one tenant's batch
+    waiting on its quota (a request a minute) fills its partition's share, which is then
+    read no further, and the other partitions are read on. Reading stopped for every
+    batch while the held batch filled the buffer (for hours: it drains a line a minute)."""
+    slow = TierPolicy(
+        band="batch", requests_per_minute=1, tokens_per_minute=1_000_000, concurrent_streams=1
+    )
+    tiers = settings.tiers | {"slow": slow}
+    env = roles_env | {
+        "TANDOOR_TIERS": json.dumps({name: p.model_dump() for name, p in tiers.items()}),
+        "TANDOOR_ADMISSION_MAX_WAITING": str(2 * topics.BATCH_PARTITIONS),  # 2 a partition
+    }
+    hog_key, _ = await create_key(
+        settings.model_copy(update={"tiers": tiers}), f"hog-{uuid.uuid4().hex[:6]}", "slow"
+    )
+    small_key, _ = await batch_key(settings, "small-batcher")
+    hog = f"hog-{uuid.uuid4().hex[:6]}"
+    small = next(
+        b
+        for b in (f"small-{uuid.uuid4().hex[:6]}" for _ in range(100))
+        if partition_of(b) != partition_of(hog)
+    )
+    await send_lines(producer, hog_key, hog, [question(worker.model, i) for i in range(100)])
+    async with running([AdmissionProcess(tmp_path, env), PersistProcess(tmp_path, env)]):
+        await all_results(results, hog, 1)  # read: one line ran, 99 wait for the quota
+        await send_lines(producer, small_key, small, [question(worker.model, i) for i in range(5)])
+        got = await all_results(results, small, 5)
+    assert all(answered(r) for r in got)
+    assert len(results.of(hog)) < 10, "the held batch ran past its quota"
 
 
 async def band_backlog(settings: Settings, model: str) -> int:
