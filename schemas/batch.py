@@ -79,6 +79,8 @@ def final_output(final: FinalEvent, text: str) -> dict[str, Any]:
     custom_id, request_id = final.custom_id, final.request_id
     if final.finish_reason == "expired":  # it waited in the model's topic past the window
         return expired_output(custom_id, request_id)
+    if final.finish_reason == "cancelled" and not final.usage.completion_tokens:
+        return cancelled_output(custom_id, request_id)  # never started: as admission says
     if final.finish_reason == "cancelled":
         message = "the batch was cancelled before this line finished"
         return batch_output(custom_id, request_id, error={"code": "cancelled", "message": message})

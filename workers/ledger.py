@@ -47,7 +47,8 @@ from workers.script_batch import BatchedScript
 
 log = logging.getLogger(__name__)
 
-# KEYS: done, lease, attempt, cancel, reply, final. ARGV: owner, lease ms, attempt ttl s.
+# KEYS: done, lease, attempt, cancel, reply, final, another cancel (its batch's, or the
+# cancel again). ARGV: owner, lease ms, attempt ttl s.
 ARRIVE = """
 if redis.call('EXISTS', KEYS[1]) == 1 then
   return {'done', redis.call('GET', KEYS[6])}
@@ -58,7 +59,7 @@ end
 redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
 local attempt = redis.call('INCR', KEYS[3])
 redis.call('EXPIRE', KEYS[3], ARGV[3])
-return {'ok', attempt, redis.call('EXISTS', KEYS[4]), redis.call('LRANGE', KEYS[5], 0, -1)}
+return {'ok', attempt, redis.call('EXISTS', KEYS[4], KEYS[7]), redis.call('LRANGE', KEYS[5], 0, -1)}
 """
 
 # KEYS: lease, reply. ARGV: owner, lease ms, seq, entry, reply ttl s.
@@ -146,7 +147,10 @@ class RequestLedger:
         self._finish = client.register_script(FINISH)
         self._renew = client.register_script(RENEW)
 
-    async def arrive(self, request_id: str) -> Arrival | Finished | Busy:
+    async def arrive(
+        self, request_id: str, cancelled_by: str | None = None
+    ) -> Arrival | Finished | Busy:
+        """`cancelled_by`: another key that cancels the request too (its batch's)."""
         keys = [
             done_key(request_id),
             lease_key(request_id),
@@ -154,6 +158,7 @@ class RequestLedger:
             cancel_key(request_id),
             reply_key(request_id),
             final_key(request_id),
+            cancelled_by or cancel_key(request_id),
         ]
         try:
             reply = await self._arrive(keys=keys, args=[self.owner, self._lease_ms, ATTEMPT_TTL_S])

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from schemas.codec import SchemaError, decode, encode
 from schemas.events import TOO_LONG_FOR_ENGINE, FinalEvent, FinishReason, PromptRequest, now_ms
+from tandoor.policies.redis_keys import batch_cancel_key
 from workers.attempt import Attempt, LeaseLost, Tracked, token_event, usage_of, usage_record
 from workers.capacity import Capacity
 from workers.coalesce import Coalescer
@@ -87,7 +88,7 @@ class RequestRunner:
         """The request's lease, once no other worker holds it; None if it is done."""
         waited = False
         while True:
-            outcome = await self.ledger.arrive(prompt.request_id)
+            outcome = await self.ledger.arrive(prompt.request_id, _batch_cancel(prompt))
             if isinstance(outcome, Finished):
                 if outcome.final is not None:  # its worker died before it was delivered
                     await self._deliver_recorded(prompt, outcome.final)
@@ -344,3 +345,11 @@ def _continuable(transcript: tuple[Recorded, ...]) -> tuple[Recorded, ...]:
     epochs = {entry.epoch for entry in transcript}
     in_order = all(entry.seq == i for i, entry in enumerate(transcript))
     return transcript if len(epochs) == 1 and in_order else ()
+
+
+def _batch_cancel(prompt: PromptRequest) -> str | None:
+    """A batch line is cancelled with its batch too: one forwarded before the cancel
+    and not started yet is not run."""
+    if prompt.kind != "batch" or not prompt.batch_id:
+        return None
+    return batch_cancel_key(prompt.user_id, prompt.batch_id)

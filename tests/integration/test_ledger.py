@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 
 from infra.process import free_port
 from tandoor.clients import redis_client
-from tandoor.policies.redis_keys import lease_key, reply_key
+from tandoor.policies.redis_keys import batch_cancel_key, lease_key, reply_key
 from tandoor.settings import Settings
 from workers.ledger import Arrival, Busy, Finished, Recorded, RequestLedger
 
@@ -55,6 +55,19 @@ async def test_one_holder_at_a_time_and_the_next_takes_over_when_it_lapses(
     assert await first.renew([rid]) == {rid}
     assert not await first.finish(rid, b"final of w1"), "a lost lease publishes no final"
     assert await second.record(rid, Recorded(1, 1, " upon", 1)) == "ok"
+
+
+async def test_a_batch_cancel_cancels_a_line_arriving_after_it(client: aioredis.Redis) -> None:
+    """A line forwarded before its batch was cancelled is not run when it arrives."""
+    batch_cancel = batch_cancel_key("u", f"batch_{uuid.uuid4().hex}")
+    before, after = request(), request()
+    taken = await ledger(client, "w1").arrive(before, batch_cancel)
+    assert isinstance(taken, Arrival) and not taken.cancelled
+    await client.set(batch_cancel, 1, ex=60)
+    late = await ledger(client, "w1").arrive(after, batch_cancel)
+    assert isinstance(late, Arrival) and late.cancelled
+    alone = await ledger(client, "w1").arrive(request())  # no batch: its own cancel only
+    assert isinstance(alone, Arrival) and not alone.cancelled
 
 
 async def test_a_gap_in_the_transcript_is_refused(client: aioredis.Redis) -> None:

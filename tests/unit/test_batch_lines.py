@@ -111,6 +111,13 @@ def test_a_line_that_ended_without_an_answer_has_an_error(reason: str, code: str
     assert out["response"] is None and out["error"]["code"] == code
 
 
+def test_a_line_cancelled_before_it_started_says_so() -> None:
+    never_started = final("cancelled").model_copy(
+        update={"usage": Usage(prompt_tokens=0, completion_tokens=0, queue_ms=0, decode_ms=0)}
+    )
+    assert final_output(never_started, "")["error"]["code"] == "batch_cancelled"
+
+
 def test_a_prompt_the_engine_finds_too_long_is_a_400_not_a_500() -> None:
     too_long = final("error").model_copy(
         update={"error": f"{TOO_LONG_FOR_ENGINE}2100 tokens; the model takes at most 2048"}
