@@ -8,7 +8,7 @@ import orjson
 import pytest
 
 from producers.gateway.batches.service import _batch_object, input_lines
-from producers.gateway.batches.store import StoredBatch
+from producers.gateway.batches.store import Answered, StoredBatch
 from producers.gateway.errors import ApiError
 from schemas.batch import MAX_LINE_BYTES
 
@@ -33,7 +33,7 @@ def batch(age: dt.timedelta, cancelled: bool) -> StoredBatch:
 def test_a_batch_with_lines_unanswered_ends_with_its_window(
     age_h: int, cancelled: bool, status: str
 ) -> None:
-    shown = _batch_object(batch(dt.timedelta(hours=age_h), cancelled), codes=[200])
+    shown = _batch_object(batch(dt.timedelta(hours=age_h), cancelled), Answered([200]))
     assert shown["status"] == status
     assert shown["request_counts"] == {"total": 3, "completed": 1, "failed": 0}
 
@@ -42,10 +42,13 @@ def test_an_expired_batch_stays_expired_once_its_unrun_lines_are_answered() -> N
     """Past the window, admission answers the lines not run yet `batch_expired` (no HTTP
     answer): every line is then answered, and the batch is still expired, not completed."""
     late = batch(dt.timedelta(hours=25), cancelled=False)
-    shown = _batch_object(late, codes=[200, None, None])
+    shown = _batch_object(late, Answered([200, None, None]))
     assert shown["status"] == "expired" and shown["completed_at"] is None
     assert shown["request_counts"] == {"total": 3, "completed": 1, "failed": 2}
-    assert _batch_object(late, codes=[200, 400, 200])["status"] == "completed"  # all ran
+    done_at = dt.datetime(2026, 12, 1, 12, tzinfo=dt.UTC)
+    completed = _batch_object(late, Answered([200, 400, 200], done_at))
+    assert completed["status"] == "completed"  # every line ran
+    assert completed["completed_at"] == int(done_at.timestamp())  # when, not "now"
 
 
 def line(custom_id: str, content: str) -> bytes:

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from producers.batch_topic import send_lines
 from producers.gateway.batches.store import (
+    Answered,
     BatchStore,
     FileStore,
     Order,
@@ -122,7 +123,7 @@ class BatchService:
             raise unavailable("the batch could not be queued (Kafka)") from exc
         # No read from here on: a failure now would answer "nothing was changed" to a
         # batch that runs, and the client's retry would run it twice.
-        return _batch_object(batch, codes=[])
+        return _batch_object(batch, Answered([]))
 
     async def _withdraw(self, batch: StoredBatch) -> None:
         """A batch only part queued: admission answers the lines that got out and are
@@ -163,7 +164,7 @@ class BatchService:
         return dataclasses.replace(batch, cancelled_at=at)
 
     async def _object(self, batch: StoredBatch) -> dict[str, Any]:
-        return _batch_object(batch, await self.batches.status_codes(batch.user_id, batch.batch_id))
+        return _batch_object(batch, await self.batches.answered(batch.user_id, batch.batch_id))
 
     async def _batch_file(self, caller: Principal, file_id: str) -> tuple[StoredBatch, bytes]:
         output = file_id.startswith(OUTPUT_PREFIX)
@@ -220,8 +221,9 @@ def input_lines(content: bytes, endpoint: str) -> list[bytes]:
     return lines
 
 
-def _batch_object(batch: StoredBatch, codes: list[int | None]) -> dict[str, Any]:
-    """OpenAI's batch object, from the status code of each line answered so far."""
+def _batch_object(batch: StoredBatch, answered: Answered) -> dict[str, Any]:
+    """OpenAI's batch object, from the lines answered so far."""
+    codes = answered.codes
     completed, failed = sum(code == 200 for code in codes), sum(code != 200 for code in codes)
     status = _status(batch, codes)
     final = status in ("completed", "cancelled", "expired")
@@ -241,7 +243,7 @@ def _batch_object(batch: StoredBatch, codes: list[int | None]) -> dict[str, Any]
         "in_progress_at": created,
         "expires_at": expires,
         "finalizing_at": None,
-        "completed_at": _epoch(_now()) if status == "completed" else None,
+        "completed_at": _epoch(answered.last_at or _now()) if status == "completed" else None,
         "failed_at": None,
         "expired_at": expires if status == "expired" else None,
         "cancelling_at": cancelling,

@@ -26,6 +26,14 @@ class StoredFile:
 
 
 @dataclass(frozen=True)
+class Answered:
+    """A batch's lines answered so far: each one's HTTP status, and when the last was."""
+
+    codes: list[int | None]
+    last_at: dt.datetime | None = None
+
+
+@dataclass(frozen=True)
 class StoredBatch:
     batch_id: str
     user_id: str
@@ -215,14 +223,18 @@ class BatchStore:
             (at, batch_id),
         )
 
-    async def status_codes(self, user_id: str, batch_id: str) -> list[int | None]:
-        """One per line answered so far: its HTTP status, None for an error without one."""
+    async def answered(self, user_id: str, batch_id: str) -> Answered:
+        """The lines answered so far: each one's HTTP status (None for an error without
+        one), and when the last answer was stored."""
         rows = await cql(
             self._session,
-            "SELECT status_code FROM batch_outputs WHERE user_id = %s AND batch_id = %s",
+            "SELECT status_code, WRITETIME(output) AS written FROM batch_outputs "
+            "WHERE user_id = %s AND batch_id = %s",
             (user_id, batch_id),
         )
-        return [row.status_code for row in rows]
+        last_us = max((row.written for row in rows if row.written), default=None)
+        last = None if last_us is None else dt.datetime.fromtimestamp(last_us / 1e6, dt.UTC)
+        return Answered([row.status_code for row in rows], last)
 
     async def outputs(self, user_id: str, batch_id: str) -> list[tuple[int | None, bytes]]:
         """Each line's (status code, output line as JSON), in custom_id order."""
