@@ -1,5 +1,5 @@
-"""Listing a user's files against real Cassandra: every file once, in order, however
-the pages fall, uploads sharing a millisecond included."""
+"""Listing a user's files and batches against real Cassandra: every one once, in order,
+however the pages fall, ones sharing a millisecond included."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from producers.gateway.batches.store import FileStore, Order, StoredFile
+from producers.gateway.batches.store import BatchStore, FileStore, Order, StoredBatch, StoredFile
 
 pytestmark = pytest.mark.integration
 
@@ -42,3 +42,23 @@ async def test_pages_list_every_file_once_in_order(session: Any, limit: int) -> 
     await files.delete(uploads[2])
     assert "f-same-1" not in await every_page(files, "desc", limit)
     assert await files.get("f-same-1") is None
+
+
+@pytest.mark.parametrize("limit", [1, 2, 3, 10])
+async def test_batch_pages_list_every_batch_once_newest_first(session: Any, limit: int) -> None:
+    batches = BatchStore(session)
+
+    def batch(batch_id: str, at: dt.datetime, user: str = "alice") -> StoredBatch:
+        return StoredBatch(batch_id, user, "f", "/v1/chat/completions", "24h", 1, None, at, None)
+
+    earlier, later = AT - dt.timedelta(seconds=1), AT + dt.timedelta(seconds=1)
+    made = [batch("b-early", earlier), *(batch(f"b-same-{i}", AT) for i in range(4))]
+    made += [batch("b-late", later), batch("b-bob", AT, user="bob")]
+    for each in made:
+        await batches.create(each)
+    by_id = {b.batch_id: b for b in made}
+    seen: list[str] = []
+    while page := await batches.of_user("alice", limit, by_id[seen[-1]] if seen else None):
+        seen += page
+    same_ms = [f"b-same-{i}" for i in range(4)]  # within a millisecond: by id
+    assert seen == ["b-late", *same_ms, "b-early"]

@@ -140,7 +140,7 @@ class BatchService:
         return await self._object(await self._own_batch(caller, batch_id))
 
     async def list(self, caller: Principal, limit: int, after: str | None) -> dict[str, Any]:
-        since = (await self._own_batch(caller, after)).created_at if after else None
+        since = await self._own_batch(caller, after) if after else None
         ids = await self.batches.of_user(caller.user_id, limit + 1, since)
         data = [await self.retrieve(caller, batch_id) for batch_id in ids[:limit]]
         return _page(data, has_more=len(ids) > limit)

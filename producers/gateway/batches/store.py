@@ -203,16 +203,31 @@ class BatchStore:
         metadata = dict(found.metadata) if found.metadata else None  # the driver's map type
         return dataclasses.replace(found, metadata=metadata)
 
-    async def of_user(self, user_id: str, limit: int, after: dt.datetime | None) -> list[str]:
-        """Batch ids, newest first, created before `after` (a page's last)."""
+    async def of_user(self, user_id: str, limit: int, after: StoredBatch | None) -> list[str]:
+        """Batch ids, newest first, after `after` (a page's last): the rest of its
+        millisecond first (batches may share one), then older ones."""
         if after is None:
-            query, params = "", (user_id, limit)
-        else:
-            query, params = " AND created_at < %s", (user_id, after, limit)  # type: ignore[assignment]
+            return await self._listed(user_id, "", (), limit)
+        same_ms = await self._listed(
+            user_id,
+            " AND created_at = %s AND batch_id > %s",
+            (after.created_at, after.batch_id),
+            limit,
+        )
+        if len(same_ms) == limit:
+            return same_ms
+        older = await self._listed(
+            user_id, " AND created_at < %s", (after.created_at,), limit - len(same_ms)
+        )
+        return same_ms + older
+
+    async def _listed(
+        self, user_id: str, where: str, params: tuple[Any, ...], limit: int
+    ) -> list[str]:
         rows = await cql(
             self._session,
-            f"SELECT batch_id FROM batches_by_user WHERE user_id = %s{query} LIMIT %s",
-            params,
+            f"SELECT batch_id FROM batches_by_user WHERE user_id = %s{where} LIMIT %s",
+            (user_id, *params, limit),
         )
         return [row.batch_id for row in rows]
 

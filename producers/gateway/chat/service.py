@@ -124,9 +124,9 @@ class ChatService:
         await self.deps.conversations.owned(caller.user_id, conversation_id)
         with contextlib.suppress(*REDIS_DOWN):  # then posting goes on, as the claim lets it
             await self.inflight.ensure_idle(conversation_id)
+        text = await self.moderated(body.content)  # a refusal needs no history: before the wait
         opened, _ = await self._settled(caller, conversation_id)  # unstored: left out
         conversation = Conversation(**opened.model_dump(include=set(Conversation.model_fields)))
-        text = await self.moderated(body.content)
         summary, turns = after_summary(opened)
         reply = await self.reply(
             caller, conversation, [as_chat(m) for m in turns], text, body, summary=summary
@@ -159,11 +159,11 @@ class ChatService:
         """Replace a user message and everything after it, then reply to the new text."""
         conversation = await self.deps.conversations.owned(caller.user_id, conversation_id)
         await self.inflight.ensure_idle(conversation_id)
+        text = await self.moderated(body.content)
         shown, unstored = await self._visible(caller, conversation_id)
         at = next((i for i, m in enumerate(shown) if m.id == message_id and m.role == "user"), None)
         if at is None:
             raise not_found("user message")
-        text = await self.moderated(body.content)
         replaces = [*shown[at:], *_after(unstored, shown[at])]
         history = usable(shown[:at])
         return await self.reply(caller, conversation, history, text, body, replaces=replaces)
