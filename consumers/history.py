@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import orjson
 
 from schemas.batch import final_output
-from schemas.events import FinalEvent
-from tandoor.clients import cql
+from schemas.events import FinalEvent, MessageKey
+from tandoor.clients import cql, cql_together
 
 MESSAGE_STATUS = {
     "stop": "complete",
@@ -46,6 +46,31 @@ VALUES (?, ?, ?, ?, ?)
 TOUCH_CONVERSATION = (
     "UPDATE conversations USING TIMESTAMP ? SET last_reply_at = ? WHERE conversation_id = ?"
 )
+MARK_REPLACED = (
+    "UPDATE messages_by_conversation USING TIMESTAMP %s SET status = 'replaced' "
+    "WHERE conversation_id = %s AND created_at = %s AND message_id = %s"
+)
+REPLACED_PER_BATCH = 200  # status updates of about 100 bytes each: under the 50 KiB warning
+
+
+async def mark_replaced(
+    session: Any, conversation_id: str, keys: Sequence[MessageKey], timestamp_us: int
+) -> None:
+    """Hide messages superseded by a regenerate or an edit (kept, not deleted), in
+    batches on their one partition, all of a batch or none. The timestamp is the new
+    reply's write time: later than any write of what it replaces, even one stored after
+    the mark (a reply still on its way through persistence)."""
+    for start in range(0, len(keys), REPLACED_PER_BATCH):
+        await cql_together(
+            session,
+            [
+                (
+                    MARK_REPLACED,
+                    (timestamp_us, conversation_id, _utc(k.created_at_ms), k.message_id),
+                )
+                for k in keys[start : start + REPLACED_PER_BATCH]
+            ],
+        )
 
 
 def batch_output_row(user_id: str, batch_id: str, output: dict[str, Any]) -> tuple[Any, ...]:
@@ -83,6 +108,11 @@ class HistoryWriter:
         writes = [self._store_usage(final)]
         if final.kind == "chat" and final.store and final.conversation_id:
             writes += [self._store_message(final), self._touch_conversation(final)]
+            if final.replaces:  # the gateway's own marks, again: it may have died first
+                stamp = write_timestamp_us(final)
+                writes.append(
+                    mark_replaced(self._session, final.conversation_id, final.replaces, stamp)
+                )
         if final.custom_id is not None and final.batch_id:
             writes.append(self._store_batch_output(final, final.batch_id))
         await asyncio.gather(*writes)

@@ -48,6 +48,15 @@ class ChatMessage(BaseModel):
     content: str
 
 
+class MessageKey(BaseModel):
+    """Where a stored message sits in its conversation (its messages_by_conversation key)."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore", strict=True)
+
+    created_at_ms: int
+    message_id: str = Field(min_length=1)
+
+
 class Sampling(BaseModel):
     model_config = ConfigDict(frozen=True, extra="ignore", strict=True)
 
@@ -90,6 +99,10 @@ class PromptRequest(Event):
     # False: the reply is not kept as a conversation message (OpenAI's `store: false`);
     # its usage still is.
     store: bool = True
+    # What this reply supersedes (a regenerate's old replies, an edit's old turns). The
+    # gateway hides them once the prompt is queued; the final carries them so persistence
+    # hides them too, should that gateway have died in between.
+    replaces: list[MessageKey] = Field(default_factory=list)
 
 
 class TokenEvent(Event):
@@ -137,6 +150,7 @@ class FinalEvent(Event):
     batch_id: str | None = None
     custom_id: str | None = None  # the prompt's
     store: bool = True  # the prompt's
+    replaces: list[MessageKey] = Field(default_factory=list)  # the prompt's
 
 
 class ControlEvent(Event):

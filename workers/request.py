@@ -310,6 +310,7 @@ class RequestRunner:
             batch_id=prompt.batch_id,
             custom_id=prompt.custom_id,
             store=prompt.store,
+            replaces=prompt.replaces,
         )
         if attempt.tracked.leased and not await self.ledger.finish(
             prompt.request_id, encode(final)

@@ -11,7 +11,10 @@ id, with `authorization: Bearer <key>` (and optionally `batch-id`) headers. This
   waits and the others go on);
 - commits a partition's offset only below its oldest line not yet forwarded or
   answered, and marks each handled line in Redis with where it was read, so after a
-  crash the lines read again are skipped, not run twice.
+  crash the lines read again are skipped, not run twice;
+- reads one partition at a time and steps over a record aiokafka cannot parse (a
+  header name that is not UTF-8), noting it on the dead-letter topic
+  (tandoor/partition_reader.py): one hostile producer stopped every batch.
 
 Results of forwarded lines are published by the persistence consumer once stored.
 """
@@ -61,6 +64,7 @@ from tandoor.clients import (
 )
 from tandoor.offsets import OffsetTracker, commit_finished
 from tandoor.ops import OpsServer
+from tandoor.partition_reader import PartitionReader
 from tandoor.policies.api_keys import KeyStore
 from tandoor.policies.moderation import DefaultModerator
 from tandoor.policies.quota import QuotaExceeded, Quotas, QuotaUnavailable
@@ -71,6 +75,7 @@ log = logging.getLogger(__name__)
 Record: TypeAlias = ConsumerRecord[bytes, bytes]
 POLL_S = 0.25  # how often the batch band's backlog is measured
 COMMIT_EVERY_S = 1.0
+IDLE_S = 0.1  # nothing to read: look again after this
 RETRY_S = 1.0  # a store failing: try the line again after this
 UNREACHABLE = (*REDIS_DOWN, KafkaError, *CASSANDRA_DOWN)
 BAD = "invalid_request_error"
@@ -104,6 +109,7 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
         self.submitter = PromptSubmitter(settings, self.producer)
         self.load = LoadMonitor(settings, poll_s=POLL_S)
         self.offsets = OffsetTracker()
+        self.reader = PartitionReader(self.consumer, self._unreadable)
         self.queues: dict[str, FairQueue[Waiting]] = {m: FairQueue() for m in settings.models}
         self.queued: dict[str, str] = {}  # request id -> position, of lines waiting here
         self.metrics = AdmissionMetrics()
@@ -161,12 +167,12 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
         while not self._stopping.is_set():
             self._pause_full_partitions()
             try:
-                batch = await self.consumer.getmany(timeout_ms=200, max_records=500)
+                records = await self.reader.read(max_records=500, idle_s=IDLE_S)
             except KafkaError as exc:
                 log.warning("reading %s failed: %s; retrying", topics.BATCH_REQUESTS, exc)
                 await asyncio.sleep(RETRY_S)
                 continue
-            for record in [r for chunk in batch.values() for r in chunk]:
+            for record in records:
                 if TopicPartition(record.topic, record.partition) not in self.consumer.assignment():
                     continue  # revoked mid-fetch: its new owner reads it from the commit
                 self.offsets.taken(record.topic, record.partition, record.offset)
@@ -347,6 +353,17 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
                     return False
                 log.warning("batch line step failed (%r); retrying in %.0f s", exc, RETRY_S)
                 await asyncio.sleep(RETRY_S)
+
+    async def _unreadable(self, tp: TopicPartition, offset: int, reason: str) -> None:
+        """A record aiokafka cannot parse cannot be answered (its batch and caller are
+        unknown): the dead-letter topic keeps where it was, the metric counts it."""
+        self.metrics.lines.labels("unreadable").inc()
+        source = f"{tp.topic}/{tp.partition}/{offset}".encode()
+        headers = [("error", reason.encode()[:1000]), ("source", source)]
+        try:
+            await self.producer.send_and_wait(topics.DEAD_LETTER, b"", headers=headers)
+        except KafkaError as exc:  # the log line above is the trail then
+            log.warning("dead-lettering %s failed: %s", source.decode(), exc)
 
     def _done(self, partition: int, offset: int, outcome: str) -> None:
         self.offsets.finished(topics.BATCH_REQUESTS, partition, offset)

@@ -14,10 +14,12 @@ import pytest
 from aiokafka import AIOKafkaProducer
 
 from infra.roles import WorkerProcess
-from infra.topics import TopicSpec, ensure_topics
+from infra.topics import TopicSpec, batch_request_partitions, ensure_topics, start_group_at_end
+from producers.batch_topic import ResultsReader
 from schemas import topics
 from tandoor.clients import cassandra_session, kafka_producer
 from tandoor.settings import Settings
+from tests.integration.batch_lines import BACKLOG_PER_WORKER, BLOCKED
 from workers.model_store import resolve_model_dir
 
 MAX_SEQS = 16
@@ -98,3 +100,28 @@ async def worker(shared_worker: SharedWorker) -> WorkerProcess:
 async def producer(kafka: str, settings: Settings) -> AsyncIterator[AIOKafkaProducer]:
     async with kafka_producer(settings, client_id="tests") as p:
         yield p
+
+
+@pytest.fixture
+async def roles_env(settings: Settings, shared_worker: SharedWorker) -> dict[str, str]:
+    """Admission and persist in groups of their own, from the end of their topics."""
+    tag = uuid.uuid4().hex[:8]
+    env = {
+        "TANDOOR_MODELS": shared_worker.env["TANDOOR_MODELS"],
+        "TANDOOR_ADMISSION_GROUP": f"admission-{tag}",
+        "TANDOOR_PERSIST_GROUP": f"persist-batch-{tag}",
+        "TANDOOR_BATCH_BACKLOG_PER_WORKER": str(BACKLOG_PER_WORKER),
+        "TANDOOR_MODERATION_BLOCKLIST": json.dumps([BLOCKED]),
+    }
+    await start_group_at_end(settings, env["TANDOOR_PERSIST_GROUP"])
+    await start_group_at_end(settings, env["TANDOOR_ADMISSION_GROUP"], batch_request_partitions())
+    return env
+
+
+@pytest.fixture
+async def results(settings: Settings) -> AsyncIterator[ResultsReader]:
+    """Results on `batch.results` from the start of the test."""
+    reader = ResultsReader(settings.kafka_bootstrap)
+    await reader.start()
+    yield reader
+    await reader.stop()

@@ -15,102 +15,38 @@ import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import orjson
 import pytest
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from aiokafka.partitioner import DefaultPartitioner
+from aiokafka import AIOKafkaProducer
 
 from infra.roles import AdmissionProcess, PersistProcess, WorkerProcess, running
-from infra.topics import batch_request_partitions, start_group_at_end
 from producers.batch_topic import ResultsReader, chat_line, send_lines
 from producers.model_load import backlog_clients, partition_backlog
 from schemas import topics
 from schemas.batch import AUTHORIZATION_HEADER, DEADLINE_HEADER
 from schemas.events import now_ms
-from schemas.topics import BandLayout, prompts_topic
+from schemas.topics import BandLayout
 from tandoor.clients import cassandra_session
 from tandoor.policies.api_keys import create_key
 from tandoor.settings import Settings, TierPolicy
-from tests.integration.conftest import SharedWorker
+from tests.integration.batch_lines import (
+    BACKLOG_PER_WORKER,
+    BLOCKED,
+    all_results,
+    answered,
+    batch_key,
+    partition_of,
+    question,
+    queued,
+)
 from tests.waiting import eventually
 
 pytestmark = pytest.mark.integration
 LINES = 200
 FLOOD, SMALL = 2000, 20
-BACKLOG_PER_WORKER = 16  # the shared worker's slots: lines run as fast as it can
 FAIR_BACKLOG = 4  # the fairness run's: the flood's lines in the band when it starts
 CRASH_LINES = 100
-BLOCKED = "zorblax"
-
-
-def question(model: str, i: int, max_tokens: int = 4) -> bytes:
-    body = {
-        "model": model,
-        "messages": [{"role": "user", "content": f"What is {i} + {i}? Reply with the number."}],
-        "max_tokens": max_tokens,
-        "temperature": 0,
-    }
-    return orjson.dumps(chat_line(f"line-{i}", body))
-
-
-@pytest.fixture
-async def roles_env(settings: Settings, shared_worker: SharedWorker) -> dict[str, str]:
-    """Admission and persist in groups of their own, from the end of their topics."""
-    tag = uuid.uuid4().hex[:8]
-    env = {
-        "TANDOOR_MODELS": shared_worker.env["TANDOOR_MODELS"],
-        "TANDOOR_ADMISSION_GROUP": f"admission-{tag}",
-        "TANDOOR_PERSIST_GROUP": f"persist-batch-{tag}",
-        "TANDOOR_BATCH_BACKLOG_PER_WORKER": str(BACKLOG_PER_WORKER),
-        "TANDOOR_MODERATION_BLOCKLIST": json.dumps([BLOCKED]),
-    }
-    await start_group_at_end(settings, env["TANDOOR_PERSIST_GROUP"])
-    await start_group_at_end(settings, env["TANDOOR_ADMISSION_GROUP"], batch_request_partitions())
-    return env
-
-
-@pytest.fixture
-async def results(settings: Settings) -> AsyncIterator[ResultsReader]:
-    reader = ResultsReader(settings.kafka_bootstrap)
-    await reader.start()
-    yield reader
-    await reader.stop()
-
-
-async def queued(settings: Settings, model: str) -> int:
-    """How many prompts were ever produced to the model's topic."""
-    consumer = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap)
-    await consumer.start()
-    try:
-        partitions = sum(band.partitions for band in settings.bands)
-        tps = [TopicPartition(prompts_topic(model), p) for p in range(partitions)]
-        return sum((await consumer.end_offsets(tps)).values())
-    finally:
-        await consumer.stop()
-
-
-async def batch_key(settings: Settings, name: str) -> tuple[str, str]:
-    key, principal = await create_key(settings, f"{name}-{uuid.uuid4().hex[:6]}", "batch")
-    return key, principal.user_id
-
-
-async def all_results(reader: ResultsReader, batch_id: str, count: int) -> list[dict[str, Any]]:
-    async def arrived() -> int:
-        await reader.poll()
-        return len(reader.of(batch_id))
-
-    await eventually(arrived, lambda n: n >= count, what=f"{count} results of {batch_id}")
-    return reader.of(batch_id)
-
-
-def answered(result: dict[str, Any]) -> str:
-    response = result["response"]
-    assert result["error"] is None and response["status_code"] == 200, result
-    text = response["body"]["choices"][0]["message"]["content"]
-    assert isinstance(text, str)
-    return text
 
 
 async def test_a_200_line_batch_on_the_topic_is_answered_once_per_line(
@@ -332,12 +268,6 @@ async def test_a_small_batch_is_not_held_back_by_another_tenants_flood(
     # One for one, plus what the band held when the small batch came and the lines a
     # slower reader may have counted late. In arrival order it would have been FLOOD.
     assert flood_during <= SMALL + 4 * FAIR_BACKLOG, flood_during
-
-
-def partition_of(batch_id: str) -> int:
-    """The partition of `batch.requests` a batch's lines go to (keyed by its id)."""
-    every = list(range(topics.BATCH_PARTITIONS))
-    return int(DefaultPartitioner()(batch_id.encode(), every, every))
 
 
 async def test_a_tenant_held_by_its_quota_does_not_stop_other_batches_being_read(

@@ -14,14 +14,14 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
-from consumers.history import HistoryWriter
+from consumers.history import HistoryWriter, reply_time_ms
 from infra.roles import PersistProcess
 from infra.topics import start_group_at_end
 from producers.gateway.conversations.service import ConversationService
 from producers.gateway.errors import ApiError
 from schemas import topics
 from schemas.codec import encode
-from schemas.events import FinalEvent, FinishReason, TokenEvent, Usage, now_ms
+from schemas.events import FinalEvent, FinishReason, MessageKey, TokenEvent, Usage, now_ms
 from tandoor.clients import assign_from_end, cassandra_session, kafka_producer
 from tandoor.settings import Settings
 from tests.integration.pipeline import group_committed
@@ -314,3 +314,30 @@ async def test_a_reply_finished_after_its_conversation_was_deleted_is_not_kept(
     with pytest.raises(ApiError) as gone:
         await conversations.get("alice", opened.id)
     assert gone.value.status == 404
+
+
+async def test_a_final_hides_what_its_prompt_replaced_even_what_is_stored_after_it(
+    settings: Settings, keyspace: str, producer: AIOKafkaProducer, start_persist: StartPersist
+) -> None:
+    """A regenerate whose gateway died right after queueing it never marked the old
+    replies replaced (both were shown). The new reply's final carries what it replaces,
+    and persistence hides those as it stores it: one stored before it, and one whose own
+    final comes after (a reply still on its way), which stays hidden."""
+    conversation = f"c-{uuid.uuid4().hex[:8]}"
+    stored = final(conversation, "the first answer", prompt_at=now_ms() - 9000)
+    late = final(conversation, "an answer on its way", prompt_at=now_ms() - 6000)
+    keys = [
+        MessageKey(created_at_ms=reply_time_ms(old), message_id=old.request_id)
+        for old in (stored, late)
+    ]
+    new = final(conversation, "the regenerated answer").model_copy(update={"replaces": keys})
+    await start_persist()
+    await publish(producer, stored)
+    await wait_rows(settings, keyspace, conversation, 1)
+    await publish(producer, new, late)
+    rows = await settled_rows(settings, keyspace, producer, conversation, 3)
+    assert {r.message_id: (r.content, r.status) for r in rows} == {
+        stored.request_id: ("the first answer", "replaced"),
+        late.request_id: ("an answer on its way", "replaced"),
+        new.request_id: ("the regenerated answer", "complete"),
+    }

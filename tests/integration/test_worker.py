@@ -20,7 +20,7 @@ from producers.control import request_cancel
 from producers.prompts import PromptSubmitter
 from schemas import topics
 from schemas.codec import decode, encode
-from schemas.events import ANSWERED, UsageRecord
+from schemas.events import ANSWERED, MessageKey, UsageRecord
 from tandoor.clients import assign_from_end, redis_client
 from tandoor.settings import Settings
 from tests.integration.conftest import COALESCE_TOKENS, CONTEXT_TOKENS, MAX_SEQS
@@ -39,6 +39,8 @@ async def test_reply_streams_in_order_then_final_and_usage(
     try:
         async with TokenCollector(settings) as stream:
             request = prompt(worker.model, "What is the capital of France?", max_tokens=48)
+            replaced = MessageKey(created_at_ms=request.created_at_ms - 5000, message_id="r-old")
+            request = request.model_copy(update={"replaces": [replaced]})  # a regenerate's
             await PromptSubmitter(settings, producer).submit(request)
             final = await stream.final(request.request_id)
             tokens = stream.tokens(request.request_id, 1)
@@ -46,6 +48,7 @@ async def test_reply_streams_in_order_then_final_and_usage(
     finally:
         await usage.stop()
     assert final.finish_reason in ANSWERED and final.attempt == 1
+    assert final.replaces == [replaced]  # for persistence to hide (the gateway may be gone)
     assert "Paris" in final.text
     assert [t.seq for t in tokens] == list(range(len(tokens)))
     assert final.seq == len(tokens)

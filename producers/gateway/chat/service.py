@@ -31,14 +31,21 @@ from producers.gateway.conversations.protocol import (
     ConversationWithMessages,
     Message,
 )
-from producers.gateway.conversations.service import ConversationService, from_ms
+from producers.gateway.conversations.service import ConversationService, from_ms, message_key
 from producers.gateway.errors import ApiError, not_found
 from producers.gateway.shedding import ModelRouter
 from producers.gateway.streaming import StreamSlots
 from producers.prompts import PromptSubmitter
 from schemas import topics
 from schemas.codec import encode
-from schemas.events import ANSWERED, ChatMessage, FinalEvent, PromptRequest, now_ms
+from schemas.events import (
+    ANSWERED,
+    ChatMessage,
+    FinalEvent,
+    MessageKey,
+    PromptRequest,
+    now_ms,
+)
 from tandoor.clients import CASSANDRA_DOWN, REDIS_DOWN
 from tandoor.policies.api_keys import Principal
 from tandoor.policies.moderation import OutputFilter
@@ -89,7 +96,7 @@ class _Prompt:
     admission: Admission
     dropped: int
     summarized: bool
-    replaces: Sequence[Message]  # hidden once the reply is queued
+    replaces: list[MessageKey]  # hidden once the reply is queued
 
 
 @dataclass
@@ -209,7 +216,7 @@ class ChatService:
                     admission,
                     context.dropped,
                     summary is not None and not client_context,
-                    replaces,
+                    [message_key(m) for m in replaces],
                 )
             )
         except BaseException:
@@ -349,6 +356,7 @@ class ChatService:
             # Admitted uncounted (Redis was down): nothing for the usage stream to settle.
             charged_tokens=p.admission.estimated_tokens if p.admission.counted else 0,
             store=store,
+            replaces=p.replaces,
         )
         try:
             await asyncio.wait_for(d.submitter.submit(prompt), d.settings.kafka_send_timeout_s)
@@ -363,10 +371,10 @@ class ChatService:
                 headers={"Retry-After": str(QUEUE_RETRY_S)},
             ) from exc
 
-    async def _hide_replaced(self, conversation_id: str, replaced: Sequence[Message]) -> None:
+    async def _hide_replaced(self, conversation_id: str, replaced: list[MessageKey]) -> None:
         """Once the new reply is queued: a refusal or a failed queueing before it leaves
-        the conversation as it was. Cassandra failing now leaves them shown beside the
-        new reply, which runs."""
+        the conversation as it was. Cassandra failing now (or this gateway dying) leaves
+        them shown until the new reply is stored: persistence marks them then."""
         if not replaced:
             return
         try:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import datetime as dt
+import time
 import uuid
 from collections.abc import Sequence
 from typing import Any
 
+from consumers.history import mark_replaced
 from producers.gateway.conversations.protocol import (
     Conversation,
     ConversationPage,
@@ -14,12 +16,12 @@ from producers.gateway.conversations.protocol import (
     Message,
 )
 from producers.gateway.errors import ApiError, count, not_found
+from schemas.events import MessageKey
 from tandoor.clients import cql, cql_together
 
 # A message up to this size goes in one batch with its conversation's rows; Cassandra
 # warns of batches over 5 KiB and refuses them over 50 KiB (a message may be 128 KB).
 BATCHED_MESSAGE_BYTES = 4096
-REPLACED_PER_BATCH = 200  # status updates of about 100 bytes each
 
 
 class ConversationService:
@@ -233,21 +235,9 @@ class ConversationService:
             (conversation_id, from_ms(at_ms), message_id),
         )
 
-    async def mark_replaced(self, conversation_id: str, messages: Sequence[Message]) -> None:
-        """Hide messages superseded by a regenerate or an edit (kept, not deleted): in
-        batches on their one partition, all of a batch or none (under Cassandra's 50 KiB)."""
-        for start in range(0, len(messages), REPLACED_PER_BATCH):
-            await cql_together(
-                self._session,
-                [
-                    (
-                        "UPDATE messages_by_conversation SET status = 'replaced' "
-                        "WHERE conversation_id = %s AND created_at = %s AND message_id = %s",
-                        (conversation_id, message.created_at, message.id),
-                    )
-                    for message in messages[start : start + REPLACED_PER_BATCH]
-                ],
-            )
+    async def mark_replaced(self, conversation_id: str, keys: Sequence[MessageKey]) -> None:
+        """Hide messages superseded by a regenerate or an edit (kept, not deleted)."""
+        await mark_replaced(self._session, conversation_id, keys, time.time_ns() // 1000)
 
     async def _owned(self, user_id: str, conversation_id: str) -> Conversation:
         return _conversation(conversation_id, await self._owned_row(user_id, conversation_id))
@@ -352,6 +342,13 @@ def _utc(value: dt.datetime) -> dt.datetime:
 
 def _to_ms(value: dt.datetime) -> int:
     return int(_utc(value).timestamp() * 1000)
+
+
+def message_key(message: Message) -> MessageKey:
+    since_epoch = _utc(message.created_at) - dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+    return MessageKey(
+        created_at_ms=since_epoch // dt.timedelta(milliseconds=1), message_id=message.id
+    )
 
 
 def from_ms(ms: int) -> dt.datetime:

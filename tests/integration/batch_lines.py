@@ -1,0 +1,71 @@
+"""What the tests of the batch topic share: lines to send, a tenant's key, the results
+read back, and the prompts that reached a model's topic."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import orjson
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.partitioner import DefaultPartitioner
+
+from producers.batch_topic import ResultsReader, chat_line
+from schemas import topics
+from schemas.topics import prompts_topic
+from tandoor.policies.api_keys import create_key
+from tandoor.settings import Settings
+from tests.waiting import eventually
+
+BACKLOG_PER_WORKER = 16  # the shared worker's slots: lines run as fast as it can
+BLOCKED = "zorblax"  # on the moderation blocklist of the roles these tests start
+
+
+def question(model: str, i: int, max_tokens: int = 4) -> bytes:
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": f"What is {i} + {i}? Reply with the number."}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
+    return orjson.dumps(chat_line(f"line-{i}", body))
+
+
+async def queued(settings: Settings, model: str) -> int:
+    """How many prompts were ever produced to the model's topic."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap)
+    await consumer.start()
+    try:
+        partitions = sum(band.partitions for band in settings.bands)
+        tps = [TopicPartition(prompts_topic(model), p) for p in range(partitions)]
+        return sum((await consumer.end_offsets(tps)).values())
+    finally:
+        await consumer.stop()
+
+
+async def batch_key(settings: Settings, name: str) -> tuple[str, str]:
+    key, principal = await create_key(settings, f"{name}-{uuid.uuid4().hex[:6]}", "batch")
+    return key, principal.user_id
+
+
+async def all_results(reader: ResultsReader, batch_id: str, count: int) -> list[dict[str, Any]]:
+    async def arrived() -> int:
+        await reader.poll()
+        return len(reader.of(batch_id))
+
+    await eventually(arrived, lambda n: n >= count, what=f"{count} results of {batch_id}")
+    return reader.of(batch_id)
+
+
+def answered(result: dict[str, Any]) -> str:
+    response = result["response"]
+    assert result["error"] is None and response["status_code"] == 200, result
+    text = response["body"]["choices"][0]["message"]["content"]
+    assert isinstance(text, str)
+    return text
+
+
+def partition_of(batch_id: str) -> int:
+    """The partition of `batch.requests` a batch's lines go to (keyed by its id)."""
+    every = list(range(topics.BATCH_PARTITIONS))
+    return int(DefaultPartitioner()(batch_id.encode(), every, every))
