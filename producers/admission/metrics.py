@@ -11,7 +11,8 @@ class AdmissionMetrics:
         self.lines = Counter(
             "tandoor_admission_lines",
             "Batch lines read, by outcome: forwarded, refused (answered with an error), "
-            "replayed (read again after a restart, already handled)",
+            "replayed (read again after a restart, already handled), unreadable (a record aiokafka "
+            "cannot parse, skipped)",
             ["outcome"],
             registry=self.registry,
         )

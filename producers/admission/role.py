@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
@@ -41,6 +40,7 @@ from producers.admission.fairness import FairQueue
 from producers.admission.lines import Refused, parse_line, prompt_for
 from producers.admission.marks import CallerCache, LineMarks
 from producers.admission.metrics import AdmissionMetrics
+from producers.admission.waiting import WaitingLines
 from producers.gateway.chat.checks import ReplyChecks
 from producers.model_load import LoadMonitor
 from producers.prompts import PromptSubmitter
@@ -111,7 +111,7 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
         self.offsets = OffsetTracker()
         self.reader = PartitionReader(self.consumer, self._unreadable)
         self.queues: dict[str, FairQueue[Waiting]] = {m: FairQueue() for m in settings.models}
-        self.queued: dict[str, str] = {}  # request id -> position, of lines waiting here
+        self.queued = WaitingLines()
         self.metrics = AdmissionMetrics()
         self.ops = OpsServer("admission", self.metrics.registry, self._readiness)
         self._sent: dict[str, int] = {}  # model -> forwarded since its load was measured
@@ -187,8 +187,8 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
         if not assigned:
             return
         share = max(1, self.settings.admission_max_waiting // len(assigned))
-        held = Counter(position.partition(":")[0] for position in self.queued.values())
-        full = {tp for tp in assigned if held[str(tp.partition)] >= share}
+        held = self.queued.per_partition
+        full = {tp for tp in assigned if held[tp.partition] >= share}
         paused = self.consumer.paused() & assigned
         if full - paused:
             log.info("buffer share full: pausing %s", sorted(tp.partition for tp in full - paused))
@@ -231,13 +231,13 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
         waiting = Waiting(record.partition, record.offset, prompt)
         if await self._answered_unrun(waiting):
             return
-        self.queued[prompt.request_id] = position
+        self.queued.add(prompt.request_id, position)
         fair = self.settings.admission_fairness == "vtc"
         self.queues[prompt.model].push(owner if fair else "everyone", waiting)
 
     async def _seen_elsewhere(self, request_id: str, position: str) -> bool:
         """Another record of the batch already has this custom_id."""
-        seen = self.queued.get(request_id) or await self.marks.where(request_id)
+        seen = self.queued.where(request_id) or await self.marks.where(request_id)
         return seen is not None and seen != position
 
     async def _refuse(
@@ -273,7 +273,7 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
             return False
         await self.answers.send(prompt.user_id, prompt.batch_id, output)
         await self.marks.mark(prompt.request_id, waiting.position)
-        self.queued.pop(prompt.request_id, None)
+        self.queued.discard(prompt.request_id)
         self._done(waiting.partition, waiting.offset, outcome)
         return True
 
@@ -313,7 +313,7 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
     async def _forward(self, queue: FairQueue[Waiting], tenant: str, waiting: Waiting) -> bool:
         """Charge, produce, mark; False when the tenant is over its quota (it waits)."""
         prompt = waiting.prompt
-        if self.queued.get(prompt.request_id) != waiting.position:
+        if self.queued.where(prompt.request_id) != waiting.position:
             return False  # its partition was revoked meanwhile: the new owner has it
         if await self._answered_unrun(waiting):
             return False
@@ -337,7 +337,7 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
         queue.charge(tenant, prompt.charged_tokens)
         self.metrics.charged_tokens.labels(prompt.user_id).inc(prompt.charged_tokens)
         self._sent[prompt.model] = self._sent.get(prompt.model, 0) + 1
-        self.queued.pop(prompt.request_id, None)  # gone already if revoked meanwhile
+        self.queued.discard(prompt.request_id)  # gone already if revoked meanwhile
         self._done(waiting.partition, waiting.offset, "forwarded")
         return True
 
@@ -393,9 +393,7 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
             queue.remove(lambda w: w.partition in gone)
         # By `queued`, not by what the queues held: a line being forwarded (a produce
         # retried) is out of its queue, and must not go on once its partition moved.
-        for request_id, position in list(self.queued.items()):
-            if int(position.split(":")[0]) in gone:
-                del self.queued[request_id]
+        self.queued.drop_partitions(gone)
         self.offsets.forget([(tp.topic, tp.partition) for tp in revoked])
 
     async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:

@@ -254,11 +254,8 @@ class ChatService:
             await asyncio.wait_for(self._stop(record, caller), timeout_s)
         except (KafkaError, TimeoutError) as exc:
             # The cancel is in Redis: a worker that takes the prompt later drops it.
-            raise ApiError(
-                503,
-                "the stop did not reach the workers (Kafka); the reply may go on, please retry",
-                kind="service_unavailable",
-                headers={"Retry-After": str(QUEUE_RETRY_S)},
+            raise _kafka_unreachable(
+                "the stop did not reach the workers (Kafka); the reply may go on, please retry"
             ) from exc
         return request_id
 
@@ -364,11 +361,8 @@ class ChatService:
             await self._withdraw(p.request_id)
             if user_message_id is not None:
                 await d.conversations.mark_failed(conversation.id, user_message_id, p.now)
-            raise ApiError(
-                503,
-                "the prompt queue is unreachable; your message is saved as failed, please retry",
-                kind="service_unavailable",
-                headers={"Retry-After": str(QUEUE_RETRY_S)},
+            raise _kafka_unreachable(
+                "the prompt queue is unreachable; your message is saved as failed, please retry"
             ) from exc
 
     async def _hide_replaced(self, conversation_id: str, replaced: list[MessageKey]) -> None:
@@ -440,3 +434,9 @@ class ChatService:
 def _after(unstored: list[Message], cut: Message) -> list[Message]:
     """The unstored reply, if it comes after `cut` (not one a later turn followed)."""
     return [m for m in unstored if m.created_at > cut.created_at]
+
+
+def _kafka_unreachable(message: str) -> ApiError:
+    return ApiError(
+        503, message, kind="service_unavailable", headers={"Retry-After": str(QUEUE_RETRY_S)}
+    )

@@ -1,0 +1,41 @@
+"""The lines admission has read and not yet forwarded or answered."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+
+class WaitingLines:
+    """Where each waiting line was read ("partition:offset", by request id), and how many
+    each partition holds: its part of the read-ahead buffer, counted as lines come and
+    go (counting them on every read cost ~0.1 s a second with the buffer full)."""
+
+    def __init__(self) -> None:
+        self._positions: dict[str, str] = {}
+        self.per_partition: Counter[int] = Counter()
+
+    def add(self, request_id: str, position: str) -> None:
+        self.discard(request_id)
+        self._positions[request_id] = position
+        self.per_partition[_partition(position)] += 1
+
+    def where(self, request_id: str) -> str | None:
+        return self._positions.get(request_id)
+
+    def discard(self, request_id: str) -> None:
+        position = self._positions.pop(request_id, None)
+        if position is not None:
+            self.per_partition[_partition(position)] -= 1
+
+    def drop_partitions(self, gone: set[int]) -> None:
+        """Forget the lines of partitions that moved: their new owner reads them again."""
+        for request_id, position in list(self._positions.items()):
+            if _partition(position) in gone:
+                self.discard(request_id)
+
+    def __len__(self) -> int:
+        return len(self._positions)
+
+
+def _partition(position: str) -> int:
+    return int(position.partition(":")[0])
