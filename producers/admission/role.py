@@ -37,6 +37,7 @@ from cassandra.cluster import Cluster
 
 from producers.admission.answers import Answers
 from producers.admission.fairness import FairQueue
+from producers.admission.headers import batch_deadline_ms, bearer_token, text_of
 from producers.admission.lines import Refused, parse_line, prompt_for
 from producers.admission.marks import CallerCache, LineMarks
 from producers.admission.metrics import AdmissionMetrics
@@ -198,8 +199,8 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
 
     async def _admit(self, record: Record) -> None:
         headers = {name.lower(): value for name, value in record.headers}
-        batch_id = _text(headers.get(BATCH_ID_HEADER)) or _text(record.key)
-        caller = await self.callers.resolve(_bearer(headers.get(AUTHORIZATION_HEADER)))
+        batch_id = text_of(headers.get(BATCH_ID_HEADER)) or text_of(record.key)
+        caller = await self.callers.resolve(bearer_token(headers.get(AUTHORIZATION_HEADER)))
         parsed = parse_line(record.value)
         owner = caller.user_id if caller else "-"
         name = parsed.custom_id or f"@{record.partition}:{record.offset}"
@@ -212,7 +213,7 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
                 raise Refused(401, "invalid or revoked API key", "authentication_error")
             if parsed.line is None:
                 raise parsed.problem or Refused(400, "invalid line", BAD)
-            deadline_ms = _deadline_ms(headers.get(DEADLINE_HEADER))
+            deadline_ms = batch_deadline_ms(headers.get(DEADLINE_HEADER))
             prompt = await prompt_for(self.checks, caller, batch_id, parsed.line, deadline_ms)
             if await self._seen_elsewhere(prompt.request_id, position):
                 # Its row in batch_outputs is the first line's: the answer is not kept.
@@ -402,28 +403,3 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
             topics.BATCH_REQUESTS,
             sorted(tp.partition for tp in assigned),
         )
-
-
-def _text(value: bytes | None) -> str | None:
-    if not value:
-        return None
-    try:
-        return value.decode()[:256] or None
-    except UnicodeDecodeError:
-        return None
-
-
-def _deadline_ms(value: bytes | None) -> int | None:
-    text = _text(value)
-    if text is None:
-        return None
-    if not text.isascii() or not text.isdigit() or len(text) > 15:
-        raise Refused(400, f"{DEADLINE_HEADER}: not a time in ms since the epoch", BAD)
-    return int(text)
-
-
-def _bearer(value: bytes | None) -> str | None:
-    text = _text(value)
-    if text and text.lower().startswith("bearer "):
-        return text[7:].strip() or None
-    return None

@@ -1,0 +1,32 @@
+"""Headers and keys any Kafka client may write on `batch.requests`: what admission makes
+of bytes that are not UTF-8, too long, or garbled."""
+
+from __future__ import annotations
+
+import pytest
+
+from producers.admission.headers import MAX_TEXT_CHARS, batch_deadline_ms, bearer_token, text_of
+from producers.admission.lines import Refused
+
+
+def test_text_that_is_not_utf8_or_empty_is_absent_and_long_text_is_cut() -> None:
+    assert text_of(b"\xff\xfe") is None and text_of(b"") is None and text_of(None) is None
+    assert text_of(b"b" * 100_000) == "b" * MAX_TEXT_CHARS
+
+
+def test_only_a_bearer_key_is_a_key() -> None:
+    assert bearer_token(b"Bearer  tdr_abc ") == "tdr_abc"
+    assert bearer_token(b"bearer tdr_abc") == "tdr_abc"
+    assert bearer_token(b"Basic dXNlcg==") is None and bearer_token(b"Bearer ") is None
+
+
+@pytest.mark.parametrize("garbled", [b"tomorrow", b"-5", b"1e12", b"\xd9\xa1\xd9\xa2", b"9" * 16])
+def test_a_garbled_deadline_is_a_400_naming_the_header(garbled: bytes) -> None:
+    with pytest.raises(Refused) as refused:
+        batch_deadline_ms(garbled)
+    assert refused.value.status == 400 and "batch-deadline-ms" in str(refused.value.message)
+
+
+def test_a_deadline_in_ms_is_read_and_none_is_no_deadline() -> None:
+    assert batch_deadline_ms(b"1764633600000") == 1_764_633_600_000
+    assert batch_deadline_ms(None) is None
