@@ -64,10 +64,7 @@ class PartitionReader:
             try:
                 fetched = await self._consumer.getmany(tp, timeout_ms=STEP_WAIT_MS, max_records=1)
             except UNREADABLE as exc:
-                offset = await self._consumer.position(tp)
-                self._consumer.seek(tp, offset + 1)
-                log.warning("skipping unreadable record %s/%s@%s: %s", *tp, offset, exc)
-                await self._on_unreadable(tp, offset, str(exc))  # must not raise
+                await self._skip(tp, exc)
                 return readable
             except BaseException:
                 self._rewind(readable)
@@ -75,6 +72,18 @@ class PartitionReader:
             if not fetched.get(tp):
                 return readable  # it moved on (a rebalance) or is slow: the next read retries
             readable += fetched[tp]
+
+    async def _skip(self, tp: TopicPartition, exc: Exception) -> None:
+        """Seek past the record at the position, unless the partition was revoked
+        meanwhile (its new owner finds the record and skips it)."""
+        if tp not in self._consumer.assignment():
+            return
+        offset = await self._consumer.position(tp)
+        if tp not in self._consumer.assignment():
+            return
+        self._consumer.seek(tp, offset + 1)
+        log.warning("skipping unreadable record %s/%s@%s: %s", *tp, offset, exc)
+        await self._on_unreadable(tp, offset, str(exc))  # must not raise
 
     def _rewind(self, records: list[Record]) -> None:
         """Records read but not handed out (the call failed after them) are read again."""
