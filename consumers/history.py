@@ -41,7 +41,7 @@ VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) USING TIMESTAMP ?
 """
 INSERT_BATCH_OUTPUT = """
 INSERT INTO batch_outputs (user_id, batch_id, custom_id, status_code, output)
-VALUES (?, ?, ?, ?, ?)
+VALUES (?, ?, ?, ?, ?) USING TIMESTAMP ?
 """
 TOUCH_CONVERSATION = (
     "UPDATE conversations USING TIMESTAMP ? SET last_reply_at = ? WHERE conversation_id = ?"
@@ -73,11 +73,16 @@ async def mark_replaced(
         )
 
 
-def batch_output_row(user_id: str, batch_id: str, output: dict[str, Any]) -> tuple[Any, ...]:
-    """INSERT_BATCH_OUTPUT's values for one output line of a batch."""
+def batch_output_row(
+    user_id: str, batch_id: str, output: dict[str, Any], written_us: int
+) -> tuple[Any, ...]:
+    """INSERT_BATCH_OUTPUT's values for one output line of a batch. Its write time is
+    when the line was answered (the batch's completed_at is the latest): a replay of the
+    same answer passes the same time, so it does not move."""
     response = output.get("response") or {}
     status = response.get("status_code")
-    return (user_id, batch_id, output["custom_id"], status, orjson.dumps(output).decode())
+    custom_id = output["custom_id"]
+    return (user_id, batch_id, custom_id, status, orjson.dumps(output).decode(), written_us)
 
 
 def reply_slot_ms(prompt_created_at_ms: int) -> int:
@@ -119,9 +124,9 @@ class HistoryWriter:
 
     async def _store_batch_output(self, final: FinalEvent, batch_id: str) -> None:
         output = final_output(final, self._redact(final.text))
-        await cql(
-            self._session, self._batch_output, batch_output_row(final.user_id, batch_id, output)
-        )
+        written_us = final.created_at_ms * 1000 + final.attempt  # the same in every replay
+        row = batch_output_row(final.user_id, batch_id, output, written_us)
+        await cql(self._session, self._batch_output, row)
 
     async def _store_message(self, final: FinalEvent) -> None:
         usage = final.usage

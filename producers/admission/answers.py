@@ -4,6 +4,7 @@ persistence consumer does for the lines that ran."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import orjson
@@ -22,6 +23,7 @@ class Answers:
 
     async def send(self, owner: str | None, batch_id: str | None, output: dict[str, Any]) -> None:
         if owner is not None and batch_id and output.get("custom_id") is not None:
-            await cql(self._session, self._insert, batch_output_row(owner, batch_id, output))
+            row = batch_output_row(owner, batch_id, output, time.time_ns() // 1000)
+            await cql(self._session, self._insert, row)
         key = batch_id.encode() if batch_id else None
         await self._producer.send_and_wait(topics.BATCH_RESULTS, orjson.dumps(output), key=key)

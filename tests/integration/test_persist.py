@@ -341,3 +341,33 @@ async def test_a_final_hides_what_its_prompt_replaced_even_what_is_stored_after_
         late.request_id: ("an answer on its way", "replaced"),
         new.request_id: ("the regenerated answer", "complete"),
     }
+
+
+async def test_a_replayed_batch_answer_keeps_its_write_time(
+    settings: Settings, keyspace: str, producer: AIOKafkaProducer, start_persist: StartPersist
+) -> None:
+    """A batch's completed_at is its last answer's write time: a final read again (a
+    persistence consumer restarted before its commit) must not move it."""
+    conversation = f"c-{uuid.uuid4().hex[:8]}"
+    batch_id = f"batch-{uuid.uuid4().hex[:8]}"
+    answer = final(conversation, "42").model_copy(
+        update={"kind": "batch", "batch_id": batch_id, "custom_id": "line-1"}
+    )
+    await start_persist()
+
+    def written() -> list[Any]:
+        with cassandra_session(settings, keyspace) as session:
+            return list(
+                session.execute(
+                    "SELECT WRITETIME(output) AS at FROM batch_outputs "
+                    "WHERE user_id = 'alice' AND batch_id = %s",
+                    (batch_id,),
+                )
+            )
+
+    await publish(producer, answer)
+    first = await eventually(lambda: asyncio.to_thread(written), bool, what="the answer stored")
+    await asyncio.sleep(0.05)
+    await publish(producer, answer)  # the replay
+    await settled_rows(settings, keyspace, producer, f"{conversation}-flush", 0)
+    assert [r.at for r in await asyncio.to_thread(written)] == [first[0].at]
