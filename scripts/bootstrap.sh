@@ -62,24 +62,14 @@ install_virtualenv() {
     echo "$want" > "$stamp"
 }
 
-prepare_models() {
-    log "preparing the bundled models (converted once, then cached)"
-    # Side by side: each conversion is mostly one thread.
-    .venv/bin/tandoor prepare-model smollm2 & smollm2=$!
-    .venv/bin/tandoor prepare-model gemma3 & gemma3=$!
-    wait "$smollm2"
-    wait "$gemma3"
-    log "models ready"
-}
-
-if [ "${1:-}" = "--models" ]; then prepare_models; exit 0; fi
 install_system_packages
 install_virtualenv
 log "fetching server jars (cached)"
 .venv/bin/tandoor infra fetch
-# --models-later: the caller runs `scripts/bootstrap.sh --models` itself, beside other
-# work (the test command lints and starts the servers meanwhile).
-case "${1:-}" in
-    --models-later) log "done (models: later)" ;;
-    *) prepare_models; log "done" ;;
-esac
+log "preparing the bundled models (converted once, then cached)"
+# Side by side: each conversion is mostly one thread.
+.venv/bin/tandoor prepare-model smollm2 & smollm2=$!
+.venv/bin/tandoor prepare-model gemma3 & gemma3=$!
+wait "$smollm2"
+wait "$gemma3"
+log "done"

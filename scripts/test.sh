@@ -6,23 +6,20 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
 
-scripts/bootstrap.sh --models-later
+scripts/bootstrap.sh
 source scripts/test_env.sh
 # Engine speed, and so every duration below, depends on these (docs/testing.md).
 cpu=$(grep -m1 '^model name' /proc/cpuinfo | cut -d: -f2 | xargs || true)
 flags=$(grep -m1 '^flags' /proc/cpuinfo | tr ' ' '\n' | grep -x -E 'avx2|avx512f|avx512_bf16|amx_tile' | xargs || true)
 echo "== machine: ${cpu:-unknown CPU}, $(nproc) cores, flags: ${flags:-none of avx2 avx512f avx512_bf16 amx_tile}"
 
-# The bundled models are converted and the servers start while the code is linted and
-# type-checked: each conversion is mostly one thread, and the lint another.
+# The servers start while the code is linted and type-checked (half a minute saved).
 mkdir -p "$TANDOOR_HOME"
-servers_log="$TANDOOR_HOME/infra-up.log" models_log="$TANDOOR_HOME/models.log"
-echo "== models and servers starting ($(date +%T)), logs in $models_log and $servers_log"
-scripts/bootstrap.sh --models >"$models_log" 2>&1 &
-models=$!
+servers_log="$TANDOOR_HOME/infra-up.log"
+echo "== servers starting ($(date +%T)), log in $servers_log"
 tandoor infra up >"$servers_log" 2>&1 &
 servers=$!
-trap '{ kill "$models" "$servers" 2>/dev/null && wait "$models" "$servers"; } || true; echo "== stopping servers"; tandoor infra down' EXIT
+trap '{ kill "$servers" 2>/dev/null && wait "$servers"; } || true; echo "== stopping servers"; tandoor infra down' EXIT
 
 echo "== ruff ($(date +%T))"
 ruff check .
@@ -30,11 +27,6 @@ ruff format --check .
 echo "== mypy ($(date +%T))"
 mypy
 
-echo "== models ($(date +%T))"
-if ! wait "$models"; then
-    cat "$models_log"; echo "the bundled models could not be prepared"; exit 1
-fi
-grep -v -e 'it/s]' -e 's/it]' "$models_log" || true  # without the progress bars
 echo "== servers ($(date +%T))"
 if ! wait "$servers"; then
     cat "$servers_log"; echo "the servers did not start"; exit 1
