@@ -69,3 +69,12 @@ def partition_of(batch_id: str) -> int:
     """The partition of `batch.requests` a batch's lines go to (keyed by its id)."""
     every = list(range(topics.BATCH_PARTITIONS))
     return int(DefaultPartitioner()(batch_id.encode(), every, every))
+
+
+def batch_on_another_partition(prefix: str, than: str) -> str:
+    """A fresh batch id whose lines go to another partition than `than`'s."""
+    return next(
+        b
+        for b in (f"{prefix}-{uuid.uuid4().hex[:6]}" for _ in range(100))
+        if partition_of(b) != partition_of(than)
+    )

@@ -36,7 +36,7 @@ from tests.integration.batch_lines import (
     all_results,
     answered,
     batch_key,
-    partition_of,
+    batch_on_another_partition,
     question,
     queued,
 )
@@ -295,11 +295,7 @@ async def test_a_tenant_held_by_its_quota_does_not_stop_other_batches_being_read
     )
     small_key, _ = await batch_key(settings, "small-batcher")
     hog = f"hog-{uuid.uuid4().hex[:6]}"
-    small = next(
-        b
-        for b in (f"small-{uuid.uuid4().hex[:6]}" for _ in range(100))
-        if partition_of(b) != partition_of(hog)
-    )
+    small = batch_on_another_partition("small", than=hog)
     await send_lines(producer, hog_key, hog, [question(worker.model, i) for i in range(100)])
     async with running([AdmissionProcess(tmp_path, env), PersistProcess(tmp_path, env)]):
         await all_results(results, hog, 1)  # read: one line ran, 99 wait for the quota

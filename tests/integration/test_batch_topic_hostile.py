@@ -29,6 +29,7 @@ from tests.integration.batch_lines import (
     all_results,
     answered,
     batch_key,
+    batch_on_another_partition,
     partition_of,
     question,
 )
@@ -103,11 +104,7 @@ async def test_a_record_aiokafka_cannot_parse_is_stepped_over_and_no_line_is_los
 ) -> None:
     key, _ = await batch_key(settings, "hostile-neighbour")
     poisoned = f"poisoned-{uuid.uuid4().hex[:6]}"
-    other = next(
-        b
-        for b in (f"other-{uuid.uuid4().hex[:6]}" for _ in range(100))
-        if partition_of(b) != partition_of(poisoned)
-    )
+    other = batch_on_another_partition("other", than=poisoned)
     await send_lines(producer, key, poisoned, [question(worker.model, i) for i in range(3)])
     offset = await send_unreadable(settings, key, poisoned)
     await send_lines(producer, key, poisoned, [question(worker.model, i) for i in range(3, 5)])

@@ -86,15 +86,19 @@ async def publish(producer: AIOKafkaProducer, *events: FinalEvent) -> None:
         await producer.send_and_wait(topics.TOKENS, encode(event), key=event.request_id.encode())
 
 
-def messages(settings: Settings, keyspace: str, conversation: str) -> list[Any]:
+def select_rows(
+    settings: Settings, keyspace: str, query: str, params: tuple[Any, ...]
+) -> list[Any]:
     with cassandra_session(settings, keyspace) as session:
-        return list(
-            session.execute(
-                "SELECT message_id, content, status, attempt, created_at FROM "
-                "messages_by_conversation WHERE conversation_id = %s",
-                (conversation,),
-            )
-        )
+        return list(session.execute(query, params))
+
+
+def messages(settings: Settings, keyspace: str, conversation: str) -> list[Any]:
+    query = (
+        "SELECT message_id, content, status, attempt, created_at FROM "
+        "messages_by_conversation WHERE conversation_id = %s"
+    )
+    return select_rows(settings, keyspace, query, (conversation,))
 
 
 async def wait_rows(settings: Settings, keyspace: str, conversation: str, count: int) -> list[Any]:
@@ -356,14 +360,11 @@ async def test_a_replayed_batch_answer_keeps_its_write_time(
     await start_persist()
 
     def written() -> list[Any]:
-        with cassandra_session(settings, keyspace) as session:
-            return list(
-                session.execute(
-                    "SELECT WRITETIME(output) AS at FROM batch_outputs "
-                    "WHERE user_id = 'alice' AND batch_id = %s",
-                    (batch_id,),
-                )
-            )
+        query = (
+            "SELECT WRITETIME(output) AS at FROM batch_outputs "
+            "WHERE user_id = 'alice' AND batch_id = %s"
+        )
+        return select_rows(settings, keyspace, query, (batch_id,))
 
     await publish(producer, answer)
     first = await eventually(lambda: asyncio.to_thread(written), bool, what="the answer stored")
