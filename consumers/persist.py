@@ -200,10 +200,7 @@ class Persister:
     ) -> None:
         reason = f"not stored after {POISON_TRIES} tries: {error!r}"
         log.error("dead-lettering the final of %s: %s", final.request_id, reason)
-        headers = [
-            ("error", reason.encode()[:1000]),
-            ("source", f"{record.topic}/{record.partition}/{record.offset}".encode()),
-        ]
+        headers = topics.dead_letter_headers(record.topic, record.partition, record.offset, reason)
         await self._producer.send_and_wait(
             topics.DEAD_LETTER, record.value, key=record.key, headers=headers
         )

@@ -75,3 +75,10 @@ class BandLayout:
             if partition in rng.partitions:
                 return rng
         raise ValueError(f"partition {partition} is outside every band")
+
+
+def dead_letter_headers(
+    topic: str, partition: int, offset: int, reason: str
+) -> list[tuple[str, bytes]]:
+    """What every record on DEAD_LETTER carries: why it is there, and where it was read."""
+    return [("error", reason.encode()[:1000]), ("source", f"{topic}/{partition}/{offset}".encode())]

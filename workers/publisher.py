@@ -40,10 +40,7 @@ class Publisher:
         )
 
     async def dead_letter(self, record: ConsumerRecord[bytes, bytes], reason: str) -> None:
-        headers = [
-            ("error", reason.encode()[:1000]),
-            ("source", f"{record.topic}/{record.partition}/{record.offset}".encode()),
-        ]
+        headers = topics.dead_letter_headers(record.topic, record.partition, record.offset, reason)
         await self._producer.send_and_wait(
             topics.DEAD_LETTER, record.value, key=record.key, headers=headers
         )

@@ -359,12 +359,11 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
         """A record aiokafka cannot parse cannot be answered (its batch and caller are
         unknown): the dead-letter topic keeps where it was, the metric counts it."""
         self.metrics.lines.labels("unreadable").inc()
-        source = f"{tp.topic}/{tp.partition}/{offset}".encode()
-        headers = [("error", reason.encode()[:1000]), ("source", source)]
+        headers = topics.dead_letter_headers(tp.topic, tp.partition, offset, reason)
         try:
             await self.producer.send_and_wait(topics.DEAD_LETTER, b"", headers=headers)
-        except KafkaError as exc:  # the log line above is the trail then
-            log.warning("dead-lettering %s failed: %s", source.decode(), exc)
+        except KafkaError as exc:  # the reader's log line is the trail then
+            log.warning("dead-lettering %s/%s@%s failed: %s", *tp, offset, exc)
 
     def _done(self, partition: int, offset: int, outcome: str) -> None:
         self.offsets.finished(topics.BATCH_REQUESTS, partition, offset)
