@@ -23,7 +23,7 @@ from producers.gateway.services import Services
 from producers.gateway.streaming import StreamSlots
 from streams.tables import RollupTables
 from streams.web import metrics_registry
-from tests.unit.test_k8s_manifests import K8S, Doc, named, pod_spec
+from tests.unit.k8s_manifests import K8S, Doc, named, pod_spec
 from tests.unit.test_k8s_network_policy import reachable
 from workers.metrics import WorkerMetrics
 

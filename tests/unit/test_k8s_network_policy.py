@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from tests.unit.test_k8s_manifests import Doc, of_kind, pod_spec, workloads
+from tests.unit.k8s_manifests import Doc, of_kind, pod_spec, workloads
 
 Source = str  # "anyone", "namespace k=v" or "pods k=v"
 ANYONE = "anyone"
