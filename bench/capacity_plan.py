@@ -5,30 +5,22 @@ brokers, Cassandra nodes and Redis shards, computed from named figures.
 
 Every input is a named constant below, marked MEASURED (on this project's 2-CPU
 machine), FROM bench/gateway_load.py (measured by its streams phase), or
-ASSUMPTION (a public figure or a rule of thumb). Event sizes are measured here by
-encoding representative events with schemas.codec. docs/CAPACITY.md explains each
-line; change a figure here and rerun to get the new table. The manifests in infra/k8s
-carry these numbers (tests/unit/test_capacity_plan.py checks it): update them with it.
+ASSUMPTION (a public figure or a rule of thumb). Event sizes are measured by encoding
+representative events with schemas.codec (bench/event_sizes.py, with its own
+figures). docs/CAPACITY.md explains each line; change a figure here and rerun to get
+the new table. The manifests in infra/k8s carry these numbers
+(tests/unit/test_capacity_plan.py checks it): update them with it.
 """
 
 from __future__ import annotations
 
 import math
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
+from bench.event_sizes import EventSizes, measure_sizes
 from infra.topics import declared_topics
 from schemas import topics
-from schemas.codec import encode
-from schemas.events import (
-    ChatMessage,
-    FinalEvent,
-    PromptRequest,
-    TokenEvent,
-    Usage,
-    UsageRecord,
-)
 from tandoor.settings import Settings
 
 # --- The target (DESIGN.md: "Scale beyond one machine") ---------------------------------
@@ -62,14 +54,11 @@ AUTOSCALE_HEADROOM = 0.25  # max replicas above the peak need: bursts, a lost zo
 GATEWAY_UTILIZATION = 0.7  # HPA target: CPU and stream slots kept 30% free at peak
 
 # --- Traffic shape -----------------------------------------------------------------------
-PROMPT_TOKENS = 1_000  # ASSUMPTION: system prompt + history within the context budget
-CHARS_PER_TOKEN = 4.0  # ASSUMPTION: English text with a BPE tokenizer
 # Production coalescing window (the ConfigMap's TANDOOR_COALESCE_MS; default is 15 ms).
 COALESCE_MS = 50.0
 
 # --- Kafka -------------------------------------------------------------------------------
 REPLICATION_FACTOR = 3
-RECORD_OVERHEAD_BYTES = 70  # record header in a v2 batch + key (request id) + batch share
 BROKER_APPENDS_PER_S = 400_000  # ASSUMPTION: replica appends/s a broker sustains
 BROKER_BYTES_PER_S = 300e6  # ASSUMPTION: in + out per broker (NVMe, 25 GbE), with headroom
 BROKER_PARTITION_REPLICAS = 4_000  # rule of thumb per broker
@@ -108,16 +97,6 @@ class Inputs:
     coalesce_tokens: int = field(default_factory=lambda: Settings().coalesce_tokens)
     gateway_streams_per_process: int = GATEWAY_STREAMS_PER_PROCESS
     bands: int = field(default_factory=lambda: len(Settings().bands))
-
-
-@dataclass(frozen=True)
-class EventSizes:
-    """Encoded bytes (schemas.codec) of representative events, plus Kafka overhead."""
-
-    prompt: int
-    token: int
-    final: int
-    usage: int
 
 
 @dataclass(frozen=True)
@@ -273,74 +252,6 @@ def cassandra_nodes(messages_per_s: float) -> int:
     reads = messages_per_s * CASSANDRA_READS_PER_MESSAGE * 2  # LOCAL_QUORUM of RF 3
     need = writes / CASSANDRA_NODE_WRITES_PER_S + reads / CASSANDRA_NODE_READS_PER_S
     return round_up(max(need, REPLICATION_FACTOR), 3)  # whole racks (three zones)
-
-
-def measure_sizes(reply_tokens: float, tokens_per_event: int) -> EventSizes:
-    rid, uid, cid = (f"r_{uuid.uuid4().hex}", uuid.uuid4().hex, uuid.uuid4().hex)
-    reply = "x" * round(reply_tokens * CHARS_PER_TOKEN)
-    prompt = PromptRequest(
-        request_id=rid,
-        model="llama-8b",
-        user_id=uid,
-        tier="plus",
-        band="interactive-paid",
-        conversation_id=cid,
-        messages=[
-            ChatMessage(role="system", content=Settings().system_prompt or ""),
-            ChatMessage(role="user", content="x" * round(PROMPT_TOKENS * CHARS_PER_TOKEN)),
-        ],
-        created_at_ms=1_770_000_000_000,
-        deadline_ms=1_770_000_120_000,
-        reply_partition=517,
-        prompt_tokens_estimate=PROMPT_TOKENS,
-        charged_tokens=PROMPT_TOKENS + 512,
-    )
-    token = TokenEvent(
-        request_id=rid,
-        attempt=1,
-        seq=57,
-        delta="x" * round(tokens_per_event * CHARS_PER_TOKEN),
-        token_count=tokens_per_event,
-        created_at_ms=1_770_000_001_000,
-    )
-    usage = Usage(
-        prompt_tokens=PROMPT_TOKENS,
-        completion_tokens=166,
-        queue_ms=12.5,
-        ttft_ms=180.25,
-        decode_ms=3310.5,
-    )
-    final = FinalEvent(
-        request_id=rid,
-        attempt=1,
-        seq=80,
-        finish_reason="stop",
-        text=reply,
-        usage=usage,
-        model="llama-8b",
-        user_id=uid,
-        tier="plus",
-        conversation_id=cid,
-        created_at_ms=1_770_000_003_500,
-        prompt_created_at_ms=1_770_000_000_000,
-    )
-    record = UsageRecord(
-        request_id=rid,
-        attempt=1,
-        user_id=uid,
-        tier="plus",
-        model="llama-8b",
-        prompt_tokens=PROMPT_TOKENS,
-        completion_tokens=166,
-        queue_ms=12.5,
-        ttft_ms=180.25,
-        duration_ms=3500.0,
-        finish_reason="stop",
-        finished_at_ms=1_770_000_003_500,
-    )
-    return EventSizes(
-        *(len(encode(event)) + RECORD_OVERHEAD_BYTES for event in (prompt, token, final, record))
-    )
 
 
 def round_up(value: float, multiple: int) -> int:
