@@ -25,7 +25,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from functools import partial
 from typing import TypeAlias
 
@@ -41,7 +40,7 @@ from producers.admission.headers import batch_deadline_ms, bearer_token, text_of
 from producers.admission.lines import Refused, parse_line, prompt_for
 from producers.admission.marks import CallerCache, LineMarks
 from producers.admission.metrics import AdmissionMetrics
-from producers.admission.waiting import WaitingLines
+from producers.admission.waiting import Waiting, WaitingLines
 from producers.gateway.chat.checks import ReplyChecks
 from producers.model_load import LoadMonitor
 from producers.prompts import PromptSubmitter
@@ -55,7 +54,7 @@ from schemas.batch import (
     expired_output,
     refused_output,
 )
-from schemas.events import PromptRequest, now_ms
+from schemas.events import now_ms
 from tandoor.clients import (
     CASSANDRA_DOWN,
     REDIS_DOWN,
@@ -80,19 +79,6 @@ IDLE_S = 0.1  # nothing to read: look again after this
 RETRY_S = 1.0  # a store failing: try the line again after this
 UNREACHABLE = (*REDIS_DOWN, KafkaError, *CASSANDRA_DOWN)
 BAD = "invalid_request_error"
-
-
-@dataclass(frozen=True)
-class Waiting:
-    """A checked line waiting for room in its model's batch band."""
-
-    partition: int
-    offset: int
-    prompt: PromptRequest
-
-    @property
-    def position(self) -> str:
-        return f"{self.partition}:{self.offset}"
 
 
 class Admission(ConsumerRebalanceListener):  # type: ignore[misc]

@@ -3,6 +3,22 @@
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
+
+from schemas.events import PromptRequest
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """A checked line waiting for room in its model's batch band."""
+
+    partition: int
+    offset: int
+    prompt: PromptRequest
+
+    @property
+    def position(self) -> str:
+        return f"{self.partition}:{self.offset}"
 
 
 class WaitingLines:
