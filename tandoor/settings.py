@@ -247,6 +247,11 @@ class Settings(BaseSettings):
         """How long a prompt of `tier` may wait for a worker before it fails."""
         return self.tiers[tier].max_wait_s or self.queue_timeout_s
 
+    def silence_limit_s(self, tier: str) -> float:
+        """How long a reply may stay silent before no worker is assumed: its prompt's
+        wait budget, then the grace in which a worker answers an expired prompt itself."""
+        return self.wait_budget_s(tier) + self.no_worker_grace_s
+
     @property
     def served_models(self) -> list[str]:
         """The served names, the default (chat page, new conversations) first."""

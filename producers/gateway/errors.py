@@ -15,6 +15,7 @@ from tandoor.clients import CASSANDRA_DOWN, REDIS_DOWN
 # never a bare 500. Where a request can be served without it, the route handles it first.
 UNREACHABLE = (*CASSANDRA_DOWN, *REDIS_DOWN)
 UNREACHABLE_RETRY_S = 5
+QUEUE_RETRY_S = 2  # Kafka did not take a prompt or a stop: a broker restart takes seconds
 
 
 class ApiError(Exception):
@@ -41,6 +42,12 @@ def unavailable(what: str, retry_after_s: int = UNREACHABLE_RETRY_S) -> ApiError
         f"{what}; nothing was changed, please retry in {retry_after_s} s",
         kind="service_unavailable",
         headers={"Retry-After": str(retry_after_s)},
+    )
+
+
+def kafka_unreachable(message: str) -> ApiError:
+    return ApiError(
+        503, message, kind="service_unavailable", headers={"Retry-After": str(QUEUE_RETRY_S)}
     )
 
 

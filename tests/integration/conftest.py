@@ -11,13 +11,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
 
 from infra.roles import WorkerProcess
 from infra.topics import TopicSpec, batch_request_partitions, ensure_topics, start_group_at_end
 from producers.batch_topic import ResultsReader
 from schemas import topics
-from tandoor.clients import cassandra_session, kafka_producer
+from tandoor.clients import cassandra_session, kafka_producer, redis_client
 from tandoor.settings import Settings
 from tests.integration.batch_lines import BACKLOG_PER_WORKER, BLOCKED
 from workers.model_store import resolve_model_dir
@@ -100,6 +101,13 @@ async def worker(shared_worker: SharedWorker) -> WorkerProcess:
 async def producer(kafka: str, settings: Settings) -> AsyncIterator[AIOKafkaProducer]:
     async with kafka_producer(settings, client_id="tests") as p:
         yield p
+
+
+@pytest.fixture
+async def redis(settings: Settings, redis_url: str) -> AsyncIterator[aioredis.Redis]:
+    client = redis_client(settings)
+    yield client
+    await client.aclose()
 
 
 @pytest.fixture

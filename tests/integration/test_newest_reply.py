@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import datetime as dt
 import uuid
-from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aioredis
@@ -22,13 +21,6 @@ from tandoor.settings import Settings
 pytestmark = pytest.mark.integration
 
 AT = dt.datetime(2026, 12, 1, tzinfo=dt.UTC)
-
-
-@pytest.fixture
-async def redis(settings: Settings, redis_url: str) -> AsyncIterator[aioredis.Redis]:
-    client = redis_client(settings)
-    yield client
-    await client.aclose()
 
 
 class Conversation:

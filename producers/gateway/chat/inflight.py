@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +18,7 @@ import redis.asyncio as aioredis
 from consumers.fanout import Subscription
 from producers.gateway.errors import ApiError
 from schemas.codec import encode
-from schemas.events import FinalEvent, Usage, now_ms
+from schemas.events import FinalEvent, MessageKey, Usage, now_ms
 from tandoor.clients import REDIS_DOWN
 from tandoor.policies.redis_keys import (
     ATTEMPT_TTL_S,
@@ -39,6 +40,9 @@ class Queued:
 
     model: str
     created_at_ms: int
+    # A regenerate's or edit's: its cancelled final hides them too, once stored, even
+    # when the gateway that queued it died before marking them (and another stops it).
+    replaces: Sequence[MessageKey] = ()
 
 
 # A prompt no worker has taken yet, answered as done with `final` (KEYS: attempt, done,
@@ -66,7 +70,7 @@ return 0
 
 class InFlight:
     def __init__(self, redis: aioredis.Redis) -> None:
-        self._redis = redis
+        self.redis = redis
         self._replace = redis.register_script(REPLACE)
         self._end_untaken = redis.register_script(END_UNTAKEN)
 
@@ -85,13 +89,14 @@ class InFlight:
                 "model": prompt.model,
                 "prompt_at_ms": prompt.created_at_ms,
                 "conversation_id": conversation_id,
+                "replaces": [key.model_dump() for key in prompt.replaces],
             }
         )
         key = inflight_key(conversation_id)
         try:
-            if await self._redis.set(key, record, nx=True, ex=TTL_S):
+            if await self.redis.set(key, record, nx=True, ex=TTL_S):
                 return True
-            held = await self._redis.get(key)
+            held = await self.redis.get(key)
             if held is None or not await self._stale(orjson.loads(held)):
                 return False
             return bool(await self._replace(keys=[key], args=[held, record, TTL_S]))
@@ -101,7 +106,7 @@ class InFlight:
 
     async def _stale(self, record: dict[str, Any]) -> bool:
         """Its request is done, or nobody took it before it had to start."""
-        if await self._redis.exists(done_key(record["request_id"])):
+        if await self.redis.exists(done_key(record["request_id"])):
             return True
         return await self.abandoned(record)
 
@@ -121,7 +126,7 @@ class InFlight:
     async def abandoned(self, record: dict[str, Any]) -> bool:
         """Nobody took its request before it had to start: its gateway died before
         queueing it, or no worker came. It will never answer."""
-        taken = await self._redis.exists(attempt_key(record["request_id"]))
+        taken = await self.redis.exists(attempt_key(record["request_id"]))
         return not taken and now_ms() > int(record.get("start_by_ms", 0))
 
     async def release(self, conversation_id: str, request_id: str) -> None:
@@ -129,11 +134,11 @@ class InFlight:
         with contextlib.suppress(*REDIS_DOWN):  # then the record expires by itself
             current = await self.current(conversation_id)
             if current is not None and current["request_id"] == request_id:
-                await self._redis.delete(inflight_key(conversation_id))
+                await self.redis.delete(inflight_key(conversation_id))
 
     async def current(self, conversation_id: str) -> dict[str, Any] | None:
         """{"request_id", "partition", "offset"} of the running reply, or None."""
-        raw = await self._redis.get(inflight_key(conversation_id))
+        raw = await self.redis.get(inflight_key(conversation_id))
         return None if raw is None else dict(orjson.loads(raw))
 
     async def running(self, conversation_id: str, missing_status: int) -> dict[str, Any]:
@@ -170,4 +175,5 @@ def _cancelled_in_queue(record: dict[str, Any], user_id: str, tier: str) -> Fina
         conversation_id=record["conversation_id"],
         created_at_ms=at,
         prompt_created_at_ms=prompt_at,
+        replaces=[MessageKey.model_validate(key) for key in record.get("replaces", [])],
     )

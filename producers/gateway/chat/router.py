@@ -79,7 +79,7 @@ def _streamed(reply: Reply, svc: ChatService, slot: Slot) -> ReplyStream:
 @router.post("/{conversation_id}/stop", status_code=202)
 async def stop(conversation_id: str, caller: Caller, svc: Chat) -> dict[str, str]:
     """Stop the reply being generated; its partial text is kept as stopped."""
-    request_id = await svc.stop(caller, conversation_id)
+    request_id = await svc.running.stop(caller, conversation_id)
     return {"request_id": request_id, "status": "cancelling"}
 
 
@@ -92,7 +92,7 @@ async def resume(
 ) -> StreamingResponse:
     """Resume the current reply after `Last-Event-ID` (or from its start)."""
     with svc.deps.streams.reserve() as slot:
-        events = await svc.resume_events(caller, conversation_id)
+        events = await svc.running.resume_events(caller, conversation_id)
         resume = ResumePoint.parse(last_event_id)
         frames = reply_frames(events, svc.output_filter, resume)
         return ReplyStream(frames, slot, svc.deps.settings.gateway_write_timeout_s, SSE_HEADERS)

@@ -1,7 +1,7 @@
 """Asking for a reply (post, regenerate, edit, and the OpenAI API through `reply`): the
-checks, the user message stored, the prompt produced and the reply followed; stopping
-and resuming it. What a reply must pass lives in checks.py, the in-flight record in
-inflight.py, titles and summaries in jobs.py."""
+checks, the user message stored, the prompt produced and the reply followed. What a
+reply must pass lives in checks.py, the in-flight record in inflight.py, stopping and
+resuming in control.py, titles and summaries in jobs.py."""
 
 from __future__ import annotations
 
@@ -9,35 +9,32 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
-from consumers.fanout import Delivered, Subscription, TokenFanout, read_request
-from producers.control import request_cancel
+from consumers.fanout import Subscription, TokenFanout
 from producers.gateway.chat.checks import ReplyChecks
+from producers.gateway.chat.control import ReplyControl
 from producers.gateway.chat.history import after_summary, as_chat, usable, visible
 from producers.gateway.chat.inflight import InFlight, Queued
 from producers.gateway.chat.jobs import ConversationJobs
 from producers.gateway.chat.newest import Newest, NewestReply
 from producers.gateway.chat.protocol import PostMessage, ReplyOptions, sampling_for
-from producers.gateway.chat.watch import KEEPALIVE_S, ReplyWatch, with_keepalives
+from producers.gateway.chat.watch import ReplyWatch
 from producers.gateway.conversations.protocol import (
     Conversation,
     ConversationWithMessages,
     Message,
 )
 from producers.gateway.conversations.service import ConversationService, from_ms, message_key
-from producers.gateway.errors import ApiError, not_found
+from producers.gateway.errors import ApiError, kafka_unreachable, not_found
 from producers.gateway.shedding import ModelRouter
 from producers.gateway.streaming import StreamSlots
 from producers.prompts import PromptSubmitter
-from schemas import topics
-from schemas.codec import encode
 from schemas.events import (
     ANSWERED,
     ChatMessage,
@@ -52,8 +49,6 @@ from tandoor.policies.moderation import OutputFilter
 from tandoor.policies.quota import Admission, Quotas
 from tandoor.policies.redis_keys import ATTEMPT_TTL_S, done_key
 from tandoor.settings import Settings
-
-QUEUE_RETRY_S = 2  # Kafka did not take the prompt: a broker restart takes seconds
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +114,7 @@ class ChatService:
         self.deps = deps
         self.inflight = InFlight(deps.redis)
         self.newest = NewestReply(deps.redis)
+        self.running = ReplyControl(deps.settings, deps.conversations, deps.producer, self.inflight)
 
     async def moderated(self, content: str) -> str:
         return await self.deps.checks.moderated(content)
@@ -245,68 +241,14 @@ class ChatService:
 
         return await self.newest.settled(conversation_id, read, stored)
 
-    async def stop(self, caller: Principal, conversation_id: str) -> str:
-        await self.deps.conversations.owned(caller.user_id, conversation_id)
-        record = await self.inflight.running(conversation_id, 409)
-        request_id = str(record["request_id"])
-        try:
-            timeout_s = self.deps.settings.kafka_send_timeout_s
-            await asyncio.wait_for(self._stop(record, caller), timeout_s)
-        except (KafkaError, TimeoutError) as exc:
-            # The cancel is in Redis: a worker that takes the prompt later drops it.
-            raise _kafka_unreachable(
-                "the stop did not reach the workers (Kafka); the reply may go on, please retry"
-            ) from exc
-        return request_id
-
-    async def _stop(self, record: dict[str, Any], caller: Principal) -> None:
-        request_id = str(record["request_id"])
-        await request_cancel(self.deps.producer, self.deps.redis, request_id, "stop button")
-        # Still waiting in Kafka: answered here and now. The stop showed only once a
-        # worker reached the prompt (up to the queue's wait budget), and the
-        # conversation refused new messages meanwhile.
-        final = await self.inflight.end_untaken(record, caller.user_id, caller.tier)
-        if final is not None:
-            await self.deps.producer.send_and_wait(
-                topics.TOKENS, encode(final), key=request_id.encode(), partition=record["partition"]
-            )
-
-    async def resume_events(
-        self, caller: Principal, conversation_id: str
-    ) -> AsyncIterator[Delivered | None]:
-        """The current reply's events from its start (the caller skips what was sent),
-        with keep-alives, ending after the tier's silence limit. A 404 when no reply
-        runs, or when the one recorded will never answer (it hung until the record's
-        hour was up)."""
-        await self.deps.conversations.owned(caller.user_id, conversation_id)
-        record = await self.inflight.running(conversation_id, 404)
-        if await self.inflight.abandoned(record):
-            raise ApiError(
-                404, "no reply is being generated in this conversation", kind="not_found_error"
-            )
-        events = read_request(
-            self.deps.settings, record["request_id"], record["partition"], record["offset"]
-        )
-        cleared = self._clearing_when_final(conversation_id, record["request_id"], events)
-        return with_keepalives(cleared, KEEPALIVE_S, self._silence_limit_s(caller.tier))
-
-    async def _clearing_when_final(
-        self, conversation_id: str, request_id: str, events: AsyncIterator[Delivered]
-    ) -> AsyncIterator[Delivered]:
-        """A resumed reply whose gateway died: nobody else will mark it finished."""
-        async for item in events:
-            if isinstance(item.event, FinalEvent):  # before the client may close the stream
-                await self.inflight.release(conversation_id, request_id)
-            yield item
-
     async def _start(self, p: _Prompt) -> Reply:
         """Store the user's message (if there is a new one), produce the prompt, follow it."""
         d = self.deps
         store = not isinstance(p.conversation, ApiCall) or p.conversation.store
         conversation = self._opened(p)  # p's stays an ApiCall
         sub = await d.fanout.subscribe(p.request_id)
-        start_by = p.now + int(self._silence_limit_s(p.caller.tier) * 1000)
-        queued = Queued(p.model, p.now)
+        start_by = p.now + int(d.settings.silence_limit_s(p.caller.tier) * 1000)
+        queued = Queued(p.model, p.now, p.replaces)
         if not await self.inflight.claim(conversation.id, sub, start_by, queued):  # one at a time
             d.fanout.unsubscribe(sub)
             raise ApiError(409, "a reply is being generated: stop it first", kind="conflict_error")
@@ -361,7 +303,7 @@ class ChatService:
             await self._withdraw(p.request_id)
             if user_message_id is not None:
                 await d.conversations.mark_failed(conversation.id, user_message_id, p.now)
-            raise _kafka_unreachable(
+            raise kafka_unreachable(
                 "the prompt queue is unreachable; your message is saved as failed, please retry"
             ) from exc
 
@@ -407,11 +349,6 @@ class ChatService:
         with contextlib.suppress(*REDIS_DOWN):
             await self.deps.redis.set(done_key(request_id), 0, ex=ATTEMPT_TTL_S)
 
-    def _silence_limit_s(self, tier: str) -> float:
-        """How long a prompt may go unanswered before no worker is assumed: its wait
-        budget, then the grace in which a worker answers an expired prompt itself."""
-        return self.deps.settings.wait_budget_s(tier) + self.deps.settings.no_worker_grace_s
-
     def _follow(self, p: _Prompt, conversation: Conversation, sub: Subscription) -> ReplyWatch:
         """When the reply ends: its in-flight record goes, its quota is settled, and the
         conversation's jobs hear of it (a title after its first reply)."""
@@ -428,15 +365,9 @@ class ChatService:
                 await d.jobs.after_reply(p.caller.user_id, conversation, p.text, final.text)
 
         # The worker answers an expired prompt itself; silence past that means no worker.
-        return ReplyWatch(sub, self._silence_limit_s(p.caller.tier), finished)
+        return ReplyWatch(sub, d.settings.silence_limit_s(p.caller.tier), finished)
 
 
 def _after(unstored: list[Message], cut: Message) -> list[Message]:
     """The unstored reply, if it comes after `cut` (not one a later turn followed)."""
     return [m for m in unstored if m.created_at > cut.created_at]
-
-
-def _kafka_unreachable(message: str) -> ApiError:
-    return ApiError(
-        503, message, kind="service_unavailable", headers={"Retry-After": str(QUEUE_RETRY_S)}
-    )

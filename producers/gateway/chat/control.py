@@ -1,0 +1,90 @@
+"""Stopping and resuming the reply a conversation is generating, from any gateway: what
+they know of it is its in-flight record (inflight.py), not the gateway that started it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaError
+
+from consumers.fanout import Delivered, read_request
+from producers.control import request_cancel
+from producers.gateway.chat.inflight import InFlight
+from producers.gateway.chat.watch import KEEPALIVE_S, with_keepalives
+from producers.gateway.conversations.service import ConversationService
+from producers.gateway.errors import ApiError, kafka_unreachable
+from schemas import topics
+from schemas.codec import encode
+from schemas.events import FinalEvent
+from tandoor.policies.api_keys import Principal
+from tandoor.settings import Settings
+
+
+class ReplyControl:
+    def __init__(
+        self,
+        settings: Settings,
+        conversations: ConversationService,
+        producer: AIOKafkaProducer,
+        inflight: InFlight,
+    ) -> None:
+        self.settings = settings
+        self.conversations = conversations
+        self.producer = producer
+        self.inflight = inflight
+
+    async def stop(self, caller: Principal, conversation_id: str) -> str:
+        await self.conversations.owned(caller.user_id, conversation_id)
+        record = await self.inflight.running(conversation_id, 409)
+        try:
+            timeout_s = self.settings.kafka_send_timeout_s
+            await asyncio.wait_for(self._stop(record, caller), timeout_s)
+        except (KafkaError, TimeoutError) as exc:
+            # The cancel is in Redis: a worker that takes the prompt later drops it.
+            raise kafka_unreachable(
+                "the stop did not reach the workers (Kafka); the reply may go on, please retry"
+            ) from exc
+        return str(record["request_id"])
+
+    async def _stop(self, record: dict[str, Any], caller: Principal) -> None:
+        request_id = str(record["request_id"])
+        await request_cancel(self.producer, self.inflight.redis, request_id, "stop button")
+        # Still waiting in Kafka: answered here and now. The stop showed only once a
+        # worker reached the prompt (up to the queue's wait budget), and the
+        # conversation refused new messages meanwhile.
+        final = await self.inflight.end_untaken(record, caller.user_id, caller.tier)
+        if final is not None:
+            await self.producer.send_and_wait(
+                topics.TOKENS, encode(final), key=request_id.encode(), partition=record["partition"]
+            )
+
+    async def resume_events(
+        self, caller: Principal, conversation_id: str
+    ) -> AsyncIterator[Delivered | None]:
+        """The current reply's events from its start (the caller skips what was sent),
+        with keep-alives, ending after the tier's silence limit. A 404 when no reply
+        runs, or when the one recorded will never answer (it hung until the record's
+        hour was up)."""
+        await self.conversations.owned(caller.user_id, conversation_id)
+        record = await self.inflight.running(conversation_id, 404)
+        if await self.inflight.abandoned(record):
+            raise ApiError(
+                404, "no reply is being generated in this conversation", kind="not_found_error"
+            )
+        events = read_request(
+            self.settings, record["request_id"], record["partition"], record["offset"]
+        )
+        cleared = self._clearing_when_final(conversation_id, record["request_id"], events)
+        return with_keepalives(cleared, KEEPALIVE_S, self.settings.silence_limit_s(caller.tier))
+
+    async def _clearing_when_final(
+        self, conversation_id: str, request_id: str, events: AsyncIterator[Delivered]
+    ) -> AsyncIterator[Delivered]:
+        """A resumed reply whose gateway died: nobody else will mark it finished."""
+        async for item in events:
+            if isinstance(item.event, FinalEvent):  # before the client may close the stream
+                await self.inflight.release(conversation_id, request_id)
+            yield item

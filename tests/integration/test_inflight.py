@@ -1,0 +1,63 @@
+"""The in-flight record against the real Redis: a stop that reaches a prompt no worker
+has taken yet answers it itself, from the record alone (any gateway can be the one
+that stops: the one that queued the prompt may be gone)."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import redis.asyncio as aioredis
+
+from consumers.fanout import Subscription
+from producers.gateway.chat.inflight import InFlight, Queued
+from schemas.codec import decode
+from schemas.events import FinalEvent, MessageKey, now_ms
+from tandoor.policies.redis_keys import attempt_key, final_key
+
+pytestmark = pytest.mark.integration
+
+OLD_REPLIES = [
+    MessageKey(created_at_ms=1_000, message_id="r_old"),
+    MessageKey(created_at_ms=2_000, message_id="r_older_edit"),
+]
+
+
+async def claimed(redis: aioredis.Redis, replaces: list[MessageKey]) -> tuple[InFlight, str]:
+    inflight, conversation_id = InFlight(redis), f"c_{uuid.uuid4().hex}"
+    sub = Subscription(request_id=f"r_{uuid.uuid4().hex}", partition=3, next_offset=7)
+    queued = Queued("smollm2-135m", now_ms(), replaces)
+    assert await inflight.claim(conversation_id, sub, now_ms() + 60_000, queued)
+    return inflight, conversation_id
+
+
+async def test_a_stop_before_any_worker_ends_a_regenerate_with_what_it_replaces(
+    redis: aioredis.Redis,
+) -> None:
+    """Its cancelled final names the replies the regenerate replaces, so persistence
+    hides them as it stores the stopped reply, and so does the final a worker delivers
+    again later (kept in Redis)."""
+    inflight, conversation_id = await claimed(redis, OLD_REPLIES)
+    record = await inflight.running(conversation_id, 409)  # as another gateway reads it
+    final = await inflight.end_untaken(record, "u_1", "free")
+    assert final is not None
+    assert (final.request_id, final.finish_reason, final.text) == (
+        record["request_id"],
+        "cancelled",
+        "",
+    )
+    assert final.conversation_id == conversation_id
+    assert final.replaces == OLD_REPLIES
+    kept = await redis.get(final_key(final.request_id))
+    assert kept is not None and decode(FinalEvent, kept).replaces == OLD_REPLIES
+    assert await inflight.end_untaken(record, "u_1", "free") is None  # a second stop
+
+
+async def test_a_stop_after_a_worker_took_the_prompt_leaves_the_final_to_it(
+    redis: aioredis.Redis,
+) -> None:
+    inflight, conversation_id = await claimed(redis, [])
+    record = await inflight.running(conversation_id, 409)
+    await redis.set(attempt_key(record["request_id"]), 1, ex=60)
+    assert await inflight.end_untaken(record, "u_1", "free") is None
+    assert await redis.get(final_key(record["request_id"])) is None
