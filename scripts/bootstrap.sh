@@ -64,12 +64,13 @@ install_virtualenv() {
 
 install_system_packages
 install_virtualenv
-log "fetching server jars (cached)"
-.venv/bin/tandoor infra fetch
-log "preparing the bundled models (converted once, then cached)"
-# Side by side: each conversion is mostly one thread.
+log "fetching server jars and preparing the bundled models (each once, then cached)"
+# Side by side: each conversion is mostly one thread, and the jars mostly wait on the
+# network (a minute on a cold Maven mirror, seconds of CPU).
+.venv/bin/tandoor infra fetch & jars=$!
 .venv/bin/tandoor prepare-model smollm2 & smollm2=$!
 .venv/bin/tandoor prepare-model gemma3 & gemma3=$!
+wait "$jars"
 wait "$smollm2"
 wait "$gemma3"
 log "done"
