@@ -7,7 +7,7 @@ process (one more import of torch and vLLM at every start) and a worker that pol
 message queue, competing with the model for the cores. `auto` takes `uni` on a CPU with
 one engine per model (tensor_parallel_size 1): measured on a 2-core Xeon (AVX-512 BF16)
 with SmolLM2, the engine started in 36 s instead of 53 s and decoded 209 tokens/s at 16
-streams instead of 147 (bench/engine_executor.py). Choose `mp` where the binding matters
+streams instead of 147 (bench/engine_options.py). Choose `mp` where the binding matters
 (large multi-socket CPUs); elsewhere `auto` leaves the choice to vLLM."""
 
 from __future__ import annotations
