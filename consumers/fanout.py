@@ -6,7 +6,8 @@ that request's events there, so one replica sees the whole reply without reading
 anybody else's traffic. A client that reconnects (to any replica) is served by a
 reader of that one partition from the request's first offset. If a rebalance takes
 a partition away, one reader of that partition carries the replica's open streams on
-it from where they were, until each has ended or been dropped. An event reaches a
+it from where they were, until each has ended or been dropped; only that reader feeds
+them, even if the partition comes back. An event reaches a
 subscription once, whoever reads it (offsets only go forward), and the Kafka readers
 of a replica are bounded: the group member, a reader per lost partition, and one per
 resumed stream (bounded by the stream slots).
@@ -18,6 +19,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -85,6 +87,11 @@ class TokenFanout(ConsumerRebalanceListener):  # type: ignore[misc]
         self._ready = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._handovers: set[asyncio.Task[None]] = set()
+        # Streams a hand-over reader carries: only it feeds them. Given their partition
+        # back (an eager rebalance revokes all), the group member starts at the end, and
+        # an event it passed on first would make the hand-over's earlier ones look old
+        # (dropped): a gap, which holds the client's text back until the final.
+        self._carried: Counter[str] = Counter()
         self.failure: BaseException | None = None  # the dispatch task died of it
 
     async def start(self, timeout_s: float = 30) -> None:
@@ -153,6 +160,7 @@ class TokenFanout(ConsumerRebalanceListener):  # type: ignore[misc]
         for partition in lost:
             subs = [s for s in self._subs.values() if s.partition == partition]
             if subs:
+                self._carried.update(sub.request_id for sub in subs)
                 task = asyncio.create_task(self._hand_over(partition, subs))
                 self._handovers.add(task)
                 task.add_done_callback(self._handovers.discard)
@@ -161,22 +169,28 @@ class TokenFanout(ConsumerRebalanceListener):  # type: ignore[misc]
         """Keep the open streams of a lost partition going with one reader, until each
         has ended (its final) or was dropped (its client's reply watch gave up)."""
         waiting = {sub.request_id: sub for sub in subs}
-        start = min(sub.next_offset for sub in subs)
-        async with partition_reader(self.settings, partition, start) as consumer:
-            while waiting:
-                batch = await consumer.getmany(timeout_ms=HANDOVER_POLL_MS)
-                for record in [r for records in batch.values() for r in records]:
-                    sub = waiting.get(record.key.decode()) if record.key else None
-                    if sub is not None and (item := _delivered(record)) is not None:
-                        sub.push(item)
-                        if isinstance(item.event, FinalEvent):
-                            del waiting[sub.request_id]
-                waiting = {k: s for k, s in waiting.items() if self._subs.get(k) is s}
+        try:
+            start = min(sub.next_offset for sub in subs)
+            async with partition_reader(self.settings, partition, start) as consumer:
+                while waiting:
+                    batch = await consumer.getmany(timeout_ms=HANDOVER_POLL_MS)
+                    for record in [r for records in batch.values() for r in records]:
+                        sub = waiting.get(record.key.decode()) if record.key else None
+                        if sub is not None and (item := _delivered(record)) is not None:
+                            sub.push(item)
+                            if isinstance(item.event, FinalEvent):
+                                del waiting[sub.request_id]
+                    waiting = {k: s for k, s in waiting.items() if self._subs.get(k) is s}
+        finally:  # this reader failing: the group member feeds them again, if it can
+            self._carried.subtract(sub.request_id for sub in subs)
+            self._carried = +self._carried  # drops the zeros
 
     async def _dispatch(self) -> None:
         async for record in self._consumer:
             sub = self._subs.get(record.key.decode()) if record.key else None
             if sub is None or sub.partition != record.partition:
+                continue
+            if sub.request_id in self._carried:
                 continue
             item = _delivered(record)
             if item is not None:

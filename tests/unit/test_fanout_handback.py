@@ -1,0 +1,131 @@
+"""A partition revoked and given back to the same gateway (an eager rebalance revokes
+every partition, then hands most of them back): its open streams go on without a gap.
+
+The group member, given the partition back, starts at its end; the hand-over reader
+started at the revoke reads on from where each stream was. An event the member passed
+on first made the hand-over's earlier ones look old, so they were dropped: the client's
+text then waited for the final. Pure logic: the fan-out's own dispatch and hand-over,
+fed by two stand-in readers in the order that broke it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import pytest
+from aiokafka import TopicPartition
+from aiokafka.structs import ConsumerRecord
+
+import consumers.fanout as fanout_module
+from consumers.fanout import Delivered, Subscription, TokenFanout
+from schemas import topics
+from schemas.codec import encode
+from schemas.events import FinalEvent, TokenEvent, Usage
+from tandoor.settings import Settings
+
+REQUEST = "r_handback"
+PARTITION = 0
+
+
+def record(offset: int, event: TokenEvent | FinalEvent) -> ConsumerRecord[bytes, bytes]:
+    return ConsumerRecord(
+        topics.TOKENS, PARTITION, offset, 0, 0, REQUEST.encode(), encode(event), None, 0, 0, ()
+    )
+
+
+def token(seq: int) -> TokenEvent:
+    return TokenEvent(
+        request_id=REQUEST, attempt=1, seq=seq, delta=f"t{seq} ", token_count=1, created_at_ms=1
+    )
+
+
+def final(seq: int) -> FinalEvent:
+    return FinalEvent(
+        request_id=REQUEST,
+        attempt=1,
+        seq=seq,
+        finish_reason="stop",
+        text="".join(f"t{i} " for i in range(seq)),
+        usage=Usage(prompt_tokens=1, completion_tokens=seq, queue_ms=0, decode_ms=0),
+        model="m",
+        user_id="u",
+        tier="free",
+        conversation_id="c",
+        created_at_ms=2,
+        prompt_created_at_ms=1,
+    )
+
+
+class Feed:
+    """Records handed out as the test releases them."""
+
+    def __init__(self) -> None:
+        self.records: asyncio.Queue[ConsumerRecord[bytes, bytes]] = asyncio.Queue()
+
+    def __aiter__(self) -> Feed:
+        return self
+
+    async def __anext__(self) -> ConsumerRecord[bytes, bytes]:
+        return await self.records.get()
+
+    async def getmany(
+        self, timeout_ms: int
+    ) -> dict[TopicPartition, list[ConsumerRecord[bytes, bytes]]]:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_ms / 1000):
+                first = await self.records.get()
+                rest = [self.records.get_nowait() for _ in range(self.records.qsize())]
+                return {TopicPartition(topics.TOKENS, PARTITION): [first, *rest]}
+        return {}
+
+
+async def settle() -> None:
+    for _ in range(20):
+        await asyncio.sleep(0)
+
+
+def offsets(queue: asyncio.Queue[Delivered]) -> list[int]:
+    return [queue.get_nowait().offset for _ in range(queue.qsize())]
+
+
+async def test_a_stream_on_a_partition_given_back_goes_on_without_a_gap(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    group, handover = Feed(), Feed()
+    started_at: list[int] = []
+
+    @contextlib.asynccontextmanager
+    async def reader(_: object, partition: int, offset: int) -> AsyncIterator[Feed]:
+        started_at.append(offset)
+        yield handover
+
+    monkeypatch.setattr(fanout_module, "partition_reader", reader)
+    fanout = TokenFanout(Settings())
+    unstarted, fanout._consumer = fanout._consumer, group
+    sub = Subscription(REQUEST, PARTITION, next_offset=10)
+    fanout._subs[REQUEST] = sub
+    dispatch = asyncio.create_task(fanout._dispatch())
+    try:
+        await fanout.on_partitions_revoked([TopicPartition(topics.TOKENS, PARTITION)])
+        # Given back: the member starts at the partition's end, past events 10-12 that
+        # were written during the rebalance, and passes on 13 before the reader starts.
+        group.records.put_nowait(record(13, token(3)))
+        await settle()
+        for offset in range(10, 14):
+            handover.records.put_nowait(record(offset, token(offset - 10)))
+        handover.records.put_nowait(record(14, final(4)))
+        for _ in range(100):
+            await settle()
+            if not fanout.handovers:
+                break
+        assert started_at == [10]
+        assert offsets(sub.queue) == [10, 11, 12, 13, 14]  # every event once, in order
+        assert not fanout.handovers  # the reader closed at the final
+        group.records.put_nowait(record(15, token(9)))  # later events: the member's again
+        await settle()
+        assert offsets(sub.queue) == [15]
+    finally:
+        dispatch.cancel()
+        await asyncio.gather(dispatch, return_exceptions=True)
+        await unstarted.stop()
