@@ -25,18 +25,23 @@ from schemas.events import FinalEvent, TokenEvent, Usage
 from tandoor.settings import Settings
 
 REQUEST = "r_handback"
+SENTINEL = "r_sentinel"  # another stream on the partition: its event marks what came first
 PARTITION = 0
+WAIT_S = 10  # a failure guard only: everything here is in memory
 
 
-def record(offset: int, event: TokenEvent | FinalEvent) -> ConsumerRecord[bytes, bytes]:
+def record(
+    offset: int, event: TokenEvent | FinalEvent, request_id: str = REQUEST
+) -> ConsumerRecord[bytes, bytes]:
+    key = request_id.encode()
     return ConsumerRecord(
-        topics.TOKENS, PARTITION, offset, 0, 0, REQUEST.encode(), encode(event), None, 0, 0, ()
+        topics.TOKENS, PARTITION, offset, 0, 0, key, encode(event), None, 0, 0, ()
     )
 
 
-def token(seq: int) -> TokenEvent:
+def token(seq: int, request_id: str = REQUEST) -> TokenEvent:
     return TokenEvent(
-        request_id=REQUEST, attempt=1, seq=seq, delta=f"t{seq} ", token_count=1, created_at_ms=1
+        request_id=request_id, attempt=1, seq=seq, delta=f"t{seq} ", token_count=1, created_at_ms=1
     )
 
 
@@ -80,11 +85,6 @@ class Feed:
         return {}
 
 
-async def settle() -> None:
-    for _ in range(20):
-        await asyncio.sleep(0)
-
-
 def offsets(queue: asyncio.Queue[Delivered]) -> list[int]:
     return [queue.get_nowait().offset for _ in range(queue.qsize())]
 
@@ -108,23 +108,26 @@ async def test_a_stream_on_a_partition_given_back_goes_on_without_a_gap(
     dispatch = asyncio.create_task(fanout._dispatch())
     try:
         await fanout.on_partitions_revoked([TopicPartition(topics.TOKENS, PARTITION)])
+        carried = set(fanout._handovers)
+        sentinel = Subscription(SENTINEL, PARTITION, next_offset=0)  # opened after the revoke
+        fanout._subs[SENTINEL] = sentinel
         # Given back: the member starts at the partition's end, past events 10-12 that
-        # were written during the rebalance, and passes on 13 before the reader starts.
+        # were written during the rebalance, and passes on 13 before the reader reads.
         group.records.put_nowait(record(13, token(3)))
-        await settle()
+        group.records.put_nowait(record(14, token(0, SENTINEL), SENTINEL))
+        async with asyncio.timeout(WAIT_S):
+            await sentinel.queue.get()  # the member has dealt with 13
         for offset in range(10, 14):
             handover.records.put_nowait(record(offset, token(offset - 10)))
         handover.records.put_nowait(record(14, final(4)))
-        for _ in range(100):
-            await settle()
-            if not fanout.handovers:
-                break
+        async with asyncio.timeout(WAIT_S):
+            await asyncio.gather(*carried)  # the reader closes at the final
         assert started_at == [10]
         assert offsets(sub.queue) == [10, 11, 12, 13, 14]  # every event once, in order
-        assert not fanout.handovers  # the reader closed at the final
+        assert not fanout.handovers
         group.records.put_nowait(record(15, token(9)))  # later events: the member's again
-        await settle()
-        assert offsets(sub.queue) == [15]
+        async with asyncio.timeout(WAIT_S):
+            assert (await sub.queue.get()).offset == 15
     finally:
         dispatch.cancel()
         await asyncio.gather(dispatch, return_exceptions=True)
