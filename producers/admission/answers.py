@@ -1,18 +1,24 @@
-"""Answering a batch line that goes no further (refused, or its batch cancelled): its
-output on `batch.results`, and in `batch_outputs` where its owner is known, as the
-persistence consumer does for the lines that ran."""
+"""Answering a batch line that goes no further (refused, its batch cancelled or its
+window over): its output on `batch.results`, and in `batch_outputs` where its owner is
+known, as the persistence consumer does for the lines that ran."""
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, Literal
 
 import orjson
 from aiokafka import AIOKafkaProducer
 
 from consumers.history import INSERT_BATCH_OUTPUT, batch_output_row
+from producers.admission.marks import LineMarks
 from schemas import topics
+from schemas.batch import cancelled_output, expired_output
+from schemas.events import PromptRequest
 from tandoor.clients import cql
+
+Unrun = Literal["cancelled", "expired"]  # why a line is answered without running
 
 
 class Answers:
@@ -27,3 +33,38 @@ class Answers:
             await cql(self._session, self._insert, row)
         key = batch_id.encode() if batch_id else None
         await self._producer.send_and_wait(topics.BATCH_RESULTS, orjson.dumps(output), key=key)
+
+    async def unrun(self, prompt: PromptRequest, why: Unrun) -> None:
+        output = cancelled_output if why == "cancelled" else expired_output
+        await self.send(
+            prompt.user_id, prompt.batch_id, output(prompt.custom_id, prompt.request_id)
+        )
+
+
+async def why_unrun(marks: LineMarks, prompt: PromptRequest, now: int) -> Unrun | None:
+    """Why a line must not run: its batch was cancelled, or its window is over."""
+    if await marks.cancelled(prompt.user_id, prompt.batch_id):
+        return "cancelled"
+    return "expired" if _past_deadline(prompt, now) else None
+
+
+async def unrun_lines(
+    marks: LineMarks, prompts: Iterable[PromptRequest], now: int
+) -> dict[str, Unrun]:
+    """`why_unrun` of many lines (by request id), asking Redis once a batch."""
+    prompts = list(prompts)
+    cancelled = set()
+    for owner, batch_id in {(p.user_id, p.batch_id) for p in prompts}:
+        if await marks.cancelled(owner, batch_id):
+            cancelled.add((owner, batch_id))
+    unrun: dict[str, Unrun] = {}
+    for prompt in prompts:
+        if (prompt.user_id, prompt.batch_id) in cancelled:
+            unrun[prompt.request_id] = "cancelled"
+        elif _past_deadline(prompt, now):
+            unrun[prompt.request_id] = "expired"
+    return unrun
+
+
+def _past_deadline(prompt: PromptRequest, now: int) -> bool:
+    return prompt.deadline_ms is not None and now > prompt.deadline_ms

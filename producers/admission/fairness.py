@@ -77,6 +77,10 @@ class FairQueue(Generic[T]):
         self.size -= len(removed)
         return removed
 
+    def items(self) -> list[T]:
+        """Every queued line, tenant by tenant."""
+        return [item for state in self._tenants.values() for item in state.queue]
+
     def counters(self) -> dict[str, float]:
         return {name: state.counter for name, state in self._tenants.items()}
 

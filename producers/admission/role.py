@@ -8,7 +8,8 @@ id, with `authorization: Bearer <key>` (and optionally `batch-id`) headers. This
   (fairness.py), only while the model's batch band holds fewer than
   `batch_backlog_per_worker` prompts per worker: a flood waits here, not in Kafka;
 - charges each line to its tenant's quota as it forwards it (over quota, that tenant
-  waits and the others go on);
+  waits and the others go on); a waiting line of a cancelled batch, or past its
+  batch's window, is answered within a second, not at its turn;
 - commits a partition's offset only below its oldest line not yet forwarded or
   answered, and marks each handled line in Redis with where it was read, so after a
   crash the lines read again are skipped, not run twice;
@@ -22,6 +23,7 @@ Results of forwarded lines are published by the persistence consumer once stored
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -34,7 +36,7 @@ from aiokafka.errors import KafkaError
 from aiokafka.structs import ConsumerRecord
 from cassandra.cluster import Cluster
 
-from producers.admission.answers import Answers
+from producers.admission.answers import Answers, Unrun, unrun_lines, why_unrun
 from producers.admission.fairness import FairQueue
 from producers.admission.headers import batch_deadline_ms, bearer_token, text_of
 from producers.admission.lines import Refused, parse_line, prompt_for
@@ -49,9 +51,7 @@ from schemas.batch import (
     AUTHORIZATION_HEADER,
     BATCH_ID_HEADER,
     DEADLINE_HEADER,
-    cancelled_output,
     custom_line_request_id,
-    expired_output,
     refused_output,
 )
 from schemas.events import now_ms
@@ -77,6 +77,7 @@ POLL_S = 0.25  # how often the batch band's backlog is measured
 COMMIT_EVERY_S = 1.0
 IDLE_S = 0.1  # nothing to read: look again after this
 RETRY_S = 1.0  # a store failing: try the line again after this
+SWEEP_S = 1.0  # how often waiting lines are looked over for a cancel or a passed deadline
 UNREACHABLE = (*REDIS_DOWN, KafkaError, *CASSANDRA_DOWN)
 BAD = "invalid_request_error"
 
@@ -173,9 +174,7 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
         assigned = self.consumer.assignment()
         if not assigned:
             return
-        share = max(1, self.settings.admission_max_waiting // len(assigned))
-        held = self.queued.per_partition
-        full = {tp for tp in assigned if held[tp.partition] >= share}
+        full = self.queued.full(assigned, self.settings.admission_max_waiting)
         paused = self.consumer.paused() & assigned
         if full - paused:
             log.info("buffer share full: pausing %s", sorted(tp.partition for tp in full - paused))
@@ -251,23 +250,25 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
     async def _answered_unrun(self, waiting: Waiting) -> bool:
         """A line of a cancelled batch, or one whose batch's window is over: answered
         so, and never run. False for a line that may still run."""
-        prompt = waiting.prompt
-        if await self.marks.cancelled(prompt.user_id, prompt.batch_id):
-            outcome, output = "cancelled", cancelled_output(prompt.custom_id, prompt.request_id)
-        elif prompt.deadline_ms is not None and now_ms() > prompt.deadline_ms:
-            outcome, output = "expired", expired_output(prompt.custom_id, prompt.request_id)
-        else:
-            return False
-        await self.answers.send(prompt.user_id, prompt.batch_id, output)
-        await self.marks.mark(prompt.request_id, waiting.position)
-        self.queued.discard(prompt.request_id)
-        self._done(waiting.partition, waiting.offset, outcome)
-        return True
+        why = await why_unrun(self.marks, waiting.prompt, now_ms())
+        if why is not None:
+            await self._answer_unrun(waiting, why)
+        return why is not None
+
+    async def _answer_unrun(self, waiting: Waiting, why: Unrun) -> None:
+        await self.answers.unrun(waiting.prompt, why)
+        await self.marks.mark(waiting.prompt.request_id, waiting.position)
+        self.queued.discard(waiting.prompt.request_id)
+        self._done(waiting.partition, waiting.offset, why)
 
     # Forwarding.
 
     async def _forward_lines(self) -> None:
+        swept_at = 0.0
         while not self._stopping.is_set():
+            if time.monotonic() - swept_at >= SWEEP_S:
+                await self._until_done(self._answer_unrunnable)
+                swept_at = time.monotonic()
             for model, queue in self.queues.items():
                 room = self._room(model)
                 while room > 0 and not self._stopping.is_set():
@@ -279,10 +280,20 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
                         room -= 1
                 self.metrics.waiting.labels(model).set(queue.size)
             self._arrived.clear()
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._arrived.wait(), POLL_S)
-            except TimeoutError:
-                pass
+
+    async def _answer_unrunnable(self) -> None:
+        """Waiting lines of a cancelled batch or past their deadline, answered now: their
+        turn may be hours away (a tenant held by its quota, a band without workers), and
+        their batch shows `cancelling` until every line is answered."""
+        lines = [line for queue in self.queues.values() for line in queue.items()]
+        unrun = await unrun_lines(self.marks, (line.prompt for line in lines), now_ms())
+        for queue in self.queues.values():
+            for line in queue.remove(lambda line: line.prompt.request_id in unrun):
+                if self.queued.where(line.prompt.request_id) == line.position:  # not revoked
+                    why = unrun[line.prompt.request_id]
+                    await self._until_done(partial(self._answer_unrun, line, why))
 
     def _room(self, model: str) -> int:
         """Prompts the batch band may still take: per worker, less what it holds."""

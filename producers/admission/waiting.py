@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+from aiokafka import TopicPartition
+
 from schemas.events import PromptRequest
 
 
@@ -42,6 +44,11 @@ class WaitingLines:
         position = self._positions.pop(request_id, None)
         if position is not None:
             self.per_partition[_partition(position)] -= 1
+
+    def full(self, assigned: set[TopicPartition], max_waiting: int) -> set[TopicPartition]:
+        """The partitions whose lines fill their share of the read-ahead buffer."""
+        share = max(1, max_waiting // len(assigned))
+        return {tp for tp in assigned if self.per_partition[tp.partition] >= share}
 
     def drop_partitions(self, gone: set[int]) -> None:
         """Forget the lines of partitions that moved: their new owner reads them again."""

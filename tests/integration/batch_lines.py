@@ -15,7 +15,7 @@ from schemas import topics
 from schemas.topics import prompts_topic
 from tandoor.policies.api_keys import create_key
 from tandoor.settings import Settings
-from tests.waiting import eventually
+from tests.waiting import IDLE_S, eventually
 
 BACKLOG_PER_WORKER = 16  # the shared worker's slots: lines run as fast as it can
 BLOCKED = "zorblax"  # on the moderation blocklist of the roles these tests start
@@ -48,12 +48,17 @@ async def batch_key(settings: Settings, name: str) -> tuple[str, str]:
     return key, principal.user_id
 
 
-async def all_results(reader: ResultsReader, batch_id: str, count: int) -> list[dict[str, Any]]:
+async def all_results(
+    reader: ResultsReader, batch_id: str, count: int, idle_s: float = IDLE_S
+) -> list[dict[str, Any]]:
+    """The batch's results once `count` have come; failing after `idle_s` without one."""
+
     async def arrived() -> int:
         await reader.poll()
         return len(reader.of(batch_id))
 
-    await eventually(arrived, lambda n: n >= count, what=f"{count} results of {batch_id}")
+    what = f"{count} results of {batch_id}"
+    await eventually(arrived, lambda n: n >= count, what=what, idle_s=idle_s)
     return reader.of(batch_id)
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import orjson
 import pytest
+import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
 
 from infra.roles import AdmissionProcess, PersistProcess, WorkerProcess, running
@@ -29,6 +30,7 @@ from schemas.events import now_ms
 from schemas.topics import BandLayout
 from tandoor.clients import cassandra_session
 from tandoor.policies.api_keys import create_key
+from tandoor.policies.redis_keys import batch_cancel_key
 from tandoor.settings import Settings, TierPolicy
 from tests.integration.batch_lines import (
     BACKLOG_PER_WORKER,
@@ -47,6 +49,7 @@ LINES = 200
 FLOOD, SMALL = 2000, 20
 FAIR_BACKLOG = 4  # the fairness run's: the flood's lines in the band when it starts
 CRASH_LINES = 100
+HELD_LINES = 20
 
 
 async def test_a_200_line_batch_on_the_topic_is_answered_once_per_line(
@@ -282,17 +285,8 @@ async def test_a_tenant_held_by_its_quota_does_not_stop_other_batches_being_read
     waiting on its quota (a request a minute) fills its partition's share, which is then
     read no further, and the other partitions are read on. Reading stopped for every
     batch while the held batch filled the buffer (for hours: it drains a line a minute)."""
-    slow = TierPolicy(
-        band="batch", requests_per_minute=1, tokens_per_minute=1_000_000, concurrent_streams=1
-    )
-    tiers = settings.tiers | {"slow": slow}
-    env = roles_env | {
-        "TANDOOR_TIERS": json.dumps({name: p.model_dump() for name, p in tiers.items()}),
-        "TANDOOR_ADMISSION_MAX_WAITING": str(2 * topics.BATCH_PARTITIONS),  # 2 a partition
-    }
-    hog_key, _ = await create_key(
-        settings.model_copy(update={"tiers": tiers}), f"hog-{uuid.uuid4().hex[:6]}", "slow"
-    )
+    env, hog_key, _ = await slow_tenant(settings, roles_env)
+    env["TANDOOR_ADMISSION_MAX_WAITING"] = str(2 * topics.BATCH_PARTITIONS)  # 2 a partition
     small_key, _ = await batch_key(settings, "small-batcher")
     hog = f"hog-{uuid.uuid4().hex[:6]}"
     small = batch_on_another_partition("small", than=hog)
@@ -303,6 +297,58 @@ async def test_a_tenant_held_by_its_quota_does_not_stop_other_batches_being_read
         got = await all_results(results, small, 5)
     assert all(answered(r) for r in got)
     assert len(results.of(hog)) < 10, "the held batch ran past its quota"
+
+
+async def test_lines_held_by_the_quota_are_answered_at_once_on_a_cancel_or_the_window_end(
+    settings: Settings,
+    worker: WorkerProcess,
+    producer: AIOKafkaProducer,
+    roles_env: dict[str, str],
+    results: ResultsReader,
+    redis: aioredis.Redis,
+    tmp_path: Path,
+) -> None:
+    """Lines waiting their turn (a tenant held by a quota of a request a minute) are
+    answered `batch_cancelled` as soon as their batch is cancelled, and `batch_expired`
+    as soon as its window ends. They were answered only at their turn, a line a minute
+    here (hours for a big batch, forever with no worker), the batch `cancelling` meanwhile."""
+    env, key, owner = await slow_tenant(settings, roles_env)
+    held, late = (f"{name}-{uuid.uuid4().hex[:6]}" for name in ("held", "late"))
+    lines = [question(worker.model, i) for i in range(HELD_LINES)]
+    before = await queued(settings, worker.model)
+    await send_lines(producer, key, held, lines)
+    async with running([AdmissionProcess(tmp_path, env), PersistProcess(tmp_path, env)]):
+        await all_results(results, held, 1)  # one line ran; the others wait for the quota
+        await send_lines(producer, key, late, lines[:5], deadline_ms=now_ms() + 3_000)
+        await redis.set(batch_cancel_key(owner, held), 1, ex=3600)  # the Batches API's cancel
+        # A line a minute would leave 30 s without an answer.
+        cancelled = await all_results(results, held, HELD_LINES, idle_s=30)
+        expired = await all_results(results, late, 5, idle_s=30)
+    assert sorted(r["custom_id"] for r in cancelled) == sorted(
+        f"line-{i}" for i in range(HELD_LINES)
+    )
+    assert sum(r["error"] is None for r in cancelled) == 1, cancelled  # the one that ran
+    codes = Counter(r["error"]["code"] for r in cancelled + expired if r["error"])
+    assert codes == {"batch_cancelled": HELD_LINES - 1, "batch_expired": 5}, codes
+    assert await queued(settings, worker.model) - before == 1  # none other reached the model
+
+
+async def slow_tenant(
+    settings: Settings, roles_env: dict[str, str]
+) -> tuple[dict[str, str], str, str]:
+    """The roles' environment with a tier of a request a minute, and a key of that tier
+    with its owner."""
+    slow = TierPolicy(
+        band="batch", requests_per_minute=1, tokens_per_minute=1_000_000, concurrent_streams=1
+    )
+    tiers = settings.tiers | {"slow": slow}
+    env = roles_env | {
+        "TANDOOR_TIERS": json.dumps({name: p.model_dump() for name, p in tiers.items()}),
+    }
+    key, principal = await create_key(
+        settings.model_copy(update={"tiers": tiers}), f"slow-{uuid.uuid4().hex[:6]}", "slow"
+    )
+    return env, key, principal.user_id
 
 
 async def band_backlog(settings: Settings, model: str) -> int:
