@@ -88,6 +88,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0]
+        if first.get("type") == "json_invalid":  # loc is (body, position): no field to name
+            reason = first.get("ctx", {}).get("error", "")
+            message = f"the body is not valid JSON: {reason} (at character {first['loc'][-1]})"
+            return JSONResponse(error_body(message, "invalid_request_error"), 400)
         where = ".".join(str(p) for p in first.get("loc", ()) if p not in ("body", "query"))
         message = f"{where or 'request'}: {first.get('msg', 'invalid')}"
         return JSONResponse(error_body(message, "invalid_request_error", where or None), 400)

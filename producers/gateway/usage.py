@@ -17,6 +17,7 @@ from fastapi import APIRouter, Depends
 from pydantic import BaseModel
 
 from producers.gateway.auth import Caller
+from producers.gateway.json_body import StrictJsonRoute
 from producers.gateway.services import Services, services
 from tandoor.clients import cql
 from tandoor.policies.quota import QuotaUse
@@ -30,7 +31,7 @@ SELECT_DAY = (
     "FROM usage_by_user_day WHERE user_id = %s AND day = %s"
 )
 
-router = APIRouter(prefix="/v1", tags=["usage"])
+router = APIRouter(prefix="/v1", tags=["usage"], route_class=StrictJsonRoute)
 
 
 class DayUsage(BaseModel):

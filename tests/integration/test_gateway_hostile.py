@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 
 from infra.idle_worker import idle_worker
@@ -153,3 +154,69 @@ async def test_an_empty_last_message_is_answered_not_a_500(
         assert r.status_code == 200, await r.aread()
         first = await anext(r.aiter_lines())
     assert first.startswith("data: ") and '"role":"assistant"' in first.replace(" ", "")
+
+
+JSON_TYPE = {"content-type": "application/json"}
+LONE_SURROGATE = "\\ud800"  # in JSON text: the escape of half a UTF-16 pair, no character
+
+
+async def batch_input(http: httpx.AsyncClient, headers: dict[str, str], model: str) -> str:
+    """An uploaded batch input file's id: a batch of it is stored, not refused."""
+    body = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": body}
+    files = {"file": ("in.jsonl", orjson.dumps(line) + b"\n")}
+    uploaded = await http.post("/v1/files", files=files, data={"purpose": "batch"}, headers=headers)
+    assert uploaded.status_code == 200, uploaded.text
+    return str(uploaded.json()["id"])
+
+
+@pytest.mark.parametrize("route", ["conversation title", "chat completion stop", "batch metadata"])
+async def test_text_that_is_not_unicode_is_a_400_and_the_replica_serves_on(
+    gateway: httpx.AsyncClient, headers: dict[str, str], cassandra: Settings, route: str
+) -> None:
+    """A lone surrogate reached the Cassandra driver (a false "Cassandra is unreachable"
+    503 that cost the connection one of its stream ids each time) or a nested model (a
+    bare 500)."""
+    model = cassandra.served_models[0]
+    bad = f'"a{LONE_SURROGATE}b"'
+    path, body = {
+        "conversation title": ("/v1/conversations", f'{{"title": {bad}}}'),
+        "chat completion stop": (
+            "/v1/chat/completions",
+            f'{{"model": "{model}", "messages": [{{"role": "user", "content": "Hi"}}], '
+            f'"stop": [{bad}]}}',
+        ),
+        "batch metadata": ("/v1/batches", ""),
+    }[route]
+    if route == "batch metadata":
+        file_id = await batch_input(gateway, headers, model)
+        body = (
+            f'{{"input_file_id": "{file_id}", "endpoint": "/v1/chat/completions", '
+            f'"completion_window": "24h", "metadata": {{"k": {bad}}}}}'
+        )
+    answer = await gateway.post(path, content=body.encode(), headers=headers | JSON_TYPE)
+    assert answer.status_code == 400, answer.text
+    assert "not valid JSON" in answer.json()["error"]["message"], answer.json()
+    assert (await gateway.get("/v1/conversations", headers=headers)).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "metadata",
+    [{"k" * 65: "v"}, {"k": "v" * 513}, {f"k{i}": "v" for i in range(17)}],
+    ids=["long key", "long value", "17 pairs"],
+)
+async def test_batch_metadata_past_openais_limits_is_a_400(
+    gateway: httpx.AsyncClient,
+    headers: dict[str, str],
+    cassandra: Settings,
+    metadata: dict[str, str],
+) -> None:
+    body: dict[str, Any] = {
+        "input_file_id": await batch_input(gateway, headers, cassandra.served_models[0]),
+        "endpoint": "/v1/chat/completions",
+        "completion_window": "24h",
+        "metadata": metadata,
+    }
+    answer = await gateway.post("/v1/batches", json=body, headers=headers)
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["param"].startswith("metadata"), answer.json()

@@ -11,9 +11,10 @@ from fastapi.responses import Response
 from producers.gateway.auth import Caller
 from producers.gateway.batches.service import BatchService, CreateBatch
 from producers.gateway.batches.store import Order
+from producers.gateway.json_body import StrictJsonRoute
 from producers.gateway.services import Services, services
 
-router = APIRouter(prefix="/v1", tags=["batches"])
+router = APIRouter(prefix="/v1", tags=["batches"], route_class=StrictJsonRoute)
 
 
 def batch_service(deps: Annotated[Services, Depends(services)]) -> BatchService:

@@ -10,7 +10,7 @@ import dataclasses
 import datetime as dt
 import logging
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import orjson
 from aiokafka import AIOKafkaProducer
@@ -40,13 +40,18 @@ PARAM = "input_file_id"  # what a bad input file is reported against
 OUTPUT_PREFIX, ERROR_PREFIX = "file-out-", "file-err-"  # a batch's files, made when read
 
 
+# OpenAI's limits: 16 pairs, keys up to 64 characters, values up to 512.
+MetadataKey = Annotated[str, Field(max_length=64)]
+MetadataValue = Annotated[str, Field(max_length=512)]
+
+
 class CreateBatch(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     input_file_id: str = Field(min_length=1, max_length=200)
     endpoint: Literal["/v1/chat/completions"]
     completion_window: Literal["24h"]
-    metadata: dict[str, str] | None = Field(default=None, max_length=16)
+    metadata: dict[MetadataKey, MetadataValue] | None = Field(default=None, max_length=16)
 
 
 class BatchService:

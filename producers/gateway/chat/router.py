@@ -12,10 +12,11 @@ from producers.gateway.auth import Caller
 from producers.gateway.chat.protocol import PostMessage, ReplyOptions
 from producers.gateway.chat.service import ChatService, Reply
 from producers.gateway.chat.sse import ResumePoint, frame, reply_frames
+from producers.gateway.json_body import StrictJsonRoute
 from producers.gateway.services import Services, services
 from producers.gateway.streaming import ReplyStream, Slot
 
-router = APIRouter(prefix="/v1/conversations", tags=["chat"])
+router = APIRouter(prefix="/v1/conversations", tags=["chat"], route_class=StrictJsonRoute)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 

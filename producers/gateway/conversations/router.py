@@ -15,9 +15,10 @@ from producers.gateway.conversations.protocol import (
     RenameConversation,
 )
 from producers.gateway.conversations.service import ConversationService
+from producers.gateway.json_body import StrictJsonRoute
 from producers.gateway.services import Services, services
 
-router = APIRouter(prefix="/v1/conversations", tags=["conversations"])
+router = APIRouter(prefix="/v1/conversations", tags=["conversations"], route_class=StrictJsonRoute)
 
 
 def conversations(deps: Annotated[Services, Depends(services)]) -> ConversationService:

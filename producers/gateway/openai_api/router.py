@@ -9,6 +9,7 @@ from fastapi.responses import StreamingResponse
 
 from producers.gateway.auth import Caller
 from producers.gateway.chat.router import SSE_HEADERS, Chat
+from producers.gateway.json_body import StrictJsonRoute
 from producers.gateway.openai_api.protocol import ChatCompletionRequest
 from producers.gateway.openai_api.service import (
     completion_body,
@@ -18,7 +19,7 @@ from producers.gateway.openai_api.service import (
 from producers.gateway.services import Services, services
 from producers.gateway.streaming import ReplyStream
 
-router = APIRouter(prefix="/v1", tags=["openai"])
+router = APIRouter(prefix="/v1", tags=["openai"], route_class=StrictJsonRoute)
 
 
 @router.get("/models")
