@@ -67,7 +67,7 @@ async def main(args: argparse.Namespace) -> None:
     raw = Recorded(1, 0, DELTA, 3).encode()
 
     async def record(index: int, seq: int) -> object:
-        return await ledger.record(ids[index], Recorded(1, seq, DELTA, 3))
+        return await ledger.record(ids[index], 1, Recorded(1, seq, DELTA, 3))
 
     async def plain_set(index: int, seq: int) -> object:
         return await redis.set(f"{ids[index]}:{seq}", raw, ex=60)

@@ -19,6 +19,7 @@ class Tracked:
     cancelled: bool = False
     in_engine: bool = False
     leased: bool = False  # renewed by the worker while it holds the request
+    attempt: int = 0  # its number: a lapsed lease is taken again only by the latest
     lost: bool = False  # the lease went to another worker: stop, publish nothing
 
 

@@ -8,7 +8,10 @@ Another worker that receives the prompt meanwhile (a rebalance moved the partiti
 while its old owner generates) waits: the owner either finishes (the request is done:
 skip it) or its lease lapses (it died) and the waiting worker takes over. Every token
 event is recorded under the lease before it is sent, so a worker that stalled past its
-lease learns it at once and stops: two attempts never publish at the same time.
+lease learns it at once and stops: two attempts never publish at the same time. A
+lease that lapsed with no one taking the request since (not done, no later attempt:
+Redis restarted empty, or was out of reach past the lease) is taken again by its
+holder, which goes on: nobody else will run the request, whose offset it holds.
 
 Transcript: the token events recorded, in `seq` order. A worker that takes a request
 over continues the reply from them (workers/request.py) instead of starting over.
@@ -62,30 +65,61 @@ redis.call('EXPIRE', KEYS[3], ARGV[3])
 return {'ok', attempt, redis.call('EXISTS', KEYS[4], KEYS[7]), redis.call('LRANGE', KEYS[5], 0, -1)}
 """
 
-# KEYS: lease, reply. ARGV: owner, lease ms, seq, entry, reply ttl s.
-RECORD = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
-if redis.call('LLEN', KEYS[2]) ~= tonumber(ARGV[3]) then return -2 end
-redis.call('RPUSH', KEYS[2], ARGV[4])
-redis.call('EXPIRE', KEYS[2], ARGV[5])
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
-return 1
+# Whether the lease (KEYS[1]) is ARGV[1]'s: it names it, or it lapsed and nobody took
+# the request since: not done (KEYS[2]) and no later attempt (KEYS[3] against ARGV[2]);
+# then it is taken again for ARGV[3] ms.
+HELD = """
+local function held()
+  local holder = redis.call('GET', KEYS[1])
+  if holder then return holder == ARGV[1] end
+  if redis.call('EXISTS', KEYS[2]) == 1 then return false end
+  local attempt = redis.call('GET', KEYS[3])
+  if attempt and tonumber(attempt) ~= tonumber(ARGV[2]) then return false end
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3])
+  return true
+end
 """
 
-# KEYS: lease, done, final, reply. ARGV: owner, final, done ttl s, final ttl s.
-FINISH = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-redis.call('SET', KEYS[2], '1', 'EX', ARGV[3])
-redis.call('SET', KEYS[3], ARGV[2], 'EX', ARGV[4])
-redis.call('DEL', KEYS[4])
+# KEYS: lease, done, attempt, reply. ARGV: owner, attempt, lease ms, seq, entry, reply ttl s.
+RECORD = (
+    HELD
+    + """
+if not held() then return -1 end
+if redis.call('LLEN', KEYS[4]) ~= tonumber(ARGV[4]) then return -2 end
+redis.call('RPUSH', KEYS[4], ARGV[5])
+redis.call('EXPIRE', KEYS[4], ARGV[6])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
 return 1
 """
+)
 
-# KEYS: lease. ARGV: owner, lease ms (0: give it back).
-RENEW = """
+# KEYS: lease, done, attempt, final, reply. ARGV: owner, attempt, lease ms, final, done
+# ttl s, final ttl s.
+FINISH = (
+    HELD
+    + """
+if not held() then return 0 end
+redis.call('SET', KEYS[2], '1', 'EX', ARGV[5])
+redis.call('SET', KEYS[4], ARGV[4], 'EX', ARGV[6])
+redis.call('DEL', KEYS[5])
+return 1
+"""
+)
+
+# KEYS: lease, done, attempt. ARGV: owner, attempt, lease ms.
+RENEW = (
+    HELD
+    + """
+if not held() then return 0 end
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return 1
+"""
+)
+
+# KEYS: lease. ARGV: owner.
+RELEASE = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-if tonumber(ARGV[2]) == 0 then redis.call('DEL', KEYS[1]) else
-  redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+redis.call('DEL', KEYS[1])
 return 1
 """
 
@@ -146,6 +180,7 @@ class RequestLedger:
         self._record = BatchedScript(client, client.register_script(RECORD))
         self._finish = client.register_script(FINISH)
         self._renew = client.register_script(RENEW)
+        self._release = client.register_script(RELEASE)
 
     async def arrive(
         self, request_id: str, cancelled_by: str | None = None
@@ -174,12 +209,13 @@ class RequestLedger:
         transcript = tuple(Recorded.decode(raw) for raw in entries)
         return Arrival(attempt, cancelled, leased=True, transcript=transcript)
 
-    async def record(self, request_id: str, entry: Recorded) -> Recording:
+    async def record(self, request_id: str, attempt: int, entry: Recorded) -> Recording:
         """Add a token event to the transcript, before it is sent, if the lease is
         still ours (which renews it)."""
-        keys = [lease_key(request_id), reply_key(request_id)]
+        keys = [*_held_keys(request_id), reply_key(request_id)]
         args: list[str | int | bytes] = [
             self.owner,
+            attempt,
             self._lease_ms,
             entry.seq,
             entry.encode(),
@@ -202,16 +238,15 @@ class RequestLedger:
             return False
         return True
 
-    async def finish(self, request_id: str, final: bytes) -> bool:
+    async def finish(self, request_id: str, attempt: int, final: bytes) -> bool:
         """Mark the request done and keep its final until it is delivered; False if the
         lease was lost (another worker has the request: publish nothing). Redis down:
         True, the final goes out unrecorded."""
-        keys = [lease_key(request_id), done_key(request_id), final_key(request_id)]
-        keys.append(reply_key(request_id))
+        keys = [*_held_keys(request_id), final_key(request_id), reply_key(request_id)]
+        args: list[str | int | bytes] = [self.owner, attempt, self._lease_ms, final]
+        args += [ATTEMPT_TTL_S, REPLY_TTL_S]
         try:
-            return bool(
-                await self._finish(keys=keys, args=[self.owner, final, ATTEMPT_TTL_S, REPLY_TTL_S])
-            )
+            return bool(await self._finish(keys=keys, args=args))
         except REDIS_DOWN as exc:
             log.warning("%s: done not recorded, Redis unreachable (%s)", request_id, exc)
             return True
@@ -227,28 +262,36 @@ class RequestLedger:
     async def release(self, request_id: str) -> None:
         """Give the lease back (if it is still ours): another worker may take over now."""
         try:
-            await self._renew(keys=[lease_key(request_id)], args=[self.owner, 0])
+            await self._release(keys=[lease_key(request_id)], args=[self.owner])
         except REDIS_DOWN as exc:
             log.warning("%s: lease kept until it lapses, Redis unreachable (%s)", request_id, exc)
 
-    async def renew(self, request_ids: list[str]) -> set[str]:
-        """Extend the leases of requests in hand; the ones that are no longer ours."""
-        if not request_ids:
+    async def renew(self, held: dict[str, int]) -> set[str]:
+        """Extend the leases of requests in hand (request id: attempt number); the ones
+        that are no longer ours."""
+        if not held:
             return set()
         try:
             async with self._redis.pipeline(transaction=False) as pipe:
-                for request_id in request_ids:
+                for request_id, attempt in held.items():
                     await self._renew(
-                        keys=[lease_key(request_id)], args=[self.owner, self._lease_ms], client=pipe
+                        keys=_held_keys(request_id),
+                        args=[self.owner, attempt, self._lease_ms],
+                        client=pipe,
                     )
-                held = await pipe.execute()
+                answers = await pipe.execute()
         except REDIS_DOWN as exc:
             log.warning("leases not renewed, Redis unreachable (%s)", exc)
             return set()
-        return {rid for rid, ok in zip(request_ids, held, strict=True) if not int(ok)}
+        return {rid for rid, ok in zip(held, answers, strict=True) if not int(ok)}
 
     async def mark_cancelled(self, request_id: str) -> None:
         try:
             await self._redis.set(cancel_key(request_id), 1, ex=CANCEL_TTL_S)
         except REDIS_DOWN as exc:
             log.warning("Redis unreachable (%s); cancel of %s not recorded", exc, request_id)
+
+
+def _held_keys(request_id: str) -> list[str]:
+    """The keys HELD reads: lease, done, attempt."""
+    return [lease_key(request_id), done_key(request_id), attempt_key(request_id)]

@@ -67,7 +67,7 @@ class RequestRunner:
         arrival = await self._arrival(prompt)
         if arrival is None:
             return
-        tracked.leased = arrival.leased
+        tracked.leased, tracked.attempt = arrival.leased, arrival.attempt
         tracked.cancelled = tracked.cancelled or arrival.cancelled
         attempt = await self._attempt(prompt, tracked, arrival)
         attempt.band = band
@@ -273,7 +273,7 @@ class RequestRunner:
             attempt.stale_transcript = not await self.ledger.forget_transcript(request_id)
         if not attempt.recording:
             return
-        outcome = await self.ledger.record(request_id, entry)
+        outcome = await self.ledger.record(request_id, attempt.number, entry)
         if outcome == "lost":
             attempt.tracked.lost = True
             raise LeaseLost(request_id)
@@ -313,7 +313,7 @@ class RequestRunner:
             replaces=prompt.replaces,
         )
         if attempt.tracked.leased and not await self.ledger.finish(
-            prompt.request_id, encode(final)
+            prompt.request_id, attempt.number, encode(final)
         ):
             raise LeaseLost(prompt.request_id)
         await self.publisher.final(final, prompt.reply_partition)

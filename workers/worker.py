@@ -210,7 +210,9 @@ class Worker:
         """Renew the leases of requests in hand; stop the ones another worker took."""
         while True:
             await asyncio.sleep(self.settings.worker_lease_s / 3)
-            held = [t.request_id for t in self._tracked.values() if t.leased and not t.lost]
+            held = {
+                t.request_id: t.attempt for t in self._tracked.values() if t.leased and not t.lost
+            }
             for request_id in await self.ledger.renew(held):
                 tracked = self._tracked.get(request_id)
                 if tracked is None:

@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 
 from infra.process import free_port
 from tandoor.clients import redis_client
-from tandoor.policies.redis_keys import batch_cancel_key, lease_key, reply_key
+from tandoor.policies.redis_keys import attempt_key, batch_cancel_key, lease_key, reply_key
 from tandoor.settings import Settings
 from workers.ledger import Arrival, Busy, Finished, Recorded, RequestLedger
 
@@ -46,15 +46,47 @@ async def test_one_holder_at_a_time_and_the_next_takes_over_when_it_lapses(
     busy = await second.arrive(rid)
     assert isinstance(busy, Busy) and 0 < busy.wait_ms <= LEASE_S * 1000
     assert isinstance(await first.arrive(rid), Busy), "not even its holder runs it twice"
-    assert await first.record(rid, Recorded(1, 0, "Once", 1)) == "ok"
+    assert await first.record(rid, 1, Recorded(1, 0, "Once", 1)) == "ok"
     await asyncio.sleep(LEASE_S * 1.5)  # w1 stalls past its lease
     again = await second.arrive(rid)
     assert isinstance(again, Arrival) and again.attempt == 2
     assert again.transcript == (Recorded(1, 0, "Once", 1),)
-    assert await first.record(rid, Recorded(1, 1, " upon", 1)) == "lost"
-    assert await first.renew([rid]) == {rid}
-    assert not await first.finish(rid, b"final of w1"), "a lost lease publishes no final"
-    assert await second.record(rid, Recorded(1, 1, " upon", 1)) == "ok"
+    assert await first.record(rid, 1, Recorded(1, 1, " upon", 1)) == "lost"
+    assert await first.renew({rid: 1}) == {rid}
+    assert not await first.finish(rid, 1, b"final of w1"), "a lost lease publishes no final"
+    assert await second.record(rid, 2, Recorded(1, 1, " upon", 1)) == "ok"
+
+
+async def test_a_lease_that_lapsed_with_no_one_taking_over_is_its_holders_again(
+    client: aioredis.Redis,
+) -> None:
+    """Redis lost the lease (restarted empty, or out of reach past it) and no other
+    worker took the request: its holder goes on, the only one that will run it (it
+    stopped and committed the prompt, and the reply was lost). Once another worker has
+    taken the request, or finished it, the lapsed holder stays stopped."""
+    worker, rid = ledger(client, "w1"), request()
+    assert isinstance(await worker.arrive(rid), Arrival)
+    assert await worker.record(rid, 1, Recorded(1, 0, "Once", 1)) == "ok"
+    await asyncio.sleep(LEASE_S * 1.5)  # the lease lapsed, nobody arrived
+    assert await worker.renew({rid: 1}) == set()
+    assert await client.get(lease_key(rid)) == b"w1"
+    await client.delete(lease_key(rid), attempt_key(rid), reply_key(rid))  # Redis restarted
+    assert await worker.record(rid, 1, Recorded(1, 1, " upon", 1)) == "gap"  # not "lost"
+    assert await worker.finish(rid, 1, b"the final")
+
+    rival, taken, done = ledger(client, "w2"), request(), request()
+    for rid in (taken, done):
+        assert isinstance(await worker.arrive(rid), Arrival)
+        await client.delete(lease_key(rid))  # w1 stalled past its lease
+        assert isinstance(await rival.arrive(rid), Arrival)
+    await rival.release(taken)  # and died: the next arrival runs it, not w1
+    assert await rival.finish(done, 2, b"final of w2")
+    await rival.delivered(done)
+    for rid in (taken, done):
+        assert await worker.record(rid, 1, Recorded(1, 0, "x", 1)) == "lost"
+        assert await worker.renew({rid: 1}) == {rid}
+        assert not await worker.finish(rid, 1, b"final of w1")
+        assert await client.get(lease_key(rid)) is None
 
 
 async def test_a_batch_cancel_cancels_a_line_arriving_after_it(client: aioredis.Redis) -> None:
@@ -73,8 +105,8 @@ async def test_a_batch_cancel_cancels_a_line_arriving_after_it(client: aioredis.
 async def test_a_gap_in_the_transcript_is_refused(client: aioredis.Redis) -> None:
     worker, rid = ledger(client, "w1"), request()
     assert isinstance(await worker.arrive(rid), Arrival)
-    assert await worker.record(rid, Recorded(1, 0, "a", 1)) == "ok"
-    assert await worker.record(rid, Recorded(1, 2, "c", 1)) == "gap"
+    assert await worker.record(rid, 1, Recorded(1, 0, "a", 1)) == "ok"
+    assert await worker.record(rid, 1, Recorded(1, 2, "c", 1)) == "gap"
 
 
 async def test_a_final_is_kept_until_delivered_and_then_the_request_is_skipped(
@@ -82,7 +114,7 @@ async def test_a_final_is_kept_until_delivered_and_then_the_request_is_skipped(
 ) -> None:
     dying, next_worker, rid = ledger(client, "w1"), ledger(client, "w2"), request()
     assert isinstance(await dying.arrive(rid), Arrival)
-    assert await dying.finish(rid, b"the final")
+    assert await dying.finish(rid, 1, b"the final")
     await dying.release(rid)  # it died after recording the final, before delivering it
     assert await next_worker.arrive(rid) == Finished(b"the final")
     await next_worker.delivered(rid)
@@ -120,7 +152,7 @@ async def test_records_made_together_share_a_round_trip_and_each_gets_its_own_an
     monkeypatch.setattr(client, "pipeline", counted)
     seq = {rid: 2 if rid == gapped else 0 for rid in rids}
     outcomes = await asyncio.gather(
-        *(worker.record(rid, Recorded(1, seq[rid], f"w{i}", 1)) for i, rid in enumerate(rids))
+        *(worker.record(rid, 1, Recorded(1, seq[rid], f"w{i}", 1)) for i, rid in enumerate(rids))
     )
     assert pipelines == 1
     expected = {taken_over: "lost", gapped: "gap"}
@@ -139,7 +171,7 @@ async def test_records_made_together_while_redis_is_unreachable_each_say_so(
     worker = ledger(down, "w1")
     try:
         outcomes = await asyncio.gather(
-            *(worker.record(request(), Recorded(1, 0, "x", 1)) for _ in range(8))
+            *(worker.record(request(), 1, Recorded(1, 0, "x", 1)) for _ in range(8))
         )
     finally:
         await down.aclose()

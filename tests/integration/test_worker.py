@@ -22,6 +22,7 @@ from schemas import topics
 from schemas.codec import decode, encode
 from schemas.events import ANSWERED, MessageKey, UsageRecord
 from tandoor.clients import assign_from_end, redis_client
+from tandoor.policies.redis_keys import attempt_key, lease_key, reply_key
 from tandoor.settings import Settings
 from tests.integration.conftest import COALESCE_TOKENS, CONTEXT_TOKENS, MAX_SEQS
 from tests.integration.pipeline import prompt
@@ -115,6 +116,31 @@ async def test_cancel_while_generating_keeps_partial_usage(
     assert final.finish_reason == "cancelled"
     assert 0 < final.usage.completion_tokens < 1000  # cut short, whatever the engine's speed
     assert final.text and final.usage.prompt_tokens > 0
+
+
+async def test_a_reply_goes_on_when_redis_loses_its_lease(
+    worker: WorkerProcess, producer: AIOKafkaProducer, settings: Settings, redis_url: str
+) -> None:
+    """Redis restarted empty mid-reply (the deployed Redis keeps nothing on disk): the
+    worker took that for another worker taking over, stopped, and committed the prompt;
+    the reply was lost and the client waited out the silence limit."""
+    client = redis_client(settings)
+    request = prompt(worker.model, "Write a very long story about a dragon.", max_tokens=160)
+    rid = request.request_id
+    try:
+        async with TokenCollector(settings) as stream:
+            await PromptSubmitter(settings, producer).submit(request)
+            await stream.first_token(rid)
+            await client.delete(lease_key(rid), attempt_key(rid), reply_key(rid))
+            at_loss = len(stream.tokens(rid, 1))
+            final = await stream.final(rid)
+            tokens = stream.tokens(rid, 1)
+    finally:
+        await client.aclose()
+    assert final.finish_reason in ANSWERED, final
+    assert len(tokens) > at_loss, "no text after the loss"
+    assert "".join(t.delta for t in tokens) == final.text
+    assert len(stream.finals(rid)) == 1
 
 
 async def test_cancel_before_the_worker_takes_the_prompt(

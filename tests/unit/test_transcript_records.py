@@ -20,7 +20,7 @@ class RedisAway:
         self.deletes: list[bool] = []
         self._answers = [False, False, True]
 
-    async def record(self, request_id: str, entry: Recorded) -> Recording:
+    async def record(self, request_id: str, attempt: int, entry: Recorded) -> Recording:
         self.records += 1
         return "down"
 
