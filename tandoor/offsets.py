@@ -76,8 +76,15 @@ class OffsetTracker:
 
 async def commit_finished(consumer: AIOKafkaConsumer, offsets: OffsetTracker) -> None:
     """Commit every partition's position below its oldest unfinished record. A commit
-    that fails (a rebalance) is left to the rebalance listener, which commits again."""
+    that fails (a rebalance) is left to the rebalance listener, which commits again.
+    A partition no longer assigned is forgotten, not committed: Kafka refuses the whole
+    commit for it, and every later one while it is tracked."""
     moves = offsets.to_commit()
+    assigned = {(tp.topic, tp.partition) for tp in consumer.assignment()}
+    if gone := [key for key in moves if key not in assigned]:
+        log.warning("not committing %s: no longer assigned", gone)
+        offsets.forget(gone)
+        moves = {key: position for key, position in moves.items() if key in assigned}
     if not moves:
         return
     try:

@@ -105,6 +105,7 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
         self._sent: dict[str, int] = {}  # model -> forwarded since its load was measured
         self._measured: dict[str, object] = {}
         self._arrived = asyncio.Event()
+        self._revokes = 0  # a record read before the latest revoke is its new owner's
         self._stopping = asyncio.Event()
         self._cluster: Cluster | None = None
         self._redis: aioredis.Redis | None = None
@@ -153,7 +154,8 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
 
     async def _read_lines(self) -> None:
         while not self._stopping.is_set():
-            self._pause_full_partitions()
+            self.queued.pause_full(self.consumer, self.settings.admission_max_waiting)
+            read_in = self._revokes
             try:
                 records = await self.reader.read(max_records=500, idle_s=IDLE_S)
             except KafkaError as exc:
@@ -161,28 +163,15 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
                 await asyncio.sleep(RETRY_S)
                 continue
             for record in records:
+                if self._revokes != read_in:
+                    break  # a rebalance meanwhile: the rest is read again from the commit
                 if TopicPartition(record.topic, record.partition) not in self.consumer.assignment():
                     continue  # revoked mid-fetch: its new owner reads it from the commit
                 self.offsets.taken(record.topic, record.partition, record.offset)
-                await self._until_done(partial(self._admit, record))
+                await self._until_done(partial(self._admit, record, read_in))
             self._arrived.set()
 
-    def _pause_full_partitions(self) -> None:
-        """A partition whose lines fill its share of the buffer is read no further until
-        they move on; the others are read on. One tenant held by its quota (or a slow
-        model) holds back only the batches that share its partition, not every batch."""
-        assigned = self.consumer.assignment()
-        if not assigned:
-            return
-        full = self.queued.full(assigned, self.settings.admission_max_waiting)
-        paused = self.consumer.paused() & assigned
-        if full - paused:
-            log.info("buffer share full: pausing %s", sorted(tp.partition for tp in full - paused))
-            self.consumer.pause(*(full - paused))
-        if paused - full:
-            self.consumer.resume(*(paused - full))
-
-    async def _admit(self, record: Record) -> None:
+    async def _admit(self, record: Record, read_in: int) -> None:
         headers = {name.lower(): value for name, value in record.headers}
         batch_id = text_of(headers.get(BATCH_ID_HEADER)) or text_of(record.key)
         caller = await self.callers.resolve(bearer_token(headers.get(AUTHORIZATION_HEADER)))
@@ -215,8 +204,8 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
             self._done(record.partition, record.offset, "replayed")
             return
         waiting = Waiting(record.partition, record.offset, prompt)
-        if await self._answered_unrun(waiting):
-            return
+        if await self._answered_unrun(waiting) or self._revokes != read_in:
+            return  # answered, or revoked while it was checked: not queued
         self.queued.add(prompt.request_id, position)
         fair = self.settings.admission_fairness == "vtc"
         self.queues[prompt.model].push(owner if fair else "everyone", waiting)
@@ -384,6 +373,7 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
     # (the new owner reads them again from the committed offset).
 
     async def on_partitions_revoked(self, revoked: list[TopicPartition]) -> None:
+        self._revokes += 1
         await self._commit()
         gone = {tp.partition for tp in revoked}
         for queue in self.queues.values():

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from dataclasses import dataclass
 
-from aiokafka import TopicPartition
+from aiokafka import AIOKafkaConsumer
 
 from schemas.events import PromptRequest
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -45,10 +48,21 @@ class WaitingLines:
         if position is not None:
             self.per_partition[_partition(position)] -= 1
 
-    def full(self, assigned: set[TopicPartition], max_waiting: int) -> set[TopicPartition]:
-        """The partitions whose lines fill their share of the read-ahead buffer."""
+    def pause_full(self, consumer: AIOKafkaConsumer, max_waiting: int) -> None:
+        """A partition whose lines fill its share of the buffer is read no further until
+        they move on; the others are read on. One tenant held by its quota (or a slow
+        model) holds back only the batches that share its partition, not every batch."""
+        assigned = consumer.assignment()
+        if not assigned:
+            return
         share = max(1, max_waiting // len(assigned))
-        return {tp for tp in assigned if self.per_partition[tp.partition] >= share}
+        full = {tp for tp in assigned if self.per_partition[tp.partition] >= share}
+        paused = consumer.paused() & assigned
+        if full - paused:
+            log.info("buffer share full: pausing %s", sorted(tp.partition for tp in full - paused))
+            consumer.pause(*(full - paused))
+        if paused - full:
+            consumer.resume(*(paused - full))
 
     def drop_partitions(self, gone: set[int]) -> None:
         """Forget the lines of partitions that moved: their new owner reads them again."""

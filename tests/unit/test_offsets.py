@@ -1,6 +1,11 @@
 from __future__ import annotations
 
-from tandoor.offsets import OffsetTracker, PartitionOffsets
+from typing import cast
+
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.errors import IllegalStateError
+
+from tandoor.offsets import OffsetTracker, PartitionOffsets, commit_finished
 
 
 def test_nothing_taken_nothing_to_commit() -> None:
@@ -51,3 +56,38 @@ def test_a_prompt_from_a_revoked_partition_finishes_without_error() -> None:
     tracker.finished("prompts.m", 3, 40)
     tracker.finished("prompts.m", 4, 9)
     assert tracker.to_commit() == {("prompts.m", 4): 10}
+
+
+class StandInConsumer:
+    """What commit_finished uses of AIOKafkaConsumer; like aiokafka, it refuses a whole
+    commit that names a partition not assigned."""
+
+    def __init__(self, assigned: set[TopicPartition]) -> None:
+        self.assigned = assigned
+        self.commits: list[dict[TopicPartition, int]] = []
+
+    def assignment(self) -> set[TopicPartition]:
+        return self.assigned
+
+    async def commit(self, offsets: dict[TopicPartition, int]) -> None:
+        if unassigned := set(offsets) - self.assigned:
+            raise IllegalStateError(f"Partitions {unassigned} are not assigned")
+        self.commits.append(offsets)
+
+
+async def test_a_partition_no_longer_assigned_does_not_stop_the_others_commits() -> None:
+    """A record read before a rebalance and taken after it left its partition tracked:
+    every later commit named it, Kafka refused each whole, and nothing was committed
+    until a restart (which read everything since again)."""
+    tracker = OffsetTracker()
+    tracker.taken("t", 0, 5)
+    tracker.finished("t", 0, 5)
+    tracker.taken("t", 1, 9)  # its partition went to another member
+    tracker.finished("t", 1, 9)
+    consumer = StandInConsumer({TopicPartition("t", 0)})
+    await commit_finished(cast(AIOKafkaConsumer, consumer), tracker)
+    tracker.taken("t", 0, 6)
+    tracker.finished("t", 0, 6)
+    await commit_finished(cast(AIOKafkaConsumer, consumer), tracker)
+    assert consumer.commits == [{TopicPartition("t", 0): 6}, {TopicPartition("t", 0): 7}]
+    assert tracker.to_commit() == {}
