@@ -137,7 +137,7 @@ class Persister:
     async def _store(self, finals: list[Stored]) -> bool:
         """Write until each is stored or dead-lettered; False if told to stop first."""
         assert self._writer is not None
-        pending, tries, delay = finals, Counter[int](), 0.1
+        pending, tries, delay = finals, Counter[tuple[int, int]](), 0.1
         while pending and not self._stopping.is_set():
             started = time.perf_counter()
             results = await asyncio.gather(
@@ -148,8 +148,9 @@ class Persister:
             self.metrics.write_seconds.observe(time.perf_counter() - started)
             pending = []
             for (record, final), error in failed:
-                tries[record.offset] += not isinstance(error, UNAVAILABLE)
-                if tries[record.offset] >= POISON_TRIES:
+                where = (record.partition, record.offset)
+                tries[where] += not isinstance(error, UNAVAILABLE)
+                if tries[where] >= POISON_TRIES:
                     await self._dead_letter(record, final, error)
                 else:
                     pending.append((record, final))

@@ -1,0 +1,71 @@
+"""How persistence retries a write, with a stand-in for its Cassandra writer (the real
+one: tests/integration/test_persist.py): a final the store refuses is dead-lettered
+after POISON_TRIES, one it cannot reach is retried for as long as it takes. Tries were
+counted by offset alone, so a final sharing its offset with a poison one on another
+partition was dead-lettered with it (its reply never stored)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiokafka.structs import ConsumerRecord
+from cassandra.cluster import NoHostAvailable
+
+from consumers.persist import POISON_TRIES, Persister
+from schemas.events import FinalEvent, Usage
+from tandoor.settings import Settings
+
+UNREACHABLE_TRIES = POISON_TRIES  # as many rounds unreachable as the poison one takes
+
+
+def final(request_id: str) -> FinalEvent:
+    return FinalEvent(
+        request_id=request_id,
+        attempt=1,
+        seq=1,
+        finish_reason="stop",
+        text="Hello.",
+        usage=Usage(prompt_tokens=3, completion_tokens=2, queue_ms=0, decode_ms=5),
+        model="m",
+        user_id="u",
+        tier="plus",
+        conversation_id="c",
+        created_at_ms=1,
+    )
+
+
+def record(partition: int, offset: int) -> ConsumerRecord[bytes, bytes]:
+    return ConsumerRecord("tokens", partition, offset, 0, 0, b"k", b"v", None, 1, 1, [])
+
+
+class StandInWriter:
+    def __init__(self) -> None:
+        self.tries: dict[str, int] = {}
+
+    async def store(self, stored: FinalEvent) -> None:
+        tries = self.tries[stored.request_id] = self.tries.get(stored.request_id, 0) + 1
+        if stored.request_id == "poison":
+            raise ValueError("refused by the store")
+        if tries <= UNREACHABLE_TRIES:
+            raise NoHostAvailable("Cassandra is unreachable", {})
+
+
+async def test_a_final_sharing_its_offset_with_a_poison_one_is_stored_not_dead_lettered() -> None:
+    persister = Persister(Settings())
+    writer = StandInWriter()
+    persister._writer = writer  # type: ignore[assignment]
+    dead: list[str] = []
+
+    async def dead_letter(_: Any, dropped: FinalEvent, __: BaseException) -> None:
+        dead.append(dropped.request_id)
+
+    persister._dead_letter = dead_letter  # type: ignore[method-assign,assignment]
+    try:
+        stored = await persister._store(
+            [(record(0, 100), final("poison")), (record(3, 100), final("good"))]
+        )
+    finally:
+        await persister._producer.stop()  # never started: closed for their finalizers
+        await persister._consumer.stop()
+    assert stored and dead == ["poison"]
+    assert writer.tries == {"poison": POISON_TRIES, "good": UNREACHABLE_TRIES + 1}
