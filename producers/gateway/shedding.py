@@ -85,6 +85,14 @@ class ModelRouter:
         }
 
     def answering(self, model: str, tier: str) -> str:
+        if model not in self.settings.models:  # a conversation outlives its model's config
+            raise ApiError(
+                404,
+                f"model {model!r} is no longer served; start a new conversation with one of "
+                f"{sorted(self.settings.models)}",
+                param="model",
+                kind="not_found_error",
+            )
         rule = self._fallback(model, tier)
         load = self.load(model)
         if rule is not None and load is not None and load.total >= rule.backlog:

@@ -67,6 +67,14 @@ def test_an_unknown_load_neither_sheds_nor_refuses() -> None:
     assert router({}).answering("big", "plus") == "big"
 
 
+def test_a_model_no_longer_configured_is_a_404_naming_it() -> None:
+    """A conversation outlives a change of TANDOOR_MODELS: its next turn was a bare 500."""
+    with pytest.raises(ApiError) as caught:
+        router({}).answering("retired", "plus")
+    assert caught.value.status == 404 and caught.value.param == "model"
+    assert "'retired' is no longer served" in caught.value.message
+
+
 def test_no_worker_is_refused_at_once_unless_a_fallback_can_answer() -> None:
     empty = load(workers=0)
     error = refused(router({"big": empty}), "big", "plus")

@@ -64,18 +64,19 @@ class ReplyChecks:
         if summary and not client_context:
             system = f"{system or ''}\n\nSummary of the earlier conversation: {summary}".strip()
         window = self.settings.models[model].max_model_len
+        too_long = ApiError(  # OpenAI's answer to a context that does not fit
+            400,
+            f"context_length_exceeded: the messages and max_tokens {max_tokens} need more "
+            f"than the model's {window}-token context; send fewer messages or a smaller "
+            "max_tokens",
+            param="messages",
+        )
         try:
             context = assemble(system, asked, window, max_tokens)
         except ContextTooLong as exc:
-            raise ApiError(413, str(exc), param="content") from exc
+            raise too_long if client_context else ApiError(413, str(exc), param="content") from exc
         if client_context and context.dropped:
-            raise ApiError(
-                400,
-                f"context_length_exceeded: the messages and max_tokens {max_tokens} need more "
-                f"than the model's {window}-token context; send fewer messages or a smaller "
-                "max_tokens",
-                param="messages",
-            )
+            raise too_long
         return context
 
     def affordable(self, caller: Principal, tokens: int) -> None:
