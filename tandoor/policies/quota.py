@@ -237,6 +237,17 @@ class Quotas:
         except REDIS_DOWN as exc:
             log.warning("%s: not settled, Redis unreachable (%s)", admission.request_id, exc)
 
+    async def refund(self, admission: Admission) -> None:
+        """A request refused after it was charged (Cassandra or Kafka down): it counts
+        against no limit, its slot freed and its place in the minute's requests too."""
+        await self.settle(admission, 0)
+        await self.release(admission)
+        if admission.counted:
+            try:
+                await self._redis.zrem(requests_log_key(admission.user_id), admission.request_id)
+            except REDIS_DOWN as exc:
+                log.warning("%s: still counted this minute (%s)", admission.request_id, exc)
+
     async def release(self, admission: Admission) -> None:
         """The stream ended: free its concurrent-stream slot."""
         if not admission.counted:

@@ -4,6 +4,7 @@ reply stays running): a 400 naming the problem, never a 5xx, and nothing left be
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -101,6 +102,29 @@ async def test_a_second_post_while_a_reply_runs_is_a_409_and_stores_nothing(
     assert [m["content"] for m in messages] == ["Hello?"]  # the refused one left no trace
     stop = await gateway.post(f"/v1/conversations/{conv}/stop", headers=headers)
     assert stop.status_code == 202  # the running reply is still the one Stop reaches
+
+
+@pytest.mark.parametrize("tier", ["free", "plus"])
+async def test_two_posts_at_once_run_one_and_refuse_the_other_uncharged(
+    gateway: httpx.AsyncClient, cassandra: Settings, tier: str
+) -> None:
+    """Both passed the read-only check before either claimed the conversation: the
+    loser was charged a request of the minute, or (one stream allowed) refused 429 by
+    the winner's stream slot instead of the documented 409."""
+    key, _ = await create_key(cassandra, f"race-{uuid.uuid4().hex[:8]}", tier)
+    headers = {"Authorization": f"Bearer {key}"}
+    conv = await conversation(gateway, headers)
+
+    async def post(text: str) -> int:
+        path = f"/v1/conversations/{conv}/messages"
+        async with gateway.stream("POST", path, json={"content": text}, headers=headers) as r:
+            return r.status_code
+
+    assert sorted(await asyncio.gather(post("One?"), post("Two?"))) == [200, 409]
+    usage = (await gateway.get("/v1/usage", headers=headers)).json()
+    assert usage["limits"]["requests_per_minute"]["used"] == 1, usage["limits"]
+    stop = await gateway.post(f"/v1/conversations/{conv}/stop", headers=headers)
+    assert stop.status_code == 202
 
 
 COMPLETION = {"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}]}

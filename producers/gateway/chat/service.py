@@ -88,7 +88,7 @@ class _Prompt:
     max_tokens: int
     request_id: str
     now: int
-    admission: Admission
+    tokens: int  # charged: the prompt's estimate and max_tokens
     dropped: int
     summarized: bool
     replaces: list[MessageKey]  # hidden once the reply is queued
@@ -194,31 +194,23 @@ class ChatService:
         ]
         model = d.router.answering(conversation.model, caller.tier)  # busy: refused uncharged
         context = d.checks.context(model, asked, max_tokens, client_context, summary)
-        request_id, now = f"r_{uuid.uuid4().hex}", now_ms()
-        tokens = context.prompt_tokens + max_tokens
-        admission = await d.checks.admit(caller, request_id, tokens, now)
-        try:
-            return await self._start(
-                _Prompt(
-                    caller,
-                    conversation,
-                    model,
-                    new_text,
-                    context.messages,
-                    options,
-                    max_tokens,
-                    request_id,
-                    now,
-                    admission,
-                    context.dropped,
-                    summary is not None and not client_context,
-                    [message_key(m) for m in replaces],
-                )
+        return await self._start(
+            _Prompt(
+                caller,
+                conversation,
+                model,
+                new_text,
+                context.messages,
+                options,
+                max_tokens,
+                f"r_{uuid.uuid4().hex}",
+                now_ms(),
+                context.prompt_tokens + max_tokens,
+                context.dropped,
+                summary is not None and not client_context,
+                [message_key(m) for m in replaces],
             )
-        except BaseException:
-            await d.quotas.settle(admission, 0)
-            await d.quotas.release(admission)
-            raise
+        )
 
     async def _visible(
         self, caller: Principal, conversation_id: str
@@ -242,7 +234,9 @@ class ChatService:
         return await self.newest.settled(conversation_id, read, stored)
 
     async def _start(self, p: _Prompt) -> Reply:
-        """Store the user's message (if there is a new one), produce the prompt, follow it."""
+        """Claim the conversation, charge the quota, store the user's message (if there
+        is a new one), produce the prompt, follow it. The claim comes first: a second
+        post racing this one is a 409 before it is charged anything."""
         d = self.deps
         store = not isinstance(p.conversation, ApiCall) or p.conversation.store
         conversation = self._opened(p)  # p's stays an ApiCall
@@ -253,18 +247,22 @@ class ChatService:
             d.fanout.unsubscribe(sub)
             raise ApiError(409, "a reply is being generated: stop it first", kind="conflict_error")
         user_message_id = f"m_{uuid.uuid4().hex}" if p.text is not None and store else None
+        admission: Admission | None = None
         try:
+            admission = await d.checks.admit(p.caller, p.request_id, p.tokens, p.now)
             if p.text is not None and user_message_id is not None:
                 await self._store_user_message(p, conversation, user_message_id, p.text)
-            await self._produce(p, conversation, sub, store, user_message_id)
+            await self._produce(p, admission, conversation, sub, store, user_message_id)
         except BaseException:
             d.fanout.unsubscribe(sub)
             await self.inflight.release(conversation.id, p.request_id)
+            if admission is not None:  # refused after all: it counts against no limit
+                await d.quotas.refund(admission)
             raise
         if store:  # the next turn waits for this reply to be stored (newest.py)
             await self.newest.note(conversation.id, Newest(p.request_id, p.now))
         await self._hide_replaced(conversation.id, p.replaces)
-        watch = self._follow(p, conversation, sub)
+        watch = self._follow(p, admission, conversation, sub)
         return Reply(
             p.request_id, conversation, p.model, user_message_id, watch, p.dropped, p.summarized
         )
@@ -272,6 +270,7 @@ class ChatService:
     async def _produce(
         self,
         p: _Prompt,
+        admission: Admission,
         conversation: Conversation,
         sub: Subscription,
         store: bool,
@@ -291,9 +290,9 @@ class ChatService:
             created_at_ms=p.now,
             deadline_ms=p.now + int(d.settings.wait_budget_s(p.caller.tier) * 1000),
             reply_partition=sub.partition,
-            prompt_tokens_estimate=p.admission.estimated_tokens - p.max_tokens,
+            prompt_tokens_estimate=admission.estimated_tokens - p.max_tokens,
             # Admitted uncounted (Redis was down): nothing for the usage stream to settle.
-            charged_tokens=p.admission.estimated_tokens if p.admission.counted else 0,
+            charged_tokens=admission.estimated_tokens if admission.counted else 0,
             store=store,
             replaces=p.replaces,
         )
@@ -349,7 +348,9 @@ class ChatService:
         with contextlib.suppress(*REDIS_DOWN):
             await self.deps.redis.set(done_key(request_id), 0, ex=ATTEMPT_TTL_S)
 
-    def _follow(self, p: _Prompt, conversation: Conversation, sub: Subscription) -> ReplyWatch:
+    def _follow(
+        self, p: _Prompt, admission: Admission, conversation: Conversation, sub: Subscription
+    ) -> ReplyWatch:
         """When the reply ends: its in-flight record goes, its quota is settled, and the
         conversation's jobs hear of it (a title after its first reply)."""
         d = self.deps
@@ -359,8 +360,8 @@ class ChatService:
             d.fanout.unsubscribe(sub)
             await self.inflight.release(conversation.id, p.request_id)
             used = final.usage.prompt_tokens + final.usage.completion_tokens if final else 0
-            await d.quotas.settle(p.admission, used)
-            await d.quotas.release(p.admission)
+            await d.quotas.settle(admission, used)
+            await d.quotas.release(admission)
             if final and final.finish_reason in ANSWERED and asks_jobs and p.text is not None:
                 await d.jobs.after_reply(p.caller.user_id, conversation, p.text, final.text)
 
