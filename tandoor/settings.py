@@ -158,6 +158,7 @@ class Settings(BaseSettings):
     # Per replica: open reply streams, and how long one write to a client may block
     # (a stuck client is cut off; it can resume with Last-Event-ID).
     gateway_max_streams: int = Field(default=1000, ge=1)
+    gateway_resumes_per_user: int = Field(default=4, ge=1)  # open at once, per replica
     gateway_write_timeout_s: float = Field(default=30, gt=0)
     # At SIGTERM: how long streams that cannot resume (OpenAI API) may take to finish.
     gateway_drain_s: float = Field(default=30, ge=1)

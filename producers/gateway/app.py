@@ -24,7 +24,7 @@ from tandoor.settings import Settings
 
 
 def create_app(settings: Settings) -> FastAPI:
-    slots = StreamSlots(settings.gateway_max_streams)
+    slots = StreamSlots(settings.gateway_max_streams, settings.gateway_resumes_per_user)
 
     def current() -> Services | None:
         return getattr(app.state, "services", None)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from collections.abc import AsyncIterable, Awaitable, Callable, Iterator, Mapping
 from contextlib import contextmanager
 
@@ -28,26 +29,38 @@ class ClientTooSlow(Exception):
 class Slot:
     """One open stream; given back once, however the stream ends."""
 
-    def __init__(self, owner: StreamSlots) -> None:
+    def __init__(self, owner: StreamSlots, resumed_by: str | None = None) -> None:
         self._owner: StreamSlots | None = owner
+        self._resumed_by = resumed_by
         self.draining = owner.draining
 
     def release(self) -> None:
         if self._owner is not None:
             self._owner.open -= 1
+            if self._resumed_by is not None:
+                self._owner.resumed[self._resumed_by] -= 1
+                if self._owner.resumed[self._resumed_by] <= 0:
+                    del self._owner.resumed[self._resumed_by]
             self._owner = None
 
 
 class StreamSlots:
-    def __init__(self, limit: int) -> None:
+    """The replica's streams. A post's stream is capped per user by the tier's
+    concurrent streams (the quota); a resume is charged nothing, so each user's resumes
+    open here at once are capped too (`resumes_per_user`): one user filled the replica."""
+
+    def __init__(self, limit: int, resumes_per_user: int = 4) -> None:
         self.limit = limit
+        self.resumes_per_user = resumes_per_user
         self.open = 0
+        self.resumed: Counter[str] = Counter()
         # Set at SIGTERM: resumable streams end so their clients resume on another
         # replica, and no new stream starts here.
         self.draining = asyncio.Event()
 
-    def take(self) -> Slot:
-        """A slot, or a 503 before anything is charged or produced."""
+    def take(self, resumed_by: str | None = None) -> Slot:
+        """A slot, or a 503 before anything is charged or produced (a 429 for a user
+        resuming more streams than `resumes_per_user`)."""
         if self.draining.is_set():
             raise ApiError(
                 503,
@@ -62,13 +75,23 @@ class StreamSlots:
                 kind="service_unavailable",
                 headers={"Retry-After": "2"},
             )
+        if resumed_by is not None and self.resumed[resumed_by] >= self.resumes_per_user:
+            raise ApiError(
+                429,
+                f"{self.resumes_per_user} resumed streams are open for you on this replica "
+                "already; close one first",
+                kind="rate_limit_error",
+                headers={"Retry-After": "2"},
+            )
         self.open += 1
-        return Slot(self)
+        if resumed_by is not None:
+            self.resumed[resumed_by] += 1
+        return Slot(self, resumed_by)
 
     @contextmanager
-    def reserve(self) -> Iterator[Slot]:
+    def reserve(self, resumed_by: str | None = None) -> Iterator[Slot]:
         """A slot for a stream about to start, given back if starting it fails."""
-        slot = self.take()
+        slot = self.take(resumed_by)
         try:
             yield slot
         except BaseException:

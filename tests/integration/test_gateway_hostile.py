@@ -5,6 +5,7 @@ reply stays running): a 400 naming the problem, never a 5xx, and nothing left be
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -125,6 +126,28 @@ async def test_two_posts_at_once_run_one_and_refuse_the_other_uncharged(
     assert usage["limits"]["requests_per_minute"]["used"] == 1, usage["limits"]
     stop = await gateway.post(f"/v1/conversations/{conv}/stop", headers=headers)
     assert stop.status_code == 202
+
+
+async def test_a_users_resumes_are_capped_and_others_still_post(
+    gateway: httpx.AsyncClient, headers: dict[str, str], cassandra: Settings
+) -> None:
+    """A resume is charged no quota: one user resuming its running reply over and over
+    held every stream slot of the replica, and everyone else's posts got 503s."""
+    conv = await conversation(gateway, headers)
+    await start_reply(gateway, headers, conv)
+    path = f"/v1/conversations/{conv}/stream"
+    async with contextlib.AsyncExitStack() as held:
+        for _ in range(cassandra.gateway_resumes_per_user):
+            opened = await held.enter_async_context(gateway.stream("GET", path, headers=headers))
+            assert opened.status_code == 200
+        refused = await gateway.get(path, headers=headers)
+        assert refused.status_code == 429 and refused.headers["Retry-After"], refused.text
+        key, _ = await create_key(cassandra, f"other-{uuid.uuid4().hex[:8]}", "plus")
+        other = {"Authorization": f"Bearer {key}"}
+        await start_reply(gateway, other, await conversation(gateway, other))
+    async with gateway.stream("GET", path, headers=headers) as again:  # closed: given back
+        assert again.status_code == 200
+    await gateway.post(f"/v1/conversations/{conv}/stop", headers=headers)
 
 
 COMPLETION = {"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}]}

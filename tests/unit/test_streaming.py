@@ -36,6 +36,21 @@ def test_slots_are_capped_and_given_back_once() -> None:
     assert slots.open == 1
 
 
+def test_each_users_resumes_are_capped_and_given_back() -> None:
+    """A resume is charged nothing: one user's resumes filled the replica's slots."""
+    slots = StreamSlots(limit=10, resumes_per_user=2)
+    first, _ = slots.take(resumed_by="u"), slots.take(resumed_by="u")
+    with pytest.raises(ApiError) as refused:
+        slots.take(resumed_by="u")
+    assert refused.value.status == 429 and refused.value.headers["Retry-After"]
+    slots.take(resumed_by="v")  # another user's, and posts, are not held back
+    slots.take()
+    first.release()
+    first.release()
+    slots.take(resumed_by="u")
+    assert slots.open == 4 and slots.resumed == {"u": 2, "v": 1}
+
+
 def test_a_failed_start_gives_the_slot_back() -> None:
     slots = StreamSlots(limit=1)
     with pytest.raises(RuntimeError), slots.reserve():

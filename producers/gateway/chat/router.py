@@ -92,7 +92,7 @@ async def resume(
     last_event_id: Annotated[str | None, Header(max_length=64)] = None,
 ) -> StreamingResponse:
     """Resume the current reply after `Last-Event-ID` (or from its start)."""
-    with svc.deps.streams.reserve() as slot:
+    with svc.deps.streams.reserve(resumed_by=caller.user_id) as slot:
         events = await svc.running.resume_events(caller, conversation_id)
         resume = ResumePoint.parse(last_event_id)
         frames = reply_frames(events, svc.output_filter, resume)
