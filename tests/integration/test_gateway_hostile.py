@@ -17,6 +17,7 @@ import pytest
 from infra.idle_worker import idle_worker
 from infra.process import free_port
 from infra.roles import GatewayProcess, running
+from producers.gateway.conversations.protocol import provisional_title
 from tandoor.policies.api_keys import create_key
 from tandoor.settings import Settings
 
@@ -147,6 +148,25 @@ async def test_a_users_resumes_are_capped_and_others_still_post(
         await start_reply(gateway, other, await conversation(gateway, other))
     async with gateway.stream("GET", path, headers=headers) as again:  # closed: given back
         assert again.status_code == 200
+    await gateway.post(f"/v1/conversations/{conv}/stop", headers=headers)
+
+
+async def test_a_new_chat_is_named_by_its_first_message_as_redacted(
+    gateway: httpx.AsyncClient, headers: dict[str, str]
+) -> None:
+    """The page named a new chat with its first message as typed: an address or a card
+    number stayed in the sidebar (redacted everywhere else), and the title job, which
+    compares the title with the redacted message, never ran."""
+    conv = await conversation(gateway, headers)  # untitled, as the page creates it
+    path = f"/v1/conversations/{conv}/messages"
+    text = "Email bob@example.com the card 4111 1111 1111 1111 please"
+    async with gateway.stream("POST", path, json={"content": text}, headers=headers) as r:
+        assert r.status_code == 200
+    stored = (await gateway.get(f"/v1/conversations/{conv}", headers=headers)).json()
+    title, message = stored["title"], stored["messages"][0]["content"]
+    assert title == provisional_title(message) and "@" not in title and "4111" not in title
+    listed = (await gateway.get("/v1/conversations", headers=headers)).json()["data"]
+    assert [c["title"] for c in listed if c["id"] == conv] == [title]
     await gateway.post(f"/v1/conversations/{conv}/stop", headers=headers)
 
 

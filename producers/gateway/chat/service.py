@@ -29,6 +29,7 @@ from producers.gateway.conversations.protocol import (
     Conversation,
     ConversationWithMessages,
     Message,
+    provisional_title,
 )
 from producers.gateway.conversations.service import ConversationService, from_ms, message_key
 from producers.gateway.errors import ApiError, kafka_unreachable, not_found
@@ -130,6 +131,13 @@ class ChatService:
         text = await self.moderated(body.content)  # a refusal needs no history: before the wait
         opened, _ = await self._settled(caller, conversation_id)  # unstored: left out
         conversation = Conversation(**opened.model_dump(include=set(Conversation.model_fields)))
+        title = provisional_title(text)
+        if conversation.title is None and not opened.messages and title:
+            # Named by its first message as redacted: the page sent it raw as the title,
+            # addresses and numbers included, and the title job never ran (no match).
+            conversation = await self.deps.conversations.retitle(
+                caller.user_id, conversation, title
+            )
         summary, turns = after_summary(opened)
         reply = await self.reply(
             caller, conversation, [as_chat(m) for m in turns], text, body, summary=summary

@@ -143,14 +143,17 @@ class ConversationService:
         )
 
     async def rename(self, user_id: str, conversation_id: str, title: str) -> Conversation:
-        conversation = await self._owned(user_id, conversation_id)
+        return await self.retitle(user_id, await self._owned(user_id, conversation_id), title)
+
+    async def retitle(self, user_id: str, conversation: Conversation, title: str) -> Conversation:
+        """`rename` of a conversation already read (and owned)."""
         renamed = conversation.model_copy(update={"title": title})
         await cql_together(
             self._session,
             [
                 (
                     "UPDATE conversations SET title = %s WHERE conversation_id = %s",
-                    (title, conversation_id),
+                    (title, conversation.id),
                 ),
                 _sidebar_row(user_id, renamed),
             ],

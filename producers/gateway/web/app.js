@@ -11,7 +11,9 @@ const KEY_STORAGE = "tandoor.apiKey";
 const RESUME_TRIES = 5;
 const STORED_TRIES = 5; // a finished reply not stored yet: look again each second
 // A new chat's title until the model names it: its first message's opening characters,
-// counted as the gateway counts them (code points), which then asks the model for a title.
+// counted as the gateway counts them (code points). The gateway stores them as redacted
+// (no addresses or numbers) and then asks the model for a title; the page shows them
+// as typed meanwhile.
 const AUTO_TITLE_CHARS = 60; // producers/gateway/conversations/protocol.py
 // After a new chat's first reply the model's title comes from a background job, in the
 // lowest band: the sidebar (and the header) look again, less and less often.
@@ -228,12 +230,10 @@ function setBody(body, role, text) {
 async function send(text) {
   let created = null;
   if (!state.conversation) {
-    created = await state.api.json("POST", "/v1/conversations", {
-      model: $("model-picker").value,
-      title: Array.from(text).slice(0, AUTO_TITLE_CHARS).join(""),
-    });
+    created = await state.api.json("POST", "/v1/conversations", { model: $("model-picker").value });
     showConversation({ ...created, messages: [] });
     await loadConversations(true);
+    $("chat-title").textContent = Array.from(text).slice(0, AUTO_TITLE_CHARS).join("");
   }
   const path = `/v1/conversations/${state.conversation.id}/messages`;
   const userMessage = messageElement({ role: "user", content: text });
@@ -245,7 +245,13 @@ async function send(text) {
     userMessage,
   );
   // Only an answered first reply gets a title job (producers/gateway/chat/jobs.py).
-  if (created && ANSWERED.has(reply.finishReason)) watchTitle(created.id, created.title);
+  if (created && ANSWERED.has(reply.finishReason)) {
+    const named = await state.api.json("GET", `/v1/conversations/${created.id}`).catch(() => null);
+    if (named && state.conversation?.id === created.id) {
+      setTitle(named.title);
+      watchTitle(created.id, named.title);
+    }
+  }
 }
 
 async function streamReply(open, userMessage = null) {
