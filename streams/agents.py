@@ -74,8 +74,8 @@ async def on_by_model(payload: bytes, rollups: RollupTables) -> None:
             await rollups.count("model", counted_id(final), at, keys, apply)
         return
     record = _decoded(UsageRecord, payload)
-    if record is not None:
-        await count(rollups, "model", record, None)
+    if record is not None:  # forwarded again after a crash lost the user table's mark
+        await count(rollups, "model", record, counted_id(record))
 
 
 async def count(

@@ -3,6 +3,7 @@ forward and settle for each usage record."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import uuid
 from collections.abc import Iterator
@@ -16,6 +17,7 @@ from schemas.codec import encode
 from schemas.events import UsageRecord, now_ms
 from streams.app import create_app, rollup_tables
 from streams.outputs import Outputs
+from streams.rollups import Rollup
 from tandoor.settings import Settings
 from tests.unit.test_rollups import final_event
 
@@ -112,6 +114,44 @@ async def test_the_model_agent_counts_per_model(app_and_sink: tuple[faust.App, S
     await rollup_tables(app).publish_changes()
     assert sink.rollups["model/smollm2/1m/120000"]["requests"] == 2
     assert "user/ada/1m/120000" not in sink.rollups
+
+
+async def test_a_usage_record_forwarded_twice_counts_once_per_model(
+    app_and_sink: tuple[faust.App, Sink],
+) -> None:
+    """kill -9 after the per-model copy went out but before the user table's changelog
+    did: the record is counted per user again on replay and forwarded again, as a new
+    record of the by-model topic (which deduped by offset only: two requests)."""
+    app, sink = app_and_sink
+    async with app.agents["rollups-by-model"].test_context() as agent:
+        await agent.put(encode(usage("a")))
+        await agent.put(encode(usage("a")))  # the copy forwarded again on replay
+        await agent.put(encode(final_event("a", 2)))  # its re-run counts on its own
+    await rollup_tables(app).publish_changes()
+    minute = sink.rollups["model/smollm2/1m/120000"]
+    assert minute["requests"] == 1, minute
+
+
+async def test_a_record_whose_counting_was_cut_short_is_counted_when_read_again(
+    app_and_sink: tuple[faust.App, Sink], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The id was marked counted before the rollups were changed: a crash in between
+    (the id's changelog out, the rollups' not) left the record uncounted for good."""
+    app, sink = app_and_sink
+    real_add = Rollup.add
+
+    def crash_once(rollup: Rollup, record: UsageRecord) -> None:
+        monkeypatch.setattr(Rollup, "add", real_add)
+        raise RuntimeError("killed mid-count")
+
+    monkeypatch.setattr(Rollup, "add", crash_once)
+    async with app.agents["rollups-by-user"].test_context() as agent:
+        with contextlib.suppress(RuntimeError, TimeoutError):
+            await asyncio.wait_for(agent.put(encode(usage("a"))), 2)
+    async with app.agents["rollups-by-user"].test_context() as agent:
+        await agent.put(encode(usage("a")))  # read again after the restart
+    await rollup_tables(app).publish_changes()
+    assert sink.rollups["user/ada/1m/120000"]["requests"] == 1
 
 
 @pytest.fixture
