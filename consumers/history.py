@@ -171,8 +171,10 @@ class HistoryWriter:
         )
 
     async def _touch_conversation(self, final: FinalEvent) -> None:
-        # Plain last-write-wins on the real finish time: the newest reply dates the chat.
-        stamp = final.created_at_ms * 1000
+        # Written at the prompt's time, as the message is (one reply runs at a time, so
+        # the newest prompt's reply dates the chat): at the finish time it outdated a
+        # delete made meanwhile, and the row came back holding only last_reply_at.
+        stamp = write_timestamp_us(final)
         await cql(
             self._session, self._touch, (stamp, _utc(final.created_at_ms), final.conversation_id)
         )

@@ -315,6 +315,8 @@ async def test_a_reply_finished_after_its_conversation_was_deleted_is_not_kept(
         (opened.id,),
     )
     assert list(stored) == []
+    row = session.execute("SELECT * FROM conversations WHERE conversation_id = %s", (opened.id,))
+    assert list(row) == [], "the row came back, holding only last_reply_at"
     with pytest.raises(ApiError) as gone:
         await conversations.get("alice", opened.id)
     assert gone.value.status == 404
