@@ -139,8 +139,11 @@ class Worker:
     async def _intake_loop(self) -> None:
         while not self._stopping.is_set():
             if self.capacity.free_seqs == 0:
-                self.intake.pause_all()
-                await _first_of(self.capacity.wait_for_free_seq(), self._stopping.wait())
+                await _first_of(
+                    self.capacity.wait_for_free_seq(),
+                    self._stopping.wait(),
+                    self.intake.poll_while_full(),
+                )
                 continue
             records = await self.intake.take(self.capacity.free_seqs)
             self.metrics.lag(self.intake.backlog)
