@@ -350,6 +350,11 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
             await self.producer.send_and_wait(topics.DEAD_LETTER, b"", headers=headers)
         except KafkaError as exc:  # the reader's log line is the trail then
             log.warning("dead-lettering %s/%s@%s failed: %s", *tp, offset, exc)
+            return
+        # Handled: the commit may pass it (the partition's last record, it was read and
+        # dead-lettered again after every restart).
+        self.offsets.taken(tp.topic, tp.partition, offset)
+        self.offsets.finished(tp.topic, tp.partition, offset)
 
     def _done(self, partition: int, offset: int, outcome: str) -> None:
         self.offsets.finished(topics.BATCH_REQUESTS, partition, offset)

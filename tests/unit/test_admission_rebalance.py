@@ -1,10 +1,11 @@
-"""Admission's reading through a rebalance, with stand-ins for its consumer and reader
-(the real ones: tests/integration/test_batch_admission.py, members joining and leaving
-mid-batch). aiokafka reports the old assignment until the new one is agreed, so the
-records of a batch read before a revoke looked still ours: taken after the revoke had
-forgotten their partition, they were tracked for a partition gone to another member
-(whose commits Kafka then refused) or, when it came back, taken twice (one of them
-never finished: no commit past it again)."""
+"""Admission's reading, with stand-ins for its consumer and reader (the real ones:
+tests/integration/test_batch_admission.py and test_batch_topic_hostile.py).
+
+Through a rebalance (members joining and leaving mid-batch): aiokafka reports the old
+assignment until the new one is agreed, so the records of a batch read before a revoke
+looked still ours. Taken after the revoke had forgotten their partition, they were
+tracked for a partition gone to another member (whose commits Kafka then refused) or,
+when it came back, taken twice (one of them never finished: no commit past it again)."""
 
 from __future__ import annotations
 
@@ -67,3 +68,30 @@ async def test_records_read_before_a_revoke_are_left_to_be_read_again() -> None:
         await admission.producer.stop()  # never started: closed for its finalizer
     assert admitted == [10]
     assert admission.offsets.to_commit() == {}, "the rest is the next owner's to read"
+
+
+async def test_an_unreadable_last_record_dead_lettered_is_committed_past() -> None:
+    """It was never marked handled: as the partition's last record, the commit stayed
+    below it, and every restart read it and dead-lettered it again."""
+    admission = Admission(Settings())
+    tp = TopicPartition(topics.BATCH_REQUESTS, 0)
+    letters: list[Any] = []
+
+    class StandInProducer:
+        async def send_and_wait(self, topic: str, value: bytes, **kwargs: Any) -> None:
+            letters.append(dict(kwargs["headers"]))
+
+    class SteppingOver:
+        async def read(self, max_records: int, idle_s: float) -> list[Any]:
+            admission.request_stop()
+            await admission._unreadable(tp, 5, "a header name that is not UTF-8")
+            return []
+
+    await admission.consumer.stop()  # never started: closed for their finalizers
+    await admission.producer.stop()
+    admission.consumer = cast(Any, StandInConsumer())
+    admission.producer = cast(Any, StandInProducer())
+    admission.reader = cast(Any, SteppingOver())
+    await admission._read_lines()
+    assert len(letters) == 1
+    assert admission.offsets.to_commit() == {(topics.BATCH_REQUESTS, 0): 6}
