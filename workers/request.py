@@ -81,7 +81,8 @@ class RequestRunner:
         finally:
             started = attempt.first_token_ms is not None
             (self.metrics.running if started else self.metrics.waiting).dec()
-            if tracked.leased:
+            if tracked.leased:  # renewed no more first: a renewal takes a lapsed lease back
+                tracked.leased = False
                 await self.ledger.release(prompt.request_id)
 
     async def _arrival(self, prompt: PromptRequest) -> Arrival | None:
