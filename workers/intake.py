@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 Record: TypeAlias = ConsumerRecord[bytes, bytes]
 LAG_REFRESH_S = 0.1  # backlog per band is only needed when bands compete for slots
 IDLE_WAIT_MS = 100
-FULL_POLL_MS = 5_000  # a poll that fetches nothing, while the engine is full
+FULL_POLL_S = 30.0  # while the engine is full, a poll that fetches nothing this often
 
 
 class PromptIntake(ConsumerRebalanceListener):  # type: ignore[misc]
@@ -106,23 +106,22 @@ class PromptIntake(ConsumerRebalanceListener):  # type: ignore[misc]
         return records
 
     async def poll_while_full(self) -> None:
-        """Poll, fetching nothing, until cancelled (a slot freed). aiokafka leaves the
-        group after `max_poll_interval_ms` (5 min) without a poll, and every slot busy
-        that long is common on a slow CPU (32 replies of 1,000 tokens at 3 tokens/s
-        each): the worker's partitions moved away mid-reply and it rejoined when a
-        slot freed, two rebalances for nothing. Every partition is paused, so the
-        backlog stays in Kafka for other workers."""
-        while True:
-            self.consumer.pause(*self.consumer.assignment())  # one assigned meanwhile too
-            self._paused = True
-            try:
-                batch = await self.consumer.getmany(timeout_ms=FULL_POLL_MS)
-            except KafkaError as exc:
-                log.info("polling while full: %s", exc)
-                await asyncio.sleep(IDLE_WAIT_MS / 1000)
-                continue
-            for tp, records in batch.items():  # fetched before its pause: fetch it again
-                self.consumer.seek(tp, records[0].offset)
+        """One poll that fetches nothing (every partition paused, one assigned meanwhile
+        too), made while the engine is full, so that the backlog stays in Kafka for
+        other workers and aiokafka does not leave the group: it does after
+        `max_poll_interval_ms` (5 min) without a poll, and every slot busy that long is
+        common on a slow CPU (32 replies of 1,000 tokens at 3 tokens/s each). It returns
+        at once: a poll cancelled midway leaves aiokafka counting it as under way, and
+        its check off for good."""
+        self.consumer.pause(*self.consumer.assignment())
+        self._paused = True
+        try:
+            batch = await self.consumer.getmany(timeout_ms=0)
+        except KafkaError as exc:
+            log.info("polling while full: %s", exc)
+            return
+        for tp, records in batch.items():  # fetched before its pause: fetch it again
+            self.consumer.seek(tp, records[0].offset)
 
     def finished(self, record: Record) -> None:
         self.offsets.finished(record.topic, record.partition, record.offset)

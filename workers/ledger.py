@@ -27,7 +27,9 @@ reaches only the worker running the request (the control topic still works).
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from dataclasses import dataclass
 from typing import Literal
 
@@ -49,6 +51,8 @@ from tandoor.policies.redis_keys import (
 from workers.script_batch import BatchedScript
 
 log = logging.getLogger(__name__)
+
+RELEASED_S = 60.0  # a lease given back is not renewed again for this long
 
 # KEYS: done, lease, attempt, cancel, reply, final, another cancel (its batch's, or the
 # cancel again). ARGV: owner, lease ms, attempt ttl s.
@@ -181,6 +185,10 @@ class RequestLedger:
         self._finish = client.register_script(FINISH)
         self._renew = client.register_script(RENEW)
         self._release = client.register_script(RELEASE)
+        # A renewal takes a lapsed lease back: one under way when a lease is given back
+        # must not take it again (the next worker would wait out the lease).
+        self._leases_changing = asyncio.Lock()
+        self._released: dict[str, float] = {}  # request id: when (monotonic)
 
     async def arrive(
         self, request_id: str, cancelled_by: str | None = None
@@ -205,6 +213,7 @@ class RequestLedger:
             return Finished(reply[1] if len(reply) > 1 else None)
         if kind == "busy":
             return Busy(max(0, int(reply[1])))
+        self._released.pop(request_id, None)  # held again: renewed again
         attempt, cancelled, entries = int(reply[1]), bool(reply[2]), reply[3]
         transcript = tuple(Recorded.decode(raw) for raw in entries)
         return Arrival(attempt, cancelled, leased=True, transcript=transcript)
@@ -261,14 +270,25 @@ class RequestLedger:
 
     async def release(self, request_id: str) -> None:
         """Give the lease back (if it is still ours): another worker may take over now."""
-        try:
-            await self._release(keys=[lease_key(request_id)], args=[self.owner])
-        except REDIS_DOWN as exc:
-            log.warning("%s: lease kept until it lapses, Redis unreachable (%s)", request_id, exc)
+        async with self._leases_changing:
+            self._released[request_id] = time.monotonic()
+            try:
+                await self._release(keys=[lease_key(request_id)], args=[self.owner])
+            except REDIS_DOWN as exc:
+                log.warning(
+                    "%s: lease kept until it lapses, Redis unreachable (%s)", request_id, exc
+                )
 
     async def renew(self, held: dict[str, int]) -> set[str]:
         """Extend the leases of requests in hand (request id: attempt number); the ones
         that are no longer ours."""
+        async with self._leases_changing:
+            return await self._renew_held(held)
+
+    async def _renew_held(self, held: dict[str, int]) -> set[str]:
+        now = time.monotonic()
+        self._released = {r: at for r, at in self._released.items() if now - at < RELEASED_S}
+        held = {r: attempt for r, attempt in held.items() if r not in self._released}
         if not held:
             return set()
         try:

@@ -81,8 +81,7 @@ class RequestRunner:
         finally:
             started = attempt.first_token_ms is not None
             (self.metrics.running if started else self.metrics.waiting).dec()
-            if tracked.leased:  # renewed no more first: a renewal takes a lapsed lease back
-                tracked.leased = False
+            if tracked.leased:
                 await self.ledger.release(prompt.request_id)
 
     async def _arrival(self, prompt: PromptRequest) -> Arrival | None:

@@ -23,7 +23,7 @@ from workers.attempt import Tracked
 from workers.capacity import Capacity
 from workers.control import ControlListener
 from workers.engine import Engine, EngineOptions
-from workers.intake import PromptIntake, Record
+from workers.intake import FULL_POLL_S, PromptIntake, Record
 from workers.ledger import RequestLedger
 from workers.metrics import WorkerMetrics
 from workers.publisher import Publisher
@@ -139,10 +139,11 @@ class Worker:
     async def _intake_loop(self) -> None:
         while not self._stopping.is_set():
             if self.capacity.free_seqs == 0:
+                await self.intake.poll_while_full()
                 await _first_of(
                     self.capacity.wait_for_free_seq(),
                     self._stopping.wait(),
-                    self.intake.poll_while_full(),
+                    asyncio.sleep(FULL_POLL_S),
                 )
                 continue
             records = await self.intake.take(self.capacity.free_seqs)

@@ -42,6 +42,7 @@ from producers.admission.headers import batch_deadline_ms, bearer_token, text_of
 from producers.admission.lines import Refused, parse_line, prompt_for
 from producers.admission.marks import CallerCache, LineMarks
 from producers.admission.metrics import AdmissionMetrics
+from producers.admission.unreadable import UnreadableRecords
 from producers.admission.waiting import Waiting, WaitingLines
 from producers.gateway.chat.checks import ReplyChecks
 from producers.model_load import LoadMonitor
@@ -97,10 +98,11 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
         self.submitter = PromptSubmitter(settings, self.producer)
         self.load = LoadMonitor(settings, poll_s=POLL_S)
         self.offsets = OffsetTracker()
-        self.reader = PartitionReader(self.consumer, self._unreadable)
+        self.metrics = AdmissionMetrics()
+        self.unreadable = UnreadableRecords(self.producer, self.offsets, self.metrics)
+        self.reader = PartitionReader(self.consumer, self.unreadable.dead_letter)
         self.queues: dict[str, FairQueue[Waiting]] = {m: FairQueue() for m in settings.models}
         self.queued = WaitingLines()
-        self.metrics = AdmissionMetrics()
         self.ops = OpsServer("admission", self.metrics.registry, self._readiness)
         self._sent: dict[str, int] = {}  # model -> forwarded since its load was measured
         self._measured: dict[str, object] = {}
@@ -169,6 +171,7 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
                     continue  # revoked mid-fetch: its new owner reads it from the commit
                 self.offsets.taken(record.topic, record.partition, record.offset)
                 await self._until_done(partial(self._admit, record, read_in))
+            self.unreadable.pass_by(still_assigned=self._revokes == read_in)
             self._arrived.set()
 
     async def _admit(self, record: Record, read_in: int) -> None:
@@ -256,7 +259,7 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
         swept_at = 0.0
         while not self._stopping.is_set():
             if time.monotonic() - swept_at >= SWEEP_S:
-                await self._until_done(self._answer_unrunnable)
+                await self._answer_unrunnable()
                 swept_at = time.monotonic()
             for model, queue in self.queues.items():
                 room = self._room(model)
@@ -275,14 +278,22 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
     async def _answer_unrunnable(self) -> None:
         """Waiting lines of a cancelled batch or past their deadline, answered now: their
         turn may be hours away (a tenant held by its quota, a band without workers), and
-        their batch shows `cancelling` until every line is answered."""
+        their batch shows `cancelling` until every line is answered. A store failing
+        ends the sweep (the next one tries again): forwarding goes on meanwhile."""
         lines = [line for queue in self.queues.values() for line in queue.items()]
-        unrun = await unrun_lines(self.marks, (line.prompt for line in lines), now_ms())
-        for queue in self.queues.values():
-            for line in queue.remove(lambda line: line.prompt.request_id in unrun):
-                if self.queued.where(line.prompt.request_id) == line.position:  # not revoked
-                    why = unrun[line.prompt.request_id]
-                    await self._until_done(partial(self._answer_unrun, line, why))
+        answered: set[str] = set()
+        try:
+            unrun = await unrun_lines(self.marks, (line.prompt for line in lines), now_ms())
+            for line in lines:
+                why = unrun.get(line.prompt.request_id)
+                if why is not None and self.queued.where(line.prompt.request_id) == line.position:
+                    await self._answer_unrun(line, why)
+                    answered.add(line.prompt.request_id)
+        except UNREACHABLE as exc:
+            log.warning("answering cancelled or expired lines failed (%r); next sweep", exc)
+        finally:
+            for queue in self.queues.values():
+                queue.remove(lambda line: line.prompt.request_id in answered)
 
     def _room(self, model: str) -> int:
         """Prompts the batch band may still take: per worker, less what it holds."""
@@ -340,21 +351,6 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
                     return False
                 log.warning("batch line step failed (%r); retrying in %.0f s", exc, RETRY_S)
                 await asyncio.sleep(RETRY_S)
-
-    async def _unreadable(self, tp: TopicPartition, offset: int, reason: str) -> None:
-        """A record aiokafka cannot parse cannot be answered (its batch and caller are
-        unknown): the dead-letter topic keeps where it was, the metric counts it."""
-        self.metrics.lines.labels("unreadable").inc()
-        headers = topics.dead_letter_headers(tp.topic, tp.partition, offset, reason)
-        try:
-            await self.producer.send_and_wait(topics.DEAD_LETTER, b"", headers=headers)
-        except KafkaError as exc:  # the reader's log line is the trail then
-            log.warning("dead-lettering %s/%s@%s failed: %s", *tp, offset, exc)
-            return
-        # Handled: the commit may pass it (the partition's last record, it was read and
-        # dead-lettered again after every restart).
-        self.offsets.taken(tp.topic, tp.partition, offset)
-        self.offsets.finished(tp.topic, tp.partition, offset)
 
     def _done(self, partition: int, offset: int, outcome: str) -> None:
         self.offsets.finished(topics.BATCH_REQUESTS, partition, offset)

@@ -159,6 +159,10 @@ async def test_a_new_chat_is_named_by_its_first_message_as_redacted(
     compares the title with the redacted message, never ran."""
     conv = await conversation(gateway, headers)  # untitled, as the page creates it
     path = f"/v1/conversations/{conv}/messages"
+    too_long = await gateway.post(path, json={"content": "Sea. " * 3000}, headers=headers)
+    assert too_long.status_code == 413, too_long.text  # refused: it names nothing
+    untitled = (await gateway.get(f"/v1/conversations/{conv}", headers=headers)).json()
+    assert untitled["title"] is None
     text = "Email bob@example.com the card 4111 1111 1111 1111 please"
     async with gateway.stream("POST", path, json={"content": text}, headers=headers) as r:
         assert r.status_code == 200

@@ -89,6 +89,19 @@ async def test_a_lease_that_lapsed_with_no_one_taking_over_is_its_holders_again(
         assert await client.get(lease_key(rid)) is None
 
 
+async def test_a_lease_given_back_is_not_renewed_back(client: aioredis.Redis) -> None:
+    """The renew loop's list still had a request given back at a hand-over: its renewal
+    took the lapsed lease back (not done, no later attempt), and the next worker waited
+    the lease out."""
+    worker, rid = ledger(client, "w1"), request()
+    assert isinstance(await worker.arrive(rid), Arrival)
+    await worker.release(rid)  # handed back at SIGTERM
+    assert await worker.renew({rid: 1}) == set()
+    assert await client.get(lease_key(rid)) is None
+    taken = await ledger(client, "w2").arrive(rid)
+    assert isinstance(taken, Arrival) and taken.attempt == 2
+
+
 async def test_a_batch_cancel_cancels_a_line_arriving_after_it(client: aioredis.Redis) -> None:
     """A line forwarded before its batch was cancelled is not run when it arrives."""
     batch_cancel = batch_cancel_key("u", f"batch_{uuid.uuid4().hex}")

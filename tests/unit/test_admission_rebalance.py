@@ -9,13 +9,18 @@ when it came back, taken twice (one of them never finished: no commit past it ag
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, cast
 
 from aiokafka import TopicPartition
 from aiokafka.structs import ConsumerRecord
+from cassandra.cluster import NoHostAvailable
 
 from producers.admission.role import Admission
+from producers.admission.unreadable import UnreadableRecords
+from producers.admission.waiting import Waiting
 from schemas import topics
+from schemas.events import PromptRequest
 from tandoor.settings import Settings
 
 TPS = {TopicPartition(topics.BATCH_REQUESTS, p) for p in (0, 1)}
@@ -70,28 +75,105 @@ async def test_records_read_before_a_revoke_are_left_to_be_read_again() -> None:
     assert admission.offsets.to_commit() == {}, "the rest is the next owner's to read"
 
 
-async def test_an_unreadable_last_record_dead_lettered_is_committed_past() -> None:
-    """It was never marked handled: as the partition's last record, the commit stayed
-    below it, and every restart read it and dead-lettered it again."""
-    admission = Admission(Settings())
-    tp = TopicPartition(topics.BATCH_REQUESTS, 0)
-    letters: list[Any] = []
+class StandInProducer:
+    def __init__(self) -> None:
+        self.letters: list[dict[str, bytes]] = []
 
-    class StandInProducer:
-        async def send_and_wait(self, topic: str, value: bytes, **kwargs: Any) -> None:
-            letters.append(dict(kwargs["headers"]))
+    async def send_and_wait(self, topic: str, value: bytes, **kwargs: Any) -> None:
+        self.letters.append(dict(kwargs["headers"]))
+
+
+async def stepping_over(admission: Admission, read_with_it: list[Any]) -> StandInProducer:
+    """One read of the admission's loop that steps over an unreadable record at offset 5
+    of partition 0, returning `read_with_it`; the dead-letter producer it wrote to."""
+    dead_letters = StandInProducer()
 
     class SteppingOver:
         async def read(self, max_records: int, idle_s: float) -> list[Any]:
             admission.request_stop()
-            await admission._unreadable(tp, 5, "a header name that is not UTF-8")
-            return []
+            tp = TopicPartition(topics.BATCH_REQUESTS, 0)
+            await admission.unreadable.dead_letter(tp, 5, "a header name that is not UTF-8")
+            return read_with_it
 
     await admission.consumer.stop()  # never started: closed for their finalizers
     await admission.producer.stop()
     admission.consumer = cast(Any, StandInConsumer())
-    admission.producer = cast(Any, StandInProducer())
+    admission.unreadable = UnreadableRecords(
+        cast(Any, dead_letters), admission.offsets, admission.metrics
+    )
     admission.reader = cast(Any, SteppingOver())
     await admission._read_lines()
-    assert len(letters) == 1
+    return dead_letters
+
+
+async def test_an_unreadable_record_is_committed_past_only_with_the_records_before_it() -> None:
+    """Dead-lettered, it is marked handled: as a partition's last record it was read and
+    dead-lettered again after every restart. But only once the records read with it
+    (those before it) are taken: marked at once, a commit meanwhile passed them too."""
+    admission = Admission(Settings())
+    commits_seen: list[dict[tuple[str, int], int]] = []
+
+    async def admit(line: ConsumerRecord[bytes, bytes], read_in: int = 0) -> None:
+        commits_seen.append(admission.offsets.to_commit())  # what a commit now would pass
+        admission._done(line.partition, line.offset, "forwarded")
+
+    admission._admit = admit  # type: ignore[method-assign,assignment]
+    read_with_it = [record(1, 10), record(0, 3), record(0, 4)]  # 3 and 4 read before it
+    assert len((await stepping_over(admission, read_with_it)).letters) == 1
+    partition_0 = (topics.BATCH_REQUESTS, 0)
+    # While partition 1's line was checked, 3 and 4 were read and not yet taken.
+    assert partition_0 not in commits_seen[0], commits_seen
+    assert admission.offsets.to_commit()[partition_0] == 6
+
+
+class StandInMarks:
+    async def cancelled(self, owner: str, batch_id: str | None) -> bool:
+        return True
+
+    async def mark(self, request_id: str, position: str) -> None:
+        return None
+
+
+class CassandraDown:
+    async def unrun(self, prompt: Any, why: str) -> None:
+        raise NoHostAvailable("Cassandra is unreachable", {})
+
+
+async def test_a_store_down_ends_the_sweep_of_cancelled_lines_not_the_forwarding() -> None:
+    """The sweep answering a cancelled batch's waiting lines retried each one until the
+    store answered: forwarding, every model's, stopped meanwhile (it needs Redis and
+    Kafka only)."""
+    admission = Admission(Settings())
+    prompt = PromptRequest.model_validate(
+        {
+            "request_id": "bl_1",
+            "model": admission.settings.served_models[0],
+            "user_id": "u",
+            "tier": "batch",
+            "band": "batch",
+            "conversation_id": "bl_1",
+            "messages": [{"role": "user", "content": "Hi"}],
+            "sampling": {"max_tokens": 4},
+            "created_at_ms": 1,
+            "batch_id": "b1",
+            "custom_id": "line-0",
+        }
+    )
+    admission.marks = cast(Any, StandInMarks())
+    admission.answers = cast(Any, CassandraDown())
+    admission.queued.add(prompt.request_id, "0:3")
+    admission.queues[prompt.model].push("u", Waiting(0, 3, prompt))
+    try:
+        await asyncio.wait_for(admission._answer_unrunnable(), 5)
+    finally:
+        await admission.consumer.stop()  # never started: closed for their finalizers
+        await admission.producer.stop()
+    assert admission.queues[prompt.model].size == 1, "left for the next sweep"
+
+
+async def test_an_unreadable_last_record_dead_lettered_is_committed_past() -> None:
+    """It was never marked handled: as the partition's last record, the commit stayed
+    below it, and every restart read it and dead-lettered it again."""
+    admission = Admission(Settings())
+    assert len((await stepping_over(admission, [])).letters) == 1
     assert admission.offsets.to_commit() == {(topics.BATCH_REQUESTS, 0): 6}

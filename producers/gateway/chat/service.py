@@ -93,6 +93,7 @@ class _Prompt:
     dropped: int
     summarized: bool
     replaces: list[MessageKey]  # hidden once the reply is queued
+    names_it: bool  # the conversation's title (its first message's) goes with the message
 
 
 @dataclass
@@ -132,15 +133,20 @@ class ChatService:
         opened, _ = await self._settled(caller, conversation_id)  # unstored: left out
         conversation = Conversation(**opened.model_dump(include=set(Conversation.model_fields)))
         title = provisional_title(text)
-        if conversation.title is None and not opened.messages and title:
-            # Named by its first message as redacted: the page sent it raw as the title,
+        names_it = conversation.title is None and not opened.messages and title is not None
+        if names_it:  # stored with the message: a refusal before leaves it untitled
+            # By its first message as redacted: the page sent it raw as the title,
             # addresses and numbers included, and the title job never ran (no match).
-            conversation = await self.deps.conversations.retitle(
-                caller.user_id, conversation, title
-            )
+            conversation = conversation.model_copy(update={"title": title})
         summary, turns = after_summary(opened)
         reply = await self.reply(
-            caller, conversation, [as_chat(m) for m in turns], text, body, summary=summary
+            caller,
+            conversation,
+            [as_chat(m) for m in turns],
+            text,
+            body,
+            summary=summary,
+            names_it=names_it,
         )
         if reply.dropped:  # older turns no longer fit: summarized for next time
             dropped = turns[: reply.dropped]
@@ -188,6 +194,7 @@ class ChatService:
         options: ReplyOptions,
         summary: str | None = None,
         replaces: Sequence[Message] = (),
+        names_it: bool = False,
     ) -> Reply:
         """Context, quota, then the prompt: the part every way of asking shares. What
         `replaces` names (a regenerate's old replies, an edit's old turns) is hidden only
@@ -217,6 +224,7 @@ class ChatService:
                 context.dropped,
                 summary is not None and not client_context,
                 [message_key(m) for m in replaces],
+                names_it,
             )
         )
 
@@ -263,9 +271,11 @@ class ChatService:
             await self._produce(p, admission, conversation, sub, store, user_message_id)
         except BaseException:
             d.fanout.unsubscribe(sub)
-            await self.inflight.release(conversation.id, p.request_id)
-            if admission is not None:  # refused after all: it counts against no limit
-                await d.quotas.refund(admission)
+            try:
+                if admission is not None:  # refused after all: it counts against no limit
+                    await d.quotas.refund(admission)
+            finally:
+                await self.inflight.release(conversation.id, p.request_id)
             raise
         if store:  # the next turn waits for this reply to be stored (newest.py)
             await self.newest.note(conversation.id, Newest(p.request_id, p.now))
@@ -332,7 +342,9 @@ class ChatService:
         if isinstance(p.conversation, ApiCall):  # its conversation is new: stored with it
             await conversations.create_with_message(user_id, conversation, message_id, text)
         else:
-            await conversations.add_user_message(user_id, conversation, message_id, text, p.now)
+            await conversations.add_user_message(
+                user_id, conversation, message_id, text, p.now, p.names_it
+            )
 
     @staticmethod
     def _opened(p: _Prompt) -> Conversation:

@@ -143,17 +143,14 @@ class ConversationService:
         )
 
     async def rename(self, user_id: str, conversation_id: str, title: str) -> Conversation:
-        return await self.retitle(user_id, await self._owned(user_id, conversation_id), title)
-
-    async def retitle(self, user_id: str, conversation: Conversation, title: str) -> Conversation:
-        """`rename` of a conversation already read (and owned)."""
+        conversation = await self._owned(user_id, conversation_id)
         renamed = conversation.model_copy(update={"title": title})
         await cql_together(
             self._session,
             [
                 (
                     "UPDATE conversations SET title = %s WHERE conversation_id = %s",
-                    (title, conversation.id),
+                    (title, conversation_id),
                 ),
                 _sidebar_row(user_id, renamed),
             ],
@@ -202,13 +199,28 @@ class ConversationService:
         return await self._owned(user_id, conversation_id)
 
     async def add_user_message(
-        self, user_id: str, conversation: Conversation, message_id: str, content: str, at_ms: int
+        self,
+        user_id: str,
+        conversation: Conversation,
+        message_id: str,
+        content: str,
+        at_ms: int,
+        names_it: bool = False,
     ) -> None:
         """Store the user's message and move the conversation to the top of the sidebar
-        (this is on the path to the first token)."""
+        (this is on the path to the first token); `names_it`: the conversation's title
+        (its first message's, as redacted) is stored with it."""
         at = from_ms(at_ms)
         message = _user_message_row(conversation, at, message_id, content)
-        await self._with_message(message, content, _moved_to_top(user_id, conversation, at))
+        rows = _moved_to_top(user_id, conversation, at)
+        if names_it:
+            rows.append(
+                (
+                    "UPDATE conversations SET title = %s WHERE conversation_id = %s",
+                    (conversation.title, conversation.id),
+                )
+            )
+        await self._with_message(message, content, rows)
 
     async def create_with_message(
         self, user_id: str, conversation: Conversation, message_id: str, content: str

@@ -302,7 +302,9 @@ async function resumeFrom(reply) {
       await showWhenStored(state.conversation.id);
       return;
     }
-    if (error instanceof ApiError && error.status !== 0) throw error;
+    // Dropped (0), too many resumes open (429: old ones not yet seen closed) or a
+    // replica draining (503): the caller's loop tries again after a pause.
+    if (error instanceof ApiError && ![0, 429, 503].includes(error.status)) throw error;
   }
 }
 
