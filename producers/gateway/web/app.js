@@ -103,7 +103,8 @@ async function watchTitle(id, provisional) {
 function sidebarItem(conversation) {
   const button = document.createElement("button");
   button.type = "button";
-  button.textContent = conversation.title || "New chat";
+  // Untitled: its first message was refused (a chat is named as that message is stored).
+  button.textContent = conversation.title || "Untitled chat";
   button.dataset.id = conversation.id;
   button.addEventListener("click", () => openConversation(conversation.id).catch(notify));
   const item = document.createElement("li");
