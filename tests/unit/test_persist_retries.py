@@ -12,26 +12,15 @@ from aiokafka.structs import ConsumerRecord
 from cassandra.cluster import NoHostAvailable
 
 from consumers.persist import POISON_TRIES, Persister
-from schemas.events import FinalEvent, Usage
+from schemas.events import FinalEvent
 from tandoor.settings import Settings
+from tests.unit.test_rollups import final_event
 
 UNREACHABLE_TRIES = POISON_TRIES  # as many rounds unreachable as the poison one takes
 
 
 def final(request_id: str) -> FinalEvent:
-    return FinalEvent(
-        request_id=request_id,
-        attempt=1,
-        seq=1,
-        finish_reason="stop",
-        text="Hello.",
-        usage=Usage(prompt_tokens=3, completion_tokens=2, queue_ms=0, decode_ms=5),
-        model="m",
-        user_id="u",
-        tier="plus",
-        conversation_id="c",
-        created_at_ms=1,
-    )
+    return final_event(request_id, attempt=1)
 
 
 def record(partition: int, offset: int) -> ConsumerRecord[bytes, bytes]:
