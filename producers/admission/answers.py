@@ -43,15 +43,14 @@ class Answers:
 
 async def why_unrun(marks: LineMarks, prompt: PromptRequest, now: int) -> Unrun | None:
     """Why a line must not run: its batch was cancelled, or its window is over."""
-    if await marks.cancelled(prompt.user_id, prompt.batch_id):
-        return "cancelled"
-    return "expired" if _past_deadline(prompt, now) else None
+    return (await unrun_lines(marks, [prompt], now)).get(prompt.request_id)
 
 
 async def unrun_lines(
     marks: LineMarks, prompts: Iterable[PromptRequest], now: int
 ) -> dict[str, Unrun]:
-    """`why_unrun` of many lines (by request id), asking Redis once a batch."""
+    """Why each line must not run (by request id; absent where it may run): its batch
+    was cancelled, or its window is over. Redis is asked once a batch."""
     prompts = list(prompts)
     cancelled = set()
     for owner, batch_id in {(p.user_id, p.batch_id) for p in prompts}:
