@@ -30,7 +30,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import faust
 import orjson
@@ -44,6 +44,7 @@ from tandoor.settings import Settings
 
 DIMENSIONS = ("user", "model")
 RollupKey = tuple[str, int, str, str]  # (window, start_ms, dimension, key)
+Counting = Literal["counted", "seen", "replayed"]  # what `count` made of a record
 CLOSE_GRACE_MS = 10_000  # records finishing this late still land before "closed"
 HOUSEKEEP_EVERY_S = 1.0
 SKIPPED_PREFIX = b"\xffskipped/"  # 0xff is never in UTF-8: no counted id begins so
@@ -78,20 +79,20 @@ class RollupTables:
         at_ms: int,
         keys: list[RollupKey],
         apply: Callable[[Rollup], None],
-    ) -> bool:
-        """Apply the record being processed to each rollup it belongs to; False if it
-        was counted before. A rollup's records all come from one partition of its
-        source topic (keyed by user, or by model), so a record read again after a
-        restart is known by its offset; `record_id`, where given, also catches a copy
-        of the record published twice."""
+    ) -> Counting:
+        """Apply the record being processed to each rollup it belongs to, unless it was
+        counted before. A rollup's records all come from one partition of its source
+        topic (keyed by user, or by model), so a record read again after a restart is
+        known by its offset ("replayed"); `record_id`, where given, also catches a copy
+        of the record published twice, or read again with its id marked ("seen")."""
         partition, offset = _position()
         book = self._book(dimension, partition)
         if offset <= book.skipped_to:
-            return False  # a copy skipped before, read again after a restart
+            return "replayed"  # a copy skipped before, read again after a restart
         if record_id is not None and self._counted[dimension].get(record_id) is not None:
             book.skipped_to = offset
             self._counted[dimension][_skipped_key(partition)] = str(offset).encode()
-            return False
+            return "seen"
         table = self._tables[dimension]
         for window, start, _, key in keys:
             name = table_key(window, start, dimension, key).encode()
@@ -112,7 +113,7 @@ class RollupTables:
             book.counted.append((at_ms, record_id))
         book.stream_ms = max(book.stream_ms, at_ms)
         self._housekeep(dimension, book)
-        return True
+        return "counted"
 
     async def publish_changes(self) -> int:
         """Publish each rollup changed since the last call, and each window that closed;
@@ -122,7 +123,10 @@ class RollupTables:
             table = self._tables[dimension]
             closing_ms = max(book.stream_ms, now_ms()) - CLOSE_GRACE_MS
             ended = {name for name, (end, _) in book.windows.items() if end <= closing_ms}
-            for name in sorted(book.dirty | (ended - book.closed)):
+            # Swapped out before the sends: the agent counts on while they wait, and
+            # what it marks meanwhile is for the next call, not cleared with these.
+            dirty, book.dirty = book.dirty, set()
+            for name in sorted(dirty | (ended - book.closed)):
                 stored = table.get(name)
                 if stored is None:
                     continue  # expired meanwhile
@@ -133,7 +137,6 @@ class RollupTables:
                 if closed:
                     book.closed.add(name)
                 published += 1
-            book.dirty.clear()
         return published
 
     def forget_books(self) -> None:
@@ -146,9 +149,9 @@ class RollupTables:
         if table is None:
             return None
         prefix = f"{dimension}/{key}/".encode()
-        found = [
-            Rollup.load(orjson.loads(v)).summary() for k, v in table.items() if k.startswith(prefix)
-        ]
+        closing_ms = now_ms() - CLOSE_GRACE_MS
+        rollups = [Rollup.load(orjson.loads(v)) for k, v in table.items() if k.startswith(prefix)]
+        found = [rollup.summary(rollup.end_ms <= closing_ms) for rollup in rollups]
         return sorted(found, key=lambda s: (s["window"], -s["start_ms"]))
 
     def sizes(self) -> dict[str, int]:

@@ -43,14 +43,20 @@ class Sink:
     def __init__(self) -> None:
         self.rollups: dict[str, dict[str, Any]] = {}
         self.forwarded: list[bytes] = []
+        self.forwarded_payloads: list[bytes] = []
         self.settled: list[str] = []
+        self.fail_forwards = 0  # the next forwards that fail (a crash before they got out)
 
     def outputs(self) -> Outputs:
         async def rollup(key: bytes, value: bytes) -> None:
             self.rollups[key.decode()] = orjson.loads(value)
 
         async def forward(key: bytes, value: bytes) -> None:
+            if self.fail_forwards:
+                self.fail_forwards -= 1
+                raise RuntimeError("killed before the per-model copy got out")
             self.forwarded.append(key)
+            self.forwarded_payloads.append(value)
 
         async def settle(record: UsageRecord) -> None:
             self.settled.append(record.request_id)
@@ -83,13 +89,39 @@ async def test_the_user_agent_counts_forwards_and_settles(
     async with app.agents["rollups-by-user"].test_context() as agent:
         await agent.put(encode(usage("a")))
         await agent.put(encode(usage("b", at=130_000)))
-        await agent.put(encode(usage("a")))  # a replay
-    await rollup_tables(app).publish_changes()
+        await agent.put(encode(usage("a")))  # a copy
+    await count_per_model(app, sink)
     minute = sink.rollups["user/ada/1m/120000"]
     assert (minute["requests"], minute["prompt_tokens"], minute["completion_tokens"]) == (2, 6, 8)
     assert sink.rollups["user/ada/1h/0"]["requests"] == 2
-    # The replay is not passed on to the per-model rollups; settling is idempotent.
-    assert sink.forwarded == [b"smollm2"] * 2 and sink.settled == ["a", "b", "a"]
+    # The copy is passed on too (it is known there by its id); settling is idempotent.
+    assert sink.forwarded == [b"smollm2"] * 3 and sink.settled == ["a", "b", "a"]
+    assert sink.rollups["model/smollm2/1m/120000"]["requests"] == 2
+
+
+async def count_per_model(app: faust.App, sink: Sink) -> None:
+    """The per-model agent reads what the per-user one passed on; both publish."""
+    async with app.agents["rollups-by-model"].test_context() as agent:
+        for payload in sink.forwarded_payloads:
+            await agent.put(payload)
+    await rollup_tables(app).publish_changes()
+
+
+async def test_a_record_whose_copy_per_model_was_cut_short_is_counted_per_model(
+    app_and_sink: tuple[faust.App, Sink],
+) -> None:
+    """Killed after the id was marked and before the per-model copy got out: read again,
+    the record was known by its id and not passed on, so no model rollup counted it."""
+    app, sink = app_and_sink
+    sink.fail_forwards = 1
+    async with app.agents["rollups-by-user"].test_context() as agent:
+        with contextlib.suppress(RuntimeError, TimeoutError):
+            await asyncio.wait_for(agent.put(encode(usage("a"))), 2)
+    async with app.agents["rollups-by-user"].test_context() as agent:
+        await agent.put(encode(usage("a")))  # read again after the restart
+    await count_per_model(app, sink)
+    assert sink.rollups["user/ada/1m/120000"]["requests"] == 1
+    assert sink.rollups["model/smollm2/1m/120000"]["requests"] == 1
 
 
 async def test_the_token_stream_yields_re_runs_only(app_and_sink: tuple[faust.App, Sink]) -> None:
@@ -204,7 +236,8 @@ async def test_a_copy_read_again_after_its_id_expired_is_still_not_counted(
     summaries = {f"{s['window']}/{s['start_ms']}": s for s in tables.summaries("user", "ada") or []}
     assert summaries[f"1m/{hour}"]["requests"] == 1
     assert summaries[f"1h/{hour}"]["requests"] == 2
-    assert sink.forwarded == [b"smollm2"] * 2
+    await count_per_model(app, sink)
+    assert sink.rollups[f"model/smollm2/1h/{hour}"]["requests"] == 2
 
 
 async def test_changes_are_published_once_per_interval_not_per_record(
@@ -226,3 +259,48 @@ async def test_changes_are_published_once_per_interval_not_per_record(
     assert await tables.publish_changes() == 2  # the minute and the hour, once each
     assert await tables.publish_changes() == 0  # nothing changed since
     assert sink_outputs.rollups is not None
+
+
+async def test_a_record_counted_while_changes_are_published_is_published_next(
+    app_and_sink: tuple[faust.App, Sink],
+) -> None:
+    """The agent counts on while a publication waits for Kafka: what it changed then
+    was cleared with what had just been sent, and never published (a window already
+    published as closed kept its count without the late record for good)."""
+    app, sink = app_and_sink
+    tables = rollup_tables(app)
+    hour = (now_ms() // 3_600_000 + 1) * 3_600_000  # ahead of the clock: nothing closes
+    async with app.agents["rollups-by-user"].test_context() as agent:
+        await agent.put(encode(usage("a", at=hour)))
+        send = tables._publish
+
+        async def publish_while_counting(key: bytes, value: bytes) -> None:
+            tables._publish = send
+            await send(key, value)
+            await agent.put(encode(usage("b", at=hour + 1_000)))  # counted meanwhile
+
+        tables._publish = publish_while_counting
+        await tables.publish_changes()
+        await tables.publish_changes()
+    assert sink.rollups[f"user/ada/1h/{hour}"]["requests"] == 2
+    assert sink.rollups[f"user/ada/1m/{hour}"]["requests"] == 2
+
+
+async def test_the_rollups_read_over_http_say_which_windows_are_closed(
+    app_and_sink: tuple[faust.App, Sink],
+) -> None:
+    app, _ = app_and_sink
+    hours_ago = (now_ms() // 3_600_000 - 3) * 3_600_000
+    async with app.agents["rollups-by-user"].test_context() as agent:
+        await agent.put(encode(usage("a", at=hours_ago)))
+        await agent.put(encode(usage("b", at=now_ms())))
+    closed = {
+        (s["window"], s["start_ms"] == hours_ago): s["closed"]
+        for s in rollup_tables(app).summaries("user", "ada") or []
+    }
+    assert closed == {
+        ("1m", True): True,
+        ("1h", True): True,
+        ("1m", False): False,
+        ("1h", False): False,
+    }
