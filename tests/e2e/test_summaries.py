@@ -57,5 +57,18 @@ async def test_older_turns_are_summarized_and_used(stack: Stack) -> None:
         )
         assert opened["summary"] and opened["summary_until"], "no summary was made"
         later = await post(http, headers, conversation, "Which topic did we start with?")
-    assert later[0]["type"] == "start" and later[0]["summarized"] is True
+        assert later[0]["type"] == "start" and later[0]["summarized"] is True
+
+        # Editing a summarized turn (to take something out of it) forgets the summary:
+        # neither shown nor sent to the model any more.
+        first = next(m for m in opened["messages"] if m["role"] == "user")
+        edit = f"/v1/conversations/{conversation}/messages/{first['id']}/edit"
+        body = {"content": "Tell me about rivers.", "max_tokens": 16, "temperature": 0}
+        async with http.stream("POST", edit, json=body, headers=headers) as response:
+            assert response.status_code == 200, await response.aread()
+            assert [d async for _, d in sse(response)][-2]["type"] == "final"
+        edited = await opened_conversation()
+        assert edited["summary"] is None and edited["summary_until"] is None, edited
+        after = await post(http, headers, conversation, "Which topic did we start with?")
+    assert after[0]["type"] == "start" and after[0]["summarized"] is False
     assert later[-2]["type"] == "final" and later[-2]["finish_reason"] in ANSWERED

@@ -94,6 +94,24 @@ async def test_create_list_get_rename_delete(client: httpx.AsyncClient, settings
     assert [c["id"] for c in listed["data"]] == [second.json()["id"]]
 
 
+async def test_a_summary_finished_after_a_delete_does_not_bring_the_chat_back(
+    client: httpx.AsyncClient, settings: Settings
+) -> None:
+    """A summary job runs for minutes in the batch band: its write into a conversation
+    deleted meanwhile made the row again, unowned and out of reach, holding a summary
+    of what the user deleted."""
+    auth = await user_key(settings)
+    made = (await client.post("/v1/conversations", json={"title": "x"}, headers=auth)).json()
+    assert (await client.delete(f"/v1/conversations/{made['id']}", headers=auth)).status_code == 204
+    with cassandra_session(settings, settings.keyspace) as session:
+        service = ConversationService(session, settings.served_models)
+        await service.set_summary(made["id"], "They told me a secret.", dt.datetime.now(dt.UTC))
+        rows = session.execute(
+            "SELECT summary FROM conversations WHERE conversation_id = %s", (made["id"],)
+        )
+        assert list(rows) == []
+
+
 async def test_pages_run_newest_first_without_gaps(
     client: httpx.AsyncClient, settings: Settings
 ) -> None:

@@ -47,3 +47,11 @@ def test_without_a_summary_every_shown_turn_counts() -> None:
 def test_a_summary_stands_in_for_the_turns_it_covers() -> None:
     summary, turns = after_summary(opened("They said hello.", until=2))
     assert summary == "They said hello." and [m.id for m in turns] == ["m3", "m5"]
+
+
+def test_a_summary_of_turns_an_edit_replaced_is_not_used() -> None:
+    """The user edited a summarized turn (to take a name or a number out): the summary
+    still told the model what it said. Every shown turn goes in instead."""
+    stale = opened("They gave their card number.", until=4)  # m4 was replaced
+    summary, turns = after_summary(stale)
+    assert summary is None and [m.id for m in turns] == ["m1", "m2", "m3", "m5"]

@@ -20,14 +20,22 @@ def as_chat(message: Message) -> ChatMessage:
 
 
 def after_summary(opened: ConversationWithMessages) -> tuple[str | None, list[Message]]:
-    """The summary, if any, and the usable turns it does not cover."""
-    until = opened.summary_until
+    """The summary, if any, and the usable turns it does not cover. A summary of turns
+    an edit replaced is not used: what the user edited away stays out of the context."""
+    until = None if summary_is_stale(opened) else opened.summary_until
     turns = [
         m
         for m in opened.messages
         if m.status != "replaced" and shown(m) and (until is None or m.created_at > until)
     ]
     return (opened.summary if until else None), turns
+
+
+def summary_is_stale(opened: ConversationWithMessages) -> bool:
+    until = opened.summary_until
+    return until is not None and any(
+        m.status == "replaced" and m.created_at <= until for m in opened.messages
+    )
 
 
 def visible(opened: ConversationWithMessages) -> list[Message]:

@@ -109,11 +109,17 @@ class ConversationJobs:
             self._spawn(self._title(user_id, conversation, question, answer))
 
     def after_context_cut(
-        self, user_id: str, conversation: Conversation, previous: str | None, turns: list[Message]
+        self,
+        user_id: str,
+        conversation: Conversation,
+        previous: str | None,
+        turns: list[Message],
+        over_stale: bool = False,
     ) -> None:
         """Older `turns` no longer fit the context: summarize them (and the summary of what
-        came before them) for the next reply."""
-        self._spawn(self._summary(user_id, conversation, previous, turns))
+        came before them) for the next reply; `over_stale`: in place of a stored summary
+        that covers turns an edit replaced."""
+        self._spawn(self._summary(user_id, conversation, previous, turns, over_stale))
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -143,7 +149,12 @@ class ConversationJobs:
             await self.conversations.rename(user_id, conversation.id, title)
 
     async def _summary(
-        self, user_id: str, conversation: Conversation, previous: str | None, turns: list[Message]
+        self,
+        user_id: str,
+        conversation: Conversation,
+        previous: str | None,
+        turns: list[Message],
+        over_stale: bool,
     ) -> None:
         until = turns[-1].created_at
         job = PromptJob(
@@ -154,8 +165,13 @@ class ConversationJobs:
             160,
         )
         text = await self._ask(job, conversation, user_id)
-        if text and text.strip():
-            await self.conversations.set_summary(conversation.id, text.strip(), until)
+        if not text or not text.strip():
+            return
+        now = await self.conversations.get(user_id, conversation.id)
+        summarized = {m.id for m in turns}
+        if any(m.status == "replaced" and m.id in summarized for m in now.messages):
+            return  # an edit took those turns out while the job ran
+        await self.conversations.set_summary(conversation.id, text.strip(), until, over_stale)
 
     async def _ask(self, job: PromptJob, conversation: Conversation, user_id: str) -> str | None:
         """The model's answer to a job, or None (it failed, or took too long)."""

@@ -19,7 +19,13 @@ from aiokafka.errors import KafkaError
 from consumers.fanout import Subscription, TokenFanout
 from producers.gateway.chat.checks import ReplyChecks
 from producers.gateway.chat.control import ReplyControl
-from producers.gateway.chat.history import after_summary, as_chat, usable, visible
+from producers.gateway.chat.history import (
+    after_summary,
+    as_chat,
+    summary_is_stale,
+    usable,
+    visible,
+)
 from producers.gateway.chat.inflight import InFlight, Queued
 from producers.gateway.chat.jobs import ConversationJobs
 from producers.gateway.chat.newest import Newest, NewestReply
@@ -150,7 +156,8 @@ class ChatService:
         )
         if reply.dropped:  # older turns no longer fit: summarized for next time
             dropped = turns[: reply.dropped]
-            self.deps.jobs.after_context_cut(caller.user_id, conversation, summary, dropped)
+            stale = summary_is_stale(opened)
+            self.deps.jobs.after_context_cut(caller.user_id, conversation, summary, dropped, stale)
         return reply
 
     async def regenerate(
@@ -177,11 +184,15 @@ class ChatService:
         conversation = await self.deps.conversations.owned(caller.user_id, conversation_id)
         await self.inflight.ensure_idle(conversation_id)
         text = await self.moderated(body.content)
-        shown, unstored = await self._visible(caller, conversation_id)
+        opened, unstored = await self._settled(caller, conversation_id)
+        shown = visible(opened)
         at = next((i for i, m in enumerate(shown) if m.id == message_id and m.role == "user"), None)
         if at is None:
             raise not_found("user message")
-        replaces = [*shown[at:], *_after(unstored, shown[at])]
+        until = opened.summary_until
+        if until is not None and shown[at].created_at <= until:  # what it edits away
+            await self.deps.conversations.forget_summary(conversation_id)
+        replaces = [*shown[at:], *_after([unstored] if unstored else [], shown[at])]
         history = usable(shown[:at])
         return await self.reply(caller, conversation, history, text, body, replaces=replaces)
 

@@ -126,20 +126,36 @@ class ConversationService:
             summary_until=_utc(row.summary_until) if row.summary_until else None,
         )
 
-    async def set_summary(self, conversation_id: str, text: str, until: dt.datetime) -> None:
+    async def set_summary(
+        self, conversation_id: str, text: str, until: dt.datetime, over_stale: bool = False
+    ) -> None:
         """Store a summary unless one reaching as far or further is there already (the
-        jobs of one conversation are rare and far apart: read, then write, is enough)."""
+        jobs of one conversation are rare and far apart: read, then write, is enough),
+        or `over_stale`: the stored one covers turns an edit replaced. Never into a
+        conversation deleted meanwhile: the write would bring its row back, unowned,
+        holding a summary of what the user deleted."""
         rows = await cql(
             self._session,
             "SELECT summary_until FROM conversations WHERE conversation_id = %s",
             (conversation_id,),
         )
-        if rows and rows[0].summary_until and _utc(rows[0].summary_until) >= until:
-            return
+        if not over_stale and rows and rows[0].summary_until:
+            if _utc(rows[0].summary_until) >= until:
+                return
         await cql(
             self._session,
-            "UPDATE conversations SET summary = %s, summary_until = %s WHERE conversation_id = %s",
+            "UPDATE conversations SET summary = %s, summary_until = %s "
+            "WHERE conversation_id = %s IF EXISTS",
             (text, until, conversation_id),
+        )
+
+    async def forget_summary(self, conversation_id: str) -> None:
+        """An edit replaced turns the summary covers: it must not be shown or used."""
+        await cql(
+            self._session,
+            "UPDATE conversations SET summary = null, summary_until = null "
+            "WHERE conversation_id = %s IF EXISTS",
+            (conversation_id,),
         )
 
     async def rename(self, user_id: str, conversation_id: str, title: str) -> Conversation:
