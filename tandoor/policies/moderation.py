@@ -42,6 +42,9 @@ _PHONE_RUN_TAIL = re2.compile(r"[\d ().+\-]*$")  # what [phone] and [card] are m
 _DIGIT = re2.compile(r"\d")
 _LOCAL_PART_TAIL = re2.compile(rf"[{WORD}.+\-]*$")  # as in the [email] pattern
 _ASCII_LOCAL_PART = string.ascii_letters + string.digits + "_.+-"
+_ASCII_DIGITS = frozenset(string.digits)  # RE2's \d
+_ASCII_WORD = frozenset(string.ascii_letters + string.digits + "_")  # RE2's \b
+_PHONE_CHARS = frozenset(string.digits + " ().+-")  # as in _PHONE_RUN_TAIL
 HOLD_CHARS = 4096
 _SHORT_HOLD = 64
 _MAYBE_PERSONAL = re2.compile(r"[@\d]")  # every pattern needs one
@@ -127,15 +130,34 @@ def _hold_from(text: str) -> int:
 def _not_inside_a_match(text: str, hold: int, floor: int) -> int:
     """`hold`, moved back until it cuts neither a word (a digit run can begin inside an
     address: "bob@10.0.0.1" held from "1" released "bob@10.0.0.") nor a run of a
-    phone's characters with a digit in it (a phone may span words: "0)  9()9(0")."""
+    phone's characters with a digit in it that a match could run through into the held
+    text (a phone may span words: "0)  9()9(0"). A run the held text cannot continue
+    stays out: "x1 x1 x1 ..." was held back up to HOLD_CHARS, a word a step, each step
+    a search of the whole hold (seconds of the gateway's loop on one reply)."""
     while True:
         start = floor + _last_word_start(text[floor:hold])
         run = _PHONE_RUN_TAIL.search(text[floor:start])
-        if run and _DIGIT.search(run.group()):
+        if run and _DIGIT.search(run.group()) and _may_run_on(text, start):
             start = floor + run.start()
         if start == hold:
             return hold
         hold = start
+
+
+def _may_run_on(text: str, start: int) -> bool:
+    """Whether a [phone] or [card] match may run from before `start` into the text from
+    it: the phone characters it starts with could end one (a digit with no ASCII word
+    character after it: RE2's \b), or may still grow."""
+    if start == len(text):
+        return True
+    if text[start - 1] != " ":  # of the whitespace, only a space is a phone character
+        return False
+    for i in range(start, len(text)):
+        if text[i] not in _PHONE_CHARS:
+            return False
+        if text[i] in _ASCII_DIGITS and (i + 1 == len(text) or text[i + 1] not in _ASCII_WORD):
+            return True
+    return True  # phone characters to the end: it may still grow
 
 
 def _local_part_start(text: str) -> int:
