@@ -138,3 +138,21 @@ async def test_a_failed_completion_blames_the_request_only_when_it_was_at_fault(
     assert refused.value.status == status
     assert refused.value.headers.get("Retry-After") == retry
     assert error in refused.value.message
+
+
+async def test_a_queued_completion_sends_keep_alives() -> None:
+    """The watch says "nothing yet" every 15 s while the prompt waits: the OpenAI stream
+    dropped that and sent nothing for up to 150 s, and proxies with a 60 s idle limit
+    cut it (the chat stream sent its keep-alive comment)."""
+
+    async def quiet_then_reply() -> Any:
+        yield None
+        yield None
+        async for item in feed(*tokens("Hi there.", 3), final("Hi there.")):
+            yield item
+
+    watch = SimpleNamespace(events=quiet_then_reply)
+    reply = cast(Reply, SimpleNamespace(request_id="r", model="m", watch=watch))
+    frames = [f async for f in completion_chunks(reply, False, DefaultModerator().output_filter)]
+    assert frames[1:3] == [": keep-alive\n\n"] * 2 and frames[-1] == "data: [DONE]\n\n"
+    assert (await streamed_text(reply_of("Hi there.", 3))) == "Hi there."

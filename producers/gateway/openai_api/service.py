@@ -9,10 +9,9 @@ from typing import Any
 
 import orjson
 
-from consumers.fanout import Delivered
 from producers.gateway.chat.protocol import ReplyOptions, SamplingOptions
 from producers.gateway.chat.service import ApiCall, ChatService, Reply
-from producers.gateway.chat.sse import NO_ANSWER
+from producers.gateway.chat.sse import KEEPALIVE, NO_ANSWER
 from producers.gateway.conversations.protocol import provisional_title
 from producers.gateway.errors import ApiError
 from producers.gateway.openai_api.protocol import ChatCompletionRequest
@@ -102,7 +101,10 @@ async def completion_chunks(
     )
     attempt, next_seq, sent, redactor = 0, 0, False, make_filter()
     raw, gap = "", False  # the text received; a missing event holds the rest for the final
-    async for item in _events(reply):
+    async for item in reply.watch.events():
+        if item is None:  # a quiet while (queued): proxies cut an idle connection
+            yield KEEPALIVE
+            continue
         event = item.event
         if event.attempt < attempt:
             continue  # a late event of an abandoned attempt
@@ -142,12 +144,6 @@ async def completion_chunks(
     else:
         yield _error(NO_ANSWER, "timeout")
     yield "data: [DONE]\n\n"
-
-
-async def _events(reply: Reply) -> AsyncIterator[Delivered]:
-    async for item in reply.watch.events():
-        if item is not None:
-            yield item
 
 
 def _checked(final: FinalEvent) -> FinalEvent:
