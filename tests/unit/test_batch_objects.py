@@ -7,7 +7,7 @@ import datetime as dt
 import orjson
 import pytest
 
-from producers.gateway.batches.service import _batch_object, input_lines
+from producers.gateway.batches.service import MAX_LINES, _batch_object, input_lines
 from producers.gateway.batches.store import Answered, StoredBatch
 from producers.gateway.errors import ApiError
 from schemas.batch import MAX_LINE_BYTES
@@ -64,3 +64,23 @@ def test_a_line_kafka_would_refuse_is_a_400_naming_it() -> None:
     with pytest.raises(ApiError, match=r"line 2 is 1000\d{3} bytes: at most 1000000") as error:
         input_lines(fits + b"\n" + line("b", "x" * MAX_LINE_BYTES) + b"\n", URL)
     assert error.value.status == 400
+
+
+def test_an_expired_batch_does_not_turn_completed_when_its_running_lines_finish() -> None:
+    """Lines still generating at the window's end: the batch read expired (final: the
+    SDK and `tandoor batch collect` stop there), then completed once they finished."""
+    late = batch(dt.timedelta(hours=25), cancelled=False)
+    window_end = (late.created_at + dt.timedelta(hours=24)).replace(tzinfo=dt.UTC)
+    assert _batch_object(late, Answered([200, 200]))["status"] == "expired"
+    finished_late = Answered([200, 200, 200], window_end + dt.timedelta(minutes=5))
+    shown = _batch_object(late, finished_late)
+    assert shown["status"] == "expired" and shown["completed_at"] is None
+    assert shown["request_counts"] == {"total": 3, "completed": 3, "failed": 0}
+
+
+def test_a_file_of_too_many_lines_is_refused_without_parsing_the_rest() -> None:
+    """A 64 MB file of tiny lines was parsed whole (seconds of the gateway's loop, for
+    each call, each ending in a 400) before its line count was looked at."""
+    many = b"\n".join(line(f"c{i}", "hi") for i in range(MAX_LINES + 1))
+    with pytest.raises(ApiError, match=f"more than {MAX_LINES} lines"):
+        input_lines(many + b"\nnot JSON, and never read\n", URL)

@@ -6,6 +6,7 @@ and error files."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import datetime as dt
 import logging
@@ -107,7 +108,9 @@ class BatchService:
 
     async def create(self, caller: Principal, api_key: str, body: CreateBatch) -> dict[str, Any]:
         source = await self._own_file(caller, body.input_file_id)
-        lines = input_lines(await self.files.content(source.file_id), body.endpoint)
+        content = await self.files.content(source.file_id)
+        # Up to 64 MB of JSON: parsed beside the loop, whose streams go on meanwhile.
+        lines = await asyncio.to_thread(input_lines, content, body.endpoint)
         batch = StoredBatch(
             f"batch_{uuid.uuid4().hex}",
             caller.user_id,
@@ -219,10 +222,10 @@ def input_lines(content: bytes, endpoint: str) -> list[bytes]:
             raise ApiError(400, f"line {number}: url must be {endpoint}", param=PARAM)
         seen.add(custom_id)
         lines.append(raw)
+        if len(lines) > MAX_LINES:  # said before the rest is parsed
+            raise ApiError(400, f"more than {MAX_LINES} lines", param=PARAM)
     if not lines:
         raise ApiError(400, "the input file has no lines", param=PARAM)
-    if len(lines) > MAX_LINES:
-        raise ApiError(400, f"{len(lines)} lines: at most {MAX_LINES}", param=PARAM)
     return lines
 
 
@@ -230,7 +233,7 @@ def _batch_object(batch: StoredBatch, answered: Answered) -> dict[str, Any]:
     """OpenAI's batch object, from the lines answered so far."""
     codes = answered.codes
     completed, failed = sum(code == 200 for code in codes), sum(code != 200 for code in codes)
-    status = _status(batch, codes)
+    status = _status(batch, answered)
     final = status in ("completed", "cancelled", "expired")
     created, expires = _epoch(batch.created_at), _epoch(batch.created_at + COMPLETION_WINDOW)
     cancelling = _epoch(batch.cancelled_at) if batch.cancelled_at else None
@@ -258,14 +261,19 @@ def _batch_object(batch: StoredBatch, answered: Answered) -> dict[str, Any]:
     }
 
 
-def _status(batch: StoredBatch, codes: list[int | None]) -> str:
+def _status(batch: StoredBatch, answered: Answered) -> str:
+    codes = answered.codes
     done = len(codes) >= batch.total
-    past_window = _now() > batch.created_at + COMPLETION_WINDOW
+    window_end = batch.created_at + COMPLETION_WINDOW
     if batch.cancelled_at is not None:  # lines never answered end with the window too
-        return "cancelled" if done or past_window else "cancelling"
+        return "cancelled" if done or _now() > window_end else "cancelling"
     # A line with no HTTP answer in a batch not cancelled is one the window ended
-    # (`batch_expired`): the batch stays expired once those answers are all in.
-    if past_window and (not done or None in codes):
+    # (`batch_expired`). Expired is final: lines still running at the window's end
+    # that finish later are counted, and the batch does not turn `completed` (clients
+    # stop polling at expired and would never see it).
+    last = answered.last_at
+    in_window = last is None or last.replace(tzinfo=None) <= window_end
+    if _now() > window_end and not (done and None not in codes and in_window):
         return "expired"
     return "completed" if done else "in_progress"
 
