@@ -20,13 +20,17 @@ import re2
 # doubled with each further digit). RE2 has no look-behind, so a pattern that must not
 # start inside a word captures the character before it (group 1) and keeps it.
 WORD = r"\p{L}\p{N}_"  # Unicode word characters, as Python's \w (RE2's \w is ASCII)
-PATTERNS: list[tuple[str, re2._Regexp[str]]] = [
-    # Local part, @, then dotted labels ending in a word character. Over-redacts
-    # punctuation run into the local part rather than leave an address visible.
-    ("[email]", re2.compile(rf"()([{WORD}.+\-]+@[{WORD}\-]+(?:\.[{WORD}\-]*[{WORD}])+)")),
-    ("[card]", re2.compile(r"()\b((?:\d[ -]?){12,18}\d)\b")),
-    ("[phone]", re2.compile(rf"(^|[^{WORD}+])(\+?\d[\d ().-]{{7,}}\d)\b")),
-]
+# Local part, @, then dotted labels ending in a word character. Over-redacts
+# punctuation run into the local part rather than leave an address visible.
+EMAIL = re2.compile(rf"()([{WORD}.+\-]+@[{WORD}\-]+(?:\.[{WORD}\-]*[{WORD}])+)")
+CARD = re2.compile(r"()\b((?:\d[ -]?){12,18}\d)\b")
+PHONE = re2.compile(rf"(^|[^{WORD}+])(\+?\d[\d ().-]{{7,}}\d)\b")
+# What the [phone] pattern's shape also takes and a phone number is not: a date at its
+# start (then the rest is looked at again), and digits with dots only where every group
+# is short (an address like 192.168.100.200, a version) or one dot splits them (3.14159).
+_ISO_DATE = re2.compile(r"^\d{4}-\d{2}-\d{2}")
+_DOTTED = re2.compile(r"^\d+(?:\.\d+)+$")
+_PHONE_DIGITS = range(9, 16)  # E.164 has at most 15; 9 is the shortest national number
 # What a streamed reply may still turn into something to redact is held back. Text
 # without '@' or a digit: only its trailing run of the characters an address's local
 # part is made of ("Hello!" is sent whole, "Hello" is held). Otherwise its last,
@@ -183,6 +187,39 @@ def _last_word_start(text: str) -> int:
 def redact(text: str) -> str:
     if not _MAYBE_PERSONAL.search(text):
         return text  # most of a streamed reply: no '@', no digit
-    for label, pattern in PATTERNS:
-        text = pattern.sub(rf"\1{label}", text)
-    return text
+    text = EMAIL.sub(r"\1[email]", text)
+    text = CARD.sub(_card_or_not, text)
+    return PHONE.sub(_phone_or_not, text)
+
+
+def _card_or_not(match: re2._Match[str]) -> str:
+    """A card number passes the Luhn check (an ISBN or an order number mostly does not)."""
+    number = match.group(2)
+    return "[card]" if _luhn_valid(number) else number
+
+
+def _luhn_valid(number: str) -> bool:
+    digits = [int(c) for c in reversed(number) if c in _ASCII_DIGITS]
+    doubled = [d * 2 - 9 if d * 2 > 9 else d * 2 for d in digits[1::2]]
+    return (sum(digits[::2]) + sum(doubled)) % 10 == 0
+
+
+def _phone_or_not(match: re2._Match[str]) -> str:
+    return match.group(1) + _phone_label(match.group(2))
+
+
+def _phone_label(number: str) -> str:
+    if date := _ISO_DATE.search(number):  # "2024-01-15 10": the rest may still be one
+        rest = number[date.end() :]
+        return number[: date.end()] + PHONE.sub(_phone_or_not, rest)
+    digits = sum(c in _ASCII_DIGITS for c in number)
+    if digits not in _PHONE_DIGITS or _is_dotted_number(number):
+        return number
+    return "[phone]"
+
+
+def _is_dotted_number(number: str) -> bool:
+    if not _DOTTED.search(number):
+        return False
+    groups = number.split(".")
+    return len(groups) == 2 or all(len(group) <= 3 for group in groups)
