@@ -16,7 +16,26 @@ class InputMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")  # e.g. `name`: kept out of the prompt
 
     role: Literal["system", "developer", "user", "assistant"]
-    content: str = Field(max_length=CONTENT_MAX_CHARS)
+    content: str = Field(
+        max_length=CONTENT_MAX_CHARS,
+        description="A string, or a list of text parts (joined by newlines, as vLLM does).",
+    )
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts(cls, content: object) -> object:
+        """`[{"type": "text", "text": ...}, ...]`, as the SDK's types, LangChain and
+        LiteLLM send it; any other kind of part (an image, audio) is refused by name."""
+        if not isinstance(content, list):
+            return content
+        texts = []
+        for i, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text" or not isinstance(part.get("text"), str) or len(part) != 2:
+                shown = repr(kind) if isinstance(kind, str) else "not a text part"
+                raise ValueError(f"part {i} is {shown[:40]}: only text parts are supported")
+            texts.append(part["text"])
+        return "\n".join(texts)
 
 
 class StreamOptions(BaseModel):
