@@ -201,6 +201,8 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
                 self._done(record.partition, record.offset, "replayed")
                 return
             owner_known = caller.user_id if caller and refused.kept else None
+            if not refused.kept:  # a repeat: its answer's id is not its first line's
+                request_id = custom_line_request_id(owner, batch_id or "-", f"{name}@{position}")
             await self._refuse(record, batch_id, owner_known, parsed.custom_id, request_id, refused)
             return
         if await self.marks.where(prompt.request_id) == position:

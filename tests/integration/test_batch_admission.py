@@ -115,6 +115,8 @@ async def test_a_200_line_batch_on_the_topic_is_answered_once_per_line(
     assert errors["line-999"]["status_code"] == 401
     repeats = [r for r in got if r["custom_id"] == "line-0"]
     assert sorted(r["response"]["status_code"] for r in repeats) == [200, 400]
+    # Two answers, two ids: a consumer keeping one per id kept the refusal, not the reply.
+    assert len({r["id"] for r in repeats}) == 2, repeats
     texts = {r["custom_id"]: answered(r) for r in got if r["response"]["status_code"] == 200}
     assert len(texts) == LINES and all(texts.values())
     # Each answer is to its own line: it repeats the line's number or gives the sum.
