@@ -11,13 +11,15 @@ from pathlib import Path
 import httpx
 import orjson
 import pytest
+from cassandra import OperationTimedOut
 
 from infra.process import free_port
 from infra.roles import GatewayProcess
 from producers.gateway.app import create_app
+from producers.gateway.conversations import service as service_module
 from producers.gateway.conversations.service import ConversationService
 from schemas.events import now_ms
-from tandoor.clients import cassandra_session, redis_client
+from tandoor.clients import cassandra_session, cql_together, redis_client
 from tandoor.policies.api_keys import create_key
 from tandoor.policies.redis_keys import inflight_key
 from tandoor.settings import Settings
@@ -110,6 +112,32 @@ async def test_a_summary_finished_after_a_delete_does_not_bring_the_chat_back(
             "SELECT summary FROM conversations WHERE conversation_id = %s", (made["id"],)
         )
         assert list(rows) == []
+
+
+async def test_a_long_message_whose_rows_failed_is_shown_failed(
+    client: httpx.AsyncClient, settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A message over 4 KiB is stored before the rows that show it; when those failed,
+    the client got an error while the message stayed "sent": shown, taken into the next
+    turn's context, and sent twice by the client's retry."""
+    user = f"user-{uuid.uuid4().hex[:8]}"
+    made = (
+        await client.post("/v1/conversations", json={}, headers=await user_key(settings, user))
+    ).json()
+    with cassandra_session(settings, settings.keyspace) as session:
+        service = ConversationService(session, settings.served_models)
+        conversation = await service.owned(user, made["id"])
+        real = cql_together
+
+        async def rows_time_out(session: object, rows: list[object]) -> None:
+            monkeypatch.setattr(service_module, "cql_together", real)
+            raise OperationTimedOut("the rows' batch timed out")
+
+        monkeypatch.setattr(service_module, "cql_together", rows_time_out)
+        with pytest.raises(OperationTimedOut):
+            await service.add_user_message(user, conversation, "m_long", "Sea. " * 1000, now_ms())
+        opened = await service.get(user, made["id"])
+    assert [(m.id, m.status) for m in opened.messages] == [("m_long", "failed")]
 
 
 async def test_pages_run_newest_first_without_gaps(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import time
 import uuid
@@ -17,7 +18,7 @@ from producers.gateway.conversations.protocol import (
 )
 from producers.gateway.errors import ApiError, count, not_found
 from schemas.events import MessageKey
-from tandoor.clients import cql, cql_together
+from tandoor.clients import CASSANDRA_DOWN, cql, cql_together
 
 # A message up to this size goes in one batch with its conversation's rows; Cassandra
 # warns of batches over 5 KiB and refuses them over 50 KiB (a message may be 128 KB).
@@ -227,7 +228,6 @@ class ConversationService:
         (this is on the path to the first token); `names_it`: the conversation's title
         (its first message's, as redacted) is stored with it."""
         at = from_ms(at_ms)
-        message = _user_message_row(conversation, at, message_id, content)
         rows = _moved_to_top(user_id, conversation, at)
         if names_it:
             rows.append(
@@ -236,7 +236,7 @@ class ConversationService:
                     (conversation.title, conversation.id),
                 )
             )
-        await self._with_message(message, content, rows)
+        await self._with_message(conversation, at, message_id, content, rows)
 
     async def create_with_message(
         self, user_id: str, conversation: Conversation, message_id: str, content: str
@@ -244,26 +244,44 @@ class ConversationService:
         """A new conversation with its first message: an API call's (on the path to the
         first token). The conversation's times are the message's, so its sidebar row is
         already the one at the top."""
-        message = _user_message_row(conversation, conversation.created_at, message_id, content)
         rows = [_conversation_row(user_id, conversation), _sidebar_row(user_id, conversation)]
-        await self._with_message(message, content, rows)
+        await self._with_message(conversation, conversation.created_at, message_id, content, rows)
 
-    async def _with_message(self, message: Row, content: str, rows: list[Row]) -> None:
+    async def _with_message(
+        self,
+        conversation: Conversation,
+        at: dt.datetime,
+        message_id: str,
+        content: str,
+        rows: list[Row],
+    ) -> None:
         """A user's message and the rows that show it: all or none, in one round trip,
         where the message fits in a batch; a longer one first, on its own (until the rows
         follow, its conversation does not exist yet or is not yet at the top)."""
+        message = _user_message_row(conversation, at, message_id, content)
         if len(content.encode()) <= BATCHED_MESSAGE_BYTES:  # nearly every message
             await cql_together(self._session, [message, *rows])
             return
         await cql(self._session, *message)
-        await cql_together(self._session, rows)
+        try:
+            await cql_together(self._session, rows)
+        except BaseException:
+            # Stored, while the client is told it was not: shown as failed, or it stayed
+            # "sent", went into the next turn's context, and the client's retry sent it
+            # twice. (Where Cassandra refuses this too, its conversation is not shown.)
+            with contextlib.suppress(*CASSANDRA_DOWN):
+                await self._mark_failed_at(conversation.id, message_id, at)
+            raise
 
     async def mark_failed(self, conversation_id: str, message_id: str, at_ms: int) -> None:
+        await self._mark_failed_at(conversation_id, message_id, from_ms(at_ms))
+
+    async def _mark_failed_at(self, conversation_id: str, message_id: str, at: dt.datetime) -> None:
         await cql(
             self._session,
             "UPDATE messages_by_conversation SET status = 'failed' WHERE conversation_id = %s "
             "AND created_at = %s AND message_id = %s",
-            (conversation_id, from_ms(at_ms), message_id),
+            (conversation_id, at, message_id),
         )
 
     async def mark_replaced(self, conversation_id: str, keys: Sequence[MessageKey]) -> None:
