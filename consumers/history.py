@@ -29,6 +29,8 @@ MESSAGE_STATUS = {
     "error": "failed",
 }
 
+SERVICE_JOBS = ("title", "summary")  # asked for by the gateway, not by the user
+
 INSERT_MESSAGE = """
 INSERT INTO messages_by_conversation (conversation_id, created_at, message_id, role, content,
     status, model, attempt, finish_reason, error, prompt_tokens, completion_tokens)
@@ -150,8 +152,10 @@ class HistoryWriter:
         )
 
     async def _store_usage(self, final: FinalEvent) -> None:
-        if not final.user_id:
-            return  # a malformed prompt's error event: nobody to charge
+        if not final.user_id or final.kind in SERVICE_JOBS:
+            # A malformed prompt's error event: nobody to charge. A title or summary:
+            # the service's own (charged no quota), counted on the usage stream only.
+            return
         day = _utc(reply_time_ms(final)).date()  # the prompt's day, stable across attempts
         await cql(
             self._session,

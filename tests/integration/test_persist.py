@@ -21,7 +21,15 @@ from producers.gateway.conversations.service import ConversationService
 from producers.gateway.errors import ApiError
 from schemas import topics
 from schemas.codec import encode
-from schemas.events import FinalEvent, FinishReason, MessageKey, TokenEvent, Usage, now_ms
+from schemas.events import (
+    FinalEvent,
+    FinishReason,
+    MessageKey,
+    PromptKind,
+    TokenEvent,
+    Usage,
+    now_ms,
+)
 from tandoor.clients import assign_from_end, cassandra_session, kafka_producer
 from tandoor.settings import Settings
 from tests.integration.pipeline import group_committed
@@ -58,8 +66,10 @@ def final(
     attempt: int = 1,
     request_id: str | None = None,
     prompt_at: int | None = None,
+    kind: PromptKind = "chat",
 ) -> FinalEvent:
     return FinalEvent(
+        kind=kind,
         request_id=request_id or f"req-{uuid.uuid4().hex[:10]}",
         attempt=attempt,
         seq=3,
@@ -155,8 +165,9 @@ async def test_replies_are_stored_once_with_their_status_and_usage(
     done = final(conversation, "The capital of France is Paris.")
     stopped = final(conversation, "Once upon a", reason="cancelled")
     private = final(conversation, "Write to ada@example.com or call +44 20 7946 0958.")
+    title = final(conversation, "Paris facts", kind="title")  # the service's own job
     process = await start_persist()
-    await publish(producer, done, stopped, private, done)  # replaying `done` changes nothing
+    await publish(producer, title, done, stopped, private, done)  # replaying `done`: no change
     rows = await settled_rows(settings, keyspace, producer, conversation, 3)
     assert process.terminate() == 0  # SIGTERM: a clean exit
     by_id = {row.message_id: row for row in rows}
@@ -191,6 +202,9 @@ async def test_replies_are_stored_once_with_their_status_and_usage(
         (done.request_id, 6),
         (stopped.request_id, 3),
     }
+    # A title or summary the service asked for is not the user's: "Your usage" showed
+    # two requests for one message (and never matched the quota's count).
+    assert title.request_id not in {u.request_id for u in usage}
     assert touched is not None and touched.last_reply_at is not None
 
 
