@@ -24,7 +24,10 @@ WORD = r"\p{L}\p{N}_"  # Unicode word characters, as Python's \w (RE2's \w is AS
 # punctuation run into the local part rather than leave an address visible.
 EMAIL = re2.compile(rf"()([{WORD}.+\-]+@[{WORD}\-]+(?:\.[{WORD}\-]*[{WORD}])+)")
 CARD = re2.compile(r"()\b((?:\d[ -]?){12,18}\d)\b")
-PHONE = re2.compile(rf"(^|[^{WORD}+])(\+?\d[\d ().-]{{7,}}\d)\b")
+# Scripts written without spaces: a letter of theirs before the digits is not a word
+# the number would start inside of.
+_UNSPACED = r"\p{Han}\p{Hiragana}\p{Katakana}\p{Thai}\p{Lao}\p{Khmer}\p{Myanmar}"
+PHONE = re2.compile(rf"(^|[^{WORD}+]|[{_UNSPACED}])(\+?\d[\d ().-]{{7,}}\d)\b")
 # What the [phone] pattern's shape also takes and a phone number is not: a date at its
 # start (then the rest is looked at again), and digits with dots only where every group
 # is short (an address like 192.168.100.200, a version) or one dot splits them (3.14159).
@@ -34,14 +37,17 @@ _PHONE_DIGITS = range(9, 16)  # E.164 has at most 15; 9 is the shortest national
 # What a streamed reply may still turn into something to redact is held back. Text
 # without '@' or a digit: only its trailing run of the characters an address's local
 # part is made of ("Hello!" is sent whole, "Hello" is held). Otherwise its last,
-# unfinished word (an address has no spaces) and a trailing run of a phone's characters
-# with the word it runs into (a phone, a card, a list of cards: "4111 1111 1111 1111,"
-# is not cut), moved back so that no word and no such run with a digit in it is cut.
+# unfinished word (a run of the characters a match is made of: an address has no
+# spaces, and Chinese or Japanese, without them, have punctuation) and a trailing run of
+# a phone's characters with the word it runs into (a phone, a card, a list of cards:
+# "4111 1111 1111 1111," is not cut), moved back so that no word is cut, nor such a run
+# with a digit in it that is long enough for a match and runs on into the held text.
 # All held back whole up to HOLD_CHARS, so anything shorter is redacted exactly as in
 # the stored reply; a longer run is released in pieces (each search is bounded by
 # HOLD_CHARS, so a stream costs linear time however it is cut).
-_LAST_WORD = re2.compile(r"\S*$")
-_DIGIT_RUN = re2.compile(r"(?:\+?\d[\d ().-]*|\+)\S*$")  # a phone's characters, as in [phone]
+_WORDISH = rf"[{WORD}.+\-@]"  # what a match is made of, besides a phone's spaces
+_LAST_WORD = re2.compile(rf"{_WORDISH}*$")
+_DIGIT_RUN = re2.compile(rf"(?:\+?\d[\d ().-]*|\+){_WORDISH}*$")  # as in [phone]
 _PHONE_RUN_TAIL = re2.compile(r"[\d ().+\-]*$")  # what [phone] and [card] are made of
 _DIGIT = re2.compile(r"\d")
 _LOCAL_PART_TAIL = re2.compile(rf"[{WORD}.+\-]*$")  # as in the [email] pattern
@@ -50,6 +56,7 @@ _ASCII_DIGITS = frozenset(string.digits)  # RE2's \d
 _ASCII_WORD = frozenset(string.ascii_letters + string.digits + "_")  # RE2's \b
 _PHONE_CHARS = frozenset(string.digits + " ().+-")  # as in _PHONE_RUN_TAIL
 HOLD_CHARS = 4096
+_SHORTEST_MATCH = 9  # [phone]: nine digits at least ([card] is longer)
 _SHORT_HOLD = 64
 _MAYBE_PERSONAL = re2.compile(r"[@\d]")  # every pattern needs one
 
@@ -141,26 +148,31 @@ def _not_inside_a_match(text: str, hold: int, floor: int) -> int:
     while True:
         start = floor + _last_word_start(text[floor:hold])
         run = _PHONE_RUN_TAIL.search(text[floor:start])
-        if run and _DIGIT.search(run.group()) and _may_run_on(text, start):
+        if (
+            run
+            and _DIGIT.search(run.group())
+            and _may_run_on(text, start, start - floor - run.start())
+        ):
             start = floor + run.start()
         if start == hold:
             return hold
         hold = start
 
 
-def _may_run_on(text: str, start: int) -> bool:
+def _may_run_on(text: str, start: int, before: int = _SHORTEST_MATCH) -> bool:
     """Whether a [phone] or [card] match may run from before `start` into the text from
     it: the phone characters it starts with could end one (a digit with no ASCII word
     character after it: RE2's \b), or may still grow."""
     if start == len(text):
         return True
-    if text[start - 1] != " ":  # of the whitespace, only a space is a phone character
+    if text[start - 1] not in _PHONE_CHARS:  # the run ended before the word
         return False
     for i in range(start, len(text)):
         if text[i] not in _PHONE_CHARS:
             return False
         if text[i] in _ASCII_DIGITS and (i + 1 == len(text) or text[i + 1] not in _ASCII_WORD):
-            return True
+            if i + 1 == len(text) or before + i + 1 - start >= _SHORTEST_MATCH:
+                return True
     return True  # phone characters to the end: it may still grow
 
 
@@ -178,10 +190,10 @@ def _local_part_start(text: str) -> int:
 
 
 def _last_word_start(text: str) -> int:
-    """Where the trailing run of non-whitespace starts (str methods: no regex call)."""
-    if not text or text[-1].isspace():
-        return len(text)
-    return len(text) - len(text.rsplit(None, 1)[-1])
+    """Where the trailing run of characters a match can be made of starts (a word, also
+    in scripts written without spaces, where punctuation ends it)."""
+    m = _LAST_WORD.search(text)
+    return m.start() if m else len(text)
 
 
 def redact(text: str) -> str:
