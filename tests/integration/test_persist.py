@@ -105,8 +105,8 @@ def select_rows(
 
 def messages(settings: Settings, keyspace: str, conversation: str) -> list[Any]:
     query = (
-        "SELECT message_id, content, status, attempt, created_at FROM "
-        "messages_by_conversation WHERE conversation_id = %s"
+        "SELECT message_id, content, status, attempt, created_at, completion_tokens, "
+        "finish_reason FROM messages_by_conversation WHERE conversation_id = %s"
     )
     return select_rows(settings, keyspace, query, (conversation,))
 
@@ -221,6 +221,25 @@ async def test_the_highest_attempt_wins_in_any_order(
     await publish(producer, second, late_first)
     rows = await settled_rows(settings, keyspace, producer, conversation, 1)
     assert [(r.message_id, r.content, r.attempt) for r in rows] == [("r-x", "second attempt", 2)]
+
+
+async def test_two_different_finals_of_one_attempt_are_never_stored_mixed(
+    settings: Settings, keyspace: str, producer: AIOKafkaProducer, start_persist: StartPersist
+) -> None:
+    """Redis down through a rebalance: two workers ran one request as attempt 1 without
+    leases. Written with one timestamp, Cassandra kept the greater value of each cell:
+    one final's text with the other's token count and finish reason."""
+    conversation = f"c-{uuid.uuid4().hex[:8]}"
+    prompt_at = now_ms() - 5000
+    one = final(conversation, "zz", request_id="r-y", prompt_at=prompt_at)  # 1 token
+    other = final(
+        conversation, "aa bb cc", request_id="r-y", prompt_at=prompt_at, reason="cancelled"
+    )
+    await start_persist()
+    await publish(producer, one, other)
+    rows = await settled_rows(settings, keyspace, producer, conversation, 1)
+    stored = [(r.content, r.completion_tokens, r.finish_reason) for r in rows]
+    assert stored in ([("zz", 1, "stop")], [("aa bb cc", 3, "cancelled")]), stored
 
 
 async def test_kill_9_and_restart_loses_and_duplicates_nothing(
