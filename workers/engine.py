@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from jinja2 import TemplateError
+
 from schemas.events import ChatMessage, Sampling
 from tandoor.models import Dtype, Executor
 from workers.dtype import resolve_dtype
@@ -128,13 +130,18 @@ class Engine:
         conversation = [{"role": m.role, "content": m.content} for m in messages]
         if partial:
             conversation.append({"role": "assistant", "content": partial})
-        text = self._tokenizer.apply_chat_template(
-            conversation,
-            tokenize=False,
-            add_generation_prompt=not partial,
-            continue_final_message=bool(partial),
-            chat_template=self._chat_template,
-        )
+        try:
+            text = self._tokenizer.apply_chat_template(
+                conversation,
+                tokenize=False,
+                add_generation_prompt=not partial,
+                continue_final_message=bool(partial),
+                chat_template=self._chat_template,
+            )
+        except (TemplateError, ValueError, TypeError) as exc:
+            # A template's own refusal ("roles must alternate", Mistral's, Gemma's) is
+            # this conversation's: raised on, it stopped every worker that took it.
+            raise RequestFailed(f"the chat template refused the conversation: {exc}") from exc
         assert isinstance(text, str)
         return list(self._tokenizer.encode(text, add_special_tokens=False))
 
@@ -142,6 +149,7 @@ class Engine:
         self, request_id: str, prompt_token_ids: list[int], sampling: Sampling
     ) -> AsyncGenerator[EngineOutput]:
         """Stream the reply to `prompt_token_ids`; the last output has finished=True."""
+        from vllm.exceptions import VLLMClientError
         from vllm.inputs import tokens_input
         from vllm.v1.engine.exceptions import EngineGenerateError
 
@@ -154,7 +162,7 @@ class Engine:
             async with aclosing(stream):
                 async for output in stream:
                     yield _engine_output(output)
-        except EngineGenerateError as exc:  # EngineDeadError propagates: the worker is done
+        except (EngineGenerateError, VLLMClientError) as exc:  # EngineDeadError propagates
             raise RequestFailed(str(exc) or type(exc).__name__) from exc
         except (asyncio.CancelledError, GeneratorExit):
             # The caller gave up (task cancelled, or stopped iterating): free the slot

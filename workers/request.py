@@ -35,7 +35,14 @@ ENGINE_REASONS: dict[str | None, FinishReason] = {
     "stop": "stop",
     "length": "length",
     "abort": "cancelled",
+    "repetition": "stop",  # vLLM's hallucination guard ended it: shown, as complete
 }
+
+
+def finish_reason_of(engine_reason: str | None) -> FinishReason:
+    """Anything else ("error": a request-level failure in the engine) is an error: read
+    as "stop", a cut reply was stored as complete and the OpenAI API answered 200."""
+    return ENGINE_REASONS.get(engine_reason, "error")
 
 
 @dataclass(frozen=True)
@@ -139,10 +146,14 @@ class RequestRunner:
             await self._finish(attempt, *refusal)
             return
         messages = attempt.prompt.messages
-        prompt_ids = self.engine.render_prompt(messages)
-        attempt.prompt_tokens = len(prompt_ids)
         partial = "".join(attempt.text)
-        token_ids = self.engine.render_prompt(messages, partial) if partial else prompt_ids
+        try:
+            prompt_ids = self.engine.render_prompt(messages)
+            token_ids = self.engine.render_prompt(messages, partial) if partial else prompt_ids
+        except RequestFailed as exc:
+            await self._finish(attempt, "error", str(exc))
+            return
+        attempt.prompt_tokens = len(prompt_ids)
         limit = self.engine.max_model_len
         if attempt.prompt_tokens >= limit:
             error = (
@@ -203,7 +214,8 @@ class RequestRunner:
             except RequestFailed as exc:
                 await self._finish(attempt, "error", f"generation failed: {exc}")
                 return
-            await self._finish(attempt, reason, None)
+            failed = "the engine failed the request" if reason == "error" else None
+            await self._finish(attempt, reason, failed)
         finally:
             await self.capacity.release_tokens(budget)
 
@@ -230,7 +242,7 @@ class RequestRunner:
                 if chunk is not None:
                     await self._send_tokens(attempt, *chunk)
                 if out.finished:
-                    reason = ENGINE_REASONS.get(out.finish_reason, "stop")
+                    reason = finish_reason_of(out.finish_reason)
         rest = coalescer.flush(time.time())
         if rest is not None:
             await self._send_tokens(attempt, *rest)

@@ -182,9 +182,11 @@ class Worker:
             "dead-lettering %s/%s@%s: %s", record.topic, record.partition, record.offset, exc
         )
         await self._publisher.dead_letter(record, str(exc))
-        request_id = _request_id_of(record.value)
-        if request_id is not None:
-            await self._publisher.final(_malformed_final(request_id, self.model, str(exc)), None)
+        addressee = addressee_of(record.value)
+        if addressee is not None:
+            request_id, reply_partition = addressee
+            final = _malformed_final(request_id, self.model, str(exc))
+            await self._publisher.final(final, reply_partition)
         self.metrics.finished("error")
 
     async def _on_cancel(self, event: ControlEvent) -> None:
@@ -252,11 +254,17 @@ async def _first_of(*waits: Coroutine[Any, Any, Any]) -> None:
             await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _request_id_of(payload: bytes) -> str | None:
+def addressee_of(payload: bytes) -> tuple[str, int | None] | None:
+    """The request id of a prompt that cannot be decoded, and the partition its gateway
+    reads replies on (it keeps only those: an answer hashed elsewhere by its id was
+    never seen, and the client waited out the silence limit)."""
     with contextlib.suppress(orjson.JSONDecodeError):
         data = orjson.loads(payload)
-        if isinstance(data, dict) and isinstance(data.get("request_id"), str):
-            return data["request_id"] or None
+        request_id = data.get("request_id") if isinstance(data, dict) else None
+        if isinstance(request_id, str) and request_id:
+            partition = data.get("reply_partition")
+            valid = isinstance(partition, int) and not isinstance(partition, bool)
+            return (request_id, partition if valid and partition >= 0 else None)
     return None
 
 

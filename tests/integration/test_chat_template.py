@@ -69,3 +69,27 @@ async def test_the_bundled_gemma_renders_its_turns_and_stops_at_their_end(
     assert tokenizer.convert_tokens_to_ids("<end_of_turn>") == GEMMA_END_OF_TURN
     generation = json.loads((folder / "generation_config.json").read_text())
     assert GEMMA_END_OF_TURN in generation["eos_token_id"]
+
+
+async def test_a_template_that_refuses_the_conversation_fails_that_request_only(
+    settings: Settings,
+) -> None:
+    """Templates raise on conversations they do not take (Mistral's and Gemma's "roles
+    must alternate", which the OpenAI API lets through): raised on, it stopped every
+    worker that took the prompt, until its deadline."""
+    from transformers import AutoTokenizer
+
+    from workers.engine import RequestFailed
+
+    folder = await asyncio.to_thread(resolve_model_dir, "smollm2", settings)
+    tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, folder)
+    strict = (
+        "{% for m in messages %}{% if loop.index0 % 2 == 1 and m.role == 'user' %}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant') }}"
+        "{% endif %}{{ m.content }}{% endfor %}"
+    )
+    engine = Engine(cast(Any, None), tokenizer, 2048, strict)
+    twice = [ChatMessage(role="user", content="Hi"), ChatMessage(role="user", content="Hi?")]
+    with pytest.raises(RequestFailed, match="roles must alternate"):
+        engine.render_prompt(twice)
+    assert tokenizer.decode(engine.render_prompt(twice[:1])) == "Hi"
