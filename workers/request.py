@@ -36,6 +36,7 @@ ENGINE_REASONS: dict[str | None, FinishReason] = {
     "length": "length",
     "abort": "cancelled",
     "repetition": "stop",  # vLLM's hallucination guard ended it: shown, as complete
+    None: "stop",  # finished without a reason given: as before
 }
 
 

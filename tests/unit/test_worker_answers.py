@@ -28,11 +28,12 @@ def test_an_undecodable_prompts_error_goes_to_the_partition_its_gateway_reads() 
         ("length", "length"),
         ("abort", "cancelled"),
         ("repetition", "stop"),
+        (None, "stop"),
         # A request-level failure in the engine read as "stop": a cut reply stored as
         # complete, and a 200 on the OpenAI API where a 502 would have been retried.
         ("error", "error"),
         ("a reason of a newer vLLM", "error"),
     ],
 )
-def test_the_engines_finish_reasons(engine: str, shown: str) -> None:
+def test_the_engines_finish_reasons(engine: str | None, shown: str) -> None:
     assert finish_reason_of(engine) == shown
