@@ -20,6 +20,7 @@ from cassandra.query import BatchStatement, BatchType
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import OutOfMemoryError as RedisOutOfMemoryError
 from redis.exceptions import ReadOnlyError as RedisReadOnlyError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -28,6 +29,10 @@ from tandoor.settings import Settings
 CASSANDRA_RECONNECT_MAX_S = 5.0
 CASSANDRA_CONTROL_TIMEOUT_S = 15.0
 REDIS_CONNECT_TIMEOUT_S = 2.0
+# Redis answers in well under a millisecond; a call that has waited a second is on a
+# server that took the connection but stopped answering (stopped, swapping, its host
+# stalled). No call here blocks on the server side, so a read timeout is safe.
+REDIS_READ_TIMEOUT_S = 1.0
 REDIS_RETRIES = 2
 
 
@@ -64,9 +69,10 @@ def cassandra_session(settings: Settings, keyspace: str | None = None) -> Iterat
         cluster.shutdown()
 
 
-# What a call to an unreachable Redis raises (after redis_client's short retries), or a
-# replica answers while a failover promotes another.
-REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, RedisReadOnlyError)
+# What a call to an unreachable or unanswering Redis raises (after redis_client's short
+# retries), a replica answers while a failover promotes another, or a full one answers a
+# write: in each the state Redis holds cannot be kept, so the same policy applies.
+REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, RedisReadOnlyError, RedisOutOfMemoryError)
 # Cassandra unreachable or overloaded (timeouts, too few replicas): worth a retry, unlike
 # a statement it refuses.
 CASSANDRA_DOWN = (NoHostAvailable, OperationTimedOut, RequestExecutionException)
@@ -80,7 +86,14 @@ def redis_client(settings: Settings) -> aioredis.Redis:
         settings.redis_url,
         decode_responses=False,
         socket_connect_timeout=REDIS_CONNECT_TIMEOUT_S,
-        retry=Retry(ExponentialBackoff(cap=0.25, base=0.05), REDIS_RETRIES),
+        socket_timeout=REDIS_READ_TIMEOUT_S,
+        # A timeout is not tried again: a server that let a second pass will not answer
+        # the next try sooner, and each would add a second to every call of an outage.
+        retry=Retry(
+            ExponentialBackoff(cap=0.25, base=0.05),
+            REDIS_RETRIES,
+            supported_errors=(RedisConnectionError,),
+        ),
     )
 
 

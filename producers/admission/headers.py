@@ -7,16 +7,29 @@ from __future__ import annotations
 from producers.admission.lines import Refused
 from schemas.batch import DEADLINE_HEADER
 
-MAX_TEXT_CHARS = 256
+BAD = "invalid_request_error"
+
+MAX_BATCH_ID_CHARS = 256
 
 
 def text_of(value: bytes | None) -> str | None:
     if not value:
         return None
     try:
-        return value.decode()[:MAX_TEXT_CHARS] or None
+        return value.decode() or None
     except UnicodeDecodeError:
         return None
+
+
+def check_batch_id(batch_id: str | None) -> str:
+    """The batch id whole, or the line's 400: cut, it was another batch's (results
+    under an id its client never reads; two long ids sharing a start, one batch)."""
+    if not batch_id:
+        raise Refused(400, "no batch id: key the record or set a batch-id header", BAD)
+    if len(batch_id) > MAX_BATCH_ID_CHARS:
+        message = f"the batch id has {len(batch_id)} characters; at most {MAX_BATCH_ID_CHARS}"
+        raise Refused(400, message, BAD, kept=False)
+    return batch_id
 
 
 def batch_deadline_ms(value: bytes | None) -> int | None:
@@ -24,9 +37,7 @@ def batch_deadline_ms(value: bytes | None) -> int | None:
     if text is None:
         return None
     if not text.isascii() or not text.isdigit() or len(text) > 15:
-        raise Refused(
-            400, f"{DEADLINE_HEADER}: not a time in ms since the epoch", "invalid_request_error"
-        )
+        raise Refused(400, f"{DEADLINE_HEADER}: not a time in ms since the epoch", BAD)
     return int(text)
 
 

@@ -38,7 +38,13 @@ from cassandra.cluster import Cluster
 
 from producers.admission.answers import Answers, Unrun, unrun_lines, why_unrun
 from producers.admission.fairness import FairQueue
-from producers.admission.headers import batch_deadline_ms, bearer_token, text_of
+from producers.admission.headers import (
+    BAD,
+    batch_deadline_ms,
+    bearer_token,
+    check_batch_id,
+    text_of,
+)
 from producers.admission.lines import Refused, parse_line, prompt_for
 from producers.admission.marks import CallerCache, LineMarks
 from producers.admission.metrics import AdmissionMetrics
@@ -80,7 +86,6 @@ IDLE_S = 0.1  # nothing to read: look again after this
 RETRY_S = 1.0  # a store failing: try the line again after this
 SWEEP_S = 1.0  # how often waiting lines are looked over for a cancel or a passed deadline
 UNREACHABLE = (*REDIS_DOWN, KafkaError, *CASSANDRA_DOWN)
-BAD = "invalid_request_error"
 
 
 class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
@@ -177,21 +182,21 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
     async def _admit(self, record: Record, read_in: int) -> None:
         headers = {name.lower(): value for name, value in record.headers}
         batch_id = text_of(headers.get(BATCH_ID_HEADER)) or text_of(record.key)
-        caller = await self.callers.resolve(bearer_token(headers.get(AUTHORIZATION_HEADER)))
+        api_key = bearer_token(headers.get(AUTHORIZATION_HEADER))
+        caller = await self.callers.resolve(api_key)
         parsed = parse_line(record.value)
         owner = caller.user_id if caller else "-"
         name = parsed.custom_id or f"@{record.partition}:{record.offset}"
         request_id = custom_line_request_id(owner, batch_id or "-", name)
         position = f"{record.partition}:{record.offset}"
         try:
-            if not batch_id:
-                raise Refused(400, "no batch id: key the record or set a batch-id header", BAD)
+            whole_id = check_batch_id(batch_id)
             if caller is None:
                 raise Refused(401, "invalid or revoked API key", "authentication_error")
             if parsed.line is None:
                 raise parsed.problem or Refused(400, "invalid line", BAD)
             deadline_ms = batch_deadline_ms(headers.get(DEADLINE_HEADER))
-            prompt = await prompt_for(self.checks, caller, batch_id, parsed.line, deadline_ms)
+            prompt = await prompt_for(self.checks, caller, whole_id, parsed.line, deadline_ms)
             if await self._seen_elsewhere(prompt.request_id, position):
                 # Its row in batch_outputs is the first line's: the answer is not kept.
                 message = f"custom_id {name!r} is used twice in batch {batch_id}"
@@ -200,6 +205,8 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
             if await self.marks.where(request_id) == position:  # answered before a crash
                 self._done(record.partition, record.offset, "replayed")
                 return
+            if refused.kept and await self._seen_elsewhere(request_id, position):
+                refused.kept = False  # a bad repeat: its refusal must not take the first's id
             owner_known = caller.user_id if caller and refused.kept else None
             if not refused.kept:  # a repeat: its answer's id is not its first line's
                 request_id = custom_line_request_id(owner, batch_id or "-", f"{name}@{position}")
@@ -208,7 +215,7 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
         if await self.marks.where(prompt.request_id) == position:
             self._done(record.partition, record.offset, "replayed")
             return
-        waiting = Waiting(record.partition, record.offset, prompt)
+        waiting = Waiting(record.partition, record.offset, prompt, api_key)
         if await self._answered_unrun(waiting) or self._revokes != read_in:
             return  # answered, or revoked while it was checked: not queued
         self.queued.add(prompt.request_id, position)
@@ -251,9 +258,22 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
 
     async def _answer_unrun(self, waiting: Waiting, why: Unrun) -> None:
         await self.answers.unrun(waiting.prompt, why)
+        await self._answered(waiting, why)
+
+    async def _answer_revoked(self, waiting: Waiting) -> None:
+        prompt = waiting.prompt
+        message = "the API key was revoked before this line ran"
+        output = refused_output(
+            prompt.custom_id, prompt.request_id, 401, message, "authentication_error"
+        )
+        await self.answers.send(prompt.user_id, prompt.batch_id, output)
+        await self._answered(waiting, "refused")
+
+    async def _answered(self, waiting: Waiting, outcome: str) -> None:
+        """A waiting line answered without running: marked, and no longer waiting."""
         await self.marks.mark(waiting.prompt.request_id, waiting.position)
         self.queued.discard(waiting.prompt.request_id)
-        self._done(waiting.partition, waiting.offset, why)
+        self._done(waiting.partition, waiting.offset, outcome)
 
     # Forwarding.
 
@@ -317,6 +337,10 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
             return False  # its partition was revoked meanwhile: the new owner has it
         if await self._answered_unrun(waiting):
             return False
+        # A line may wait hours (its tenant's quota): a key revoked meanwhile stops it.
+        if await self.callers.resolve(waiting.key) is None:
+            await self._answer_revoked(waiting)
+            return False
         policy = self.settings.tiers[prompt.tier]
         try:
             admission = await self.quotas.admit(
@@ -333,7 +357,9 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
         # A retry is charged at its first time: the usage record settles that minute.
         admitted = prompt.model_copy(update={"created_at_ms": admission.charged_at_ms})
         await self.submitter.submit(admitted)
-        await self.marks.mark(prompt.request_id, waiting.position)
+        # Produced: from here only the mark is tried again (the whole step again would
+        # produce the line twice, and a Redis failing the mark cannot tell the copies apart).
+        await self._until_done(partial(self.marks.mark, prompt.request_id, waiting.position))
         queue.charge(tenant, prompt.charged_tokens)
         self.metrics.charged_tokens.labels(prompt.user_id).inc(prompt.charged_tokens)
         self._sent[prompt.model] = self._sent.get(prompt.model, 0) + 1

@@ -20,6 +20,7 @@ class Waiting:
     partition: int
     offset: int
     prompt: PromptRequest
+    key: str | None = None  # the API key it came with, checked again when its turn comes
 
     @property
     def position(self) -> str:

@@ -72,7 +72,7 @@ end
 redis.call('ZADD', KEYS[1], now, request_id)
 redis.call('PEXPIRE', KEYS[1], minute)
 redis.call('INCRBY', KEYS[2], tokens)
-redis.call('PEXPIREAT', KEYS[2], window_end)
+redis.call('PEXPIRE', KEYS[2], window_end - now)  -- by the caller's clock, not Redis's
 if holds_stream then
   redis.call('ZADD', KEYS[3], now + lease, request_id)
   redis.call('PEXPIRE', KEYS[3], lease)

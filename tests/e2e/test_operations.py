@@ -137,7 +137,7 @@ async def test_sigterm_ends_chat_streams_and_they_resume_on_another_replica(
     # at once), so the rest really comes from the other replica.
     body = {"content": "Write a very long story about a dragon.", "max_tokens": 160}
     seen: list[Any] = []
-    ids: list[str] = []  # "attempt.characters sent so far"
+    ids: list[str] = []  # "reply.attempt.characters sent so far"
     last_id = None
     async with spare_gateway(stack) as (gateway, client):
         path = f"/v1/conversations/{conversation}/messages"
@@ -163,7 +163,7 @@ async def test_sigterm_ends_chat_streams_and_they_resume_on_another_replica(
         assert await exit_code(gateway) in (0, -signal.SIGTERM)
     assert rest[-2]["type"] == "final" and rest[-1] == "[DONE]"
     assert all(e["type"] != "restart" for e in rest if isinstance(e, dict))
-    offsets = [int(i.split(".")[1]) for i in ids]
+    offsets = [int(i.split(".")[2]) for i in ids]
     assert offsets == sorted(offsets) and len(set(offsets[:-1])) == len(offsets) - 1  # no repeats
     stored = await stored_reply(http, headers, conversation)
     assert stored[1]["content"] == reply_text(seen) + reply_text(rest)

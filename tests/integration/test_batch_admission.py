@@ -80,6 +80,15 @@ async def test_a_200_line_batch_on_the_topic_is_answered_once_per_line(
             )
         ),
         question(worker.model, 0),  # line-0 again
+        orjson.dumps(  # line-1 again, refused for itself: still a repeat, with its own id
+            chat_line(
+                "line-1",
+                {
+                    "model": worker.model,
+                    "messages": [{"role": "user", "content": f"say {BLOCKED}"}],
+                },
+            )
+        ),
     ]
     before = await queued(settings, worker.model)
     await send_lines(producer, key, batch_id, [*good, *bad])
@@ -95,28 +104,38 @@ async def test_a_200_line_batch_on_the_topic_is_answered_once_per_line(
             # line-0 yet again, once its answer is stored: refused, the answer kept.
             await send_lines(producer, key, batch_id, [question(worker.model, 0)])
             late = (await all_results(results, batch_id, len(got) + 1))[len(got) :]
+            # An id over 256 characters: answered under the whole id (it was cut).
+            await send_lines(producer, key, batch_id * 40, [question(worker.model, 0)])
+            (too_long,) = await all_results(results, batch_id * 40, 1)
     assert [r["response"]["status_code"] for r in late] == [400], late
+    assert too_long["response"]["status_code"] == 400, too_long
+    assert "batch id" in too_long["response"]["body"]["error"]["message"]
     with cassandra_session(settings, settings.keyspace) as session:
         kept = session.execute(
-            "SELECT status_code FROM batch_outputs WHERE user_id = %s AND batch_id = %s "
-            "AND custom_id = 'line-0'",
+            "SELECT custom_id, status_code FROM batch_outputs WHERE user_id = %s "
+            "AND batch_id = %s AND custom_id IN ('line-0', 'line-1')",
             (owner, batch_id),
         )
-        assert [row.status_code for row in kept] == [200], "the repeat replaced the answer"
+        assert {row.custom_id: row.status_code for row in kept} == {
+            "line-0": 200,
+            "line-1": 200,
+        }, "a repeat replaced the answer"
 
     by_id = Counter(r["custom_id"] for r in got)
-    assert by_id[None] == 1 and by_id["line-0"] == 2, by_id  # the broken line, the repeat
-    assert all(by_id[f"line-{i}"] == 1 for i in range(1, LINES)), "a line answered twice"
+    assert by_id[None] == 1, by_id  # the broken line
+    assert by_id["line-0"] == by_id["line-1"] == 2, by_id  # each with its repeat
+    assert all(by_id[f"line-{i}"] == 1 for i in range(2, LINES)), "a line answered twice"
     errors = {r["custom_id"]: r["response"] for r in got if r["response"]["status_code"] != 200}
     assert errors[None]["status_code"] == 400
     assert "not JSON" in errors[None]["body"]["error"]["message"]
     assert errors["no-model"]["status_code"] == 404
     assert errors["blocked"]["status_code"] == 400
     assert errors["line-999"]["status_code"] == 401
-    repeats = [r for r in got if r["custom_id"] == "line-0"]
-    assert sorted(r["response"]["status_code"] for r in repeats) == [200, 400]
-    # Two answers, two ids: a consumer keeping one per id kept the refusal, not the reply.
-    assert len({r["id"] for r in repeats}) == 2, repeats
+    for repeated in ("line-0", "line-1"):
+        repeats = [r for r in got if r["custom_id"] == repeated]
+        assert sorted(r["response"]["status_code"] for r in repeats) == [200, 400]
+        # Two answers, two ids: a consumer keeping one per id kept the refusal, not the reply.
+        assert len({r["id"] for r in repeats}) == 2, repeats
     texts = {r["custom_id"]: answered(r) for r in got if r["response"]["status_code"] == 200}
     assert len(texts) == LINES and all(texts.values())
     # Each answer is to its own line: it repeats the line's number or gives the sum.

@@ -17,6 +17,7 @@ import pytest
 from infra.idle_worker import idle_worker
 from infra.process import free_port
 from infra.roles import GatewayProcess, running
+from producers.gateway.chat.sse import reply_tag
 from producers.gateway.conversations.protocol import provisional_title
 from tandoor.policies.api_keys import create_key
 from tandoor.settings import Settings
@@ -77,18 +78,44 @@ async def test_hostile_cursors_are_a_400(
     )
 
 
-@pytest.mark.parametrize("event_id", ["².1", "1.²", "99999999999999999999.1", "1", "a.b", ""])
-async def test_hostile_last_event_ids_are_a_400(
-    gateway: httpx.AsyncClient, headers: dict[str, str], event_id: str
-) -> None:
-    conv = await conversation(gateway, headers)
-    await start_reply(gateway, headers, conv)
-    raw = [  # UTF-8 bytes, as a client may send them
+def resume_headers(headers: dict[str, str], event_id: str) -> list[tuple[bytes, bytes]]:
+    return [  # UTF-8 bytes, as a client may send them
         (b"Authorization", headers["Authorization"].encode()),
         (b"Last-Event-ID", event_id.encode()),
     ]
+
+
+@pytest.mark.parametrize(
+    "event_id",
+    ["².1", "1.²", "99999999999999999999.1", "1", "a.b", "", "0a1b2c3g.1.1", "0a1b2c3d.1.1.1"],
+)
+@pytest.mark.parametrize("running", [True, False], ids=["running", "idle"])
+async def test_hostile_last_event_ids_are_a_400(
+    gateway: httpx.AsyncClient, headers: dict[str, str], event_id: str, running: bool
+) -> None:
+    """Idle: a 404 (no reply) came first, and a 429 with four resumes open."""
+    conv = await conversation(gateway, headers)
+    if running:
+        await start_reply(gateway, headers, conv)
+    raw = resume_headers(headers, event_id)
     resumed = await gateway.get(f"/v1/conversations/{conv}/stream", headers=raw)
     refused(resumed, "Last-Event-ID")
+
+
+async def test_an_id_of_another_reply_is_a_404_not_a_place_in_this_one(
+    gateway: httpx.AsyncClient, headers: dict[str, str]
+) -> None:
+    """Ids were only "<attempt>.<characters>": a client away while its reply ended and
+    the next began got the next one cut at the first's length, joined to the first."""
+    conv = await conversation(gateway, headers)
+    running = orjson.loads((await start_reply(gateway, headers, conv)).removeprefix("data: "))
+    path = f"/v1/conversations/{conv}/stream"
+    other = await gateway.get(path, headers=resume_headers(headers, f"{reply_tag('r-1')}.1.250"))
+    assert other.status_code == 404, other.text
+    assert "Last-Event-ID" in other.json()["error"]["message"]
+    own = f"{reply_tag(running['request_id'])}.1.0"
+    async with gateway.stream("GET", path, headers=resume_headers(headers, own)) as resumed:
+        assert resumed.status_code == 200, await resumed.aread()
 
 
 async def test_a_second_post_while_a_reply_runs_is_a_409_and_stores_nothing(

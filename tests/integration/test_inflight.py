@@ -23,12 +23,32 @@ OLD_REPLIES = [
 ]
 
 
-async def claimed(redis: aioredis.Redis, replaces: list[MessageKey]) -> tuple[InFlight, str]:
+async def claimed(
+    redis: aioredis.Redis, replaces: list[MessageKey], queued: bool = True
+) -> tuple[InFlight, str]:
     inflight, conversation_id = InFlight(redis), f"c_{uuid.uuid4().hex}"
     sub = Subscription(request_id=f"r_{uuid.uuid4().hex}", partition=3, next_offset=7)
-    queued = Queued("smollm2-135m", now_ms(), replaces)
-    assert await inflight.claim(conversation_id, sub, now_ms() + 60_000, queued)
+    prompt = Queued("smollm2-135m", now_ms(), replaces)
+    assert await inflight.claim(conversation_id, sub, now_ms() + 60_000, prompt)
+    if queued:  # the gateway produced the prompt
+        await inflight.mark_queued(conversation_id, sub.request_id)
     return inflight, conversation_id
+
+
+async def test_a_stop_before_the_prompt_is_queued_ends_nothing_itself(
+    redis: aioredis.Redis,
+) -> None:
+    """The record is written before the quota, the message's write and the produce: a
+    stop then published a cancelled final, and when the regenerate was refused after
+    all (a 429, a 413) the conversation had an empty stopped reply in place of the one
+    the refused regenerate was to replace."""
+    inflight, conversation_id = await claimed(redis, OLD_REPLIES, queued=False)
+    record = await inflight.running(conversation_id, 409)
+    assert await inflight.end_untaken(record, "u_1", "free") is None
+    assert await redis.get(final_key(record["request_id"])) is None
+    await inflight.mark_queued(conversation_id, record["request_id"])
+    queued = await inflight.running(conversation_id, 409)
+    assert await inflight.end_untaken(queued, "u_1", "free") is not None
 
 
 async def test_a_stop_before_any_worker_ends_a_regenerate_with_what_it_replaces(

@@ -68,6 +68,20 @@ async def test_tokens_are_settled_with_real_usage(quotas: Quotas, unique: str, t
     await quotas.admit(unique, policy(tpm=1000), "b", 600, t0)
 
 
+async def test_a_caller_whose_clock_is_behind_redis_keeps_the_minute_counted(
+    quotas: Quotas, unique: str
+) -> None:
+    """The window's key expired at the end of the caller's minute by Redis's clock: from a
+    host a few seconds behind, a charge in its minute's last seconds set an expiry already
+    past, and Redis dropped the key with every charge of that minute in it."""
+    seconds, micros = await quotas._redis.time()
+    redis_now = seconds * 1000 + micros // 1000
+    behind = redis_now - redis_now % 60_000 - 1_000  # 1 s before a minute Redis has ended
+    await quotas.admit(unique, policy(tpm=1000), "first", 600, behind)
+    with pytest.raises(QuotaExceeded, match="tokens per minute"):
+        await quotas.admit(unique, policy(tpm=1000), "second", 600, behind + 10)
+
+
 async def test_the_same_request_admitted_again_is_charged_once(
     quotas: Quotas, unique: str, t0: int
 ) -> None:

@@ -5,13 +5,28 @@ from __future__ import annotations
 
 import pytest
 
-from producers.admission.headers import MAX_TEXT_CHARS, batch_deadline_ms, bearer_token, text_of
+from producers.admission.headers import (
+    MAX_BATCH_ID_CHARS,
+    batch_deadline_ms,
+    bearer_token,
+    check_batch_id,
+    text_of,
+)
 from producers.admission.lines import Refused
 
 
-def test_text_that_is_not_utf8_or_empty_is_absent_and_long_text_is_cut() -> None:
+def test_text_that_is_not_utf8_or_empty_is_absent() -> None:
     assert text_of(b"\xff\xfe") is None and text_of(b"") is None and text_of(None) is None
-    assert text_of(b"b" * 100_000) == "b" * MAX_TEXT_CHARS
+
+
+@pytest.mark.parametrize("batch_id", [None, "", "b" * (MAX_BATCH_ID_CHARS + 1), "é" * 100_000])
+def test_a_missing_or_over_long_batch_id_is_the_line_s_400(batch_id: str | None) -> None:
+    """Over 256 characters it was cut: the results went under an id its client never
+    reads, and two long ids with the same start were one batch."""
+    with pytest.raises(Refused) as refused:
+        check_batch_id(batch_id)
+    assert refused.value.status == 400 and "batch id" in refused.value.message
+    assert check_batch_id("b" * MAX_BATCH_ID_CHARS) == "b" * MAX_BATCH_ID_CHARS
 
 
 def test_only_a_bearer_key_is_a_key() -> None:

@@ -10,17 +10,21 @@ when it came back, taken twice (one of them never finished: no commit past it ag
 from __future__ import annotations
 
 import asyncio
+from functools import partial
 from typing import Any, cast
+from unittest.mock import patch
 
 from aiokafka import TopicPartition
 from aiokafka.structs import ConsumerRecord
 from cassandra.cluster import NoHostAvailable
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from producers.admission.role import Admission
 from producers.admission.unreadable import UnreadableRecords
 from producers.admission.waiting import Waiting
 from schemas import topics
 from schemas.events import PromptRequest
+from tandoor.policies.quota import charged
 from tandoor.settings import Settings
 
 TPS = {TopicPartition(topics.BATCH_REQUESTS, p) for p in (0, 1)}
@@ -126,6 +130,24 @@ async def test_an_unreadable_record_is_committed_past_only_with_the_records_befo
     assert admission.offsets.to_commit()[partition_0] == 6
 
 
+def batch_prompt(admission: Admission) -> PromptRequest:
+    return PromptRequest.model_validate(
+        {
+            "request_id": "bl_1",
+            "model": admission.settings.served_models[0],
+            "user_id": "u",
+            "tier": "batch",
+            "band": "batch",
+            "conversation_id": "bl_1",
+            "messages": [{"role": "user", "content": "Hi"}],
+            "sampling": {"max_tokens": 4},
+            "created_at_ms": 1,
+            "batch_id": "b1",
+            "custom_id": "line-0",
+        }
+    )
+
+
 class StandInMarks:
     async def cancelled(self, owner: str, batch_id: str | None) -> bool:
         return True
@@ -144,21 +166,7 @@ async def test_a_store_down_ends_the_sweep_of_cancelled_lines_not_the_forwarding
     store answered: forwarding, every model's, stopped meanwhile (it needs Redis and
     Kafka only)."""
     admission = Admission(Settings())
-    prompt = PromptRequest.model_validate(
-        {
-            "request_id": "bl_1",
-            "model": admission.settings.served_models[0],
-            "user_id": "u",
-            "tier": "batch",
-            "band": "batch",
-            "conversation_id": "bl_1",
-            "messages": [{"role": "user", "content": "Hi"}],
-            "sampling": {"max_tokens": 4},
-            "created_at_ms": 1,
-            "batch_id": "b1",
-            "custom_id": "line-0",
-        }
-    )
+    prompt = batch_prompt(admission)
     admission.marks = cast(Any, StandInMarks())
     admission.answers = cast(Any, CassandraDown())
     admission.queued.add(prompt.request_id, "0:3")
@@ -177,3 +185,94 @@ async def test_an_unreadable_last_record_dead_lettered_is_committed_past() -> No
     admission = Admission(Settings())
     assert len((await stepping_over(admission, [])).letters) == 1
     assert admission.offsets.to_commit() == {(topics.BATCH_REQUESTS, 0): 6}
+
+
+class MarkFailsOnce:
+    def __init__(self) -> None:
+        self.marked: list[str] = []
+
+    async def mark(self, request_id: str, position: str) -> None:
+        if not self.marked:
+            self.marked.append("failed")
+            raise RedisConnectionError("Redis is unreachable")
+        self.marked.append(position)
+
+
+class Counting:
+    def __init__(self) -> None:
+        self.sent: list[str] = []
+
+    async def submit(self, prompt: PromptRequest) -> None:
+        self.sent.append(prompt.request_id)
+
+
+class AdmitsAll:
+    async def admit(self, user_id: str, policy: Any, request_id: str, *_: Any, **__: Any) -> Any:
+        return charged(user_id, request_id, 1, 0)
+
+
+async def test_a_mark_that_fails_after_the_forward_does_not_forward_the_line_again() -> None:
+    """The whole step was tried again: the line went to the model's topic twice (and,
+    with Redis failing, no worker could tell the copies apart)."""
+    admission = Admission(Settings())
+    prompt = batch_prompt(admission)
+    marks, submitter = MarkFailsOnce(), Counting()
+    admission.marks, admission.submitter = cast(Any, marks), cast(Any, submitter)
+    admission.quotas, admission.callers = cast(Any, AdmitsAll()), cast(Any, Valid())
+    admission._answered_unrun = lambda waiting: _false()  # type: ignore[method-assign]
+    admission.queued.add(prompt.request_id, "0:3")
+    queue = admission.queues[prompt.model]
+    try:
+        with patch("producers.admission.role.RETRY_S", 0.01):
+            forward = partial(admission._forward, queue, "u", Waiting(0, 3, prompt))
+            assert await admission._until_done(forward)
+    finally:
+        await admission.consumer.stop()  # never started: closed for their finalizers
+        await admission.producer.stop()
+    assert submitter.sent == [prompt.request_id], "forwarded more than once"
+    assert marks.marked == ["failed", "0:3"], "the mark was not written in the end"
+
+
+async def _false() -> bool:
+    return False
+
+
+class Valid:
+    async def resolve(self, key: str | None) -> object:
+        return object()
+
+
+class Revoked:
+    async def resolve(self, key: str | None) -> None:
+        return None  # the key was revoked while its line waited
+
+
+class Answers:
+    def __init__(self) -> None:
+        self.sent: list[dict[str, Any]] = []
+
+    async def send(self, owner: str | None, batch_id: str | None, output: dict[str, Any]) -> None:
+        self.sent.append(output)
+
+
+async def test_a_line_whose_key_was_revoked_while_it_waited_is_answered_401_not_run() -> None:
+    """The key was checked once, when the line was read: lines held hours behind their
+    tenant's quota ran (and were charged) under a key revoked meanwhile."""
+    admission = Admission(Settings())
+    prompt = batch_prompt(admission)
+    submitter, answers = Counting(), Answers()
+    admission.marks, admission.submitter = cast(Any, StandInMarks()), cast(Any, submitter)
+    admission.quotas, admission.callers = cast(Any, AdmitsAll()), cast(Any, Revoked())
+    admission.answers = cast(Any, answers)
+    admission._answered_unrun = lambda waiting: _false()  # type: ignore[method-assign]
+    admission.queued.add(prompt.request_id, "0:3")
+    try:
+        waiting = Waiting(0, 3, prompt, "tdr_revoked")
+        assert not await admission._forward(admission.queues[prompt.model], "u", waiting)
+    finally:
+        await admission.consumer.stop()  # never started: closed for their finalizers
+        await admission.producer.stop()
+    assert submitter.sent == [], "it ran"
+    (output,) = answers.sent
+    assert output["response"]["status_code"] == 401 and output["custom_id"] == "line-0"
+    assert admission.queued.where(prompt.request_id) is None

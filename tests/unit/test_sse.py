@@ -4,13 +4,16 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import orjson
+import pytest
 
 from consumers.fanout import Delivered
-from producers.gateway.chat.sse import ResumePoint, reply_frames
+from producers.gateway.chat.sse import ResumePoint, reply_frames, reply_tag
+from producers.gateway.errors import ApiError
 from schemas.events import Event, FinalEvent, TokenEvent, Usage
 from tandoor.policies.moderation import StreamRedactor
 
 USAGE = Usage(prompt_tokens=5, completion_tokens=3, queue_ms=0, decode_ms=0)
+TAG = reply_tag("r")  # the reply's name in its event ids
 
 
 def token(delta: str, seq: int, attempt: int = 1) -> TokenEvent:
@@ -66,7 +69,7 @@ REPLY = [
 async def test_text_arrives_in_order_with_ids_counting_characters() -> None:
     out = await frames(REPLY)
     assert text(out) == "Hello there, mail me"
-    assert out[-1]["type"] == "final" and out[-1]["id"] == "1.20"
+    assert out[-1]["type"] == "final" and out[-1]["id"] == f"{TAG}.1.20"
 
 
 async def test_duplicates_are_skipped() -> None:
@@ -92,7 +95,7 @@ async def test_a_higher_attempt_restarts_and_a_late_lower_one_is_ignored() -> No
 async def test_resume_sends_exactly_what_the_client_lacks() -> None:
     full = await frames(REPLY)
     for cut in [f["id"] for f in full if f["id"]][:-1]:
-        have = int(cut.split(".")[1])
+        have = int(cut.split(".")[2])
         rest = await frames(REPLY, resume=cut)
         assert "Hello there, mail me"[:have] + text(rest) == "Hello there, mail me", cut
         assert not any(f["type"] == "restart" for f in rest)
@@ -100,7 +103,7 @@ async def test_resume_sends_exactly_what_the_client_lacks() -> None:
 
 async def test_resume_from_an_older_attempt_restarts() -> None:
     events = [token("New", 0, attempt=2), final("New", attempt=2)]
-    out = await frames(events, resume="1.7")
+    out = await frames(events, resume=f"{TAG}.1.7")
     assert out[0]["type"] == "restart" and text(out) == "New"
 
 
@@ -124,7 +127,7 @@ async def test_a_missing_event_is_filled_in_from_the_final() -> None:
     out = await frames(events)
     assert text(out) == "Once upon a time"
     assert not any(f["type"] == "restart" for f in out)
-    assert out[-1]["id"] == "1.16"
+    assert out[-1]["id"] == f"{TAG}.1.16"
 
 
 async def test_text_shown_that_differs_from_the_final_is_replaced_by_it() -> None:
@@ -138,6 +141,34 @@ async def test_resume_during_a_later_attempt_shows_that_attempt_whole() -> None:
     (which has 3 characters of attempt 2) gets the rest of attempt 2, not less."""
     events: list[Event] = [token("Old", 0), token("New", 0, attempt=2)]
     events += [token(" text", 1, attempt=2), final("New text", attempt=2)]
-    out = await frames(events, resume="2.3")
+    out = await frames(events, resume=f"{TAG}.2.3")
     assert not any(f["type"] == "restart" for f in out)
     assert "New"[:3] + text(out) == "New text"
+
+
+async def test_an_id_of_an_attempt_never_sent_still_gets_the_reply_and_its_final() -> None:
+    """Every event, the final's too, was skipped as older than the id: the client got
+    keep-alives, then "no worker answered", for a reply that had completed."""
+    out = await frames(REPLY, resume=f"{TAG}.7.0")
+    assert out[0]["type"] == "restart"
+    assert text(out) == "Hello there, mail me" and out[-1]["type"] == "final"
+
+
+async def test_an_id_from_before_replies_were_named_still_resumes() -> None:
+    """A page loaded before an upgrade sends `<attempt>.<characters>`."""
+    rest = await frames(REPLY, resume="1.5")
+    assert "Hello" + text(rest) == "Hello there, mail me"
+
+
+@pytest.mark.parametrize(
+    "event_id", ["zzzzzzzz.1.1", f"{TAG}x.1.1", f"{TAG}..1", f"a.{TAG}.1.1", "1", "", "a.b"]
+)
+def test_ids_this_gateway_never_sends_are_a_400(event_id: str) -> None:
+    with pytest.raises(ApiError) as refused:
+        ResumePoint.parse(event_id)
+    assert refused.value.status == 400
+
+
+def test_ids_name_their_reply() -> None:
+    point = ResumePoint.parse(f"{TAG}.2.30")
+    assert point == ResumePoint(TAG, 2, 30) and reply_tag("another") != TAG

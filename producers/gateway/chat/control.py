@@ -13,6 +13,7 @@ from aiokafka.errors import KafkaError
 from consumers.fanout import Delivered, read_request
 from producers.control import request_cancel
 from producers.gateway.chat.inflight import InFlight
+from producers.gateway.chat.sse import reply_tag
 from producers.gateway.chat.watch import KEEPALIVE_S, with_keepalives
 from producers.gateway.conversations.service import ConversationService
 from producers.gateway.errors import ApiError, kafka_unreachable
@@ -62,17 +63,24 @@ class ReplyControl:
             )
 
     async def resume_events(
-        self, caller: Principal, conversation_id: str
+        self, caller: Principal, conversation_id: str, reply: str | None = None
     ) -> AsyncIterator[Delivered | None]:
         """The current reply's events from its start (the caller skips what was sent),
         with keep-alives, ending after the tier's silence limit. A 404 when no reply
-        runs, or when the one recorded will never answer (it hung until the record's
-        hour was up)."""
+        runs, when the one recorded will never answer (it hung until the record's hour
+        was up), or when it is not the `reply` (tag) the client was shown."""
         await self.conversations.owned(caller.user_id, conversation_id)
         record = await self.inflight.running(conversation_id, 404)
         if await self.inflight.abandoned(record):
             raise ApiError(
                 404, "no reply is being generated in this conversation", kind="not_found_error"
+            )
+        if reply is not None and reply_tag(record["request_id"]) != reply:
+            raise ApiError(
+                404,
+                "the reply of this Last-Event-ID is no longer being generated (another is): "
+                "reopen the conversation to see it",
+                kind="not_found_error",
             )
         events = read_request(
             self.settings, record["request_id"], record["partition"], record["offset"]

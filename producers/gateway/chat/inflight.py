@@ -90,6 +90,7 @@ class InFlight:
                 "prompt_at_ms": prompt.created_at_ms,
                 "conversation_id": conversation_id,
                 "replaces": [key.model_dump() for key in prompt.replaces],
+                "queued": False,  # until mark_queued: the request may still be refused
             }
         )
         key = inflight_key(conversation_id)
@@ -104,6 +105,17 @@ class InFlight:
             log.warning("%s: not marked in flight, Redis unreachable (%s)", sub.request_id, exc)
             return True
 
+    async def mark_queued(self, conversation_id: str, request_id: str) -> None:
+        """The prompt is in Kafka: from now on a stop may answer it itself. Redis down:
+        it stays unmarked, and a stop reaches the prompt through its cancel key."""
+        key = inflight_key(conversation_id)
+        with contextlib.suppress(*REDIS_DOWN):
+            held = await self.redis.get(key)
+            if held is None or orjson.loads(held)["request_id"] != request_id:
+                return
+            queued = orjson.dumps({**orjson.loads(held), "queued": True})
+            await self._replace(keys=[key], args=[held, queued, TTL_S])
+
     async def _stale(self, record: dict[str, Any]) -> bool:
         """Its request is done, or nobody took it before it had to start."""
         if await self.redis.exists(done_key(record["request_id"])):
@@ -114,8 +126,11 @@ class InFlight:
         self, record: dict[str, Any], user_id: str, tier: str
     ) -> FinalEvent | None:
         """The recorded reply's final, cancelled, if no worker has taken its prompt yet
-        (the caller publishes it); None if one has, or the record predates the fields."""
-        if "model" not in record:
+        (the caller publishes it); None if one has, or the record predates the fields,
+        or the prompt is not queued yet: its request may still be refused (a quota, a
+        context too long, Kafka down), which must leave the conversation as it was, and
+        if it is queued after all, its cancel key stops it."""
+        if "model" not in record or not record.get("queued", True):
             return None
         final = _cancelled_in_queue(record, user_id, tier)
         request_id = final.request_id

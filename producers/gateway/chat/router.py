@@ -92,8 +92,9 @@ async def resume(
     last_event_id: Annotated[str | None, Header(max_length=64)] = None,
 ) -> StreamingResponse:
     """Resume the current reply after `Last-Event-ID` (or from its start)."""
+    resume = ResumePoint.parse(last_event_id)  # a bad id is a 400 whatever else holds
     with svc.deps.streams.reserve(resumed_by=caller.user_id) as slot:
-        events = await svc.running.resume_events(caller, conversation_id)
-        resume = ResumePoint.parse(last_event_id)
+        reply = resume.reply if resume else None
+        events = await svc.running.resume_events(caller, conversation_id, reply)
         frames = reply_frames(events, svc.output_filter, resume)
         return ReplyStream(frames, slot, svc.deps.settings.gateway_write_timeout_s, SSE_HEADERS)

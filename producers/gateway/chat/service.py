@@ -288,6 +288,7 @@ class ChatService:
             finally:
                 await self.inflight.release(conversation.id, p.request_id)
             raise
+        await self.inflight.mark_queued(conversation.id, p.request_id)
         if store:  # the next turn waits for this reply to be stored (newest.py)
             await self.newest.note(conversation.id, Newest(p.request_id, p.now))
         await self._hide_replaced(conversation.id, p.replaces)

@@ -1,6 +1,9 @@
 """Server-sent events of one reply: `id:`, `data: <json>`, and `data: [DONE]` at the end.
 
-An event id is "<attempt>.<characters sent so far>". The reply's text passes through
+An event id is "<reply>.<attempt>.<characters sent so far>", <reply> eight hex digits
+naming the reply (`reply_tag`): an id of another reply (one that ended while the client
+was away, another conversation's) is refused rather than taken as a place in this one,
+which spliced the two texts. The reply's text passes through
 the output filter, which may hold back a few characters, so ids count what the client
 really has: a reconnect with Last-Event-ID replays the request from its start and
 skips exactly that much. A higher attempt (a worker crashed, another re-runs the
@@ -13,6 +16,8 @@ text that differs from the stored one.
 
 from __future__ import annotations
 
+import hashlib
+import re
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -34,28 +39,40 @@ def frame(data: dict[str, Any], event_id: str | None = None) -> str:
     return f"{head}data: {orjson.dumps(data).decode()}\n\n"
 
 
+TAG = re.compile(r"[0-9a-f]{8}")
+
+
+def reply_tag(request_id: str) -> str:
+    return hashlib.blake2s(request_id.encode(), digest_size=4).hexdigest()
+
+
 @dataclass(frozen=True)
 class ResumePoint:
+    reply: str | None  # None: an id of the gateways before replies were named in it
     attempt: int
     chars: int
 
     @classmethod
     def parse(cls, value: str | None) -> ResumePoint | None:
-        """An event id this gateway sent (`<attempt>.<characters>`), None for no header;
-        anything else is a 400 (non-ASCII digits and huge numbers included)."""
+        """An event id this gateway sent (`<reply>.<attempt>.<characters>`), None for no
+        header; anything else is a 400 (non-ASCII digits and huge numbers included)."""
         if value is None:
             return None
-        attempt, sep, chars = value.partition(".")
-        number, sent = count(attempt), count(chars)
-        if not sep or number is None or sent is None:
+        parts = value.split(".")
+        reply = parts.pop(0) if len(parts) == 3 else None
+        number, sent = (count(parts[0]), count(parts[1])) if len(parts) == 2 else (None, None)
+        if (reply is not None and not TAG.fullmatch(reply)) or number is None or sent is None:
             raise ApiError(400, "Last-Event-ID: not an id this stream sent", param="Last-Event-ID")
-        return cls(number, sent)
+        return cls(reply, number, sent)
 
 
 class _Attempt:
     """Text of the attempt being shown, and how much of it the client already has."""
 
-    def __init__(self, number: int, make_filter: Callable[[], OutputFilter], skip: int) -> None:
+    def __init__(
+        self, tag: str, number: int, make_filter: Callable[[], OutputFilter], skip: int
+    ) -> None:
+        self.tag = tag
         self.number = number
         self.make_filter = make_filter
         self.skip = skip
@@ -85,7 +102,11 @@ class _Attempt:
         if not new:
             return None
         data = {"type": "token", "delta": new, "attempt": self.number}
-        return frame(data, f"{self.number}.{self.sent}")
+        return frame(data, self.event_id)
+
+    @property
+    def event_id(self) -> str:
+        return f"{self.tag}.{self.number}.{self.sent}"
 
 
 async def reply_frames(
@@ -100,19 +121,26 @@ async def reply_frames(
             yield KEEPALIVE
             continue
         event = item.event
-        if resume is not None and event.attempt < resume.attempt:
-            continue  # abandoned before the attempt the client resumes
+        final = isinstance(event, FinalEvent)
+        # Skipped: an attempt abandoned before the one the client resumes. Not a final:
+        # older than the id means the id was never sent, and the client needs the end.
+        if resume is not None and event.attempt < resume.attempt and not final:
+            continue
         if current is not None and event.attempt < current.number:
             continue  # a late event of an abandoned attempt
         if current is None or event.attempt > current.number:
             known = resume is not None and resume.attempt == event.attempt
+            tag = reply_tag(event.request_id)
             if current is not None or (resume is not None and not known):
-                yield frame({"type": "restart", "attempt": event.attempt}, f"{event.attempt}.0")
-            current = _Attempt(event.attempt, make_filter, resume.chars if known and resume else 0)
+                yield frame(
+                    {"type": "restart", "attempt": event.attempt}, f"{tag}.{event.attempt}.0"
+                )
+            skip = resume.chars if known and resume else 0
+            current = _Attempt(tag, event.attempt, make_filter, skip)
         if isinstance(event, FinalEvent):
             for tail in _ending(current, event.text):
                 yield tail
-            yield frame(_final(event), f"{current.number}.{current.sent}")
+            yield frame(_final(event), current.event_id)
             yield DONE
             return
         if chunk := current.feed(event.seq, event.delta):

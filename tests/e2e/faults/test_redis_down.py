@@ -5,12 +5,19 @@ written. Once Redis is back, quotas count again."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
+
 import httpx
 import pytest
 
+from tandoor.clients import redis_client
 from tests.e2e.faults.checks import assert_conversations_complete
 from tests.e2e.faults.driver import ChatClient, chat_all, clients, watching
-from tests.e2e.stack import Stack, servers_back, stop_server
+from tests.e2e.stack import Stack, server, servers_back, stop_server
 
 pytestmark = pytest.mark.integration
 
@@ -63,3 +70,55 @@ async def test_redis_down_paid_tiers_are_served_and_the_free_tier_gets_a_503(
         assert over.json()["error"]["param"] == "requests_per_minute"
         await free.chat(1)  # served again
         await assert_conversations_complete(stack, [*paid, free, tight])
+
+
+@contextlib.asynccontextmanager
+async def frozen(stack: Stack) -> AsyncIterator[None]:
+    """Redis stopped (SIGSTOP) with its port open: connections are taken, nothing is
+    ever answered, as when it swaps, hangs or its host stalls."""
+    pid = server(stack.settings, "redis").process.pid()
+    assert pid is not None, "redis is not running"
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+@contextlib.asynccontextmanager
+async def full(stack: Stack) -> AsyncIterator[None]:
+    """Redis at its memory limit with nothing it may evict: reads answer, writes are
+    refused (OOM), as a deployed one with `maxmemory` and a volatile policy can be."""
+    async with redis_client(stack.settings) as redis:
+        await redis.config_set("maxmemory", 1)
+        try:
+            yield
+        finally:
+            await redis.config_set("maxmemory", 0)
+
+
+@pytest.mark.parametrize(
+    ("failing", "free_refused"), [(frozen, True), (full, False)], ids=["frozen", "full"]
+)
+async def test_a_frozen_or_full_redis_is_down_for_the_tiers(
+    stack: Stack,
+    failing: Callable[[Stack], AbstractAsyncContextManager[None]],
+    free_refused: bool,
+) -> None:
+    """Frozen: without a read timeout every call to a Redis that took the connection
+    and never answered hung, and chats of every tier waited until their client gave up.
+    Full: its writes refused (OOM) were errors nothing handled, a 500 for every chat (the
+    quota's script still runs there, so the free tier may be served)."""
+    async with (
+        clients(stack, 1, "plus") as (paid,),
+        clients(stack, 1, "free") as (free,),
+        watching(stack, [paid, free], "Redis failing and back"),
+    ):
+        async with failing(stack):
+            await paid.chat(1)
+            refused = await post(stack, free, "Am I served?") if free_refused else None
+        if refused is not None:
+            assert refused.status_code == 503, refused.text
+            assert refused.json()["error"]["type"] == "service_unavailable"
+        await free.chat(1)  # served once Redis answers again
+        await assert_conversations_complete(stack, [paid, free])
