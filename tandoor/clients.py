@@ -29,10 +29,11 @@ from tandoor.settings import Settings
 CASSANDRA_RECONNECT_MAX_S = 5.0
 CASSANDRA_CONTROL_TIMEOUT_S = 15.0
 REDIS_CONNECT_TIMEOUT_S = 2.0
-# Redis answers in well under a millisecond; a call that has waited a second is on a
+# Redis answers in well under a millisecond; a call that has waited two seconds is on a
 # server that took the connection but stopped answering (stopped, swapping, its host
-# stalled). No call here blocks on the server side, so a read timeout is safe.
-REDIS_READ_TIMEOUT_S = 1.0
+# stalled). No call here blocks on the server side, so a read timeout is safe; but a
+# call timed out may still run when the server wakes (docs/architecture.md).
+REDIS_READ_TIMEOUT_S = 2.0
 REDIS_RETRIES = 2
 
 

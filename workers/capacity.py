@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Sequence
 
 
 class Capacity:
-    def __init__(self, max_seqs: int, max_tokens: int) -> None:
+    def __init__(self, max_seqs: int, max_tokens: int, bands: Sequence[str] = ()) -> None:
+        """`bands`: highest priority first; freed tokens go to a higher band's waiter."""
         self.max_seqs = max_seqs
         self.max_tokens = max_tokens
         self.seqs = 0
         self.tokens = 0
         self._changed = asyncio.Condition()
+        self._rank = {band: rank for rank, band in enumerate(bands)}
+        self._waiting: Counter[tuple[int, int]] = Counter()  # token waiters: (rank, count)
 
     @property
     def free_seqs(self) -> int:
@@ -29,15 +33,33 @@ class Capacity:
         async with self._changed:
             await self._changed.wait_for(lambda: self.free_seqs > 0)
 
-    async def reserve_tokens(self, count: int, give_up: Callable[[], bool]) -> bool:
-        """Wait until `count` tokens fit (anything fits an idle worker); False if
-        `give_up` became true first (the request was cancelled while waiting)."""
+    async def reserve_tokens(
+        self, count: int, give_up: Callable[[], bool], band: str | None = None
+    ) -> bool:
+        """Wait until `count` tokens fit (anything fits an idle worker) and no waiter of
+        a higher band would fit in the room first; False if `give_up` became true first
+        (the request was cancelled while waiting). A higher band's waiter too big for
+        the room holds back nobody: lower bands keep the share of slots they are given."""
+        waiter = (self._rank.get(band or "", len(self._rank)), count)
         async with self._changed:
-            await self._changed.wait_for(lambda: give_up() or self._fits(count))
+            self._waiting[waiter] += 1
+            try:
+                await self._changed.wait_for(
+                    lambda: give_up() or (self._fits(count) and not self._ahead_of(waiter[0]))
+                )
+            finally:
+                self._waiting[waiter] -= 1
+                self._changed.notify_all()  # a waiter behind this one may go now
             if give_up():
                 return False
             self.tokens += count
             return True
+
+    def _ahead_of(self, rank: int) -> bool:
+        return any(
+            waiting > 0 and other < rank and self._fits(count)
+            for (other, count), waiting in self._waiting.items()
+        )
 
     async def release_tokens(self, count: int) -> None:
         self.tokens -= count

@@ -203,7 +203,7 @@ class RequestRunner:
         budget = len(token_ids) + max_tokens
         tracked = attempt.tracked
         stop_waiting = lambda: tracked.cancelled or tracked.lost  # noqa: E731
-        if not await self.capacity.reserve_tokens(budget, give_up=stop_waiting):
+        if not await self.capacity.reserve_tokens(budget, stop_waiting, attempt.band):
             await self._finish(attempt, "cancelled", None)
             return
         try:

@@ -46,7 +46,8 @@ class Worker:
         self.model = model
         self.options = options
         self.metrics = WorkerMetrics(model)
-        self.capacity = Capacity(options.max_num_seqs, settings.worker_max_tokens)
+        bands = [band.name for band in settings.bands]
+        self.capacity = Capacity(options.max_num_seqs, settings.worker_max_tokens, bands)
         self.intake = PromptIntake(settings, model)
         self.control = ControlListener(settings, self._on_cancel)
         self._redis = redis_client(settings)

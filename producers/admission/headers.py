@@ -10,6 +10,7 @@ from schemas.batch import DEADLINE_HEADER
 BAD = "invalid_request_error"
 
 MAX_BATCH_ID_CHARS = 256
+MAX_KEY_CHARS = 256  # an Authorization value; keys are far shorter
 
 
 def text_of(value: bytes | None) -> str | None:
@@ -42,7 +43,8 @@ def batch_deadline_ms(value: bytes | None) -> int | None:
 
 
 def bearer_token(value: bytes | None) -> str | None:
+    """The key, or None; one longer than any key is None (cached, it would hold memory)."""
     text = text_of(value)
-    if text and text.lower().startswith("bearer "):
+    if text and text.lower().startswith("bearer ") and len(text) <= MAX_KEY_CHARS:
         return text[7:].strip() or None
     return None

@@ -237,7 +237,7 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
         refused: Refused,
     ) -> None:
         where = f"{record.partition}:{record.offset}"
-        log.info("refusing line %s of batch %s: %s", where, batch_id, refused)
+        log.info("refusing line %s of batch %.80s: %s", where, batch_id, refused)
         output = refused_output(
             custom_id, request_id, refused.status, refused.message, refused.kind, refused.param
         )
@@ -245,7 +245,7 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
         # A repeat is not marked: its mark would be taken, read again after a restart,
         # as the first line's, which would then be refused as the repeat.
         if custom_id is not None and batch_id and refused.kept:
-            await self.marks.mark(request_id, where, first_only=True)
+            await self._mark(request_id, where, first_only=True)
         self._done(record.partition, record.offset, "refused")
 
     async def _answered_unrun(self, waiting: Waiting) -> bool:
@@ -260,6 +260,16 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
         await self.answers.unrun(waiting.prompt, why)
         await self._answered(waiting, why)
 
+    async def _key_revoked(self, waiting: Waiting) -> bool:
+        """A line may wait hours (its tenant's quota): a key revoked meanwhile stops it.
+        A key that cannot be looked up now (Cassandra down) was good when it was read:
+        forwarding goes on, as it needs only Redis and Kafka."""
+        try:
+            return await self.callers.resolve(waiting.key) is None
+        except UNREACHABLE as exc:
+            log.warning("key of a waiting line not checked again (%r); taken as good", exc)
+            return False
+
     async def _answer_revoked(self, waiting: Waiting) -> None:
         prompt = waiting.prompt
         message = "the API key was revoked before this line ran"
@@ -271,7 +281,7 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
 
     async def _answered(self, waiting: Waiting, outcome: str) -> None:
         """A waiting line answered without running: marked, and no longer waiting."""
-        await self.marks.mark(waiting.prompt.request_id, waiting.position)
+        await self._mark(waiting.prompt.request_id, waiting.position)
         self.queued.discard(waiting.prompt.request_id)
         self._done(waiting.partition, waiting.offset, outcome)
 
@@ -337,8 +347,7 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
             return False  # its partition was revoked meanwhile: the new owner has it
         if await self._answered_unrun(waiting):
             return False
-        # A line may wait hours (its tenant's quota): a key revoked meanwhile stops it.
-        if await self.callers.resolve(waiting.key) is None:
+        if await self._key_revoked(waiting):
             await self._answer_revoked(waiting)
             return False
         policy = self.settings.tiers[prompt.tier]
@@ -357,9 +366,7 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
         # A retry is charged at its first time: the usage record settles that minute.
         admitted = prompt.model_copy(update={"created_at_ms": admission.charged_at_ms})
         await self.submitter.submit(admitted)
-        # Produced: from here only the mark is tried again (the whole step again would
-        # produce the line twice, and a Redis failing the mark cannot tell the copies apart).
-        await self._until_done(partial(self.marks.mark, prompt.request_id, waiting.position))
+        await self._mark(prompt.request_id, waiting.position)
         queue.charge(tenant, prompt.charged_tokens)
         self.metrics.charged_tokens.labels(prompt.user_id).inc(prompt.charged_tokens)
         self._sent[prompt.model] = self._sent.get(prompt.model, 0) + 1
@@ -368,6 +375,11 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
         return True
 
     # Bookkeeping.
+
+    async def _mark(self, request_id: str, position: str, first_only: bool = False) -> None:
+        """After a line's answer or forward went out, only the mark is tried again: the
+        whole step again would send it twice, every second while Redis stays full."""
+        await self._until_done(partial(self.marks.mark, request_id, position, first_only))
 
     async def _until_done(self, step: Callable[[], Awaitable[object]]) -> bool:
         """Run `step` until the stores let it finish (a line is never dropped)."""

@@ -72,7 +72,9 @@ end
 redis.call('ZADD', KEYS[1], now, request_id)
 redis.call('PEXPIRE', KEYS[1], minute)
 redis.call('INCRBY', KEYS[2], tokens)
-redis.call('PEXPIRE', KEYS[2], window_end - now)  -- by the caller's clock, not Redis's
+-- By the caller's clock plus a minute: a host behind Redis set an expiry already past
+-- (the minute's count dropped), one ahead a too early one, for every host's charges.
+redis.call('PEXPIRE', KEYS[2], window_end - now + minute)
 if holds_stream then
   redis.call('ZADD', KEYS[3], now + lease, request_id)
   redis.call('PEXPIRE', KEYS[3], lease)

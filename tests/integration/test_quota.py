@@ -82,6 +82,18 @@ async def test_a_caller_whose_clock_is_behind_redis_keeps_the_minute_counted(
         await quotas.admit(unique, policy(tpm=1000), "second", 600, behind + 10)
 
 
+async def test_a_caller_whose_clock_is_ahead_does_not_end_the_minute_for_the_others(
+    quotas: Quotas, unique: str, t0: int
+) -> None:
+    """Expiring the window's key by the writer's clock alone, a host ahead charging in
+    what it took for the minute's last second left the key a second to live: the
+    charges every host had made that minute went with it."""
+    await quotas.admit(unique, policy(tpm=1000), "ahead", 600, t0 + 58_000)
+    await asyncio.sleep(1.5)
+    with pytest.raises(QuotaExceeded, match="tokens per minute"):
+        await quotas.admit(unique, policy(tpm=1000), "behind", 600, t0)
+
+
 async def test_the_same_request_admitted_again_is_charged_once(
     quotas: Quotas, unique: str, t0: int
 ) -> None:

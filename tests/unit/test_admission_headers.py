@@ -30,6 +30,7 @@ def test_a_missing_or_over_long_batch_id_is_the_line_s_400(batch_id: str | None)
 
 
 def test_only_a_bearer_key_is_a_key() -> None:
+    assert bearer_token(b"Bearer " + b"k" * 1_000_000) is None  # cached, it would hold 1 MB
     assert bearer_token(b"Bearer  tdr_abc ") == "tdr_abc"
     assert bearer_token(b"bearer tdr_abc") == "tdr_abc"
     assert bearer_token(b"Basic dXNlcg==") is None and bearer_token(b"Bearer ") is None

@@ -152,7 +152,7 @@ class StandInMarks:
     async def cancelled(self, owner: str, batch_id: str | None) -> bool:
         return True
 
-    async def mark(self, request_id: str, position: str) -> None:
+    async def mark(self, request_id: str, position: str, first_only: bool = False) -> None:
         return None
 
 
@@ -191,7 +191,7 @@ class MarkFailsOnce:
     def __init__(self) -> None:
         self.marked: list[str] = []
 
-    async def mark(self, request_id: str, position: str) -> None:
+    async def mark(self, request_id: str, position: str, first_only: bool = False) -> None:
         if not self.marked:
             self.marked.append("failed")
             raise RedisConnectionError("Redis is unreachable")
@@ -247,6 +247,11 @@ class Revoked:
         return None  # the key was revoked while its line waited
 
 
+class KeysUnreadable:
+    async def resolve(self, key: str | None) -> None:
+        raise NoHostAvailable("Cassandra is unreachable", {})
+
+
 class Answers:
     def __init__(self) -> None:
         self.sent: list[dict[str, Any]] = []
@@ -255,24 +260,52 @@ class Answers:
         self.sent.append(output)
 
 
-async def test_a_line_whose_key_was_revoked_while_it_waited_is_answered_401_not_run() -> None:
-    """The key was checked once, when the line was read: lines held hours behind their
-    tenant's quota ran (and were charged) under a key revoked meanwhile."""
+async def forward_once(
+    callers: object, marks: object | None = None
+) -> tuple[Counting, Answers, PromptRequest, Admission]:
+    """One waiting line's turn to be forwarded, with these keys and marks."""
     admission = Admission(Settings())
     prompt = batch_prompt(admission)
     submitter, answers = Counting(), Answers()
-    admission.marks, admission.submitter = cast(Any, StandInMarks()), cast(Any, submitter)
-    admission.quotas, admission.callers = cast(Any, AdmitsAll()), cast(Any, Revoked())
-    admission.answers = cast(Any, answers)
+    admission.marks = cast(Any, marks or StandInMarks())
+    admission.submitter, admission.answers = cast(Any, submitter), cast(Any, answers)
+    admission.quotas, admission.callers = cast(Any, AdmitsAll()), cast(Any, callers)
     admission._answered_unrun = lambda waiting: _false()  # type: ignore[method-assign]
     admission.queued.add(prompt.request_id, "0:3")
     try:
-        waiting = Waiting(0, 3, prompt, "tdr_revoked")
-        assert not await admission._forward(admission.queues[prompt.model], "u", waiting)
+        with patch("producers.admission.role.RETRY_S", 0.01):
+            forward = partial(
+                admission._forward,
+                admission.queues[prompt.model],
+                "u",
+                Waiting(0, 3, prompt, "tdr_key"),
+            )
+            await admission._until_done(forward)
     finally:
         await admission.consumer.stop()  # never started: closed for their finalizers
         await admission.producer.stop()
+    return submitter, answers, prompt, admission
+
+
+async def test_a_line_whose_key_was_revoked_while_it_waited_is_answered_401_not_run() -> None:
+    """The key was checked once, when the line was read: lines held hours behind their
+    tenant's quota ran (and were charged) under a key revoked meanwhile."""
+    submitter, answers, prompt, admission = await forward_once(Revoked())
     assert submitter.sent == [], "it ran"
     (output,) = answers.sent
     assert output["response"]["status_code"] == 401 and output["custom_id"] == "line-0"
     assert admission.queued.where(prompt.request_id) is None
+
+
+async def test_a_refusal_whose_mark_fails_is_sent_once() -> None:
+    """The whole step was tried again, every second while Redis refused the mark (full):
+    the same answer went out again and again."""
+    _, answers, _, _ = await forward_once(Revoked(), MarkFailsOnce())
+    assert len(answers.sent) == 1, answers.sent
+
+
+async def test_a_key_that_cannot_be_read_again_does_not_stop_forwarding() -> None:
+    """Cassandra down (the key's cache run out): the line is forwarded, as it was read
+    with a good key; retried instead, it stopped forwarding for every model."""
+    submitter, answers, prompt, _ = await forward_once(KeysUnreadable())
+    assert submitter.sent == [prompt.request_id] and answers.sent == []

@@ -43,3 +43,36 @@ async def test_sequence_slots() -> None:
     assert not waiter.done()
     await capacity.release_seq()
     await asyncio.wait_for(waiter, 1)
+
+
+async def test_freed_tokens_go_to_a_waiter_of_a_higher_band_first() -> None:
+    """Waiters took freed room in the order they came: a batch prompt waiting since
+    before an interactive one took the room the interactive one needed, and again at
+    the next release, however long the interactive one had waited."""
+    capacity = Capacity(max_seqs=8, max_tokens=100, bands=["interactive", "batch"])
+    assert await capacity.reserve_tokens(60, give_up=lambda: False, band="batch")
+    batch = asyncio.create_task(capacity.reserve_tokens(60, lambda: False, band="batch"))
+    await asyncio.sleep(0.01)
+    chat = asyncio.create_task(capacity.reserve_tokens(50, lambda: False, band="interactive"))
+    await asyncio.sleep(0.01)
+    await capacity.release_tokens(60)
+    assert await asyncio.wait_for(chat, 1)
+    await asyncio.sleep(0.01)
+    assert not batch.done(), "the batch prompt took room with the interactive one waiting"
+    await capacity.release_tokens(50)
+    assert await asyncio.wait_for(batch, 1)
+
+
+async def test_a_higher_band_waiter_too_big_for_the_room_holds_back_nobody() -> None:
+    """Lower bands hold the slots the scheduler gives them: blocked behind a prompt that
+    cannot fit yet, they would sit on them without running."""
+    capacity = Capacity(max_seqs=8, max_tokens=100, bands=["interactive", "batch"])
+    assert await capacity.reserve_tokens(60, give_up=lambda: False, band="batch")
+    stopped = False
+    chat = asyncio.create_task(capacity.reserve_tokens(80, lambda: stopped, band="interactive"))
+    await asyncio.sleep(0.01)
+    assert await asyncio.wait_for(capacity.reserve_tokens(30, lambda: False, band="batch"), 1)
+    stopped = True
+    await capacity.wake()
+    assert await asyncio.wait_for(chat, 1) is False
+    assert capacity.tokens == 90
