@@ -5,11 +5,17 @@ import asyncio
 from workers.capacity import Capacity
 
 
+async def settle() -> None:
+    """Let every task run until it waits (one loop, no I/O: no clock involved)."""
+    for _ in range(10):
+        await asyncio.sleep(0)
+
+
 async def test_token_budget_waits_until_enough_is_released() -> None:
     capacity = Capacity(max_seqs=4, max_tokens=100)
     assert await capacity.reserve_tokens(80, give_up=lambda: False)
     waiter = asyncio.create_task(capacity.reserve_tokens(30, give_up=lambda: False))
-    await asyncio.sleep(0.01)
+    await settle()
     assert not waiter.done()
     await capacity.release_tokens(80)
     assert await asyncio.wait_for(waiter, 1)
@@ -26,7 +32,7 @@ async def test_a_cancelled_waiter_gives_up() -> None:
     await capacity.reserve_tokens(10, give_up=lambda: False)
     cancelled = False
     waiter = asyncio.create_task(capacity.reserve_tokens(5, give_up=lambda: cancelled))
-    await asyncio.sleep(0.01)
+    await settle()
     cancelled = True
     await capacity.wake()
     assert await asyncio.wait_for(waiter, 1) is False
@@ -39,7 +45,7 @@ async def test_sequence_slots() -> None:
     capacity.take_seq()
     assert capacity.free_seqs == 0
     waiter = asyncio.create_task(capacity.wait_for_free_seq())
-    await asyncio.sleep(0.01)
+    await settle()
     assert not waiter.done()
     await capacity.release_seq()
     await asyncio.wait_for(waiter, 1)
@@ -52,12 +58,12 @@ async def test_freed_tokens_go_to_a_waiter_of_a_higher_band_first() -> None:
     capacity = Capacity(max_seqs=8, max_tokens=100, bands=["interactive", "batch"])
     assert await capacity.reserve_tokens(60, give_up=lambda: False, band="batch")
     batch = asyncio.create_task(capacity.reserve_tokens(60, lambda: False, band="batch"))
-    await asyncio.sleep(0.01)
+    await settle()
     chat = asyncio.create_task(capacity.reserve_tokens(50, lambda: False, band="interactive"))
-    await asyncio.sleep(0.01)
+    await settle()
     await capacity.release_tokens(60)
     assert await asyncio.wait_for(chat, 1)
-    await asyncio.sleep(0.01)
+    await settle()
     assert not batch.done(), "the batch prompt took room with the interactive one waiting"
     await capacity.release_tokens(50)
     assert await asyncio.wait_for(batch, 1)
@@ -70,7 +76,7 @@ async def test_a_higher_band_waiter_too_big_for_the_room_holds_back_nobody() -> 
     assert await capacity.reserve_tokens(60, give_up=lambda: False, band="batch")
     stopped = False
     chat = asyncio.create_task(capacity.reserve_tokens(80, lambda: stopped, band="interactive"))
-    await asyncio.sleep(0.01)
+    await settle()
     assert await asyncio.wait_for(capacity.reserve_tokens(30, lambda: False, band="batch"), 1)
     stopped = True
     await capacity.wake()
