@@ -27,12 +27,14 @@ from infra.roles import (
     add_model,
     model_aliases,
     running,
+    with_models,
 )
 from tandoor.models import BUNDLED_MODELS
 from tandoor.settings import Fallback, Settings, TierPolicy
 from tests.e2e.browser import browser, page  # noqa: F401 (the page tests' fixtures)
 from tests.e2e.guarded import guarded  # noqa: F401 (the security tests' replica)
 from tests.e2e.stack import BLOCKED_TERM, SHED_BACKLOG, Stack
+from tests.engine import REFERENCE_DTYPE
 from workers.model_store import resolve_model_dir
 
 TIERS = {
@@ -82,6 +84,7 @@ async def stack(
     second, env = await add_model(
         cassandra, env, gemma_dir, "gemma", max_num_seqs=4, display_name=BUNDLED_MODELS["gemma3"]
     )
+    env = with_models(env, dtype=REFERENCE_DTYPE)
     tiers = cassandra.tiers | TIERS
     env["TANDOOR_TIERS"] = json.dumps({name: p.model_dump() for name, p in tiers.items()})
     fallbacks = {

@@ -20,6 +20,7 @@ from producers.batch_topic import ResultsReader
 from schemas import topics
 from tandoor.clients import cassandra_session, kafka_producer, redis_client
 from tandoor.settings import Settings
+from tests.engine import REFERENCE_DTYPE
 from tests.integration.batch_lines import BACKLOG_PER_WORKER, BLOCKED
 from workers.model_store import resolve_model_dir
 
@@ -78,6 +79,7 @@ async def shared_worker(
                     "source": str(model_dir),
                     "max_num_seqs": MAX_SEQS,
                     "max_model_len": CONTEXT_TOKENS,
+                    "dtype": REFERENCE_DTYPE,
                 }
             }
         ),
