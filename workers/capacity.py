@@ -17,6 +17,7 @@ class Capacity:
         self._changed = asyncio.Condition()
         self._rank = {band: rank for rank, band in enumerate(bands)}
         self._waiting: Counter[tuple[int, int]] = Counter()  # token waiters: (rank, count)
+        self._wakes: set[asyncio.Future[None]] = set()
 
     @property
     def free_seqs(self) -> int:
@@ -34,13 +35,31 @@ class Capacity:
             await self._changed.wait_for(lambda: self.free_seqs > 0)
 
     async def reserve_tokens(
-        self, count: int, give_up: Callable[[], bool], band: str | None = None
+        self,
+        count: int,
+        give_up: Callable[[], bool],
+        band: str | None = None,
+        wake_in_s: float | None = None,
     ) -> bool:
         """Wait until `count` tokens fit (anything fits an idle worker) and no waiter of
         a higher band would fit in the room first; False if `give_up` became true first
-        (the request was cancelled while waiting). A higher band's waiter too big for
-        the room holds back nobody: lower bands keep the share of slots they are given."""
+        (the request was cancelled while waiting, or its deadline passed: `wake_in_s`
+        looks again then, when no release may come for minutes). A higher band's waiter
+        too big for the room holds back nobody: lower bands keep the share of slots
+        they are given."""
         waiter = (self._rank.get(band or "", len(self._rank)), count)
+        timer = None
+        if wake_in_s is not None:
+            timer = asyncio.get_running_loop().call_later(max(0.0, wake_in_s), self._wake_soon)
+        try:
+            return await self._reserve(count, give_up, waiter)
+        finally:
+            if timer is not None:
+                timer.cancel()
+
+    async def _reserve(
+        self, count: int, give_up: Callable[[], bool], waiter: tuple[int, int]
+    ) -> bool:
         async with self._changed:
             self._waiting[waiter] += 1
             try:
@@ -68,6 +87,11 @@ class Capacity:
     async def wake(self) -> None:
         async with self._changed:
             self._changed.notify_all()
+
+    def _wake_soon(self) -> None:
+        task = asyncio.ensure_future(self.wake())
+        self._wakes.add(task)  # held until done: the loop keeps only weak references
+        task.add_done_callback(self._wakes.discard)
 
     def _fits(self, count: int) -> bool:
         return self.tokens == 0 or self.tokens + count <= self.max_tokens

@@ -202,9 +202,14 @@ class RequestRunner:
     async def _generate(self, attempt: Attempt, token_ids: list[int], max_tokens: int) -> None:
         budget = len(token_ids) + max_tokens
         tracked = attempt.tracked
-        stop_waiting = lambda: tracked.cancelled or tracked.lost  # noqa: E731
-        if not await self.capacity.reserve_tokens(budget, stop_waiting, attempt.band):
-            await self._finish(attempt, "cancelled", None)
+        stop_waiting = lambda: tracked.cancelled or tracked.lost or attempt.expired()  # noqa: E731
+        deadline = attempt.prompt.deadline_ms
+        wake_in_s = None if deadline is None else (deadline - now_ms()) / 1000 + 0.001
+        if not await self.capacity.reserve_tokens(budget, stop_waiting, attempt.band, wake_in_s):
+            if tracked.cancelled or tracked.lost:
+                await self._finish(attempt, "cancelled", None)
+            else:
+                await self._finish(attempt, "expired", "the deadline passed in the worker's queue")
             return
         try:
             if attempt.expired():

@@ -189,6 +189,33 @@ async def test_cancel_while_waiting_inside_the_worker(
     assert final.usage.completion_tokens == 0 and not stream.tokens(waiting.request_id, 1)
 
 
+async def test_a_prompt_waiting_inside_the_worker_expires_at_its_deadline(
+    worker: WorkerProcess, producer: AIOKafkaProducer, settings: Settings, redis_url: str
+) -> None:
+    """Held for token budget while a long reply runs: answered `expired` when its
+    deadline passes, not minutes later when the long reply frees the budget (the
+    gateway would have told the client by then that no worker answered)."""
+    client = redis_client(settings)
+    submitter = PromptSubmitter(settings, producer)
+    try:
+        async with TokenCollector(settings) as stream:
+            long = prompt(worker.model, "Write a long essay about rivers.", max_tokens=1000)
+            await submitter.submit(long)
+            await stream.first_token(long.request_id)
+            deadline_ms = int(time.time() * 1000) + 5_000  # ample to be taken before it
+            waiting = prompt(worker.model, "Write a poem.", max_tokens=500, deadline_ms=deadline_ms)
+            await submitter.submit(waiting)
+            final = await stream.final(waiting.request_id)
+            assert not stream.finals(long.request_id), "the deadline waited for the long reply"
+            await request_cancel(producer, client, long.request_id)
+            await stream.final(long.request_id)
+    finally:
+        await client.aclose()
+    assert final.finish_reason == "expired"
+    assert final.error == "the deadline passed in the worker's queue"  # taken, then held
+    assert final.usage.completion_tokens == 0 and not stream.tokens(waiting.request_id, 1)
+
+
 async def test_expired_prompt_never_reaches_the_engine(
     worker: WorkerProcess, producer: AIOKafkaProducer, settings: Settings
 ) -> None:

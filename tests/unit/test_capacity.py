@@ -82,3 +82,17 @@ async def test_a_higher_band_waiter_too_big_for_the_room_holds_back_nobody() -> 
     await capacity.wake()
     assert await asyncio.wait_for(chat, 1) is False
     assert capacity.tokens == 90
+
+
+async def test_a_waiter_past_its_deadline_gives_up_without_being_woken() -> None:
+    """Nobody releases tokens (long replies run): the queued prompt still ends at its
+    deadline, not whenever room frees up, minutes later."""
+    capacity = Capacity(max_seqs=4, max_tokens=10)
+    await capacity.reserve_tokens(10, give_up=lambda: False)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 0.05
+    waiter = asyncio.create_task(
+        capacity.reserve_tokens(5, give_up=lambda: loop.time() > deadline, wake_in_s=0.05)
+    )
+    assert await asyncio.wait_for(waiter, 5) is False
+    assert capacity.tokens == 10
