@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 
 from aiokafka import AIOKafkaProducer
 from aiokafka.structs import ConsumerRecord
@@ -10,6 +12,9 @@ from aiokafka.structs import ConsumerRecord
 from schemas import topics
 from schemas.codec import encode
 from schemas.events import Event, FinalEvent, UsageRecord
+
+log = logging.getLogger(__name__)
+METADATA_WAIT_S = 10.0
 
 
 class Publisher:
@@ -22,17 +27,34 @@ class Publisher:
         """Queue a token event; ordering with the final event is kept by the idempotent
         producer, so there is no need to wait for each delivery: the caller checks the
         returned deliveries before it sends the final."""
+        partition = await self._reply_partition(reply_partition)
         delivery: asyncio.Future[object] = await self._producer.send(
-            topics.TOKENS, encode(event), key=request_id.encode(), partition=reply_partition
+            topics.TOKENS, encode(event), key=request_id.encode(), partition=partition
         )
         return delivery
 
     async def final(self, event: FinalEvent, reply_partition: int | None) -> None:
         """Deliver the final event (and so every token event before it) before returning."""
+        partition = await self._reply_partition(reply_partition)
         delivery = await self._producer.send(
-            topics.TOKENS, encode(event), key=event.request_id.encode(), partition=reply_partition
+            topics.TOKENS, encode(event), key=event.request_id.encode(), partition=partition
         )
         await delivery
+
+    async def _reply_partition(self, wanted: int | None) -> int | None:
+        """`wanted` where `tokens` has it. A partition this producer does not know yet
+        (`tokens` grew and the gateway saw it first) is looked up once more; one that
+        does not exist (a forged prompt) gives way to the key's hash, where persistence
+        still reads it. aiokafka asserts on an unknown partition: that stopped the
+        worker, and a malformed prompt never committed stopped every worker after it."""
+        if wanted is None or wanted in await self._producer.partitions_for(topics.TOKENS):
+            return wanted
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._producer.client.force_metadata_update(), METADATA_WAIT_S)
+        if wanted in await self._producer.partitions_for(topics.TOKENS):
+            return wanted
+        log.warning("reply partition %d is not a partition of %s", wanted, topics.TOKENS)
+        return None
 
     async def usage(self, record: UsageRecord) -> None:
         await self._producer.send_and_wait(

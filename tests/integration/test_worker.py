@@ -241,13 +241,32 @@ async def test_bad_input_gets_errors_and_the_worker_keeps_running(
             await submitter.submit(too_long)
             await producer.send_and_wait(topic, b"\xff not json", partition=0)
             await producer.send_and_wait(topic, b'{"v": 1, "request_id": "bad-1"}', partition=0)
+            # Reply partitions `tokens` does not have (forged, or tokens grown since the
+            # worker last looked): once, aiokafka's own check stopped the worker, and the
+            # malformed one, never committed, stopped every worker that took it after.
+            nowhere = b'{"v": 1, "request_id": "bad-2", "reply_partition": 1000000}'
+            await producer.send_and_wait(topic, nowhere, partition=0)
+            lost = prompt(worker.model, "Hello.", max_tokens=4).model_copy(
+                update={"reply_partition": 1_000_000}
+            )
+            await submitter.submit(lost)
             healthy = prompt(worker.model, "What is 2 + 2?", max_tokens=16)
             await submitter.submit(healthy)
-            ids = (wrong_model.request_id, too_long.request_id, "bad-1", healthy.request_id)
+            ids = (
+                wrong_model.request_id,
+                too_long.request_id,
+                "bad-1",
+                "bad-2",
+                lost.request_id,
+                healthy.request_id,
+            )
             finals = {r: await stream.final(r) for r in ids}
-        letters = await _records(dead, 2)
+        letters = await _records(dead, 3)
     finally:
         await dead.stop()
+    assert worker.proc is not None and worker.proc.poll() is None, "the worker stopped"
+    assert finals[lost.request_id].finish_reason in ANSWERED  # on its key's partition
+    assert "malformed prompt" in (finals["bad-2"].error or "")
     assert "unknown model 'no-such-model'" in (finals[wrong_model.request_id].error or "")
     # The window configured for the model (TANDOOR_MODELS) is the engine's.
     assert f"context window of {worker.model} is {CONTEXT_TOKENS} tokens" in (
@@ -257,7 +276,7 @@ async def test_bad_input_gets_errors_and_the_worker_keeps_running(
     assert finals[healthy.request_id].finish_reason in ANSWERED
     # Both dead-lettered, each once (the worker sends them concurrently: any order).
     assert sorted(r.value for r in letters) == sorted(
-        [b"\xff not json", b'{"v": 1, "request_id": "bad-1"}']
+        [b"\xff not json", b'{"v": 1, "request_id": "bad-1"}', nowhere]
     )
     assert all(dict(r.headers)["error"] for r in letters)
 
