@@ -110,19 +110,25 @@ class StreamRedactor:
 
     def __init__(self) -> None:
         self._pending = ""
+        self._plain = True  # the held text has no '@' and no digit: a local part's run
 
     def feed(self, chunk: str) -> str:
         text = self._pending + chunk
-        if not _MAYBE_PERSONAL.search(text):  # most chunks: only an address's start
-            hold = _local_part_start(text)
+        if self._plain and not _MAYBE_PERSONAL.search(chunk):  # most: an address's start
+            # What is held is such a run already: only the chunk is looked at. Capped as
+            # below: a run of letters ("hahaha...") was held whole, each event searching
+            # all of it again.
+            start = _local_part_start(chunk)
+            hold = max(len(self._pending) + start if start else 0, len(text) - HOLD_CHARS)
             self._pending = text[hold:]
             return text[:hold]
         hold = _hold_from(text)
         ready, self._pending = text[:hold], text[hold:]
+        self._plain = not _MAYBE_PERSONAL.search(self._pending)
         return redact(ready)
 
     def flush(self) -> str:
-        rest, self._pending = self._pending, ""
+        rest, self._pending, self._plain = self._pending, "", True
         return redact(rest)
 
 
