@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
+from aiokafka.errors import KafkaError
 from aiokafka.structs import ConsumerRecord
 
 from schemas import topics
@@ -68,6 +69,7 @@ class ReaderCount:
 
 
 HANDOVER_POLL_MS = 1000  # how soon a hand-over reader sees its last stream gone
+HANDOVER_RETRY_S = 1.0  # a hand-over reader failing (Kafka unreachable): again after this
 
 
 class TokenFanout(ConsumerRebalanceListener):  # type: ignore[misc]
@@ -167,23 +169,46 @@ class TokenFanout(ConsumerRebalanceListener):  # type: ignore[misc]
 
     async def _hand_over(self, partition: int, subs: list[Subscription]) -> None:
         """Keep the open streams of a lost partition going with one reader, until each
-        has ended (its final) or was dropped (its client's reply watch gave up)."""
+        has ended (its final) or was dropped (its client's reply watch gave up). A
+        reader that fails (Kafka unreachable: often what moved the partition) is
+        started again from where each stream is: its streams have no other reader."""
         waiting = {sub.request_id: sub for sub in subs}
         try:
-            start = min(sub.next_offset for sub in subs)
-            async with partition_reader(self.settings, partition, start) as consumer:
-                while waiting:
-                    batch = await consumer.getmany(timeout_ms=HANDOVER_POLL_MS)
-                    for record in [r for records in batch.values() for r in records]:
-                        sub = waiting.get(record.key.decode()) if record.key else None
-                        if sub is not None and (item := _delivered(record)) is not None:
-                            sub.push(item)
-                            if isinstance(item.event, FinalEvent):
-                                del waiting[sub.request_id]
-                    waiting = {k: s for k, s in waiting.items() if self._subs.get(k) is s}
-        finally:  # this reader failing: the group member feeds them again, if it can
+            while waiting:
+                try:
+                    await self._read_handed_over(partition, waiting)
+                except KafkaError as exc:
+                    log.warning(
+                        "reading tokens partition %d for %d moved streams failed (%r); "
+                        "again in %.0f s",
+                        partition,
+                        len(waiting),
+                        exc,
+                        HANDOVER_RETRY_S,
+                    )
+                    await asyncio.sleep(HANDOVER_RETRY_S)
+                    waiting = self._still_followed(waiting)
+        finally:
             self._carried.subtract(sub.request_id for sub in subs)
             self._carried = +self._carried  # drops the zeros
+
+    async def _read_handed_over(self, partition: int, waiting: dict[str, Subscription]) -> None:
+        """Feed `waiting` (emptied as each stream ends) from their partition."""
+        start = min(sub.next_offset for sub in waiting.values())
+        async with partition_reader(self.settings, partition, start) as consumer:
+            while waiting:
+                batch = await consumer.getmany(timeout_ms=HANDOVER_POLL_MS)
+                for record in [r for records in batch.values() for r in records]:
+                    sub = waiting.get(record.key.decode()) if record.key else None
+                    if sub is not None and (item := _delivered(record)) is not None:
+                        sub.push(item)
+                        if isinstance(item.event, FinalEvent):
+                            del waiting[sub.request_id]
+                for request_id in set(waiting) - set(self._still_followed(waiting)):
+                    del waiting[request_id]
+
+    def _still_followed(self, waiting: dict[str, Subscription]) -> dict[str, Subscription]:
+        return {k: s for k, s in waiting.items() if self._subs.get(k) is s}
 
     async def _dispatch(self) -> None:
         async for record in self._consumer:

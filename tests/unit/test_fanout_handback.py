@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 from aiokafka import TopicPartition
+from aiokafka.errors import KafkaConnectionError
 from aiokafka.structs import ConsumerRecord
 
 import consumers.fanout as fanout_module
@@ -132,3 +133,37 @@ async def test_a_stream_on_a_partition_given_back_goes_on_without_a_gap(
         dispatch.cancel()
         await asyncio.gather(dispatch, return_exceptions=True)
         await unstarted.stop()
+
+
+async def test_a_hand_over_reader_that_fails_to_start_is_started_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Kafka unreachable when the partition moved (often what moved it): the reader
+    failed, silently, and its streams got nothing until their watch gave up (150 s)."""
+    handover = Feed()
+    started_at: list[int] = []
+
+    @contextlib.asynccontextmanager
+    async def reader(_: object, partition: int, offset: int) -> AsyncIterator[Feed]:
+        started_at.append(offset)
+        if len(started_at) == 1:
+            raise KafkaConnectionError("Unable to bootstrap from [('127.0.0.1', 9092)]")
+        yield handover
+
+    monkeypatch.setattr(fanout_module, "partition_reader", reader)
+    monkeypatch.setattr(fanout_module, "HANDOVER_RETRY_S", 0)
+    fanout = TokenFanout(Settings())
+    sub = Subscription(REQUEST, PARTITION, next_offset=10)
+    fanout._subs[REQUEST] = sub
+    try:
+        await fanout.on_partitions_revoked([TopicPartition(topics.TOKENS, PARTITION)])
+        carried = set(fanout._handovers)
+        for offset in range(10, 14):
+            handover.records.put_nowait(record(offset, token(offset - 10)))
+        handover.records.put_nowait(record(14, final(4)))
+        async with asyncio.timeout(WAIT_S):
+            await asyncio.gather(*carried)
+        assert started_at == [10, 10]
+        assert offsets(sub.queue) == [10, 11, 12, 13, 14]
+    finally:
+        await fanout._consumer.stop()
