@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from schemas.events import ANSWERED, TOO_LONG_FOR_ENGINE, FinalEvent
+from schemas.events import ANSWERED, TEMPLATE_REFUSED, TOO_LONG_FOR_ENGINE, FinalEvent
 
 # Header names on `batch.requests` records (Kafka header names are case-sensitive).
 AUTHORIZATION_HEADER = "authorization"
@@ -89,6 +89,8 @@ def final_output(final: FinalEvent, text: str) -> dict[str, Any]:
         # as over HTTP, not a 500 that invites a retry.
         message = f"context_length_exceeded: {final.error}"
         return refused_output(custom_id, request_id, 400, message, param="body.messages")
+    if final.finish_reason == "error" and (final.error or "").startswith(TEMPLATE_REFUSED):
+        return refused_output(custom_id, request_id, 400, final.error or "", param="body.messages")
     if final.finish_reason not in ANSWERED:
         message = final.error or "the model could not answer"
         failed = {"error": {"message": message, "type": "server_error"}}

@@ -20,6 +20,9 @@ ANSWERED: frozenset[FinishReason] = frozenset({"stop", "length"})
 # gateway's tiktoken estimate let it through): the caller's fault, unlike every other
 # error (the engine failed, token events were not delivered), which a retry may cure.
 TOO_LONG_FOR_ENGINE = "prompt has "
+# ... and when the model's chat template refused the conversation ("roles must
+# alternate"): the caller's too.
+TEMPLATE_REFUSED = "the chat template refused the conversation: "
 PromptKind = Literal["chat", "title", "summary", "batch"]
 
 # What any surface (chat API, OpenAI API, batch lines) accepts for one reply.
@@ -27,6 +30,7 @@ MAX_REPLY_TOKENS = 4096
 MAX_TEMPERATURE = 2.0
 MAX_PENALTY = 2.0  # presence and frequency penalties, either sign (OpenAI's range)
 MAX_STOP_SEQUENCES = 4
+MAX_STOP_CHARS = 256  # each: the prompt's Kafka record has a size limit (1 MiB)
 
 
 def now_ms() -> int:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from jinja2 import TemplateError
 
-from schemas.events import ChatMessage, Sampling
+from schemas.events import TEMPLATE_REFUSED, ChatMessage, Sampling
 from tandoor.models import Dtype, Executor
 from workers.dtype import resolve_dtype
 from workers.executor import resolve_executor
@@ -141,7 +141,7 @@ class Engine:
         except (TemplateError, ValueError, TypeError) as exc:
             # A template's own refusal ("roles must alternate", Mistral's, Gemma's) is
             # this conversation's: raised on, it stopped every worker that took it.
-            raise RequestFailed(f"the chat template refused the conversation: {exc}") from exc
+            raise RequestFailed(f"{TEMPLATE_REFUSED}{exc}") from exc
         assert isinstance(text, str)
         return list(self._tokenizer.encode(text, add_special_tokens=False))
 

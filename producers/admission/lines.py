@@ -92,7 +92,10 @@ async def _prompt(
         raise ApiError(404, f"model {body.model!r} does not exist", param="body.model")
     if body.stream:
         raise ApiError(400, "a batch line cannot stream: omit `stream`", param="body.stream")
-    messages = [_message(m.role, await checks.moderated(m.content)) for m in body.messages]
+    messages = [
+        _message(m.role, await checks.moderated(m.content, f"body.messages.{i}.content"))
+        for i, m in enumerate(body.messages)
+    ]
     if messages[-1].role != "user":
         raise ApiError(400, "the last message must be from the user", param="body.messages")
     options = ReplyOptions(

@@ -84,7 +84,11 @@ class ModelRouter:
             tier: bands[: bands.index(policy.band) + 1] for tier, policy in settings.tiers.items()
         }
 
-    def answering(self, model: str, tier: str) -> str:
+    def answering(
+        self, model: str, tier: str, takes: Callable[[str], bool] = lambda _: True
+    ) -> str:
+        """`takes`: whether a model can take the request as the asked one would (its
+        context window): a fallback that cannot is not shed to."""
         if model not in self.settings.models:  # a conversation outlives its model's config
             raise ApiError(
                 404,
@@ -94,6 +98,8 @@ class ModelRouter:
                 kind="not_found_error",
             )
         rule = self._fallback(model, tier)
+        if rule is not None and not takes(rule.model):
+            rule = None
         load = self.load(model)
         if rule is not None and load is not None and load.total >= rule.backlog:
             log.info(

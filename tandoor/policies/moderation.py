@@ -23,6 +23,9 @@ WORD = r"\p{L}\p{N}_"  # Unicode word characters, as Python's \w (RE2's \w is AS
 # Local part, @, then dotted labels ending in a word character. Over-redacts
 # punctuation run into the local part rather than leave an address visible.
 EMAIL = re2.compile(rf"()([{WORD}.+\-]+@[{WORD}\-]+(?:\.[{WORD}\-]*[{WORD}])+)")
+# An address the text ends inside of (a stop string cut the reply there): what is left
+# matches no address, and would show its local part.
+CUT_EMAIL = re2.compile(rf"()([{WORD}.+\-]+@[{WORD}\-.]*)$")
 CARD = re2.compile(r"()\b((?:\d[ -]?){12,18}\d)\b")
 # Scripts written without spaces: a letter of theirs before the digits is not a word
 # the number would start inside of.
@@ -205,7 +208,7 @@ def _last_word_start(text: str) -> int:
 def redact(text: str) -> str:
     if not _MAYBE_PERSONAL.search(text):
         return text  # most of a streamed reply: no '@', no digit
-    text = EMAIL.sub(r"\1[email]", text)
+    text = CUT_EMAIL.sub(r"\1[email]", EMAIL.sub(r"\1[email]", text))
     text = CARD.sub(_card_or_not, text)
     return PHONE.sub(_phone_or_not, text)
 

@@ -27,6 +27,8 @@ async def test_streams_beyond_the_cap_are_refused_until_one_ends(stack: Stack) -
     gateway = GatewayProcess(stack.logs, free_port(), env)
     headers = await auth(stack, "plus")
     body = {"content": "Hello?", "max_tokens": 8}
+    hi = [{"role": "user", "content": "Say hi."}]
+    completion = {"model": stack.model, "messages": hi, "max_tokens": 4}
     async with (
         running([gateway]),
         httpx.AsyncClient(base_url=f"http://127.0.0.1:{gateway.port}", timeout=60) as http,
@@ -41,15 +43,22 @@ async def test_streams_beyond_the_cap_are_refused_until_one_ends(stack: Stack) -
             refused = await http.post(path, json=body, headers=headers)
             assert refused.status_code == 503 and refused.headers["Retry-After"]
             assert "streams open" in refused.json()["error"]["message"]
+            # A completion that is not streamed holds its connection as long: it was
+            # never counted (nor refused while the replica shut down).
+            whole = await http.post("/v1/chat/completions", json=completion, headers=headers)
+            assert whole.status_code == 503, whole.text
+            assert "streams open" in whole.json()["error"]["message"]
 
             rest = [data async for _, data in events]
         assert rest[-2]["type"] == "error" and "no worker answered" in rest[-2]["error"]
         assert rest[-1] == "[DONE]"
 
+        whole = await http.post("/v1/chat/completions", json=completion, headers=headers)
+        assert whole.status_code == 200, whole.text
         again = await http.post(
             f"/v1/conversations/{await new_conversation(http, headers)}/messages",
             json={"content": "Say hi.", "max_tokens": 4},
             headers=headers,
         )
-        assert again.status_code == 200, "the slot was given back"
+        assert again.status_code == 200, "the slots were given back"
         assert again.text.rstrip().endswith("[DONE]")

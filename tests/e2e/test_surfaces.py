@@ -54,10 +54,11 @@ async def test_a_blocked_term_anywhere_is_refused_on_every_surface(
     ]
     async with api(stack, headers) as client:
         for stream in (False, True):
-            with pytest.raises(openai.BadRequestError, match="blocked term"):
+            with pytest.raises(openai.BadRequestError, match="blocked term") as refused:
                 await client.chat.completions.create(
                     model=stack.model, messages=earlier, stream=stream
                 )
+            assert refused.value.param == "messages.1.content"  # where it is, by name
     assert [c["id"] for c in await conversations(http, headers)] == [conversation]
 
 

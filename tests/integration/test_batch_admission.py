@@ -130,6 +130,7 @@ async def test_a_200_line_batch_on_the_topic_is_answered_once_per_line(
     assert "not JSON" in errors[None]["body"]["error"]["message"]
     assert errors["no-model"]["status_code"] == 404
     assert errors["blocked"]["status_code"] == 400
+    assert errors["blocked"]["body"]["error"]["param"] == "body.messages.0.content"
     assert errors["line-999"]["status_code"] == 401
     for repeated in ("line-0", "line-1"):
         repeats = [r for r in got if r["custom_id"] == repeated]

@@ -19,6 +19,7 @@ from infra.process import free_port
 from infra.roles import GatewayProcess, running
 from producers.gateway.chat.sse import reply_tag
 from producers.gateway.conversations.protocol import provisional_title
+from schemas.events import MAX_STOP_CHARS
 from tandoor.policies.api_keys import create_key
 from tandoor.settings import Settings
 
@@ -213,6 +214,10 @@ COMPLETION = {"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}
         ({"response_format": {"type": "json_object"}}, "response_format.type"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"stop": [""]}, "stop"),
+        # Under the 1 MiB body limit, over Kafka's: a 503 "queue unreachable" that left
+        # a failed message behind, and the SDK's retries two more.
+        ({"stop": "x" * 1_048_400}, "stop"),
+        ({"stop": ["a", "y" * (MAX_STOP_CHARS + 1)]}, "stop"),
         ({"top_p": 0}, "top_p"),
         ({"presence_penalty": 3}, "presence_penalty"),
         ({"seed": -1}, "seed"),
@@ -300,6 +305,29 @@ async def test_text_that_is_not_unicode_is_a_400_and_the_replica_serves_on(
     assert answer.status_code == 400, answer.text
     assert "not valid JSON" in answer.json()["error"]["message"], answer.json()
     assert (await gateway.get("/v1/conversations", headers=headers)).status_code == 200
+
+
+@pytest.mark.parametrize("charset", ["utf-7", "raw_unicode_escape"])
+async def test_a_file_name_that_is_not_unicode_is_a_400_and_nothing_is_stored(
+    gateway: httpx.AsyncClient, headers: dict[str, str], charset: str
+) -> None:
+    """Multipart fields are decoded with the charset the client names: `+2AA-` in UTF-7
+    is a lone surrogate. It reached the Cassandra driver after the file's chunks were
+    written: a false "Cassandra is unreachable" 503, orphaned rows, a stream id lost."""
+    name = b"+2AA-.jsonl" if charset == "utf-7" else b"\\ud800.jsonl"
+    body = b"".join(
+        [
+            b'--B\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n',
+            b'--B\r\nContent-Disposition: form-data; name="file"; filename="' + name + b'"\r\n',
+            b"Content-Type: application/jsonl\r\n\r\n{}\n\r\n--B--\r\n",
+        ]
+    )
+    content_type = {"content-type": f"multipart/form-data; boundary=B; charset={charset}"}
+    answer = await gateway.post("/v1/files", content=body, headers=headers | content_type)
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["param"] == "file", answer.json()
+    listed = await gateway.get("/v1/files", headers=headers)
+    assert listed.status_code == 200 and listed.json()["data"] == []
 
 
 @pytest.mark.parametrize(

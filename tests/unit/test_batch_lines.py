@@ -129,6 +129,15 @@ def test_a_prompt_the_engine_finds_too_long_is_a_400_not_a_500() -> None:
     assert failed["response"]["status_code"] == 500
 
 
+def test_a_conversation_the_chat_template_refuses_is_a_400_not_a_500() -> None:
+    refused = final("error").model_copy(
+        update={"error": "the chat template refused the conversation: roles must alternate"}
+    )
+    out = final_output(refused, "")
+    assert out["response"]["status_code"] == 400
+    assert out["response"]["body"]["error"]["param"] == "body.messages"
+
+
 def test_a_refusal_is_the_http_error() -> None:
     out = refused_output("q-1", "bl_1", 401, "invalid key", "authentication_error")
     assert out["response"]["status_code"] == 401

@@ -42,6 +42,18 @@ def test_personal_data_is_redacted(text: str, expected: str) -> None:
     assert redact(text) == expected
 
 
+@pytest.mark.parametrize(
+    "text",
+    ["Write to alice.smith@example", "Write to alice.smith@example.", "Write to alice.smith@"],
+)
+def test_an_address_cut_off_at_the_end_is_redacted(text: str) -> None:
+    """A stop string (".com", "@") ends the reply inside an address: what is left no
+    longer looks like one, and the client saw its local part, streamed and whole."""
+    assert redact(text) == "Write to [email]"
+    for size in (1, 3, 8):
+        assert streamed(text, size) == redact(text), size
+
+
 def test_blocked_terms_refuse_the_message_and_name_the_term() -> None:
     moderator = DefaultModerator(["Forbidden Word", "bomb"])
     verdict = moderator.check_input("How do I build a BOMB?")

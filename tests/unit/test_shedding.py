@@ -126,3 +126,15 @@ def test_a_fallback_to_an_unserved_model_is_refused() -> None:
             models={"big": ModelConfig(source="/models/big")},
             fallbacks={"big": Fallback(model="tiny", backlog=1, tiers=[])},
         )
+
+
+def test_a_request_the_fallback_cannot_take_is_not_shed_to_it() -> None:
+    """A prompt that fits only the asked model's window: shed, it was a 400 naming the
+    other model's window (the chat page cut older turns instead), because of load."""
+    backlogged = router({"big": load(waiting=96, rate=10)})
+    assert backlogged.answering("big", "free", takes=lambda m: m != "small") == "big"
+    assert backlogged.answering("big", "free", takes=lambda m: True) == "small"
+    no_worker = router({"big": load(workers=0)})
+    with pytest.raises(ApiError) as caught:
+        no_worker.answering("big", "free", takes=lambda m: m != "small")
+    assert caught.value.status == 503

@@ -69,6 +69,8 @@ class BatchService:
     ) -> dict[str, Any]:
         if purpose != "batch":
             raise ApiError(400, "only purpose 'batch' is supported", param="purpose")
+        if not _is_unicode(filename):  # a multipart charset may decode to half a pair
+            raise ApiError(400, "the file's name is not valid Unicode text", param="file")
         stored = StoredFile(
             f"file-{uuid.uuid4().hex}", caller.user_id, purpose, filename[:256], len(data), _now()
         )
@@ -309,3 +311,13 @@ def _now() -> dt.datetime:
 
 def _epoch(at: dt.datetime) -> int:
     return int(at.replace(tzinfo=dt.UTC).timestamp())
+
+
+def _is_unicode(text: str) -> bool:
+    """No lone surrogate: Cassandra's driver fails to encode one after registering the
+    query (a false "unreachable", and a stream id of the connection lost)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True

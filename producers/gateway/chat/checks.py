@@ -23,18 +23,17 @@ class ReplyChecks:
         self.moderator = moderator
         self.quotas = quotas
 
-    async def moderated(self, content: str) -> str:
-        """The message as the model may see it (redacted), or a 400 naming a blocked term.
-        Long messages are checked in a thread: linear time still means milliseconds per
-        megabyte, which the event loop's other streams should not wait for."""
+    async def moderated(self, content: str, param: str = "content") -> str:
+        """The message as the model may see it (redacted), or a 400 naming a blocked term
+        and `param`, the field of the request that holds it. Long messages are checked in
+        a thread: linear time still means milliseconds per megabyte, which the event
+        loop's other streams should not wait for."""
         if len(content) > OFF_LOOP_CHARS:
             verdict = await asyncio.to_thread(self.moderator.check_input, content)
         else:
             verdict = self.moderator.check_input(content)
         if not verdict.allowed:
-            raise ApiError(
-                400, verdict.reason or "blocked", kind="moderation_error", param="content"
-            )
+            raise ApiError(400, verdict.reason or "blocked", kind="moderation_error", param=param)
         return verdict.text
 
     def max_tokens(self, caller: Principal, options: ReplyOptions) -> int:

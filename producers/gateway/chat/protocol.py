@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from schemas.events import (
     MAX_PENALTY,
     MAX_REPLY_TOKENS,
+    MAX_STOP_CHARS,
     MAX_STOP_SEQUENCES,
     MAX_TEMPERATURE,
     Sampling,
@@ -25,7 +26,7 @@ class SamplingOptions(BaseModel):
     temperature: float | None = Field(default=None, ge=0.0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
-    stop: list[Annotated[str, Field(min_length=1)]] | None = Field(
+    stop: list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]] | None = Field(
         default=None, max_length=MAX_STOP_SEQUENCES
     )
     presence_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)

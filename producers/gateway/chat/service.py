@@ -52,6 +52,7 @@ from schemas.events import (
 )
 from tandoor.clients import CASSANDRA_DOWN, REDIS_DOWN
 from tandoor.policies.api_keys import Principal
+from tandoor.policies.context import Context
 from tandoor.policies.moderation import OutputFilter
 from tandoor.policies.quota import Admission, Quotas
 from tandoor.policies.redis_keys import ATTEMPT_TTL_S, done_key
@@ -124,8 +125,8 @@ class ChatService:
         self.newest = NewestReply(deps.redis)
         self.running = ReplyControl(deps.settings, deps.conversations, deps.producer, self.inflight)
 
-    async def moderated(self, content: str) -> str:
-        return await self.deps.checks.moderated(content)
+    async def moderated(self, content: str, param: str = "content") -> str:
+        return await self.deps.checks.moderated(content, param)
 
     @property
     def output_filter(self) -> Callable[[], OutputFilter]:
@@ -218,8 +219,9 @@ class ChatService:
             *history,
             *([ChatMessage(role="user", content=new_text)] if new_text is not None else []),
         ]
-        model = d.router.answering(conversation.model, caller.tier)  # busy: refused uncharged
-        context = d.checks.context(model, asked, max_tokens, client_context, summary)
+        model, context = self._routed(
+            caller, conversation.model, asked, max_tokens, client_context, summary
+        )
         return await self._start(
             _Prompt(
                 caller,
@@ -238,6 +240,36 @@ class ChatService:
                 names_it,
             )
         )
+
+    def _routed(
+        self,
+        caller: Principal,
+        asked_model: str,
+        asked: list[ChatMessage],
+        max_tokens: int,
+        client_context: bool,
+        summary: str | None,
+    ) -> tuple[str, Context]:
+        """The model that answers (busy: a 503, uncharged) and the context it gets. A
+        fallback is shed to only if it takes the context as the asked model would: a
+        smaller window refused it (a 400 because of load) or cut more turns."""
+        contexts: dict[str, Context] = {}
+
+        def context_on(model: str) -> Context:
+            if model not in contexts:
+                contexts[model] = self.deps.checks.context(
+                    model, asked, max_tokens, client_context, summary
+                )
+            return contexts[model]
+
+        def takes(fallback: str) -> bool:
+            try:
+                return context_on(fallback).dropped <= context_on(asked_model).dropped
+            except ApiError:
+                return False
+
+        model = self.deps.router.answering(asked_model, caller.tier, takes)
+        return model, context_on(model)
 
     async def _visible(
         self, caller: Principal, conversation_id: str

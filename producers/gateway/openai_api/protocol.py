@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from producers.gateway.chat.protocol import CONTENT_MAX_CHARS, SamplingOptions
-from schemas.events import MAX_REPLY_TOKENS, MAX_STOP_SEQUENCES
+from schemas.events import MAX_REPLY_TOKENS, MAX_STOP_CHARS, MAX_STOP_SEQUENCES
 
 
 class InputMessage(BaseModel):
@@ -74,8 +74,13 @@ class ChatCompletionRequest(SamplingOptions):
     @classmethod
     def _stop_list(cls, stop: str | list[str] | None) -> list[str] | None:
         stops = [stop] if isinstance(stop, str) else stop
-        if stops is not None and (len(stops) > MAX_STOP_SEQUENCES or not all(stops)):
-            raise ValueError(f"up to {MAX_STOP_SEQUENCES} non-empty stop sequences")
+        if stops is not None and (
+            len(stops) > MAX_STOP_SEQUENCES or not all(0 < len(s) <= MAX_STOP_CHARS for s in stops)
+        ):
+            raise ValueError(
+                f"up to {MAX_STOP_SEQUENCES} non-empty stop sequences "
+                f"of up to {MAX_STOP_CHARS} characters"
+            )
         return stops
 
     @field_validator("n")

@@ -45,8 +45,12 @@ async def chat_completions(
     body: ChatCompletionRequest, caller: Caller, svc: Chat
 ) -> dict[str, Any] | StreamingResponse:
     moderator = svc.deps.checks.moderator
-    if not body.stream:
-        return await completion_body(await start_completion(svc, caller, body), moderator)
+    if not body.stream:  # its connection is held as long as a stream's: counted alike
+        slot = svc.deps.streams.take()
+        try:
+            return await completion_body(await start_completion(svc, caller, body), moderator)
+        finally:
+            slot.release()
     with svc.deps.streams.reserve() as slot:
         reply = await start_completion(svc, caller, body)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -15,7 +15,13 @@ from producers.gateway.chat.sse import KEEPALIVE, NO_ANSWER
 from producers.gateway.conversations.protocol import provisional_title
 from producers.gateway.errors import ApiError
 from producers.gateway.openai_api.protocol import ChatCompletionRequest
-from schemas.events import TOO_LONG_FOR_ENGINE, ChatMessage, FinalEvent, TokenEvent
+from schemas.events import (
+    TEMPLATE_REFUSED,
+    TOO_LONG_FOR_ENGINE,
+    ChatMessage,
+    FinalEvent,
+    TokenEvent,
+)
 from tandoor.policies.api_keys import Principal
 from tandoor.policies.moderation import Moderator, OutputFilter
 
@@ -40,7 +46,8 @@ async def start_completion(
             param="model",
         )
     *history, last = [
-        _message(m.role, await chat.moderated(m.content)) for m in body.messages
+        _message(m.role, await chat.moderated(m.content, f"messages.{i}.content"))
+        for i, m in enumerate(body.messages)
     ]  # every message, as the chat surface checks each message it is sent
     if last.role != "user":
         raise ApiError(400, "the last message must be from the user", param="messages")
@@ -156,6 +163,8 @@ def _checked(final: FinalEvent) -> FinalEvent:
         )
     if final.finish_reason == "error" and (final.error or "").startswith(TOO_LONG_FOR_ENGINE):
         raise ApiError(400, f"context_length_exceeded: {final.error}", param="messages")
+    if final.finish_reason == "error" and (final.error or "").startswith(TEMPLATE_REFUSED):
+        raise ApiError(400, final.error or "", param="messages")
     if final.finish_reason == "error":  # not the request's fault: an SDK retries a 5xx
         raise ApiError(
             502,
