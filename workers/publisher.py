@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 
 from aiokafka import AIOKafkaProducer
 from aiokafka.structs import ConsumerRecord
@@ -15,11 +16,13 @@ from schemas.events import Event, FinalEvent, UsageRecord
 
 log = logging.getLogger(__name__)
 METADATA_WAIT_S = 10.0
+ABSENT_RECHECK_S = 30.0  # a partition found missing is looked up again after this
 
 
 class Publisher:
     def __init__(self, producer: AIOKafkaProducer) -> None:
         self._producer = producer
+        self._absent: dict[int, float] = {}  # partition -> when it was found missing
 
     async def token(
         self, event: Event, request_id: str, reply_partition: int | None
@@ -49,11 +52,14 @@ class Publisher:
         worker, and a malformed prompt never committed stopped every worker after it."""
         if wanted is None or wanted in await self._producer.partitions_for(topics.TOKENS):
             return wanted
+        if time.monotonic() - self._absent.get(wanted, -ABSENT_RECHECK_S) < ABSENT_RECHECK_S:
+            return None  # not again for each event of a forged prompt
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._producer.client.force_metadata_update(), METADATA_WAIT_S)
         if wanted in await self._producer.partitions_for(topics.TOKENS):
             return wanted
         log.warning("reply partition %d is not a partition of %s", wanted, topics.TOKENS)
+        self._absent[wanted] = time.monotonic()
         return None
 
     async def usage(self, record: UsageRecord) -> None:

@@ -87,8 +87,8 @@ class ModelRouter:
     def answering(
         self, model: str, tier: str, takes: Callable[[str], bool] = lambda _: True
     ) -> str:
-        """`takes`: whether a model can take the request as the asked one would (its
-        context window): a fallback that cannot is not shed to."""
+        """`takes`: whether a model can take the request (its context window): a
+        fallback that cannot is not shed to. Asked only when shedding."""
         if model not in self.settings.models:  # a conversation outlives its model's config
             raise ApiError(
                 404,
@@ -98,10 +98,13 @@ class ModelRouter:
                 kind="not_found_error",
             )
         rule = self._fallback(model, tier)
-        if rule is not None and not takes(rule.model):
-            rule = None
         load = self.load(model)
-        if rule is not None and load is not None and load.total >= rule.backlog:
+        if (
+            rule is not None
+            and load is not None
+            and load.total >= rule.backlog
+            and takes(rule.model)
+        ):
             log.info(
                 "shedding %s: backlog %d >= %d, %s answers",
                 model,
@@ -113,7 +116,7 @@ class ModelRouter:
         verdict = self.busy(model, tier)
         if verdict is None:
             return model
-        if rule is not None and self.busy(rule.model, tier) is None:
+        if rule is not None and self.busy(rule.model, tier) is None and takes(rule.model):
             log.info("shedding %s: busy (%s), %s answers", model, verdict.detail, rule.model)
             return rule.model
         BUSY.labels(model, verdict.reason).inc()

@@ -23,9 +23,11 @@ WORD = r"\p{L}\p{N}_"  # Unicode word characters, as Python's \w (RE2's \w is AS
 # Local part, @, then dotted labels ending in a word character. Over-redacts
 # punctuation run into the local part rather than leave an address visible.
 EMAIL = re2.compile(rf"()([{WORD}.+\-]+@[{WORD}\-]+(?:\.[{WORD}\-]*[{WORD}])+)")
-# An address the text ends inside of (a stop string cut the reply there): what is left
-# matches no address, and would show its local part.
-CUT_EMAIL = re2.compile(rf"()([{WORD}.+\-]+@[{WORD}\-.]*)$")
+# A reply that ends inside an address (a stop string cut it there): what is left
+# matches no address, and would show its local part. Replies only (a message ending in
+# "ssh root@server" is the user's own), and an ASCII local part standing alone: in
+# Chinese or Japanese, written without spaces, "...玩吧@小明" is a mention.
+CUT_EMAIL = re2.compile(rf"(^|[^{WORD}])([A-Za-z0-9._%+\-]+@[{WORD}\-.]*)$")
 CARD = re2.compile(r"()\b((?:\d[ -]?){12,18}\d)\b")
 # Scripts written without spaces: a letter of theirs before the digits is not a word
 # the number would start inside of.
@@ -105,7 +107,7 @@ class DefaultModerator:
         return StreamRedactor()
 
     def check_output(self, text: str) -> str:
-        return redact(text)
+        return redact_reply(text)
 
 
 class StreamRedactor:
@@ -132,7 +134,7 @@ class StreamRedactor:
 
     def flush(self) -> str:
         rest, self._pending, self._plain = self._pending, "", True
-        return redact(rest)
+        return redact_reply(rest)
 
 
 def _hold_from(text: str) -> int:
@@ -205,10 +207,16 @@ def _last_word_start(text: str) -> int:
     return m.start() if m else len(text)
 
 
+def redact_reply(text: str) -> str:
+    """A whole reply, or its end: an address cut off there is redacted too."""
+    text = redact(text)
+    return CUT_EMAIL.sub(r"\1[email]", text) if "@" in text else text
+
+
 def redact(text: str) -> str:
     if not _MAYBE_PERSONAL.search(text):
         return text  # most of a streamed reply: no '@', no digit
-    text = CUT_EMAIL.sub(r"\1[email]", EMAIL.sub(r"\1[email]", text))
+    text = EMAIL.sub(r"\1[email]", text)
     text = CARD.sub(_card_or_not, text)
     return PHONE.sub(_phone_or_not, text)
 

@@ -12,6 +12,7 @@ from tandoor.policies.moderation import (
     StreamRedactor,
     _luhn_valid,
     redact,
+    redact_reply,
 )
 
 
@@ -49,9 +50,23 @@ def test_personal_data_is_redacted(text: str, expected: str) -> None:
 def test_an_address_cut_off_at_the_end_is_redacted(text: str) -> None:
     """A stop string (".com", "@") ends the reply inside an address: what is left no
     longer looks like one, and the client saw its local part, streamed and whole."""
-    assert redact(text) == "Write to [email]"
+    assert DefaultModerator().check_output(text) == "Write to [email]"
     for size in (1, 3, 8):
-        assert streamed(text, size) == redact(text), size
+        assert streamed(text, size) == redact_reply(text), size
+
+
+@pytest.mark.parametrize(
+    "text", ["今天天气很好我们一起去公园玩吧@小明", "お疲れ様でした@田中さん", "Thanks @john"]
+)
+def test_a_mention_ending_a_reply_is_not_an_address(text: str) -> None:
+    assert DefaultModerator().check_output(text) == text
+    assert streamed(text, 3) == text
+
+
+@pytest.mark.parametrize("text", ["ssh root@server", "npm i lodash@latest", "return a@b"])
+def test_a_message_ending_in_something_at_something_is_the_users_own(text: str) -> None:
+    """Only a reply can be cut off by a stop string: a message keeps its last word."""
+    assert DefaultModerator().check_input(text).text == text
 
 
 def test_blocked_terms_refuse_the_message_and_name_the_term() -> None:
@@ -139,7 +154,7 @@ def test_a_list_of_card_numbers_streams_as_it_is_stored() -> None:
     text = f"Your cards: {cards} Thanks."
     assert "4" not in redact(text).removeprefix("Your cards: ")
     for size in (1, 2, 5):
-        assert streamed(text, size) == redact(text), size
+        assert streamed(text, size) == redact_reply(text), size
 
 
 def test_addresses_and_blocked_words_in_any_script() -> None:
@@ -160,7 +175,7 @@ def test_addresses_and_blocked_words_in_any_script() -> None:
 )
 def test_addresses_and_phones_stream_as_they_are_stored_however_cut(reply: str) -> None:
     for size in range(1, 6):
-        assert streamed(reply, size) == redact(reply), size
+        assert streamed(reply, size) == redact_reply(reply), size
 
 
 def test_a_word_ended_by_punctuation_is_sent_without_waiting_for_the_next() -> None:
@@ -185,7 +200,7 @@ def test_any_reply_cut_anywhere_streams_as_it_is_stored(text: str, cuts: list[in
     redactor = StreamRedactor()
     bounds = [0, *sorted(set(cuts)), len(text)]
     pieces = [redactor.feed(text[a:b]) for a, b in itertools.pairwise(bounds)]
-    assert "".join(pieces) + redactor.flush() == redact(text)
+    assert "".join(pieces) + redactor.flush() == redact_reply(text)
 
 
 @pytest.mark.parametrize(

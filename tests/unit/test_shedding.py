@@ -130,9 +130,18 @@ def test_a_fallback_to_an_unserved_model_is_refused() -> None:
 
 def test_a_request_the_fallback_cannot_take_is_not_shed_to_it() -> None:
     """A prompt that fits only the asked model's window: shed, it was a 400 naming the
-    other model's window (the chat page cut older turns instead), because of load."""
+    other model's window, because of load. Asked only when shedding: each asking
+    counts the context's tokens again."""
+    asked: list[str] = []
+
+    def takes_not_small(model: str) -> bool:
+        asked.append(model)
+        return model != "small"
+
+    assert router({"big": load(waiting=10, rate=10)}).answering("big", "free", takes_not_small)
+    assert asked == [], "asked without shedding"
     backlogged = router({"big": load(waiting=96, rate=10)})
-    assert backlogged.answering("big", "free", takes=lambda m: m != "small") == "big"
+    assert backlogged.answering("big", "free", takes_not_small) == "big"
     assert backlogged.answering("big", "free", takes=lambda m: True) == "small"
     no_worker = router({"big": load(workers=0)})
     with pytest.raises(ApiError) as caught:

@@ -251,8 +251,8 @@ class ChatService:
         summary: str | None,
     ) -> tuple[str, Context]:
         """The model that answers (busy: a 503, uncharged) and the context it gets. A
-        fallback is shed to only if it takes the context as the asked model would: a
-        smaller window refused it (a 400 because of load) or cut more turns."""
+        fallback whose smaller window refuses the context is not shed to: that was a
+        400 because of load (the chat page's history is cut to fit, as on any model)."""
         contexts: dict[str, Context] = {}
 
         def context_on(model: str) -> Context:
@@ -264,9 +264,10 @@ class ChatService:
 
         def takes(fallback: str) -> bool:
             try:
-                return context_on(fallback).dropped <= context_on(asked_model).dropped
+                context_on(fallback)
             except ApiError:
                 return False
+            return True
 
         model = self.deps.router.answering(asked_model, caller.tier, takes)
         return model, context_on(model)
