@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaError
 
 from schemas.codec import encode
 from schemas.events import PromptRequest
@@ -24,8 +25,15 @@ class PromptSubmitter:
         """Deliver the prompt durably; return the partition it went to."""
         bind_request_id(prompt.request_id)  # the rest of this request's lines carry it
         partition = self._layout.partition_for(prompt.band, prompt.conversation_id)
+        topic = prompts_topic(prompt.model)
+        if partition not in await self._producer.partitions_for(topic):
+            # Bands widened without bootstrap: aiokafka asserts (a bare 500) instead.
+            raise KafkaError(
+                f"{topic} has no partition {partition} for band {prompt.band!r}: the bands "
+                f"need {self._layout.total_partitions} partitions; run `tandoor bootstrap`"
+            )
         await self._producer.send_and_wait(
-            prompts_topic(prompt.model),
+            topic,
             encode(prompt),
             key=prompt.conversation_id.encode(),
             partition=partition,

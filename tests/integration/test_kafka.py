@@ -3,13 +3,16 @@ committed offset survives a consumer restart."""
 
 from __future__ import annotations
 
+import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.errors import KafkaError
 
 from infra.topics import TopicSpec, declared_topics, ensure_topics, partition_counts
+from producers.prompts import PromptSubmitter
 from schemas import topics
 from schemas.codec import decode, encode
-from schemas.events import ControlEvent
+from schemas.events import ChatMessage, ControlEvent, PromptRequest, Sampling, now_ms
 from schemas.topics import BandLayout
 from tandoor.settings import Settings
 
@@ -76,3 +79,25 @@ async def _consume(kafka: str, topic: str, group: str, count: int) -> list[Contr
         return events
     finally:
         await consumer.stop()
+
+
+async def test_a_prompt_topic_narrower_than_its_bands_is_a_clear_error(
+    kafka: str, unique: str, settings: Settings, producer: AIOKafkaProducer
+) -> None:
+    """Bands widened without `tandoor bootstrap`: aiokafka asserted on the partition the
+    band picked (a bare 500 from the gateway, a retry loop without a word in admission)."""
+    model = f"narrow-{unique}"
+    await ensure_topics(kafka, [TopicSpec(topics.prompts_topic(model), 2)])
+    prompt = PromptRequest(
+        request_id=f"r-{unique}",
+        model=model,
+        user_id="u",
+        tier="free",
+        band="batch",  # the last band: past partition 1
+        conversation_id="c",
+        messages=[ChatMessage(role="user", content="Hi")],
+        sampling=Sampling(max_tokens=4),
+        created_at_ms=now_ms(),
+    )
+    with pytest.raises(KafkaError, match="run `tandoor bootstrap`"):
+        await PromptSubmitter(settings, producer).submit(prompt)
