@@ -84,12 +84,12 @@ def final_output(final: FinalEvent, text: str) -> dict[str, Any]:
     if final.finish_reason == "cancelled":
         message = "the batch was cancelled before this line finished"
         return batch_output(custom_id, request_id, error={"code": "cancelled", "message": message})
-    if final.finish_reason == "error" and (final.error or "").startswith(TOO_LONG_FOR_ENGINE):
+    if final.failed_with(TOO_LONG_FOR_ENGINE):
         # Past admission's estimate but not the engine's count: the request's fault, a 400
         # as over HTTP, not a 500 that invites a retry.
         message = f"context_length_exceeded: {final.error}"
         return refused_output(custom_id, request_id, 400, message, param="body.messages")
-    if final.finish_reason == "error" and (final.error or "").startswith(TEMPLATE_REFUSED):
+    if final.failed_with(TEMPLATE_REFUSED):
         return refused_output(custom_id, request_id, 400, final.error or "", param="body.messages")
     if final.finish_reason not in ANSWERED:
         message = final.error or "the model could not answer"

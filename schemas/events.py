@@ -156,6 +156,11 @@ class FinalEvent(Event):
     store: bool = True  # the prompt's
     replaces: list[MessageKey] = Field(default_factory=list)  # the prompt's
 
+    def failed_with(self, prefix: str) -> bool:
+        """An error whose reason begins with `prefix` (TOO_LONG_FOR_ENGINE,
+        TEMPLATE_REFUSED: the caller's fault, a 400, not a retried 5xx)."""
+        return self.finish_reason == "error" and (self.error or "").startswith(prefix)
+
 
 class ControlEvent(Event):
     """A command for whichever worker holds (or will take) the request."""

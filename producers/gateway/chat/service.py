@@ -30,6 +30,7 @@ from producers.gateway.chat.inflight import InFlight, Queued
 from producers.gateway.chat.jobs import ConversationJobs
 from producers.gateway.chat.newest import Newest, NewestReply
 from producers.gateway.chat.protocol import PostMessage, ReplyOptions, sampling_for
+from producers.gateway.chat.routing import Request, routed
 from producers.gateway.chat.watch import ReplyWatch
 from producers.gateway.conversations.protocol import (
     Conversation,
@@ -52,7 +53,6 @@ from schemas.events import (
 )
 from tandoor.clients import CASSANDRA_DOWN, REDIS_DOWN
 from tandoor.policies.api_keys import Principal
-from tandoor.policies.context import Context
 from tandoor.policies.moderation import OutputFilter
 from tandoor.policies.quota import Admission, Quotas
 from tandoor.policies.redis_keys import ATTEMPT_TTL_S, done_key
@@ -219,8 +219,10 @@ class ChatService:
             *history,
             *([ChatMessage(role="user", content=new_text)] if new_text is not None else []),
         ]
-        model, context = self._routed(
-            caller, conversation.model, asked, max_tokens, client_context, summary
+        model, context = routed(
+            d.router,
+            d.checks,
+            Request(caller.tier, conversation.model, asked, max_tokens, client_context, summary),
         )
         return await self._start(
             _Prompt(
@@ -240,37 +242,6 @@ class ChatService:
                 names_it,
             )
         )
-
-    def _routed(
-        self,
-        caller: Principal,
-        asked_model: str,
-        asked: list[ChatMessage],
-        max_tokens: int,
-        client_context: bool,
-        summary: str | None,
-    ) -> tuple[str, Context]:
-        """The model that answers (busy: a 503, uncharged) and the context it gets. A
-        fallback whose smaller window refuses the context is not shed to: that was a
-        400 because of load (the chat page's history is cut to fit, as on any model)."""
-        contexts: dict[str, Context] = {}
-
-        def context_on(model: str) -> Context:
-            if model not in contexts:
-                contexts[model] = self.deps.checks.context(
-                    model, asked, max_tokens, client_context, summary
-                )
-            return contexts[model]
-
-        def takes(fallback: str) -> bool:
-            try:
-                context_on(fallback)
-            except ApiError:
-                return False
-            return True
-
-        model = self.deps.router.answering(asked_model, caller.tier, takes)
-        return model, context_on(model)
 
     async def _visible(
         self, caller: Principal, conversation_id: str

@@ -161,9 +161,9 @@ def _checked(final: FinalEvent) -> FinalEvent:
             kind="service_unavailable",
             headers={"Retry-After": "5"},
         )
-    if final.finish_reason == "error" and (final.error or "").startswith(TOO_LONG_FOR_ENGINE):
+    if final.failed_with(TOO_LONG_FOR_ENGINE):
         raise ApiError(400, f"context_length_exceeded: {final.error}", param="messages")
-    if final.finish_reason == "error" and (final.error or "").startswith(TEMPLATE_REFUSED):
+    if final.failed_with(TEMPLATE_REFUSED):
         raise ApiError(400, final.error or "", param="messages")
     if final.finish_reason == "error":  # not the request's fault: an SDK retries a 5xx
         raise ApiError(

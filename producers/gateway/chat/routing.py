@@ -1,0 +1,45 @@
+"""Which model answers a request, and the context it gets there."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from producers.gateway.chat.checks import ReplyChecks
+from producers.gateway.errors import ApiError
+from producers.gateway.shedding import ModelRouter
+from schemas.events import ChatMessage
+from tandoor.policies.context import Context
+
+
+@dataclass(frozen=True)
+class Request:
+    tier: str
+    model: str  # the one asked for
+    asked: list[ChatMessage]
+    max_tokens: int
+    client_context: bool  # an API client's whole context: refused, never cut, if too long
+    summary: str | None
+
+
+def routed(router: ModelRouter, checks: ReplyChecks, request: Request) -> tuple[str, Context]:
+    """The model that answers (busy: a 503, uncharged) and the context it gets. A
+    fallback whose smaller window refuses the context is not shed to: that was a 400
+    because of load (the chat page's history is cut to fit, as on any model)."""
+    contexts: dict[str, Context] = {}
+
+    def context_on(model: str) -> Context:
+        if model not in contexts:
+            contexts[model] = checks.context(
+                model, request.asked, request.max_tokens, request.client_context, request.summary
+            )
+        return contexts[model]
+
+    def takes(fallback: str) -> bool:
+        try:
+            context_on(fallback)
+        except ApiError:
+            return False
+        return True
+
+    model = router.answering(request.model, request.tier, takes)
+    return model, context_on(model)
