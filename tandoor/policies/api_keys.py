@@ -73,7 +73,16 @@ class KeyStore:
         cache entries for garbage."""
         if KEY_SHAPE.fullmatch(key) is None:
             return None
-        digest = key_hash(key)
+        principal = await self._resolve(key_hash(key))
+        if principal is not None and principal.tier not in self._tiers:
+            # A tier dropped from the settings: refused, not a KeyError in every role.
+            log.error(
+                "key %s has tier %r, which is not configured", principal.key_id, principal.tier
+            )
+            return None
+        return principal
+
+    async def _resolve(self, digest: str) -> Principal | None:
         try:
             cached = await self._cache.get(api_key_cache_key(digest))
         except REDIS_DOWN as exc:  # Cassandra holds every key: slower, still right

@@ -69,6 +69,23 @@ async def test_unknown_tier_and_empty_user_are_refused(store: KeyStore) -> None:
         await store.create(" ", "free")
 
 
+async def test_a_key_whose_tier_is_no_longer_configured_is_refused(
+    store: KeyStore, session: Any, redis_url: str
+) -> None:
+    """A tier dropped from the settings: its keys were a KeyError in every role that
+    read the tier's limits (the gateway's 500, admission stopped on each restart)."""
+    key, _ = await store.create("frank", "plus")
+    assert await store.resolve(key) is not None  # cached with its tier
+    cache = aioredis.Redis.from_url(redis_url)
+    try:
+        without_plus = KeyStore(session, cache, {"free"})
+        assert await without_plus.resolve(key) is None  # from the cache
+        await cache.delete(api_key_cache_key(key_hash(key)))
+        assert await without_plus.resolve(key) is None  # from Cassandra
+    finally:
+        await cache.aclose()
+
+
 async def test_cli_prints_the_key_as_its_last_line(
     cassandra: Settings, redis_url: str, settings: Settings
 ) -> None:
