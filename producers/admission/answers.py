@@ -12,6 +12,7 @@ import orjson
 from aiokafka import AIOKafkaProducer
 
 from consumers.history import INSERT_BATCH_OUTPUT, batch_output_row
+from producers.admission.headers import answer_key
 from producers.admission.marks import LineMarks
 from schemas import topics
 from schemas.batch import cancelled_output, expired_output
@@ -31,7 +32,7 @@ class Answers:
         if owner is not None and batch_id and output.get("custom_id") is not None:
             row = batch_output_row(owner, batch_id, output, time.time_ns() // 1000)
             await cql(self._session, self._insert, row)
-        key = batch_id.encode() if batch_id else None
+        key = answer_key(batch_id)
         await self._producer.send_and_wait(topics.BATCH_RESULTS, orjson.dumps(output), key=key)
 
     async def unrun(self, prompt: PromptRequest, why: Unrun) -> None:

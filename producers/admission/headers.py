@@ -11,6 +11,9 @@ BAD = "invalid_request_error"
 
 MAX_BATCH_ID_CHARS = 256
 MAX_KEY_CHARS = 256  # an Authorization value; keys are far shorter
+# A refused id is echoed as its answer's key up to this length: one near Kafka's record
+# limit would make an answer too large to send, retried for good in front of every line.
+MAX_ANSWER_KEY_CHARS = 16_384
 
 
 def text_of(value: bytes | None) -> str | None:
@@ -31,6 +34,13 @@ def check_batch_id(batch_id: str | None) -> str:
         message = f"the batch id has {len(batch_id)} characters; at most {MAX_BATCH_ID_CHARS}"
         raise Refused(400, message, BAD, kept=False)
     return batch_id
+
+
+def answer_key(batch_id: str | None) -> bytes | None:
+    """The key of a line's answer on `batch.results`: its batch id, or none at all."""
+    if not batch_id or len(batch_id) > MAX_ANSWER_KEY_CHARS:
+        return None
+    return batch_id.encode()
 
 
 def batch_deadline_ms(value: bytes | None) -> int | None:

@@ -123,3 +123,41 @@ async def test_a_record_aiokafka_cannot_parse_is_stepped_over_and_no_line_is_los
     by_id = Counter(r["custom_id"] for r in got)
     assert by_id == Counter(f"line-{i}" for i in range(5)), by_id  # each once, none lost
     assert all(answered(r) for r in [*got, *got_other])
+
+
+async def test_a_batch_id_near_kafkas_record_limit_is_refused_and_lines_behind_it_run(
+    settings: Settings,
+    worker: WorkerProcess,
+    producer: AIOKafkaProducer,
+    roles_env: dict[str, str],
+    results: ResultsReader,
+    tmp_path: Path,
+) -> None:
+    """Its refusal keyed by the whole id would not fit a record: retried for good, it
+    stopped admission on every partition."""
+    key, _ = await batch_key(settings, "long-id")
+    after = f"after-{uuid.uuid4().hex[:6]}"
+    # The record fits the broker's limit; its answer, keyed by the same id, would not.
+    huge_id = b"x" * 1_048_300
+    big = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap, max_request_size=2**21)
+    await big.start()
+    try:
+        headers = [(AUTHORIZATION_HEADER, f"Bearer {key}".encode())]
+        await big.send_and_wait(
+            topics.BATCH_REQUESTS,
+            b"{}",
+            key=huge_id,
+            headers=headers,
+            partition=partition_of(after),
+        )
+    finally:
+        await big.stop()
+    await send_lines(producer, key, after, [question(worker.model, i) for i in range(2)])
+
+    roles = [AdmissionProcess(tmp_path, roles_env), PersistProcess(tmp_path, roles_env)]
+    async with running(roles):
+        got = await all_results(results, after, 2)
+        (refused,) = await all_results(results, "", 1)  # too long to be a key: none
+    assert all(answered(r) for r in got)
+    assert refused["response"]["status_code"] == 400, refused
+    assert "1048300 characters" in refused["response"]["body"]["error"]["message"]
