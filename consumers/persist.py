@@ -85,7 +85,10 @@ class Persister:
     async def run(self) -> None:
         while not self._stopping.is_set():
             batch = await self._consumer.getmany(timeout_ms=500, max_records=500)
-            finals = [f for chunk in batch.values() for f in _finals(chunk)]
+            records = [record for chunk in batch.values() for record in chunk]
+            finals, undecodable = _finals(records)
+            for record, error in undecodable:  # kept where an operator can replay it
+                await self._dead_letter(record, f"undecodable final: {error}")
             if finals and not await self._store(finals):
                 return  # stopping before the batch was stored: leave it uncommitted
             if not await self._publish_batch_results([final for _, final in finals]):
@@ -151,7 +154,9 @@ class Persister:
                 where = (record.partition, record.offset)
                 tries[where] += not isinstance(error, UNAVAILABLE)
                 if tries[where] >= POISON_TRIES:
-                    await self._dead_letter(record, final, error)
+                    reason = f"not stored after {POISON_TRIES} tries: {error!r}"
+                    log.error("dead-lettering the final of %s: %s", final.request_id, reason)
+                    await self._dead_letter(record, reason)
                 else:
                     pending.append((record, final))
             if pending:
@@ -196,11 +201,7 @@ class Persister:
         for _, final in stored:
             _log_stored(final)
 
-    async def _dead_letter(
-        self, record: ConsumerRecord[bytes, bytes], final: FinalEvent, error: BaseException
-    ) -> None:
-        reason = f"not stored after {POISON_TRIES} tries: {error!r}"
-        log.error("dead-lettering the final of %s: %s", final.request_id, reason)
+    async def _dead_letter(self, record: ConsumerRecord[bytes, bytes], reason: str) -> None:
         headers = topics.dead_letter_headers(record.topic, record.partition, record.offset, reason)
         await self._producer.send_and_wait(
             topics.DEAD_LETTER, record.value, key=record.key, headers=headers
@@ -219,15 +220,19 @@ def _log_stored(final: FinalEvent) -> None:
     )
 
 
-def _finals(records: list[ConsumerRecord[bytes, bytes]]) -> list[Stored]:
+def _finals(
+    records: list[ConsumerRecord[bytes, bytes]],
+) -> tuple[list[Stored], list[tuple[ConsumerRecord[bytes, bytes], SchemaError]]]:
+    """The finals among `records`, and those that cannot be decoded (a newer schema
+    version mid-upgrade, a foreign writer): skipped and committed, they were lost."""
     finals: list[Stored] = []
+    undecodable: list[tuple[ConsumerRecord[bytes, bytes], SchemaError]] = []
     for record in records:
         if not is_final(record.value):
             continue  # a token event: the final carries the whole text
         try:
             finals.append((record, decode(FinalEvent, record.value)))
         except SchemaError as exc:
-            log.error(
-                "skipping undecodable final at %s/%s: %s", record.partition, record.offset, exc
-            )
-    return finals
+            log.error("undecodable final at %s/%s: %s", record.partition, record.offset, exc)
+            undecodable.append((record, exc))
+    return finals, undecodable

@@ -17,9 +17,10 @@ E = TypeVar("E", bound=Event)
 FINAL_MARKER = b'"type":"final"'
 
 
-def is_final(payload: bytes) -> bool:
-    """Whether an encoded `tokens` event is a FinalEvent (cheap: no parsing)."""
-    return FINAL_MARKER in payload
+def is_final(payload: bytes | None) -> bool:
+    """Whether an encoded `tokens` event is a FinalEvent (cheap: no parsing). A record
+    with no value (a tombstone any client can write) is none."""
+    return payload is not None and FINAL_MARKER in payload
 
 
 class SchemaError(ValueError):

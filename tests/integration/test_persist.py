@@ -258,8 +258,37 @@ async def test_kill_9_and_restart_loses_and_duplicates_nothing(
     assert {r.message_id: r.content for r in rows} == {r.request_id: r.text for r in replies}
 
 
+DeadLetters = Callable[[bytes], Awaitable[ConsumerRecord[bytes, bytes]]]
+
+
+@pytest.fixture
+async def dead_letter(settings: Settings) -> AsyncIterator[DeadLetters]:
+    """The dead letter keyed so, among those written from the fixture's start."""
+    dead = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap, fetch_max_wait_ms=50)
+    await dead.start()
+    found: list[ConsumerRecord[bytes, bytes]] = []
+
+    async def keyed(key: bytes) -> ConsumerRecord[bytes, bytes]:
+        async def letters() -> list[ConsumerRecord[bytes, bytes]]:
+            batch = await dead.getmany(timeout_ms=500)
+            found.extend(r for chunk in batch.values() for r in chunk)
+            return [r for r in found if r.key == key]
+
+        return (await eventually(letters, bool, what=f"a dead letter keyed {key!r}"))[0]
+
+    try:
+        await assign_from_end(dead, topics.DEAD_LETTER)
+        yield keyed
+    finally:
+        await dead.stop()
+
+
 async def test_a_final_that_cannot_be_stored_is_dead_lettered_and_the_rest_go_on(
-    settings: Settings, keyspace: str, producer: AIOKafkaProducer, start_persist: StartPersist
+    settings: Settings,
+    keyspace: str,
+    producer: AIOKafkaProducer,
+    start_persist: StartPersist,
+    dead_letter: DeadLetters,
 ) -> None:
     """A final Cassandra can never take (a date past year 9999) is tried a few times,
     then goes to the dead-letter topic with the reason; replies after it are stored."""
@@ -267,27 +296,39 @@ async def test_a_final_that_cannot_be_stored_is_dead_lettered_and_the_rest_go_on
     poison = final(conversation, "from the far future", prompt_at=10**16)
     poison = poison.model_copy(update={"created_at_ms": 10**16})
     healthy = final(conversation, "an ordinary reply")
-    dead = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap, fetch_max_wait_ms=50)
-    await dead.start()
-    try:
-        await assign_from_end(dead, topics.DEAD_LETTER)
-        await start_persist()
-        await publish(producer, poison, healthy)
-        rows = await settled_rows(settings, keyspace, producer, conversation, 1)
-
-        async def letters() -> list[ConsumerRecord[bytes, bytes]]:
-            batch = await dead.getmany(timeout_ms=500)
-            found.extend(r for chunk in batch.values() for r in chunk if r.key == poison_key)
-            return found
-
-        found: list[ConsumerRecord[bytes, bytes]] = []
-        poison_key = poison.request_id.encode()
-        letter = (await eventually(letters, bool, what="the poison final dead-lettered"))[0]
-    finally:
-        await dead.stop()
+    await start_persist()
+    await publish(producer, poison, healthy)
+    rows = await settled_rows(settings, keyspace, producer, conversation, 1)
+    letter = await dead_letter(poison.request_id.encode())
     assert [(r.message_id, r.content) for r in rows] == [(healthy.request_id, "an ordinary reply")]
     assert letter.value == encode(poison)
     assert b"not stored after 3 tries" in dict(letter.headers)["error"]
+
+
+async def test_a_tombstone_and_an_undecodable_final_do_not_stop_or_lose_replies(
+    settings: Settings,
+    keyspace: str,
+    producer: AIOKafkaProducer,
+    start_persist: StartPersist,
+    dead_letter: DeadLetters,
+) -> None:
+    """A record with no value (any client can write one) stopped persistence, on every
+    restart; a final of a schema version it cannot read (a newer worker mid-upgrade) was
+    skipped and committed: the reply lost without a trace. Now the one is stepped over,
+    the other dead-lettered with the reason, and the reply after both is stored."""
+    conversation = f"c-{uuid.uuid4().hex[:8]}"
+    healthy = final(conversation, "after the odd ones")
+    newer = encode(final(conversation, "written by a newer worker")).replace(b'"v":1', b'"v":99')
+    key = healthy.request_id.encode()  # one partition: both odd records come first
+    await start_persist()
+    await producer.send_and_wait(topics.TOKENS, None, key=key)
+    await producer.send_and_wait(topics.TOKENS, newer, key=key)
+    await publish(producer, healthy)
+    rows = await settled_rows(settings, keyspace, producer, conversation, 1)
+    letter = await dead_letter(key)
+    assert [(r.message_id, r.content) for r in rows] == [(healthy.request_id, "after the odd ones")]
+    assert letter.value == newer
+    assert b"unknown schema version 99" in dict(letter.headers)["error"]
 
 
 async def test_deltas_alone_are_committed_so_a_restart_replays_little(

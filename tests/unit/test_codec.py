@@ -3,7 +3,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from schemas.codec import SchemaError, decode, decode_token_stream, encode
+from schemas.codec import SchemaError, decode, decode_token_stream, encode, is_final
 from schemas.events import (
     ChatMessage,
     ControlEvent,
@@ -162,3 +162,11 @@ def test_additive_fields_from_newer_writers_are_ignored() -> None:
     data = orjson.loads(encode(token("x")))
     data["logprob"] = -0.1
     assert decode(TokenEvent, orjson.dumps(data)) == token("x")
+
+
+def test_a_record_without_a_value_is_no_final_and_no_event() -> None:
+    """A tombstone on `tokens` (any client can write one) was a TypeError in every
+    reader that looks for finals first: persistence and the streams app."""
+    assert not is_final(None)
+    with pytest.raises(SchemaError):
+        decode_token_stream(None)  # type: ignore[arg-type]

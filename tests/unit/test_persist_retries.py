@@ -43,10 +43,10 @@ async def test_a_final_sharing_its_offset_with_a_poison_one_is_stored_not_dead_l
     persister = Persister(Settings())
     writer = StandInWriter()
     persister._writer = writer  # type: ignore[assignment]
-    dead: list[str] = []
+    dead: list[tuple[int, int]] = []
 
-    async def dead_letter(_: Any, dropped: FinalEvent, __: BaseException) -> None:
-        dead.append(dropped.request_id)
+    async def dead_letter(dropped: ConsumerRecord[bytes, bytes], _: str) -> None:
+        dead.append((dropped.partition, dropped.offset))
 
     persister._dead_letter = dead_letter  # type: ignore[method-assign,assignment]
     try:
@@ -56,5 +56,5 @@ async def test_a_final_sharing_its_offset_with_a_poison_one_is_stored_not_dead_l
     finally:
         await persister._producer.stop()  # never started: closed for their finalizers
         await persister._consumer.stop()
-    assert stored and dead == ["poison"]
+    assert stored and dead == [(0, 100)]
     assert writer.tries == {"poison": POISON_TRIES, "good": UNREACHABLE_TRIES + 1}
