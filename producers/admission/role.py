@@ -85,6 +85,8 @@ COMMIT_EVERY_S = 1.0
 IDLE_S = 0.1  # nothing to read: look again after this
 RETRY_S = 1.0  # a store failing: try the line again after this
 SWEEP_S = 1.0  # how often waiting lines are looked over for a cancel or a passed deadline
+ANSWERS_PER_SWEEP = 256
+ANSWERS_AT_ONCE = 32  # well under the Redis client's pool of 100 connections
 UNREACHABLE = (*REDIS_DOWN, KafkaError, *CASSANDRA_DOWN)
 
 
@@ -291,8 +293,8 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
         swept_at = 0.0
         while not self._stopping.is_set():
             if time.monotonic() - swept_at >= SWEEP_S:
-                await self._answer_unrunnable()
-                swept_at = time.monotonic()
+                more = await self._answer_unrunnable()
+                swept_at = 0.0 if more else time.monotonic()  # more: after this pass
             for model, queue in self.queues.items():
                 room = self._room(model)
                 while room > 0 and not self._stopping.is_set():
@@ -307,25 +309,49 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._arrived.wait(), POLL_S)
 
-    async def _answer_unrunnable(self) -> None:
+    async def _answer_unrunnable(self) -> bool:
         """Waiting lines of a cancelled batch or past their deadline, answered now: their
         turn may be hours away (a tenant held by its quota, a band without workers), and
-        their batch shows `cancelling` until every line is answered. A store failing
-        ends the sweep (the next one tries again): forwarding goes on meanwhile."""
+        their batch shows `cancelling` until every line is answered. At most
+        ANSWERS_PER_SWEEP a sweep, ANSWERS_AT_ONCE at a time: one after another, a big
+        batch's answers held every other tenant's lines for minutes. A store failing
+        ends the sweep (the next one tries again): forwarding goes on meanwhile. True if
+        more are due."""
         lines = [line for queue in self.queues.values() for line in queue.items()]
-        answered: set[str] = set()
         try:
             unrun = await unrun_lines(self.marks, (line.prompt for line in lines), now_ms())
-            for line in lines:
-                why = unrun.get(line.prompt.request_id)
-                if why is not None and self.queued.where(line.prompt.request_id) == line.position:
-                    await self._answer_unrun(line, why)
-                    answered.add(line.prompt.request_id)
         except UNREACHABLE as exc:
-            log.warning("answering cancelled or expired lines failed (%r); next sweep", exc)
-        finally:
-            for queue in self.queues.values():
-                queue.remove(lambda line: line.prompt.request_id in answered)
+            log.warning("looking for cancelled or expired lines failed (%r); next sweep", exc)
+            return False
+        due = [
+            (line, why)
+            for line in lines
+            if (why := unrun.get(line.prompt.request_id)) is not None
+            and self.queued.where(line.prompt.request_id) == line.position
+        ]
+        more, due = len(due) > ANSWERS_PER_SWEEP, due[:ANSWERS_PER_SWEEP]
+        at_once = asyncio.Semaphore(ANSWERS_AT_ONCE)
+
+        async def answer(line: Waiting, why: Unrun) -> None:
+            async with at_once:
+                await self._answer_unrun(line, why)
+
+        outcomes = await asyncio.gather(
+            *(answer(*due_line) for due_line in due), return_exceptions=True
+        )
+        answered = set()
+        for (line, _), outcome in zip(due, outcomes, strict=True):
+            if outcome is None:
+                answered.add(line.prompt.request_id)
+            elif isinstance(outcome, UNREACHABLE):
+                log.warning(
+                    "answering a cancelled or expired line failed (%r); next sweep", outcome
+                )
+            else:
+                raise outcome
+        for queue in self.queues.values():
+            queue.remove(lambda line: line.prompt.request_id in answered)
+        return more and len(answered) == len(due)
 
     def _room(self, model: str) -> int:
         """Prompts the batch band may still take: per worker, less what it holds."""

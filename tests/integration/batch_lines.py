@@ -3,6 +3,7 @@ read back, and the prompts that reached a model's topic."""
 
 from __future__ import annotations
 
+import json
 import uuid
 from typing import Any
 
@@ -14,7 +15,7 @@ from producers.batch_topic import ResultsReader, chat_line
 from schemas import topics
 from schemas.topics import prompts_topic
 from tandoor.policies.api_keys import create_key
-from tandoor.settings import Settings
+from tandoor.settings import Settings, TierPolicy
 from tests.waiting import IDLE_S, eventually
 
 BACKLOG_PER_WORKER = 16  # the shared worker's slots: lines run as fast as it can
@@ -83,3 +84,21 @@ def batch_on_another_partition(prefix: str, than: str) -> str:
         for b in (f"{prefix}-{uuid.uuid4().hex[:6]}" for _ in range(100))
         if partition_of(b) != partition_of(than)
     )
+
+
+async def slow_tenant(
+    settings: Settings, roles_env: dict[str, str]
+) -> tuple[dict[str, str], str, str]:
+    """The roles' environment with a tier of a request a minute, and a key of that tier
+    with its owner."""
+    slow = TierPolicy(
+        band="batch", requests_per_minute=1, tokens_per_minute=1_000_000, concurrent_streams=1
+    )
+    tiers = settings.tiers | {"slow": slow}
+    env = roles_env | {
+        "TANDOOR_TIERS": json.dumps({name: p.model_dump() for name, p in tiers.items()}),
+    }
+    key, principal = await create_key(
+        settings.model_copy(update={"tiers": tiers}), f"slow-{uuid.uuid4().hex[:6]}", "slow"
+    )
+    return env, key, principal.user_id

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -29,9 +28,8 @@ from schemas.batch import AUTHORIZATION_HEADER, DEADLINE_HEADER
 from schemas.events import now_ms
 from schemas.topics import BandLayout
 from tandoor.clients import cassandra_session
-from tandoor.policies.api_keys import create_key
 from tandoor.policies.redis_keys import batch_cancel_key
-from tandoor.settings import Settings, TierPolicy
+from tandoor.settings import Settings
 from tests.integration.batch_lines import (
     BACKLOG_PER_WORKER,
     BLOCKED,
@@ -41,6 +39,7 @@ from tests.integration.batch_lines import (
     batch_on_another_partition,
     question,
     queued,
+    slow_tenant,
 )
 from tests.waiting import eventually
 
@@ -353,24 +352,6 @@ async def test_lines_held_by_the_quota_are_answered_at_once_on_a_cancel_or_the_w
     codes = Counter(r["error"]["code"] for r in cancelled + expired if r["error"])
     assert codes == {"batch_cancelled": HELD_LINES - 1, "batch_expired": 5}, codes
     assert await queued(settings, worker.model) - before == 1  # none other reached the model
-
-
-async def slow_tenant(
-    settings: Settings, roles_env: dict[str, str]
-) -> tuple[dict[str, str], str, str]:
-    """The roles' environment with a tier of a request a minute, and a key of that tier
-    with its owner."""
-    slow = TierPolicy(
-        band="batch", requests_per_minute=1, tokens_per_minute=1_000_000, concurrent_streams=1
-    )
-    tiers = settings.tiers | {"slow": slow}
-    env = roles_env | {
-        "TANDOOR_TIERS": json.dumps({name: p.model_dump() for name, p in tiers.items()}),
-    }
-    key, principal = await create_key(
-        settings.model_copy(update={"tiers": tiers}), f"slow-{uuid.uuid4().hex[:6]}", "slow"
-    )
-    return env, key, principal.user_id
 
 
 async def band_backlog(settings: Settings, model: str) -> int:

@@ -6,8 +6,6 @@ partition was dead-lettered with it (its reply never stored)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from aiokafka.structs import ConsumerRecord
 from cassandra.cluster import NoHostAvailable
 

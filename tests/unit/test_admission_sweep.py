@@ -1,0 +1,54 @@
+"""The sweep that answers waiting lines of a cancelled batch, with stand-ins for the
+stores (the real ones: tests/integration/test_batch_cancel.py). It answered every such
+line, one after another, inside the loop that forwards every tenant's lines: a cancel
+of 50,000 waiting lines held all other batches for minutes."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, cast
+
+from producers.admission.role import ANSWERS_AT_ONCE, ANSWERS_PER_SWEEP, Admission
+from producers.admission.waiting import Waiting
+from tandoor.settings import Settings
+from tests.unit.test_admission_rebalance import StandInMarks, batch_prompt
+
+LINES = 600
+
+
+class CountingAnswers:
+    def __init__(self) -> None:
+        self.answered: list[str] = []
+        self.busy = self.most_busy = 0
+
+    async def unrun(self, prompt: Any, why: str) -> None:
+        self.busy += 1
+        self.most_busy = max(self.most_busy, self.busy)
+        await asyncio.sleep(0)  # a store's round trip
+        self.busy -= 1
+        self.answered.append(prompt.request_id)
+
+
+async def test_a_big_cancelled_batch_is_answered_a_bounded_part_per_sweep() -> None:
+    admission = Admission(Settings())
+    answers = CountingAnswers()
+    admission.marks = cast(Any, StandInMarks())
+    admission.answers = cast(Any, answers)
+    first = batch_prompt(admission)
+    for offset in range(LINES):
+        prompt = first.model_copy(update={"request_id": f"bl_{offset}"})
+        admission.queued.add(prompt.request_id, f"0:{offset}")
+        admission.queues[prompt.model].push("u", Waiting(0, offset, prompt))
+    try:
+        sweeps = [await admission._answer_unrunnable()]
+        after_one = len(answers.answered)
+        while sweeps[-1]:
+            sweeps.append(await admission._answer_unrunnable())
+    finally:
+        await admission.consumer.stop()  # never started: closed for their finalizers
+        await admission.producer.stop()
+    assert after_one == ANSWERS_PER_SWEEP, "forwarding goes on between sweeps"
+    assert sweeps == [True, True, False]
+    assert sorted(answers.answered) == sorted(f"bl_{i}" for i in range(LINES))  # each once
+    assert 1 < answers.most_busy <= ANSWERS_AT_ONCE
+    assert admission.queues[first.model].size == 0
