@@ -13,7 +13,7 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import orjson
 from aiokafka import AIOKafkaConsumer
@@ -41,6 +41,7 @@ POISON_TRIES = 3
 # commit on the broker for every token at low load. A replay of skipped deltas costs
 # nothing, so they are committed at most this often; a batch with finals at once.
 DELTAS_COMMIT_S = 1.0
+SEND_RETRY_S = 1.0  # dead letters and batch results: Kafka refused, try again after
 # Cassandra unreachable or overloaded: wait, whatever it takes, rather than drop.
 UNAVAILABLE = (*CASSANDRA_DOWN, ConnectionException)
 Stored = tuple[ConsumerRecord[bytes, bytes], FinalEvent]
@@ -88,7 +89,8 @@ class Persister:
             records = [record for chunk in batch.values() for record in chunk]
             finals, undecodable = _finals(records)
             for record, error in undecodable:  # kept where an operator can replay it
-                await self._dead_letter(record, f"undecodable final: {error}")
+                if not await self._dead_letter(record, f"undecodable final: {error}"):
+                    return  # stopping before Kafka took it: replayed by the next owner
             if finals and not await self._store(finals):
                 return  # stopping before the batch was stored: leave it uncommitted
             if not await self._publish_batch_results([final for _, final in finals]):
@@ -156,7 +158,8 @@ class Persister:
                 if tries[where] >= POISON_TRIES:
                     reason = f"not stored after {POISON_TRIES} tries: {error!r}"
                     log.error("dead-lettering the final of %s: %s", final.request_id, reason)
-                    await self._dead_letter(record, reason)
+                    if not await self._dead_letter(record, reason):
+                        pending.append((record, final))  # stopping: left uncommitted
                 else:
                     pending.append((record, final))
             if pending:
@@ -177,36 +180,51 @@ class Persister:
         each result's `id` names its request, so a reader can drop repeats). False if
         told to stop before Kafka took them."""
         lines = [f for f in finals if f.custom_id is not None and f.batch_id]
-        while lines:
+
+        async def send_all() -> None:
+            sends = [
+                await self._producer.send(
+                    topics.BATCH_RESULTS,
+                    orjson.dumps(final_output(final, self._redact(final.text))),
+                    key=(final.batch_id or "").encode(),
+                )
+                for final in lines
+            ]
+            await asyncio.gather(*sends)
+
+        return not lines or await self._until_sent(f"{len(lines)} batch results", send_all)
+
+    async def _until_sent(self, what: str, send: Callable[[], Awaitable[object]]) -> bool:
+        """Retry `send` until Kafka takes it (a broker restarting, a leader moving);
+        False if told to stop first, and the caller leaves its records uncommitted."""
+        while True:
             try:
-                sends = [
-                    await self._producer.send(
-                        topics.BATCH_RESULTS,
-                        orjson.dumps(final_output(final, self._redact(final.text))),
-                        key=(final.batch_id or "").encode(),
-                    )
-                    for final in lines
-                ]
-                await asyncio.gather(*sends)
+                await send()
                 return True
             except KafkaError as exc:
                 if self._stopping.is_set():
                     return False
-                log.warning("publishing %d batch results failed (%r); retrying", len(lines), exc)
-                await asyncio.sleep(1)
-        return True
+                log.warning("sending %s failed (%r); retrying", what, exc)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stopping.wait(), SEND_RETRY_S)
 
     def _stored(self, stored: list[Stored]) -> None:
         self.metrics.stored.inc(len(stored))
         for _, final in stored:
             _log_stored(final)
 
-    async def _dead_letter(self, record: ConsumerRecord[bytes, bytes], reason: str) -> None:
+    async def _dead_letter(self, record: ConsumerRecord[bytes, bytes], reason: str) -> bool:
+        """False if told to stop before Kafka took it (a send that failed once stopped
+        persistence: every restart met the same final and stopped again)."""
         headers = topics.dead_letter_headers(record.topic, record.partition, record.offset, reason)
-        await self._producer.send_and_wait(
-            topics.DEAD_LETTER, record.value, key=record.key, headers=headers
+        sent = await self._until_sent(
+            "a dead letter",
+            lambda: self._producer.send_and_wait(
+                topics.DEAD_LETTER, record.value, key=record.key, headers=headers
+            ),
         )
-        self.metrics.dead_lettered.inc()
+        self.metrics.dead_lettered.inc(sent)
+        return sent
 
 
 def _log_stored(final: FinalEvent) -> None:

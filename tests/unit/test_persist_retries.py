@@ -6,6 +6,10 @@ partition was dead-lettered with it (its reply never stored)."""
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
+from aiokafka.errors import KafkaConnectionError
 from aiokafka.structs import ConsumerRecord
 from cassandra.cluster import NoHostAvailable
 
@@ -43,8 +47,9 @@ async def test_a_final_sharing_its_offset_with_a_poison_one_is_stored_not_dead_l
     persister._writer = writer  # type: ignore[assignment]
     dead: list[tuple[int, int]] = []
 
-    async def dead_letter(dropped: ConsumerRecord[bytes, bytes], _: str) -> None:
+    async def dead_letter(dropped: ConsumerRecord[bytes, bytes], _: str) -> bool:
         dead.append((dropped.partition, dropped.offset))
+        return True
 
     persister._dead_letter = dead_letter  # type: ignore[method-assign,assignment]
     try:
@@ -56,3 +61,37 @@ async def test_a_final_sharing_its_offset_with_a_poison_one_is_stored_not_dead_l
         await persister._consumer.stop()
     assert stored and dead == [(0, 100)]
     assert writer.tries == {"poison": POISON_TRIES, "good": UNREACHABLE_TRIES + 1}
+
+
+class FlakyProducer:
+    """Kafka refusing the first `failures` sends (a broker restarting)."""
+
+    def __init__(self, failures: int) -> None:
+        self.failures, self.sent = failures, 0
+
+    async def send_and_wait(self, *_: Any, **__: Any) -> None:
+        if self.failures:
+            self.failures -= 1
+            raise KafkaConnectionError("broker restarting")
+        self.sent += 1
+
+
+async def test_a_dead_letter_kafka_refuses_for_a_while_is_sent_when_it_takes_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The send was made once: its KafkaError stopped persistence, and every restart met
+    the same final again."""
+    monkeypatch.setattr("consumers.persist.SEND_RETRY_S", 0.0)
+    persister = Persister(Settings())
+    real, flaky = persister._producer, FlakyProducer(failures=3)
+    persister._producer = flaky
+    try:
+        assert await persister._dead_letter(record(0, 7), "refused by the store")
+        assert flaky.sent == 1
+        flaky.failures = 1
+        persister.request_stop()  # told to stop meanwhile: left for the next owner
+        assert not await persister._dead_letter(record(0, 8), "refused by the store")
+        assert flaky.sent == 1
+    finally:
+        await real.stop()
+        await persister._consumer.stop()
