@@ -53,10 +53,6 @@ def create_app(settings: Settings, outputs: Outputs | None = None) -> faust.App:
     async def publish_rollups() -> None:
         await rollups.publish_changes()
 
-    @app.on_partitions_revoked.connect  # type: ignore[arg-type]
-    async def forget_books(sender: object, *_: object, **__: object) -> None:
-        rollups.forget_books()
-
     TABLES[app] = rollups
 
     install_pages(app, rollups, settings.analytics_token)

@@ -6,7 +6,8 @@ Bounded state, whatever the traffic:
 - a record read again after a restart is known by its offset (each rollup keeps the
   last it counted: its records all come from one partition); a copy of a usage record
   published twice is known by its request id, kept in `counted-by-user` until the
-  partition's stream time (the newest finish time it has seen) is `streams_dedupe_s`
+  partition's stream time (the newest finish time it has seen, at most CLOCK_AHEAD_MS
+  ahead of the clock) is `streams_dedupe_s`
   past it, so it holds minutes of traffic, not all of it. A copy skipped that way is
   in no rollup's offset, and its id may have expired by the time it is read again, so
   the partition keeps the offset of the last copy it skipped (`\\xffskipped/<partition>`
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -47,6 +48,9 @@ RollupKey = tuple[str, int, str, str]  # (window, start_ms, dimension, key)
 Counting = Literal["counted", "seen", "replayed"]  # what `count` made of a record
 CLOSE_GRACE_MS = 10_000  # records finishing this late still land before "closed"
 HOUSEKEEP_EVERY_S = 1.0
+# Stream time runs at most this far ahead of this clock: one record stamped by a clock
+# gone wrong would otherwise expire every window and counted id of its partition.
+CLOCK_AHEAD_MS = 10_000
 SKIPPED_PREFIX = b"\xffskipped/"  # 0xff is never in UTF-8: no counted id begins so
 
 
@@ -71,6 +75,16 @@ class RollupTables:
         self._dedupe_ms = int(settings.streams_dedupe_s * 1000)
         self._publish = publish
         self._books: dict[tuple[str, int], PartitionBook] = {}
+        for dimension in DIMENSIONS:  # the last table of each: every one is recovered
+            self._counted[dimension].on_recover(self._on_recovered(app, dimension))
+
+    def _on_recovered(self, app: faust.App, dimension: str) -> Callable[[], Awaitable[None]]:
+        async def recovered() -> None:
+            changelog = self._tables[dimension].changelog_topic.get_topic_name()
+            actives = app.assignor.assigned_actives()
+            self.reassigned(dimension, {tp.partition for tp in actives if tp.topic == changelog})
+
+        return recovered
 
     async def count(
         self,
@@ -111,7 +125,7 @@ class RollupTables:
             # (marked first, the replay skipped the record: it was never counted)
             self._counted[dimension][record_id] = f"{partition}:{at_ms}".encode()
             book.counted.append((at_ms, record_id))
-        book.stream_ms = max(book.stream_ms, at_ms)
+        _advance(book, at_ms)
         self._housekeep(dimension, book)
         return "counted"
 
@@ -140,8 +154,22 @@ class RollupTables:
         return published
 
     def forget_books(self) -> None:
-        """Partitions moved (a rebalance): books are rebuilt from the tables as needed."""
+        """A restart: books are rebuilt from the tables as needed."""
         self._books.clear()
+
+    def reassigned(self, dimension: str, partitions: set[int]) -> None:
+        """After a rebalance, once the tables are recovered: the partitions of
+        `dimension` this member owns now. A book of a partition kept stays as it is (what
+        changed is still to publish, what closed is not published again); one another
+        member took is dropped (that member publishes it). A partition new here gets its
+        book at once, quiet or not, so its windows close by the clock, with every window
+        to publish once more: what its last owner had not published yet is unknown."""
+        for key in [k for k in self._books if k[0] == dimension and k[1] not in partitions]:
+            del self._books[key]
+        for partition in partitions:
+            if (dimension, partition) not in self._books:
+                book = self._book(dimension, partition)
+                book.dirty.update(book.windows)
 
     def summaries(self, dimension: str, key: str) -> list[dict[str, Any]] | None:
         """Every window of one user or model, newest first; None for an unknown dimension."""
@@ -175,7 +203,7 @@ class RollupTables:
             rollup = Rollup.load(orjson.loads(value))
             if rollup.partition == partition:
                 book.windows[name] = (rollup.end_ms, self._expiry(rollup))
-                book.stream_ms = max(book.stream_ms, rollup.start_ms)
+                _advance(book, rollup.start_ms)
         recovered = []
         for record_id, value in self._counted[dimension].items():
             if record_id == _skipped_key(partition):
@@ -203,6 +231,10 @@ class RollupTables:
             del book.windows[name]
             book.dirty.discard(name)
             book.closed.discard(name)
+
+
+def _advance(book: PartitionBook, at_ms: int) -> None:
+    book.stream_ms = max(book.stream_ms, min(at_ms, now_ms() + CLOCK_AHEAD_MS))
 
 
 def _skipped_key(partition: int) -> bytes:

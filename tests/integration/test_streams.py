@@ -261,3 +261,41 @@ async def test_the_analytics_example_reads_the_streams(settings: Settings, kafka
         process.kill()
         await process.wait()
     raise AssertionError("the example never printed the record")
+
+
+async def test_a_window_open_at_a_restart_is_published_closed_with_no_record_after(
+    settings: Settings, kafka: str, tmp_path: Path
+) -> None:
+    """Restarted, the app had no book for a partition until a record arrived on it, so a
+    window still open at the restart was never published closed on a quiet partition."""
+    user, model = f"quiet-{uuid.uuid4().hex[:6]}", f"m-{uuid.uuid4().hex[:6]}"
+    minute = (now_ms() // 60_000 + 1) * 60_000  # the next minute: open for a while yet
+    key = f"user/{user}/1m/{minute}"
+    await publish(settings, record(user, model, minute + 1_000, prompt=3, completion=4))
+    env = {
+        "TANDOOR_STREAMS_APP_ID": f"streams-{uuid.uuid4().hex[:6]}",
+        "TANDOOR_STREAMS_WEB_PORT": str(free_port()),
+        "TANDOOR_STREAMS_PUBLISH_S": "1",
+    }
+    app = StreamsProcess(tmp_path, env)
+    app.start()
+    try:
+        await app.wait_ready()
+        latest = await eventually(
+            lambda: published(settings, f"user/{user}/"),
+            lambda found: key in found,
+            what="the open minute published",
+        )
+        assert latest[key]["requests"] == 1 and not latest[key]["closed"], latest[key]
+        assert app.terminate() == 0  # its offsets committed: nothing is read again
+        app = StreamsProcess(tmp_path, env)
+        app.start()
+        await app.wait_ready()
+        latest = await eventually(  # about 70 s after the minute began
+            lambda: published(settings, f"user/{user}/"),
+            lambda found: found[key]["closed"],
+            what="the minute published closed",
+        )
+        assert latest[key]["requests"] == 1
+    finally:
+        app.terminate()

@@ -196,11 +196,13 @@ def short_memory(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[faust.App, S
 
 
 async def test_old_windows_and_ids_expire_by_record_time(
-    short_memory: tuple[faust.App, Sink],
+    short_memory: tuple[faust.App, Sink], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     app, sink = short_memory
     tables = rollup_tables(app)
-    hour = (now_ms() // 3_600_000 + 1) * 3_600_000  # ahead of the clock: record time rules
+    hour = (now_ms() // 3_600_000 + 1) * 3_600_000
+    # The clock stays at the last record: record time rules, not how long the test takes.
+    monkeypatch.setattr("streams.tables.now_ms", lambda: hour + 599 * 2_000)
     async with app.agents["rollups-by-user"].test_context() as agent:
         for i in range(600):  # one record every 2 s for 20 minutes
             await agent.put(encode(usage(f"r{i}", at=hour + i * 2_000)))
@@ -218,7 +220,7 @@ async def test_old_windows_and_ids_expire_by_record_time(
 
 
 async def test_a_copy_read_again_after_its_id_expired_is_still_not_counted(
-    short_memory: tuple[faust.App, Sink],
+    short_memory: tuple[faust.App, Sink], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A copy skipped by its id is in no rollup's offset; read again after a restart,
     once stream time has dropped its id, it must still be known (CI found this)."""
@@ -226,6 +228,7 @@ async def test_a_copy_read_again_after_its_id_expired_is_still_not_counted(
     tables = rollup_tables(app)
     hour = (now_ms() // 3_600_000 + 1) * 3_600_000
     copy, later = usage("a", at=hour), usage("b", at=hour + 120_000)
+    monkeypatch.setattr("streams.tables.now_ms", lambda: later.finished_at_ms)
     async with app.agents["rollups-by-user"].test_context() as agent:
         for record in (copy, copy, later):  # offsets 0, 1 (skipped by id), 2 (drops the id)
             await agent.put(encode(record))
@@ -304,3 +307,21 @@ async def test_the_rollups_read_over_http_say_which_windows_are_closed(
         ("1m", False): False,
         ("1h", False): False,
     }
+
+
+async def test_a_record_from_a_clock_far_ahead_does_not_expire_the_others(
+    short_memory: tuple[faust.App, Sink],
+) -> None:
+    """Stream time is the newest finish time: one record stamped a year ahead (a worker's
+    clock gone wrong) dropped every window and counted id of its partition, so copies
+    read after it were counted twice."""
+    app, _ = short_memory
+    tables = rollup_tables(app)
+    minute = now_ms() // 60_000 * 60_000
+    first, far = usage("a", at=minute), usage("far", at=minute + 365 * 86_400_000)
+    async with app.agents["rollups-by-user"].test_context() as agent:
+        for record in (first, far, first):  # then a copy of the first
+            await agent.put(encode(record))
+    summaries = {f"{s['window']}/{s['start_ms']}": s for s in tables.summaries("user", "ada") or []}
+    assert summaries[f"1m/{minute}"]["requests"] == 1, summaries
+    assert summaries[f"1m/{far.finished_at_ms // 60_000 * 60_000}"]["requests"] == 1

@@ -1,0 +1,87 @@
+"""What a rebalance (or a restart) does to the publication of rollups: every window of a
+partition this member owns is published, and published closed once it ends, whether or
+not a record arrives after; a partition another member took is left to it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from unittest import mock
+
+import faust
+import pytest
+from faust.types import TP
+
+from schemas.codec import encode
+from schemas.events import now_ms
+from streams.app import rollup_tables
+from tests.unit.test_streams_agents import Sink, unit_app, usage
+
+
+@pytest.fixture
+def app_and_sink() -> Iterator[tuple[faust.App, Sink]]:
+    with unit_app() as made:
+        yield made
+
+
+async def rebalance(app: faust.App, partitions: set[int]) -> None:
+    """What faust does when a rebalance leaves this member `partitions` of each table:
+    the revoke signal, then, once the tables are recovered, their recovery callbacks."""
+    await app.on_partitions_revoked.send(set())
+    actives = {
+        TP(table.changelog_topic.get_topic_name(), partition)
+        for table in app.tables.values()
+        for partition in partitions
+    }
+    with mock.patch.object(app.assignor, "assigned_actives", return_value=actives):
+        for table in app.tables.values():
+            await table.call_recover_callbacks()
+
+
+async def test_a_change_not_yet_published_is_published_closed_after_a_rebalance(
+    app_and_sink: tuple[faust.App, Sink],
+) -> None:
+    """The books were dropped on every revoke: what had changed since the last
+    publication was never published, and a partition without a new record had no book,
+    so its windows were never published closed."""
+    app, sink = app_and_sink
+    minutes_ago = (now_ms() // 60_000 - 5) * 60_000
+    async with app.agents["rollups-by-user"].test_context() as agent:
+        await agent.put(encode(usage("a", at=minutes_ago)))
+    partition = next(iter(rollup_tables(app)._books))[1]
+    await rebalance(app, {partition})  # kept: the partition stays quiet after it
+    await rollup_tables(app).publish_changes()
+    minute = sink.rollups[f"user/ada/1m/{minutes_ago}"]
+    assert minute["requests"] == 1 and minute["closed"], minute
+
+
+async def test_a_window_published_closed_is_not_published_again_when_its_partition_stays(
+    app_and_sink: tuple[faust.App, Sink],
+) -> None:
+    app, _ = app_and_sink
+    tables = rollup_tables(app)
+    published: list[str] = []
+
+    async def publish(key: bytes, value: bytes) -> None:
+        published.append(key.decode())
+
+    tables._publish = publish
+    minutes_ago = (now_ms() // 60_000 - 5) * 60_000
+    async with app.agents["rollups-by-user"].test_context() as agent:
+        await agent.put(encode(usage("a", at=minutes_ago)))
+    partition = next(iter(tables._books))[1]
+    assert await tables.publish_changes() == 2  # the minute, closed, and its hour
+    await rebalance(app, {partition})
+    assert await tables.publish_changes() == 0, published
+
+
+async def test_a_partition_another_member_took_is_not_published_here(
+    app_and_sink: tuple[faust.App, Sink],
+) -> None:
+    app, sink = app_and_sink
+    minutes_ago = (now_ms() // 60_000 - 5) * 60_000
+    async with app.agents["rollups-by-user"].test_context() as agent:
+        await agent.put(encode(usage("a", at=minutes_ago)))
+    partition = next(iter(rollup_tables(app)._books))[1]
+    await rebalance(app, {partition + 1})
+    assert await rollup_tables(app).publish_changes() == 0
+    assert sink.rollups == {}
