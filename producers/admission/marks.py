@@ -5,13 +5,15 @@ cancelled, and the keys it has resolved lately."""
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 from tandoor.policies.api_keys import KeyStore, Principal
 from tandoor.policies.redis_keys import BATCH_LINE_TTL_S, batch_cancel_key, batch_line_key
 
 KEY_CACHE_S = 30.0  # a revoked key stops being honoured within this
 KEY_CACHE_SIZE = 10_000
+T = TypeVar("T")
 
 
 class LineMarks:
@@ -38,16 +40,28 @@ class CallerCache:
 
     def __init__(self, keys: KeyStore) -> None:
         self._keys = keys
-        self._cached: dict[str, tuple[float, Principal | None]] = {}
+        self._callers: dict[str, tuple[float, Principal | None]] = {}
+        self._revoked_owners: dict[str, tuple[float, str | None]] = {}
 
     async def resolve(self, key: str | None) -> Principal | None:
         if not key:
             return None
-        now = time.monotonic()
-        cached = self._cached.get(key)
-        if cached is None or now - cached[0] > KEY_CACHE_S:
-            if len(self._cached) > KEY_CACHE_SIZE:
-                self._cached.clear()
-            cached = (now, await self._keys.resolve(key))
-            self._cached[key] = cached
-        return cached[1]
+        return await _cached(self._callers, key, self._keys.resolve)
+
+    async def revoked_owner(self, key: str | None) -> str | None:
+        """Whose key it was, if it was revoked: its lines are answered to that user."""
+        if not key:
+            return None
+        return await _cached(self._revoked_owners, key, self._keys.revoked_owner)
+
+
+async def _cached(
+    cache: dict[str, tuple[float, T]], key: str, fetch: Callable[[str], Awaitable[T]]
+) -> T:
+    now = time.monotonic()
+    cached = cache.get(key)
+    if cached is None or now - cached[0] > KEY_CACHE_S:
+        if len(cache) > KEY_CACHE_SIZE:
+            cache.clear()
+        cached = cache[key] = (now, await fetch(key))
+    return cached[1]

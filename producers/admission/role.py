@@ -187,7 +187,8 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
         api_key = bearer_token(headers.get(AUTHORIZATION_HEADER))
         caller = await self.callers.resolve(api_key)
         parsed = parse_line(record.value)
-        owner = caller.user_id if caller else "-"
+        known = caller.user_id if caller else await self.callers.revoked_owner(api_key)
+        owner = known or "-"
         name = parsed.custom_id or f"@{record.partition}:{record.offset}"
         request_id = custom_line_request_id(owner, batch_id or "-", name)
         position = f"{record.partition}:{record.offset}"
@@ -209,7 +210,7 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
                 return
             if refused.kept and await self._seen_elsewhere(request_id, position):
                 refused.kept = False  # a bad repeat: its refusal must not take the first's id
-            owner_known = caller.user_id if caller and refused.kept else None
+            owner_known = known if refused.kept else None
             if not refused.kept:  # a repeat: its answer's id is not its first line's
                 request_id = custom_line_request_id(owner, batch_id or "-", f"{name}@{position}")
             await self._refuse(record, batch_id, owner_known, parsed.custom_id, request_id, refused)

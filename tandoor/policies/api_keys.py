@@ -104,6 +104,20 @@ class KeyStore:
         )
         await self._cache.delete(api_key_cache_key(digest))
 
+    async def revoked_owner(self, key: str) -> str | None:
+        """The user of a key that was made here and since revoked, else None: a batch
+        line sent with it is still that user's to see refused (an API batch counts its
+        lines' answers, and waited its whole window for one never written)."""
+        if KEY_SHAPE.fullmatch(key) is None:
+            return None
+        rows = await cql(
+            self._session,
+            "SELECT user_id, revoked FROM api_keys WHERE key_hash = %s",
+            (key_hash(key),),
+        )
+        row = rows[0] if rows else None
+        return row.user_id if row is not None and row.revoked else None
+
     async def _lookup(self, digest: str) -> Principal | None:
         rows = await cql(
             self._session,
@@ -120,6 +134,11 @@ async def create_key(settings: Settings, user_id: str, tier: str) -> tuple[str, 
     """One-shot key creation with its own connections (the CLI's)."""
     async with _one_shot(settings) as store:
         return await store.create(user_id, tier)
+
+
+async def revoke_key(settings: Settings, key: str) -> None:
+    async with _one_shot(settings) as store:
+        await store.revoke(key)
 
 
 async def resolve_key(settings: Settings, key: str) -> Principal | None:
