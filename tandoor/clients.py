@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -128,34 +128,35 @@ async def assign_from_end(consumer: AIOKafkaConsumer, topic: str) -> list[TopicP
 
 
 async def cql(session: Any, statement: Any, params: Sequence[object] = ()) -> list[Any]:
-    """Run a statement on the driver's threads and await all its rows (every page) from
-    asyncio; the driver's own asyncio reactor is experimental, this is the usual bridge."""
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future[list[Any]] = loop.create_future()
-    rows: list[Any] = []
+    """Run a statement and await all its rows (every page)."""
+    return [row async for page in cql_pages(session, statement, params) for row in page]
 
-    def settle(error: BaseException | None) -> None:
-        if done.done():
-            return
-        if error is not None:
-            done.set_exception(error)
-        else:
-            done.set_result(rows)
+
+async def cql_pages(
+    session: Any, statement: Any, params: Sequence[object] = ()
+) -> AsyncIterator[list[Any]]:
+    """A statement's rows page by page (the driver's fetch size), the next page fetched
+    only once the caller has taken this one: a partition of any size is held a page at a
+    time. Runs on the driver's threads, bridged to asyncio (the driver's own asyncio
+    reactor is experimental)."""
+    loop = asyncio.get_running_loop()
+    pages: asyncio.Queue[tuple[list[Any], bool] | BaseException] = asyncio.Queue()
 
     def on_page(page: list[Any] | None) -> None:  # None for statements without rows
-        try:
-            rows.extend(page or ())
-            if response.has_more_pages:
-                response.start_fetching_next_page()
-                return
-            error = None
-        except Exception as exc:  # on the driver's thread: hand it to the awaiting task
-            error = exc
-        loop.call_soon_threadsafe(settle, error)
+        got = (list(page or ()), bool(response.has_more_pages))
+        loop.call_soon_threadsafe(pages.put_nowait, got)
 
     response = session.execute_async(statement, params)
-    response.add_callbacks(on_page, lambda exc: loop.call_soon_threadsafe(settle, exc))
-    return await done
+    response.add_callbacks(on_page, lambda exc: loop.call_soon_threadsafe(pages.put_nowait, exc))
+    while True:
+        got = await pages.get()
+        if isinstance(got, BaseException):
+            raise got
+        page, more = got
+        yield page
+        if not more:
+            return
+        response.start_fetching_next_page()
 
 
 async def cql_together(session: Any, statements: Sequence[tuple[str, Sequence[object]]]) -> None:

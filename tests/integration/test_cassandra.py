@@ -8,9 +8,10 @@ import datetime as dt
 from collections.abc import Iterator
 
 import pytest
+from cassandra.query import SimpleStatement
 
 from infra.cql import migrate
-from tandoor.clients import cassandra_session
+from tandoor.clients import cassandra_session, cql, cql_pages
 from tandoor.settings import Settings
 
 
@@ -96,3 +97,24 @@ async def test_sidebar_lists_newest_first(cassandra: Settings, keyspace: str) ->
             return [row.conversation_id for row in rows]
 
     assert await asyncio.to_thread(write_and_list) == ["newest", "middle", "old"]
+
+
+async def test_rows_are_read_a_page_at_a_time_the_next_once_asked_for(
+    cassandra: Settings, keyspace: str
+) -> None:
+    """How a batch's output file is read: its 50,000 lines were held whole, and joined,
+    for each download."""
+    with cassandra_session(cassandra) as session:
+        session.execute(
+            f"CREATE KEYSPACE {keyspace} WITH replication = "
+            "{'class': 'SimpleStrategy', 'replication_factor': 1}"
+        )
+        session.execute(f"CREATE TABLE {keyspace}.paged (k int, c int, PRIMARY KEY (k, c))")
+        for c in range(7):
+            session.execute(f"INSERT INTO {keyspace}.paged (k, c) VALUES (1, %s)", (c,))
+        statement = SimpleStatement(f"SELECT c FROM {keyspace}.paged WHERE k = 1", fetch_size=3)
+        pages = cql_pages(session, statement)
+        assert [row.c for row in await anext(pages)] == [0, 1, 2]
+        session.execute(f"INSERT INTO {keyspace}.paged (k, c) VALUES (1, 7)")  # asked after
+        assert [[row.c for row in page] async for page in pages] == [[3, 4, 5], [6, 7]]
+        assert [row.c for row in await cql(session, statement)] == list(range(8))

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, File, Form, Query, Request, UploadFile
-from fastapi.responses import Response
+from fastapi.responses import Response, StreamingResponse
 
 from producers.gateway.auth import Caller
 from producers.gateway.batches.service import BatchService, CreateBatch
@@ -53,7 +53,10 @@ async def retrieve_file(file_id: str, caller: Caller, svc: Batches) -> dict[str,
 
 @router.get("/files/{file_id}/content")
 async def file_content(file_id: str, caller: Caller, svc: Batches) -> Response:
-    return Response(await svc.content(caller, file_id), media_type="application/octet-stream")
+    content = await svc.content(caller, file_id)
+    if isinstance(content, bytes):
+        return Response(content, media_type="application/octet-stream")
+    return StreamingResponse(content, media_type="application/octet-stream")
 
 
 @router.delete("/files/{file_id}")

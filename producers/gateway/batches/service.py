@@ -11,6 +11,7 @@ import dataclasses
 import datetime as dt
 import logging
 import uuid
+from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
 import orjson
@@ -79,14 +80,16 @@ class BatchService:
 
     async def file(self, caller: Principal, file_id: str) -> dict[str, Any]:
         if file_id.startswith((OUTPUT_PREFIX, ERROR_PREFIX)):
-            batch, content = await self._batch_file(caller, file_id)
+            batch, chunks = await self._batch_file(caller, file_id)
+            size = sum([len(chunk) async for chunk in chunks])
             kind = "output" if file_id.startswith(OUTPUT_PREFIX) else "error"
             name = f"{batch.batch_id}_{kind}.jsonl"
-            made = StoredFile(file_id, caller.user_id, "batch_output", name, len(content), _now())
+            made = StoredFile(file_id, caller.user_id, "batch_output", name, size, _now())
             return _file_object(made)
         return _file_object(await self._own_file(caller, file_id))
 
-    async def content(self, caller: Principal, file_id: str) -> bytes:
+    async def content(self, caller: Principal, file_id: str) -> bytes | AsyncIterator[bytes]:
+        """An uploaded file whole; a batch's output or error file as it is read."""
         if file_id.startswith((OUTPUT_PREFIX, ERROR_PREFIX)):
             return (await self._batch_file(caller, file_id))[1]
         await self._own_file(caller, file_id)
@@ -176,13 +179,14 @@ class BatchService:
     async def _object(self, batch: StoredBatch) -> dict[str, Any]:
         return _batch_object(batch, await self.batches.answered(batch.user_id, batch.batch_id))
 
-    async def _batch_file(self, caller: Principal, file_id: str) -> tuple[StoredBatch, bytes]:
+    async def _batch_file(
+        self, caller: Principal, file_id: str
+    ) -> tuple[StoredBatch, AsyncIterator[bytes]]:
         output = file_id.startswith(OUTPUT_PREFIX)
         batch_id = file_id.removeprefix(OUTPUT_PREFIX if output else ERROR_PREFIX)
         batch = await self._own_batch(caller, batch_id, what=f"file {file_id}")
-        rows = await self.batches.outputs(batch.user_id, batch.batch_id)
-        picked = [line for code, line in rows if (code == 200) == output]
-        return batch, b"".join(line + b"\n" for line in picked)
+        chunks = self.batches.output_lines(batch.user_id, batch.batch_id, succeeded=output)
+        return batch, await _first_read(chunks)
 
     async def _own_file(self, caller: Principal, file_id: str) -> StoredFile:
         stored = await self.files.get(file_id)
@@ -195,6 +199,20 @@ class BatchService:
         if batch is None or batch.user_id != caller.user_id:
             raise not_found(what or f"batch {batch_id}")
         return batch
+
+
+async def _first_read(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """`chunks`, its first page already read: Cassandra down is a 503 before the
+    response starts, not a 200 cut short."""
+    first = await anext(chunks, None)
+
+    async def all_chunks() -> AsyncIterator[bytes]:
+        if first is not None:
+            yield first
+        async for chunk in chunks:
+            yield chunk
+
+    return all_chunks()
 
 
 def input_lines(content: bytes, endpoint: str) -> list[bytes]:

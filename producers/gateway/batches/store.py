@@ -6,10 +6,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import datetime as dt
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from tandoor.clients import cql, cql_together
+from tandoor.clients import cql, cql_pages, cql_together
 
 CHUNK_BYTES = 512 * 1024  # a file's bytes in rows of this size, in one partition
 Order = Literal["asc", "desc"]
@@ -251,11 +252,17 @@ class BatchStore:
         last = None if last_us is None else dt.datetime.fromtimestamp(last_us / 1e6, dt.UTC)
         return Answered([row.status_code for row in rows], last)
 
-    async def outputs(self, user_id: str, batch_id: str) -> list[tuple[int | None, bytes]]:
-        """Each line's (status code, output line as JSON), in custom_id order."""
-        rows = await cql(
+    async def output_lines(
+        self, user_id: str, batch_id: str, succeeded: bool
+    ) -> AsyncIterator[bytes]:
+        """The output file (`succeeded`) or the error file, in custom_id order, a chunk
+        of lines per page read: a 50,000-line batch is never held whole."""
+        pages = cql_pages(
             self._session,
             "SELECT status_code, output FROM batch_outputs WHERE user_id = %s AND batch_id = %s",
             (user_id, batch_id),
         )
-        return [(row.status_code, row.output.encode()) for row in rows]
+        async for page in pages:
+            picked = [row.output.encode() for row in page if (row.status_code == 200) == succeeded]
+            if picked:
+                yield b"".join(line + b"\n" for line in picked)
