@@ -23,6 +23,7 @@ def prompt(
     max_tokens: int = 32,
     deadline_ms: int | None = None,
     conversation_id: str | None = None,
+    ignore_eos: bool = False,
 ) -> PromptRequest:
     return PromptRequest(
         request_id=f"req-{uuid.uuid4().hex[:12]}",
@@ -32,7 +33,8 @@ def prompt(
         band=band,
         conversation_id=conversation_id or f"conv-{uuid.uuid4().hex[:8]}",
         messages=[ChatMessage(role="user", content=text)],
-        sampling=Sampling(max_tokens=max_tokens, temperature=0.0),
+        # ignore_eos: a reply that must still be running later, whatever the hardware.
+        sampling=Sampling(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos),
         created_at_ms=now_ms(),
         deadline_ms=deadline_ms,
     )

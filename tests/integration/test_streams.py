@@ -269,9 +269,6 @@ async def test_a_window_open_at_a_restart_is_published_closed_with_no_record_aft
     """Restarted, the app had no book for a partition until a record arrived on it, so a
     window still open at the restart was never published closed on a quiet partition."""
     user, model = f"quiet-{uuid.uuid4().hex[:6]}", f"m-{uuid.uuid4().hex[:6]}"
-    minute = (now_ms() // 60_000 + 1) * 60_000  # the next minute: open for a while yet
-    key = f"user/{user}/1m/{minute}"
-    await publish(settings, record(user, model, minute + 1_000, prompt=3, completion=4))
     env = {
         "TANDOOR_STREAMS_APP_ID": f"streams-{uuid.uuid4().hex[:6]}",
         "TANDOOR_STREAMS_WEB_PORT": str(free_port()),
@@ -280,7 +277,10 @@ async def test_a_window_open_at_a_restart_is_published_closed_with_no_record_aft
     app = StreamsProcess(tmp_path, env)
     app.start()
     try:
-        await app.wait_ready()
+        await app.wait_ready()  # first: a slow start must not see the minute end
+        minute = (now_ms() // 60_000 + 1) * 60_000  # the next minute: open 60-120 s yet
+        key = f"user/{user}/1m/{minute}"
+        await publish(settings, record(user, model, minute + 1_000, prompt=3, completion=4))
         latest = await eventually(
             lambda: published(settings, f"user/{user}/"),
             lambda found: key in found,

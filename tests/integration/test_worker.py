@@ -60,17 +60,18 @@ async def test_reply_streams_in_order_then_final_and_usage(
     assert "".join(t.delta for t in tokens) == final.text
     completion = sum(t.token_count for t in tokens)
     assert completion == final.usage.completion_tokens > COALESCE_TOKENS + 1
-    # Each token goes out at once until the first word has ended (what a reader sees
-    # first); then every COALESCE_TOKENS.
+    # What the engine gives goes out at once until the first word has ended (what a
+    # reader sees first); then every COALESCE_TOKENS. The engine gives one token a step,
+    # or more where the worker read it late (vLLM merges what waited): at least.
     counts = [t.token_count for t in tokens]
     opening = next(
         i
         for i in range(1, len(tokens) + 1)
         if re.search(r"\S\s", "".join(t.delta for t in tokens[:i])) or i == OPENING_EVENTS
     )
-    assert counts[:opening] == [1] * opening, counts
-    assert all(c == COALESCE_TOKENS for c in counts[opening:-1]), counts
-    assert 1 <= counts[-1] <= COALESCE_TOKENS, counts
+    assert sum(counts[:opening]) < COALESCE_TOKENS * opening, counts  # not held back
+    assert all(c >= COALESCE_TOKENS for c in counts[opening:-1]), counts
+    assert counts[-1] >= 1, counts
     assert final.usage.prompt_tokens > 5 and final.usage.ttft_ms is not None
     assert (record.prompt_tokens, record.completion_tokens) == (
         final.usage.prompt_tokens,
@@ -113,7 +114,10 @@ async def test_cancel_while_generating_keeps_partial_usage(
     try:
         async with TokenCollector(settings) as stream:
             request = prompt(
-                worker.model, "Write a very long story about a dragon.", max_tokens=1000
+                worker.model,
+                "Write a very long story about a dragon.",
+                max_tokens=1000,
+                ignore_eos=True,
             )
             await PromptSubmitter(settings, producer).submit(request)
             await stream.first_token(request.request_id)
@@ -133,7 +137,9 @@ async def test_a_reply_goes_on_when_redis_loses_its_lease(
     worker took that for another worker taking over, stopped, and committed the prompt;
     the reply was lost and the client waited out the silence limit."""
     client = redis_client(settings)
-    request = prompt(worker.model, "Write a very long story about a dragon.", max_tokens=160)
+    request = prompt(
+        worker.model, "Write a very long story about a dragon.", max_tokens=160, ignore_eos=True
+    )
     rid = request.request_id
     try:
         async with TokenCollector(settings) as stream:
@@ -186,7 +192,9 @@ async def long_reply_running(
     submitter = PromptSubmitter(settings, producer)
     try:
         async with TokenCollector(settings) as stream:
-            long = prompt(worker.model, "Write a long essay about rivers.", max_tokens=1000)
+            long = prompt(
+                worker.model, "Write a long essay about rivers.", max_tokens=1000, ignore_eos=True
+            )
             await submitter.submit(long)
             await stream.first_token(long.request_id)
             yield LongReply(stream, submitter, client, long)

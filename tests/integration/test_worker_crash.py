@@ -84,11 +84,14 @@ async def test_kill_9_mid_generation_continues_on_the_other_worker(
             await caught_up(s, producer, settings)  # and we read all it published
 
             # SIGTERM with two requests in flight: the short one finishes within the
-            # grace period (2 s), the one longer than that is handed back.
-            handed_back = prompt(model, "Write a very long story.", max_tokens=1000)
+            # grace period (2 s: one step is left of it, over 100 ms on a slow CPU), the
+            # one longer than that is handed back.
+            handed_back = prompt(
+                model, "Write a very long story.", max_tokens=1000, ignore_eos=True
+            )
             back_partition = await submitter.submit(handed_back)
             elsewhere = set(layout.band(handed_back.band).partitions) - {back_partition}
-            short = prompt_in(layout, elsewhere, model, "Name a colour.", 8)
+            short = prompt_in(layout, elsewhere, model, "Name a colour.", 2)
             short_partition = await submitter.submit(short)
             await s.first_token(handed_back.request_id)
             await s.first_token(short.request_id)
