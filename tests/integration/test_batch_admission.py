@@ -348,10 +348,12 @@ async def test_lines_held_by_the_quota_are_answered_at_once_on_a_cancel_or_the_w
     assert sorted(r["custom_id"] for r in cancelled) == sorted(
         f"line-{i}" for i in range(HELD_LINES)
     )
-    assert sum(r["error"] is None for r in cancelled) == 1, cancelled  # the one that ran
+    # One ran (two if a slow machine took a minute to cancel: the quota's next turn).
+    ran = sum(r["error"] is None for r in cancelled)
+    assert 1 <= ran <= 2, cancelled
     codes = Counter(r["error"]["code"] for r in cancelled + expired if r["error"])
-    assert codes == {"batch_cancelled": HELD_LINES - 1, "batch_expired": 5}, codes
-    assert await queued(settings, worker.model) - before == 1  # none other reached the model
+    assert codes == {"batch_cancelled": HELD_LINES - ran, "batch_expired": 5}, codes
+    assert await queued(settings, worker.model) - before == ran  # none other reached it
 
 
 async def band_backlog(settings: Settings, model: str) -> int:

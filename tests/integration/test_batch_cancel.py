@@ -50,16 +50,23 @@ async def test_a_big_cancelled_batch_is_answered_once_per_line_while_another_run
     async with running([admission, PersistProcess(tmp_path, env)]):
         await all_results(results, held, 1)  # one line ran; the others wait for the quota
 
-        async def waiting() -> float:
-            return (await samples(admission)).get("tandoor_admission_waiting_lines", 0.0)
+        async def waiting_and_answered() -> tuple[float, int]:
+            await results.poll()
+            found = await samples(admission)
+            return found.get("tandoor_admission_waiting_lines", 0.0), len(results.of(held))
 
-        await eventually(waiting, lambda n: n == HELD - 1, what="every other line waiting")
+        # Every line waiting or answered (a slow start may see a minute pass, and the
+        # quota let a second line run).
+        await eventually(
+            waiting_and_answered, lambda got: sum(got) == HELD, what="every other line waiting"
+        )
         await redis.set(batch_cancel_key(owner, held), 1, ex=3600)  # the Batches API's cancel
         await all_results(results, held, 2)  # the cancelled lines are being answered
         await send_lines(producer, other_key, other, [question(worker.model, i) for i in range(2)])
         got_other = await all_results(results, other, 2)
         cancelled = await all_results(results, held, HELD)
     assert all(answered(r) for r in got_other)
+    ran = sum(r["error"] is None for r in cancelled)
     codes = [r["error"]["code"] for r in cancelled if r["error"]]
-    assert codes == ["batch_cancelled"] * (HELD - 1)
+    assert ran >= 1 and codes == ["batch_cancelled"] * (HELD - ran)
     assert len({r["custom_id"] for r in cancelled}) == HELD
