@@ -7,8 +7,8 @@ Bounded state, whatever the traffic:
   last it counted: its records all come from one partition); a copy of a usage record
   published twice is known by its request id, kept in `counted-by-user` until the
   partition's stream time (the newest finish time it has seen, at most CLOCK_AHEAD_MS
-  ahead of the clock) is `streams_dedupe_s`
-  past it, so it holds minutes of traffic, not all of it. A copy skipped that way is
+  ahead of the clock) is `streams_dedupe_s` past it, so it holds minutes of traffic,
+  not all of it. A copy skipped that way is
   in no rollup's offset, and its id may have expired by the time it is read again, so
   the partition keeps the offset of the last copy it skipped (`\\xffskipped/<partition>`
   in the same table: written before the ids it outlives are dropped). The per-model
@@ -75,7 +75,7 @@ class RollupTables:
         self._dedupe_ms = int(settings.streams_dedupe_s * 1000)
         self._publish = publish
         self._books: dict[tuple[str, int], PartitionBook] = {}
-        for dimension in DIMENSIONS:  # the last table of each: every one is recovered
+        for dimension in DIMENSIONS:  # called once every table is recovered
             self._counted[dimension].on_recover(self._on_recovered(app, dimension))
 
     def _on_recovered(self, app: faust.App, dimension: str) -> Callable[[], Awaitable[None]]:
@@ -152,10 +152,6 @@ class RollupTables:
                     book.closed.add(name)
                 published += 1
         return published
-
-    def forget_books(self) -> None:
-        """A restart: books are rebuilt from the tables as needed."""
-        self._books.clear()
 
     def reassigned(self, dimension: str, partitions: set[int]) -> None:
         """After a rebalance, once the tables are recovered: the partitions of

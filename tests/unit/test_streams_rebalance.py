@@ -37,6 +37,14 @@ async def rebalance(app: faust.App, partitions: set[int]) -> None:
             await table.call_recover_callbacks()
 
 
+async def count_one_record_minutes_ago(app: faust.App) -> tuple[int, int]:
+    """A record of ada's in a minute that ended 4 minutes ago: (its minute, its partition)."""
+    minutes_ago = (now_ms() // 60_000 - 5) * 60_000
+    async with app.agents["rollups-by-user"].test_context() as agent:
+        await agent.put(encode(usage("a", at=minutes_ago)))
+    return minutes_ago, next(iter(rollup_tables(app)._books))[1]
+
+
 async def test_a_change_not_yet_published_is_published_closed_after_a_rebalance(
     app_and_sink: tuple[faust.App, Sink],
 ) -> None:
@@ -44,10 +52,7 @@ async def test_a_change_not_yet_published_is_published_closed_after_a_rebalance(
     publication was never published, and a partition without a new record had no book,
     so its windows were never published closed."""
     app, sink = app_and_sink
-    minutes_ago = (now_ms() // 60_000 - 5) * 60_000
-    async with app.agents["rollups-by-user"].test_context() as agent:
-        await agent.put(encode(usage("a", at=minutes_ago)))
-    partition = next(iter(rollup_tables(app)._books))[1]
+    minutes_ago, partition = await count_one_record_minutes_ago(app)
     await rebalance(app, {partition})  # kept: the partition stays quiet after it
     await rollup_tables(app).publish_changes()
     minute = sink.rollups[f"user/ada/1m/{minutes_ago}"]
@@ -57,31 +62,19 @@ async def test_a_change_not_yet_published_is_published_closed_after_a_rebalance(
 async def test_a_window_published_closed_is_not_published_again_when_its_partition_stays(
     app_and_sink: tuple[faust.App, Sink],
 ) -> None:
-    app, _ = app_and_sink
-    tables = rollup_tables(app)
-    published: list[str] = []
-
-    async def publish(key: bytes, value: bytes) -> None:
-        published.append(key.decode())
-
-    tables._publish = publish
-    minutes_ago = (now_ms() // 60_000 - 5) * 60_000
-    async with app.agents["rollups-by-user"].test_context() as agent:
-        await agent.put(encode(usage("a", at=minutes_ago)))
-    partition = next(iter(tables._books))[1]
-    assert await tables.publish_changes() == 2  # the minute, closed, and its hour
+    app, sink = app_and_sink
+    _, partition = await count_one_record_minutes_ago(app)
+    assert await rollup_tables(app).publish_changes() == 2  # the minute, closed; its hour
+    sink.rollups.clear()
     await rebalance(app, {partition})
-    assert await tables.publish_changes() == 0, published
+    assert await rollup_tables(app).publish_changes() == 0, sink.rollups
 
 
 async def test_a_partition_another_member_took_is_not_published_here(
     app_and_sink: tuple[faust.App, Sink],
 ) -> None:
     app, sink = app_and_sink
-    minutes_ago = (now_ms() // 60_000 - 5) * 60_000
-    async with app.agents["rollups-by-user"].test_context() as agent:
-        await agent.put(encode(usage("a", at=minutes_ago)))
-    partition = next(iter(rollup_tables(app)._books))[1]
+    _, partition = await count_one_record_minutes_ago(app)
     await rebalance(app, {partition + 1})
     assert await rollup_tables(app).publish_changes() == 0
     assert sink.rollups == {}
