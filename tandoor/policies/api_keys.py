@@ -110,25 +110,22 @@ class KeyStore:
         lines' answers, and waited its whole window for one never written)."""
         if KEY_SHAPE.fullmatch(key) is None:
             return None
-        rows = await cql(
-            self._session,
-            "SELECT user_id, revoked FROM api_keys WHERE key_hash = %s",
-            (key_hash(key),),
-        )
-        row = rows[0] if rows else None
+        row = await self._row(key_hash(key))
         return row.user_id if row is not None and row.revoked else None
 
     async def _lookup(self, digest: str) -> Principal | None:
+        row = await self._row(digest)
+        if row is None or row.revoked:
+            return None
+        return Principal(user_id=row.user_id, tier=row.tier, key_id=row.key_id)
+
+    async def _row(self, digest: str) -> Any:
         rows = await cql(
             self._session,
             "SELECT key_id, user_id, tier, revoked FROM api_keys WHERE key_hash = %s",
             (digest,),
         )
-        row = rows[0] if rows else None
-        if row is None or row.revoked:
-            return None
-        return Principal(user_id=row.user_id, tier=row.tier, key_id=row.key_id)
-
+        return rows[0] if rows else None
 
 async def create_key(settings: Settings, user_id: str, tier: str) -> tuple[str, Principal]:
     """One-shot key creation with its own connections (the CLI's)."""

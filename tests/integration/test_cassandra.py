@@ -33,6 +33,7 @@ def test_migrations_apply_once(cassandra: Settings, keyspace: str) -> None:
             "0005_conversation_summary",
             "0006_files_and_batches",
             "0007_files_by_user",
+            "0008_batch_summary",
         ]
         assert migrate(session, keyspace) == []
         rows = session.execute(

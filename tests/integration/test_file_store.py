@@ -1,14 +1,19 @@
 """Listing a user's files and batches against real Cassandra: every one once, in order,
-however the pages fall, ones sharing a millisecond included."""
+however the pages fall, ones sharing a millisecond included. A batch's counts are kept
+on its row once they are final, and not before."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 from typing import Any
 
 import pytest
 
+from consumers.history import INSERT_BATCH_OUTPUT, batch_output_row
+from producers.gateway.batches.service import BatchService
 from producers.gateway.batches.store import BatchStore, FileStore, Order, StoredBatch, StoredFile
+from tandoor.policies.api_keys import Principal
 
 pytestmark = pytest.mark.integration
 
@@ -62,3 +67,33 @@ async def test_batch_pages_list_every_batch_once_newest_first(session: Any, limi
         seen += page
     same_ms = [f"b-same-{i}" for i in range(4)]  # within a millisecond: by id
     assert seen == ["b-late", *same_ms, "b-early"]
+
+
+def answer(session: Any, batch: StoredBatch, custom_id: str, status: int) -> None:
+    """An output row as the persistence consumer writes it."""
+    output = {"custom_id": custom_id, "response": {"status_code": status, "body": {}}}
+    row = batch_output_row(batch.user_id, batch.batch_id, output, 1_796_000_000_000_000)
+    session.execute(session.prepare(INSERT_BATCH_OUTPUT), row)
+
+
+async def test_a_batchs_counts_are_kept_once_final_and_read_from_its_row(session: Any) -> None:
+    service = BatchService(session, producer=None, redis=None)
+    caller = Principal("carol", "batch", "k")
+    made = StoredBatch("b-counts", "carol", "f", "/v1/chat/completions", "24h", 3, None, AT, None)
+    made = dataclasses.replace(made, created_at=dt.datetime.now(dt.UTC).replace(tzinfo=None))
+    await service.batches.create(made)
+    answer(session, made, "a", 200)
+    answer(session, made, "b", 400)
+    shown = await service.retrieve(caller, "b-counts")
+    assert shown["status"] == "in_progress"
+    assert (await service.batches.get("b-counts")).settled is None  # type: ignore[union-attr]
+    answer(session, made, "c", 200)
+    finished = await service.retrieve(caller, "b-counts")
+    assert finished["status"] == "completed"
+    assert finished["request_counts"] == {"total": 3, "completed": 2, "failed": 1}
+    stored = await service.batches.get("b-counts")
+    assert stored is not None and stored.settled is not None
+    # Read from the row now: an output row that could not come any more is not counted.
+    answer(session, made, "d", 200)
+    assert await service.retrieve(caller, "b-counts") == finished
+    assert (await service.list(caller, limit=5, after=None))["data"] == [finished]

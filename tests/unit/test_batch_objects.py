@@ -7,7 +7,7 @@ import datetime as dt
 import orjson
 import pytest
 
-from producers.gateway.batches.service import MAX_LINES, _batch_object, input_lines
+from producers.gateway.batches.service import MAX_LINES, _batch_object, _settled, input_lines
 from producers.gateway.batches.store import Answered, StoredBatch
 from producers.gateway.errors import ApiError
 from schemas.batch import MAX_LINE_BYTES
@@ -33,7 +33,7 @@ def batch(age: dt.timedelta, cancelled: bool) -> StoredBatch:
 def test_a_batch_with_lines_unanswered_ends_with_its_window(
     age_h: int, cancelled: bool, status: str
 ) -> None:
-    shown = _batch_object(batch(dt.timedelta(hours=age_h), cancelled), Answered([200]))
+    shown = _batch_object(batch(dt.timedelta(hours=age_h), cancelled), Answered.of([200]))
     assert shown["status"] == status
     assert shown["request_counts"] == {"total": 3, "completed": 1, "failed": 0}
 
@@ -42,11 +42,11 @@ def test_an_expired_batch_stays_expired_once_its_unrun_lines_are_answered() -> N
     """Past the window, admission answers the lines not run yet `batch_expired` (no HTTP
     answer): every line is then answered, and the batch is still expired, not completed."""
     late = batch(dt.timedelta(hours=25), cancelled=False)
-    shown = _batch_object(late, Answered([200, None, None]))
+    shown = _batch_object(late, Answered.of([200, None, None]))
     assert shown["status"] == "expired" and shown["completed_at"] is None
     assert shown["request_counts"] == {"total": 3, "completed": 1, "failed": 2}
     done_at = dt.datetime(2026, 12, 1, 12, tzinfo=dt.UTC)
-    completed = _batch_object(late, Answered([200, 400, 200], done_at))
+    completed = _batch_object(late, Answered.of([200, 400, 200], done_at))
     assert completed["status"] == "completed"  # every line ran
     assert completed["completed_at"] == int(done_at.timestamp())  # when, not "now"
 
@@ -71,8 +71,8 @@ def test_an_expired_batch_does_not_turn_completed_when_its_running_lines_finish(
     SDK and `tandoor batch collect` stop there), then completed once they finished."""
     late = batch(dt.timedelta(hours=25), cancelled=False)
     window_end = (late.created_at + dt.timedelta(hours=24)).replace(tzinfo=dt.UTC)
-    assert _batch_object(late, Answered([200, 200]))["status"] == "expired"
-    finished_late = Answered([200, 200, 200], window_end + dt.timedelta(minutes=5))
+    assert _batch_object(late, Answered.of([200, 200]))["status"] == "expired"
+    finished_late = Answered.of([200, 200, 200], window_end + dt.timedelta(minutes=5))
     shown = _batch_object(late, finished_late)
     assert shown["status"] == "expired" and shown["completed_at"] is None
     assert shown["request_counts"] == {"total": 3, "completed": 3, "failed": 0}
@@ -84,3 +84,22 @@ def test_a_file_of_too_many_lines_is_refused_without_parsing_the_rest() -> None:
     many = b"\n".join(line(f"c{i}", "hi") for i in range(MAX_LINES + 1))
     with pytest.raises(ApiError, match=f"more than {MAX_LINES} lines"):
         input_lines(many + b"\nnot JSON, and never read\n", URL)
+
+
+@pytest.mark.parametrize(
+    ("age_h", "cancelled", "codes", "settled"),
+    [
+        (1, False, [200, 400, 200], True),  # completed
+        (1, True, [200, None, None], True),  # cancelled, every line answered
+        (1, False, [200, 200], False),  # in progress
+        (1, True, [200], False),  # cancelling
+        (25, True, [200], False),  # cancelled by its window: unrun lines answered later
+        (25, False, [200, None, None], False),  # expired: running lines still counted
+    ],
+)
+def test_only_counts_no_answer_can_change_are_kept(
+    age_h: int, cancelled: bool, codes: list[int | None], settled: bool
+) -> None:
+    """A batch's counts are kept on its row, and read from there from then on: kept too
+    early, an answer that came later would never show."""
+    assert _settled(batch(dt.timedelta(hours=age_h), cancelled), Answered.of(codes)) is settled

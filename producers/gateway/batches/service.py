@@ -30,7 +30,7 @@ from producers.gateway.batches.store import (
 )
 from producers.gateway.errors import ApiError, not_found, unavailable
 from schemas.batch import MAX_CUSTOM_ID_CHARS, MAX_LINE_BYTES
-from tandoor.clients import REDIS_DOWN
+from tandoor.clients import CASSANDRA_DOWN, REDIS_DOWN
 from tandoor.policies.api_keys import Principal
 from tandoor.policies.redis_keys import BATCH_LINE_TTL_S, batch_cancel_key
 
@@ -136,7 +136,7 @@ class BatchService:
             raise unavailable("the batch could not be queued (Kafka)") from exc
         # No read from here on: a failure now would answer "nothing was changed" to a
         # batch that runs, and the client's retry would run it twice.
-        return _batch_object(batch, Answered([]))
+        return _batch_object(batch, Answered())
 
     async def _withdraw(self, batch: StoredBatch) -> None:
         """A batch only part queued: admission answers the lines that got out and are
@@ -155,7 +155,7 @@ class BatchService:
     async def list(self, caller: Principal, limit: int, after: str | None) -> dict[str, Any]:
         since = await self._own_batch(caller, after) if after else None
         ids = await self.batches.of_user(caller.user_id, limit + 1, since)
-        data = [await self.retrieve(caller, batch_id) for batch_id in ids[:limit]]
+        data = await asyncio.gather(*(self.retrieve(caller, batch_id) for batch_id in ids[:limit]))
         return _page(data, has_more=len(ids) > limit)
 
     async def cancel(self, caller: Principal, batch_id: str) -> dict[str, Any]:
@@ -177,7 +177,15 @@ class BatchService:
         return dataclasses.replace(batch, cancelled_at=at)
 
     async def _object(self, batch: StoredBatch) -> dict[str, Any]:
-        return _batch_object(batch, await self.batches.answered(batch.user_id, batch.batch_id))
+        if batch.settled is not None:
+            return _batch_object(batch, batch.settled)
+        answered = await self.batches.answered(batch.user_id, batch.batch_id)
+        if _settled(batch, answered):
+            try:
+                await self.batches.settle(batch.batch_id, answered)
+            except CASSANDRA_DOWN as exc:  # counted again next time: still right
+                log.warning("%s: counts not kept (%r)", batch.batch_id, exc)
+        return _batch_object(batch, answered)
 
     async def _batch_file(
         self, caller: Principal, file_id: str
@@ -251,8 +259,7 @@ def input_lines(content: bytes, endpoint: str) -> list[bytes]:
 
 def _batch_object(batch: StoredBatch, answered: Answered) -> dict[str, Any]:
     """OpenAI's batch object, from the lines answered so far."""
-    codes = answered.codes
-    completed, failed = sum(code == 200 for code in codes), sum(code != 200 for code in codes)
+    completed, failed = answered.succeeded, answered.failed
     status = _status(batch, answered)
     final = status in ("completed", "cancelled", "expired")
     created, expires = _epoch(batch.created_at), _epoch(batch.created_at + COMPLETION_WINDOW)
@@ -281,9 +288,16 @@ def _batch_object(batch: StoredBatch, answered: Answered) -> dict[str, Any]:
     }
 
 
+def _settled(batch: StoredBatch, answered: Answered) -> bool:
+    """No answer can change these counts any more: every line is answered, and the
+    batch is completed or cancelled. An expired batch still counts lines that were
+    running at the window's end."""
+    done = answered.count >= batch.total
+    return done and _status(batch, answered) in ("completed", "cancelled")
+
+
 def _status(batch: StoredBatch, answered: Answered) -> str:
-    codes = answered.codes
-    done = len(codes) >= batch.total
+    done = answered.count >= batch.total
     window_end = batch.created_at + COMPLETION_WINDOW
     if batch.cancelled_at is not None:  # lines never answered end with the window too
         return "cancelled" if done or _now() > window_end else "cancelling"
@@ -293,7 +307,7 @@ def _status(batch: StoredBatch, answered: Answered) -> str:
     # stop polling at expired and would never see it).
     last = answered.last_at
     in_window = last is None or last.replace(tzinfo=None) <= window_end
-    if _now() > window_end and not (done and None not in codes and in_window):
+    if _now() > window_end and not (done and not answered.unstatused and in_window):
         return "expired"
     return "completed" if done else "in_progress"
 

@@ -1,12 +1,13 @@
 """Files and batches in Cassandra (infra/migrations/0006_files_and_batches.cql,
-0007_files_by_user.cql)."""
+0007_files_by_user.cql, 0008_batch_summary.cql)."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import datetime as dt
-from collections.abc import AsyncIterator
+from collections import Counter
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -28,10 +29,22 @@ class StoredFile:
 
 @dataclass(frozen=True)
 class Answered:
-    """A batch's lines answered so far: each one's HTTP status, and when the last was."""
+    """A batch's lines answered so far, by outcome, and when the last was answered."""
 
-    codes: list[int | None]
+    succeeded: int = 0  # HTTP 200
+    failed: int = 0  # any other answer, `unstatused` included
+    unstatused: int = 0  # errors without an HTTP status (the window ended them)
     last_at: dt.datetime | None = None
+
+    @classmethod
+    def of(cls, codes: Iterable[int | None], last_at: dt.datetime | None = None) -> Answered:
+        counted = Counter("ok" if c == 200 else "none" if c is None else "failed" for c in codes)
+        unstatused = counted["none"]
+        return cls(counted["ok"], counted["failed"] + unstatused, unstatused, last_at)
+
+    @property
+    def count(self) -> int:
+        return self.succeeded + self.failed
 
 
 @dataclass(frozen=True)
@@ -45,6 +58,7 @@ class StoredBatch:
     metadata: dict[str, str] | None
     created_at: dt.datetime
     cancelled_at: dt.datetime | None
+    settled: Answered | None = None  # its final counts, once no answer can change them
 
 
 class FileStore:
@@ -195,14 +209,19 @@ class BatchStore:
         rows = await cql(
             self._session,
             "SELECT batch_id, user_id, input_file_id, endpoint, completion_window, total, "
-            "metadata, created_at, cancelled_at FROM api_batches WHERE batch_id = %s",
+            "metadata, created_at, cancelled_at, settled_succeeded, settled_failed, "
+            "settled_unstatused, settled_last_at FROM api_batches WHERE batch_id = %s",
             (batch_id,),
         )
         if not rows:
             return None
-        found = StoredBatch(*rows[0])
+        *stored, succeeded, failed, unstatused, last_at = rows[0]
+        found = StoredBatch(*stored)
         metadata = dict(found.metadata) if found.metadata else None  # the driver's map type
-        return dataclasses.replace(found, metadata=metadata)
+        settled = None
+        if succeeded is not None:
+            settled = Answered(succeeded, failed, unstatused, _utc(last_at))
+        return dataclasses.replace(found, metadata=metadata, settled=settled)
 
     async def of_user(self, user_id: str, limit: int, after: StoredBatch | None) -> list[str]:
         """Batch ids, newest first, after `after` (a page's last): the rest of its
@@ -240,17 +259,30 @@ class BatchStore:
         )
 
     async def answered(self, user_id: str, batch_id: str) -> Answered:
-        """The lines answered so far: each one's HTTP status (None for an error without
-        one), and when the last answer was stored."""
-        rows = await cql(
+        """The lines answered so far, counted a page at a time (a batch may have 50,000)."""
+        codes: Counter[int | None] = Counter()
+        last_us = 0
+        pages = cql_pages(
             self._session,
             "SELECT status_code, WRITETIME(output) AS written FROM batch_outputs "
             "WHERE user_id = %s AND batch_id = %s",
             (user_id, batch_id),
         )
-        last_us = max((row.written for row in rows if row.written), default=None)
-        last = None if last_us is None else dt.datetime.fromtimestamp(last_us / 1e6, dt.UTC)
-        return Answered([row.status_code for row in rows], last)
+        async for page in pages:
+            codes.update(row.status_code for row in page)
+            last_us = max([last_us, *(row.written or 0 for row in page)])
+        last = dt.datetime.fromtimestamp(last_us / 1e6, dt.UTC) if last_us else None
+        return Answered.of(codes.elements(), last)
+
+    async def settle(self, batch_id: str, answered: Answered) -> None:
+        """Keep a finished batch's counts on its row: every later read of it is one row,
+        not every line's answer again (the list reads each batch on its page)."""
+        await cql(
+            self._session,
+            "UPDATE api_batches SET settled_succeeded = %s, settled_failed = %s, "
+            "settled_unstatused = %s, settled_last_at = %s WHERE batch_id = %s",
+            (answered.succeeded, answered.failed, answered.unstatused, answered.last_at, batch_id),
+        )
 
     async def output_lines(
         self, user_id: str, batch_id: str, succeeded: bool
@@ -266,3 +298,8 @@ class BatchStore:
             picked = [row.output.encode() for row in page if (row.status_code == 200) == succeeded]
             if picked:
                 yield b"".join(line + b"\n" for line in picked)
+
+
+def _utc(at: dt.datetime | None) -> dt.datetime | None:
+    """The driver reads timestamps back without a zone; they are UTC."""
+    return at.replace(tzinfo=dt.UTC) if at is not None and at.tzinfo is None else at
