@@ -127,6 +127,7 @@ class KeyStore:
         )
         return rows[0] if rows else None
 
+
 async def create_key(settings: Settings, user_id: str, tier: str) -> tuple[str, Principal]:
     """One-shot key creation with its own connections (the CLI's)."""
     async with _one_shot(settings) as store:
