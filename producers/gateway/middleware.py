@@ -13,13 +13,16 @@ CORS_METHODS = ["GET", "POST", "PATCH", "DELETE"]
 CORS_HEADERS = ["Authorization", "Content-Type", "Last-Event-ID"]
 CORS_EXPOSED = ["X-Request-Id", "Retry-After"]
 
+MULTIPART_ROOM = 64 * 1024  # the form around an uploaded file: boundaries, part headers
+
 
 def install_middleware(app: FastAPI, settings: Settings) -> None:
     app.add_middleware(
         RequestLimits,
         max_body_bytes=settings.gateway_max_body_bytes,
         max_headers=settings.gateway_max_headers,
-        larger_bodies={"/v1/files": settings.gateway_max_file_bytes},
+        # The file's own size is checked by its route; the body also holds the form.
+        larger_bodies={"/v1/files": settings.gateway_max_file_bytes + MULTIPART_ROOM},
     )
     if settings.cors_origins:
         # Added last, so it runs first: a listed origin's page can read a 413 too.

@@ -25,13 +25,18 @@ from tandoor.settings import Settings
 
 pytestmark = pytest.mark.integration
 
+FILE_LIMIT = 1024 * 1024  # the gateway's largest upload here (64 MiB by default)
+
 
 @pytest.fixture(scope="module")
 async def gateway(
     kafka: str, cassandra: Settings, redis_url: str, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[httpx.AsyncClient]:
     """A gateway process (a client that leaves a stream early really closes it)."""
-    env = {"TANDOOR_GATEWAY_GROUP": f"gw-hostile-{uuid.uuid4().hex[:8]}"}
+    env = {
+        "TANDOOR_GATEWAY_GROUP": f"gw-hostile-{uuid.uuid4().hex[:8]}",
+        "TANDOOR_GATEWAY_MAX_FILE_BYTES": str(FILE_LIMIT),
+    }
     process = GatewayProcess(tmp_path_factory.mktemp("hostile"), free_port(), env)
     async with idle_worker(cassandra, cassandra.served_models[0]), running([process]):
         url = f"http://127.0.0.1:{process.port}"
@@ -350,3 +355,40 @@ async def test_batch_metadata_past_openais_limits_is_a_400(
     answer = await gateway.post("/v1/batches", json=body, headers=headers)
     assert answer.status_code == 400, answer.text
     assert answer.json()["error"]["param"].startswith("metadata"), answer.json()
+
+
+@pytest.mark.parametrize(
+    "path", ["/v1/files/file-out-", "/v1/files/file-err-", "/v1/files/file-out-/content"]
+)
+async def test_a_batch_file_of_no_batch_is_a_404(
+    gateway: httpx.AsyncClient, headers: dict[str, str], path: str
+) -> None:
+    """An empty batch id reached Cassandra, which refuses an empty key: a bare 500."""
+    answer = await gateway.get(path, headers=headers)
+    assert answer.status_code == 404, answer.text
+    assert answer.json()["error"]["type"] == "not_found_error", answer.json()
+
+
+async def test_a_file_of_the_largest_size_is_taken_and_one_byte_more_is_a_413(
+    gateway: httpx.AsyncClient, headers: dict[str, str]
+) -> None:
+    """The limit was applied to the whole form, so a file of exactly the documented
+    size was refused (its boundaries and part headers counted)."""
+    line = b'{"custom_id": "a"}\n'
+    largest = line + b" " * (FILE_LIMIT - len(line))
+    taken = await gateway.post(
+        "/v1/files",
+        files={"file": ("f.jsonl", largest)},
+        data={"purpose": "batch"},
+        headers=headers,
+    )
+    assert taken.status_code == 200, taken.text
+    assert taken.json()["bytes"] == FILE_LIMIT
+    over = await gateway.post(
+        "/v1/files",
+        files={"file": ("f.jsonl", largest + b" ")},
+        data={"purpose": "batch"},
+        headers=headers,
+    )
+    assert over.status_code == 413, over.text
+    assert over.json()["error"]["param"] == "file", over.json()

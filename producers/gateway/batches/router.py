@@ -11,6 +11,7 @@ from fastapi.responses import Response, StreamingResponse
 from producers.gateway.auth import Caller
 from producers.gateway.batches.service import BatchService, CreateBatch
 from producers.gateway.batches.store import Order
+from producers.gateway.errors import ApiError
 from producers.gateway.json_body import StrictJsonRoute
 from producers.gateway.services import Services, services
 
@@ -28,9 +29,13 @@ Batches = Annotated[BatchService, Depends(batch_service)]
 async def upload_file(
     caller: Caller,
     svc: Batches,
+    deps: Annotated[Services, Depends(services)],
     file: Annotated[UploadFile, File(description="JSONL, one request per line")],
     purpose: Annotated[str, Form()],
 ) -> dict[str, Any]:
+    limit = deps.settings.gateway_max_file_bytes
+    if file.size is not None and file.size > limit:
+        raise ApiError(413, f"the file is {file.size} bytes: at most {limit}", param="file")
     return await svc.upload(caller, file.filename or "upload.jsonl", purpose, await file.read())
 
 

@@ -11,10 +11,11 @@ import dataclasses
 import datetime as dt
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Annotated, Any, Literal
 
 import orjson
+import re2
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 from pydantic import BaseModel, ConfigDict, Field
@@ -39,6 +40,7 @@ log = logging.getLogger(__name__)
 MAX_LINES = 50_000
 COMPLETION_WINDOW = dt.timedelta(hours=24)
 PARAM = "input_file_id"  # what a bad input file is reported against
+NOT_BLANK = re2.compile(rb"[^\S\r\n]*\S[^\r\n]*")  # a line with more than white space
 OUTPUT_PREFIX, ERROR_PREFIX = "file-out-", "file-err-"  # a batch's files, made when read
 
 
@@ -203,7 +205,7 @@ class BatchService:
         return stored
 
     async def _own_batch(self, caller: Principal, batch_id: str, what: str = "") -> StoredBatch:
-        batch = await self.batches.get(batch_id)
+        batch = await self.batches.get(batch_id) if batch_id else None  # Cassandra: 500
         if batch is None or batch.user_id != caller.user_id:
             raise not_found(what or f"batch {batch_id}")
         return batch
@@ -223,14 +225,25 @@ async def _first_read(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     return all_chunks()
 
 
+def _numbered_lines(content: bytes) -> Iterator[tuple[int, bytes]]:
+    """The lines that are not blank, with their numbers (split as bytes.splitlines
+    does), found one at a time in linear time: a file of 64 MiB of newlines was 64
+    million line objects (650 MB, 3 s) before the cap on lines could say no."""
+    number, start = 1, 0
+    for found in NOT_BLANK.finditer(content):
+        between = (start, found.start())
+        number += content.count(b"\n", *between) + content.count(b"\r", *between)
+        number -= content.count(b"\r\n", *between)
+        start = found.start()
+        yield number, found.group()
+
+
 def input_lines(content: bytes, endpoint: str) -> list[bytes]:
     """The file's lines, each checked as far as the batch as a whole needs: JSON with a
     unique custom_id, for the batch's endpoint. What each request asks is checked by
     admission, which answers a bad one with an error line."""
     lines, seen = [], set()
-    for number, raw in enumerate(content.splitlines(), start=1):
-        if not raw.strip():
-            continue
+    for number, raw in _numbered_lines(content):
         if len(raw) > MAX_LINE_BYTES:  # Kafka would refuse it half-way through the batch
             raise ApiError(
                 400, f"line {number} is {len(raw)} bytes: at most {MAX_LINE_BYTES}", param=PARAM
