@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import uuid
 from typing import Any
 
 import pytest
@@ -13,6 +14,7 @@ import pytest
 from consumers.history import INSERT_BATCH_OUTPUT, batch_output_row
 from producers.gateway.batches.service import BatchService
 from producers.gateway.batches.store import BatchStore, FileStore, Order, StoredBatch, StoredFile
+from producers.gateway.errors import ApiError
 from tandoor.policies.api_keys import Principal
 
 pytestmark = pytest.mark.integration
@@ -97,3 +99,26 @@ async def test_a_batchs_counts_are_kept_once_final_and_read_from_its_row(session
     answer(session, made, "d", 200)
     assert await service.retrieve(caller, "b-counts") == finished
     assert (await service.list(caller, limit=5, after=None))["data"] == [finished]
+
+
+async def test_deleting_each_file_as_it_is_listed_deletes_them_all(session: Any) -> None:
+    """OpenAI's usual clean-up: the next page starts after a file just deleted, which
+    was a 404 on page 2."""
+    service = BatchService(session, producer=None, redis=None)
+    caller = Principal(f"dave-{uuid.uuid4().hex[:6]}", "batch", "k")
+    uploaded = [
+        (await service.upload(caller, f"{i}.jsonl", "batch", b"{}\n"))["id"] for i in range(5)
+    ]
+    deleted, after = [], None
+    while True:
+        page = await service.list_files(caller, limit=2, order="desc", after=after, purpose=None)
+        for listed in page["data"]:
+            deleted.append((await service.delete_file(caller, listed["id"]))["id"])
+        if not page["has_more"]:
+            break
+        after = page["data"][-1]["id"]
+    assert sorted(deleted) == sorted(uploaded)
+    assert (await service.list_files(caller, 10, "desc", None, None))["data"] == []
+    with pytest.raises(ApiError) as gone:  # a cursor naming no time is still unknown
+        await service.list_files(caller, 2, "desc", f"file-{uuid.uuid4().hex}", None)
+    assert gone.value.status == 404

@@ -42,6 +42,7 @@ COMPLETION_WINDOW = dt.timedelta(hours=24)
 PARAM = "input_file_id"  # what a bad input file is reported against
 NOT_BLANK = re2.compile(rb"[^\S\r\n]*\S[^\r\n]*")  # a line with more than white space
 OUTPUT_PREFIX, ERROR_PREFIX = "file-out-", "file-err-"  # a batch's files, made when read
+EPOCH = dt.datetime(1970, 1, 1)  # naive UTC, as the stored times are
 
 
 # OpenAI's limits: 16 pairs, keys up to 64 characters, values up to 512.
@@ -74,8 +75,9 @@ class BatchService:
             raise ApiError(400, "only purpose 'batch' is supported", param="purpose")
         if not _is_unicode(filename):  # a multipart charset may decode to half a pair
             raise ApiError(400, "the file's name is not valid Unicode text", param="file")
+        created = _now()
         stored = StoredFile(
-            f"file-{uuid.uuid4().hex}", caller.user_id, purpose, filename[:256], len(data), _now()
+            _file_id(created), caller.user_id, purpose, filename[:256], len(data), created
         )
         await self.files.create(stored, data)
         return _file_object(stored)
@@ -107,7 +109,7 @@ class BatchService:
         """The caller's uploads (a batch's output and error files are reached from it)."""
         if purpose not in (None, "batch"):  # the only purpose an upload may have here
             return _page([], has_more=False)
-        since = await self._own_file(caller, after) if after else None
+        since = await self._file_cursor(caller, after) if after else None
         found = await self.files.of_user(caller.user_id, limit + 1, order, since)
         return _page([_file_object(f) for f in found[:limit]], has_more=len(found) > limit)
 
@@ -202,6 +204,17 @@ class BatchService:
         stored = await self.files.get(file_id)
         if stored is None or stored.user_id != caller.user_id:
             raise not_found(f"file {file_id}")  # someone else's looks the same
+        return stored
+
+    async def _file_cursor(self, caller: Principal, after: str) -> StoredFile:
+        """Where a page of files ends. Its last file may be gone already (the usual
+        clean-up deletes each file as it is listed): its id tells where it was. Another
+        user's file is no cursor."""
+        stored = await self.files.get(after)
+        if stored is None and (created := _file_created(after)) is not None:
+            return StoredFile(after, caller.user_id, "batch", "", 0, created)
+        if stored is None or stored.user_id != caller.user_id:
+            raise not_found(f"file {after}")
         return stored
 
     async def _own_batch(self, caller: Principal, batch_id: str, what: str = "") -> StoredBatch:
@@ -346,6 +359,20 @@ def _file_object(stored: StoredFile) -> dict[str, Any]:
         "purpose": stored.purpose,
         "status": "processed",
     }
+
+
+def _file_id(created: dt.datetime) -> str:
+    """An upload's id names its millisecond, so a page may end at a deleted file."""
+    ms = (created - EPOCH) // dt.timedelta(milliseconds=1)
+    return f"file-t{ms:012x}{uuid.uuid4().hex[:20]}"  # "t": no uuid4 hex id looks so
+
+
+def _file_created(file_id: str) -> dt.datetime | None:
+    """When a file with this id was uploaded, if its id says so."""
+    stamp = re2.fullmatch(r"file-t([0-9a-f]{12})[0-9a-f]{20}", file_id)
+    if stamp is None:
+        return None  # an id from before ids named their time
+    return EPOCH + dt.timedelta(milliseconds=int(stamp.group(1), 16))
 
 
 def _now() -> dt.datetime:
