@@ -260,7 +260,7 @@ class BatchStore:
 
     async def answered(self, user_id: str, batch_id: str) -> Answered:
         """The lines answered so far, counted a page at a time (a batch may have 50,000)."""
-        codes: Counter[int | None] = Counter()
+        codes: list[int | None] = []
         last_us = 0
         pages = cql_pages(
             self._session,
@@ -269,10 +269,10 @@ class BatchStore:
             (user_id, batch_id),
         )
         async for page in pages:
-            codes.update(row.status_code for row in page)
+            codes += (row.status_code for row in page)
             last_us = max([last_us, *(row.written or 0 for row in page)])
         last = dt.datetime.fromtimestamp(last_us / 1e6, dt.UTC) if last_us else None
-        return Answered.of(codes.elements(), last)
+        return Answered.of(codes, last)
 
     async def settle(self, batch_id: str, answered: Answered) -> None:
         """Keep a finished batch's counts on its row: every later read of it is one row,
