@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import datetime as dt
 import tracemalloc
 
@@ -124,3 +125,28 @@ def test_lines_are_numbered_as_the_file_is_split() -> None:
     ok = line("a", "x")
     with pytest.raises(ApiError, match="line 5 is not JSON"):
         input_lines(ok + b"\r\n\n \r" + line("b", "y") + b"\rnot json\n", URL)
+
+
+def test_a_cancel_that_comes_after_the_last_answer_leaves_the_batch_completed() -> None:
+    """A cancel reads the batch in progress, its last line is answered meanwhile, then the
+    cancel is written: the batch was already shown completed and stays so. A cancel
+    written before the last answer still cancels it."""
+    cancelled = batch(dt.timedelta(hours=1), cancelled=True)
+    assert cancelled.cancelled_at is not None
+    at = cancelled.cancelled_at.replace(tzinfo=dt.UTC)
+    before = _batch_object(cancelled, Answered.of([200, 200, 400], at - dt.timedelta(seconds=1)))
+    assert before["status"] == "completed"
+    assert before["cancelled_at"] is None and before["cancelling_at"] is None
+    assert before["output_file_id"] and before["error_file_id"]
+    after = _batch_object(cancelled, Answered.of([200, None, None], at + dt.timedelta(seconds=1)))
+    assert after["status"] == "cancelled" and after["cancelled_at"] == int(at.timestamp())
+
+
+def test_a_file_that_starts_with_a_byte_order_mark_is_read_as_without_it() -> None:
+    """Windows tools (PowerShell 5's `Out-File -Encoding utf8`, Notepad) start a UTF-8
+    file with a byte order mark: its first line is still JSON. A mark anywhere else is
+    not."""
+    first, second = line("a", "hi"), line("b", "there")
+    assert input_lines(codecs.BOM_UTF8 + first + b"\r\n" + second, URL) == [first, second]
+    with pytest.raises(ApiError, match="line 2 is not JSON"):
+        input_lines(first + b"\n" + codecs.BOM_UTF8 + second, URL)

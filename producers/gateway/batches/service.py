@@ -7,6 +7,7 @@ and error files."""
 from __future__ import annotations
 
 import asyncio
+import codecs
 import dataclasses
 import datetime as dt
 import logging
@@ -241,9 +242,10 @@ async def _first_read(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
 def _numbered_lines(content: bytes) -> Iterator[tuple[int, bytes]]:
     """The lines that are not blank, with their numbers (split as bytes.splitlines
     does), found one at a time in linear time: a file of 64 MiB of newlines was 64
-    million line objects (650 MB, 3 s) before the cap on lines could say no."""
-    number, start = 1, 0
-    for found in NOT_BLANK.finditer(content):
+    million line objects (650 MB, 3 s) before the cap on lines could say no. A byte
+    order mark that starts the file (Windows tools write one) is not part of line 1."""
+    number, start = 1, len(codecs.BOM_UTF8) if content.startswith(codecs.BOM_UTF8) else 0
+    for found in NOT_BLANK.finditer(content, start):
         between = (start, found.start())
         number += content.count(b"\n", *between) + content.count(b"\r", *between)
         number -= content.count(b"\r\n", *between)
@@ -289,7 +291,8 @@ def _batch_object(batch: StoredBatch, answered: Answered) -> dict[str, Any]:
     status = _status(batch, answered)
     final = status in ("completed", "cancelled", "expired")
     created, expires = _epoch(batch.created_at), _epoch(batch.created_at + COMPLETION_WINDOW)
-    cancelling = _epoch(batch.cancelled_at) if batch.cancelled_at else None
+    cancel_shown = status in ("cancelling", "cancelled")
+    cancelling = _epoch(batch.cancelled_at) if batch.cancelled_at and cancel_shown else None
     return {
         "id": batch.batch_id,
         "object": "batch",
@@ -325,7 +328,7 @@ def _settled(batch: StoredBatch, answered: Answered) -> bool:
 def _status(batch: StoredBatch, answered: Answered) -> str:
     done = answered.count >= batch.total
     window_end = batch.created_at + COMPLETION_WINDOW
-    if batch.cancelled_at is not None:  # lines never answered end with the window too
+    if _cancelled_in_time(batch, answered, done):  # unanswered lines end with the window
         return "cancelled" if done or _now() > window_end else "cancelling"
     # A line with no HTTP answer in a batch not cancelled is one the window ended
     # (`batch_expired`). Expired is final: lines still running at the window's end
@@ -336,6 +339,15 @@ def _status(batch: StoredBatch, answered: Answered) -> str:
     if _now() > window_end and not (done and not answered.unstatused and in_window):
         return "expired"
     return "completed" if done else "in_progress"
+
+
+def _cancelled_in_time(batch: StoredBatch, answered: Answered, done: bool) -> bool:
+    """A cancel counts unless every line was answered before it: it read the batch in
+    progress, the last line finished meanwhile, and clients saw it completed."""
+    if batch.cancelled_at is None:
+        return False
+    last = answered.last_at
+    return not (done and last is not None and last.replace(tzinfo=None) <= batch.cancelled_at)
 
 
 def _page(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
