@@ -9,7 +9,8 @@ import tracemalloc
 import orjson
 import pytest
 
-from producers.gateway.batches.service import MAX_LINES, _batch_object, _settled, input_lines
+from producers.gateway.batches.input_file import MAX_LINES, input_lines
+from producers.gateway.batches.objects import batch_object, is_settled
 from producers.gateway.batches.store import Answered, StoredBatch
 from producers.gateway.errors import ApiError
 from schemas.batch import MAX_LINE_BYTES
@@ -35,7 +36,7 @@ def batch(age: dt.timedelta, cancelled: bool) -> StoredBatch:
 def test_a_batch_with_lines_unanswered_ends_with_its_window(
     age_h: int, cancelled: bool, status: str
 ) -> None:
-    shown = _batch_object(batch(dt.timedelta(hours=age_h), cancelled), Answered.of([200]))
+    shown = batch_object(batch(dt.timedelta(hours=age_h), cancelled), Answered.of([200]))
     assert shown["status"] == status
     assert shown["request_counts"] == {"total": 3, "completed": 1, "failed": 0}
 
@@ -44,11 +45,11 @@ def test_an_expired_batch_stays_expired_once_its_unrun_lines_are_answered() -> N
     """Past the window, admission answers the lines not run yet `batch_expired` (no HTTP
     answer): every line is then answered, and the batch is still expired, not completed."""
     late = batch(dt.timedelta(hours=25), cancelled=False)
-    shown = _batch_object(late, Answered.of([200, None, None]))
+    shown = batch_object(late, Answered.of([200, None, None]))
     assert shown["status"] == "expired" and shown["completed_at"] is None
     assert shown["request_counts"] == {"total": 3, "completed": 1, "failed": 2}
     done_at = dt.datetime(2026, 12, 1, 12, tzinfo=dt.UTC)
-    completed = _batch_object(late, Answered.of([200, 400, 200], done_at))
+    completed = batch_object(late, Answered.of([200, 400, 200], done_at))
     assert completed["status"] == "completed"  # every line ran
     assert completed["completed_at"] == int(done_at.timestamp())  # when, not "now"
 
@@ -73,9 +74,9 @@ def test_an_expired_batch_does_not_turn_completed_when_its_running_lines_finish(
     SDK and `tandoor batch collect` stop there), then completed once they finished."""
     late = batch(dt.timedelta(hours=25), cancelled=False)
     window_end = (late.created_at + dt.timedelta(hours=24)).replace(tzinfo=dt.UTC)
-    assert _batch_object(late, Answered.of([200, 200]))["status"] == "expired"
+    assert batch_object(late, Answered.of([200, 200]))["status"] == "expired"
     finished_late = Answered.of([200, 200, 200], window_end + dt.timedelta(minutes=5))
-    shown = _batch_object(late, finished_late)
+    shown = batch_object(late, finished_late)
     assert shown["status"] == "expired" and shown["completed_at"] is None
     assert shown["request_counts"] == {"total": 3, "completed": 3, "failed": 0}
 
@@ -104,7 +105,7 @@ def test_only_counts_no_answer_can_change_are_kept(
 ) -> None:
     """A batch's counts are kept on its row, and read from there from then on: kept too
     early, an answer that came later would never show."""
-    assert _settled(batch(dt.timedelta(hours=age_h), cancelled), Answered.of(codes)) is settled
+    assert is_settled(batch(dt.timedelta(hours=age_h), cancelled), Answered.of(codes)) is settled
 
 
 def test_a_file_of_blank_lines_is_refused_without_a_line_object_each() -> None:
@@ -134,11 +135,11 @@ def test_a_cancel_that_comes_after_the_last_answer_leaves_the_batch_completed() 
     cancelled = batch(dt.timedelta(hours=1), cancelled=True)
     assert cancelled.cancelled_at is not None
     at = cancelled.cancelled_at.replace(tzinfo=dt.UTC)
-    before = _batch_object(cancelled, Answered.of([200, 200, 400], at - dt.timedelta(seconds=1)))
+    before = batch_object(cancelled, Answered.of([200, 200, 400], at - dt.timedelta(seconds=1)))
     assert before["status"] == "completed"
     assert before["cancelled_at"] is None and before["cancelling_at"] is None
     assert before["output_file_id"] and before["error_file_id"]
-    after = _batch_object(cancelled, Answered.of([200, None, None], at + dt.timedelta(seconds=1)))
+    after = batch_object(cancelled, Answered.of([200, None, None], at + dt.timedelta(seconds=1)))
     assert after["status"] == "cancelled" and after["cancelled_at"] == int(at.timestamp())
 
 

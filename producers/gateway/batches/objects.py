@@ -1,0 +1,128 @@
+"""Files and batches as OpenAI's API shows them, from what is stored: a batch's
+status and counts come from its lines' answers."""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from typing import Any
+
+import re2
+
+from producers.gateway.batches.store import Answered, StoredBatch, StoredFile
+
+COMPLETION_WINDOW = dt.timedelta(hours=24)
+OUTPUT_PREFIX, ERROR_PREFIX = "file-out-", "file-err-"  # a batch's files, made when read
+EPOCH = dt.datetime(1970, 1, 1)  # naive UTC, as the stored times are
+
+
+def batch_object(batch: StoredBatch, answered: Answered) -> dict[str, Any]:
+    """OpenAI's batch object, from the lines answered so far."""
+    completed, failed = answered.succeeded, answered.failed
+    status = _status(batch, answered)
+    final = status in ("completed", "cancelled", "expired")
+    created, expires = epoch(batch.created_at), epoch(batch.created_at + COMPLETION_WINDOW)
+    cancel_shown = status in ("cancelling", "cancelled")
+    cancelling = epoch(batch.cancelled_at) if batch.cancelled_at and cancel_shown else None
+    return {
+        "id": batch.batch_id,
+        "object": "batch",
+        "endpoint": batch.endpoint,
+        "errors": None,
+        "input_file_id": batch.input_file_id,
+        "completion_window": batch.completion_window,
+        "status": status,
+        "output_file_id": OUTPUT_PREFIX + batch.batch_id if final and completed else None,
+        "error_file_id": ERROR_PREFIX + batch.batch_id if final and failed else None,
+        "created_at": created,
+        "in_progress_at": created,
+        "expires_at": expires,
+        "finalizing_at": None,
+        "completed_at": epoch(answered.last_at or utc_now()) if status == "completed" else None,
+        "failed_at": None,
+        "expired_at": expires if status == "expired" else None,
+        "cancelling_at": cancelling,
+        "cancelled_at": cancelling if status == "cancelled" else None,
+        "request_counts": {"total": batch.total, "completed": completed, "failed": failed},
+        "metadata": batch.metadata,
+    }
+
+
+def is_settled(batch: StoredBatch, answered: Answered) -> bool:
+    """No answer can change these counts any more: every line is answered, and the
+    batch is completed or cancelled. An expired batch still counts lines that were
+    running at the window's end."""
+    done = answered.count >= batch.total
+    return done and _status(batch, answered) in ("completed", "cancelled")
+
+
+def _status(batch: StoredBatch, answered: Answered) -> str:
+    done = answered.count >= batch.total
+    window_end = batch.created_at + COMPLETION_WINDOW
+    if _cancelled_in_time(batch, answered, done):  # unanswered lines end with the window
+        return "cancelled" if done or utc_now() > window_end else "cancelling"
+    # A line with no HTTP answer in a batch not cancelled is one the window ended
+    # (`batch_expired`). Expired is final: lines still running at the window's end
+    # that finish later are counted, and the batch does not turn `completed` (clients
+    # stop polling at expired and would never see it).
+    last = answered.last_at
+    in_window = last is None or last.replace(tzinfo=None) <= window_end
+    if utc_now() > window_end and not (done and not answered.unstatused and in_window):
+        return "expired"
+    return "completed" if done else "in_progress"
+
+
+def _cancelled_in_time(batch: StoredBatch, answered: Answered, done: bool) -> bool:
+    """A cancel counts unless every line was answered before it: it read the batch in
+    progress, the last line finished meanwhile, and clients saw it completed."""
+    if batch.cancelled_at is None:
+        return False
+    last = answered.last_at
+    return not (done and last is not None and last.replace(tzinfo=None) <= batch.cancelled_at)
+
+
+def page(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
+    """OpenAI's cursor page: the next one starts `after` its last id."""
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": has_more,
+    }
+
+
+def file_object(stored: StoredFile) -> dict[str, Any]:
+    return {
+        "id": stored.file_id,
+        "object": "file",
+        "bytes": stored.bytes,
+        "created_at": epoch(stored.created_at),
+        "filename": stored.filename,
+        "purpose": stored.purpose,
+        "status": "processed",
+    }
+
+
+def new_file_id(created: dt.datetime) -> str:
+    """An upload's id names its millisecond, so a page may end at a deleted file."""
+    ms = (created - EPOCH) // dt.timedelta(milliseconds=1)
+    return f"file-t{ms:012x}{uuid.uuid4().hex[:20]}"  # "t": no uuid4 hex id looks so
+
+
+def file_created(file_id: str) -> dt.datetime | None:
+    """When a file with this id was uploaded, if its id says so."""
+    stamp = re2.fullmatch(r"file-t([0-9a-f]{12})[0-9a-f]{20}", file_id)
+    if stamp is None:
+        return None  # an id from before ids named their time
+    return EPOCH + dt.timedelta(milliseconds=int(stamp.group(1), 16))
+
+
+def utc_now() -> dt.datetime:
+    """Naive UTC to the millisecond, as Cassandra's driver gives timestamps back."""
+    now = dt.datetime.now(dt.UTC).replace(tzinfo=None)
+    return now.replace(microsecond=now.microsecond // 1000 * 1000)
+
+
+def epoch(at: dt.datetime) -> int:
+    return int(at.replace(tzinfo=dt.UTC).timestamp())
