@@ -1,6 +1,7 @@
 """Listing a user's files and batches against real Cassandra: every one once, in order,
 however the pages fall, ones sharing a millisecond included. A batch's counts are kept
-on its row once they are final, and not before."""
+on its row once they are final, and not before; counts that could not be kept are
+counted again."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import uuid
 from typing import Any
 
 import pytest
+from cassandra import OperationTimedOut
 
 from consumers.history import INSERT_BATCH_OUTPUT, batch_output_row
 from producers.gateway.batches.service import BatchService
@@ -99,6 +101,38 @@ async def test_a_batchs_counts_are_kept_once_final_and_read_from_its_row(session
     answer(session, made, "d", 200)
     assert await service.retrieve(caller, "b-counts") == finished
     assert (await service.list(caller, limit=5, after=None))["data"] == [finished]
+
+
+class SettleTimesOut:
+    """Cassandra as seen by a gateway whose write of a batch's counts times out."""
+
+    def __init__(self, session: Any) -> None:
+        self._session = session
+
+    def execute_async(self, statement: Any, params: Any = None) -> Any:
+        if "SET settled_" in str(statement):
+            raise OperationTimedOut("the write of the counts timed out")
+        return self._session.execute_async(statement, params)
+
+
+async def test_counts_that_could_not_be_kept_are_counted_again(session: Any) -> None:
+    """The answer is the same whether the counts were kept or not, and the next read
+    keeps them."""
+    caller = Principal("dave", "batch", "k")
+    made = StoredBatch("b-unkept", "dave", "f", "/v1/chat/completions", "24h", 2, None, AT, None)
+    made = dataclasses.replace(made, created_at=dt.datetime.now(dt.UTC).replace(tzinfo=None))
+    service = BatchService(session, producer=None, redis=None)
+    await service.batches.create(made)
+    answer(session, made, "a", 200)
+    answer(session, made, "b", 500)
+    unkept = await BatchService(SettleTimesOut(session), producer=None, redis=None).retrieve(
+        caller, "b-unkept"
+    )
+    assert unkept["status"] == "completed"
+    assert unkept["request_counts"] == {"total": 2, "completed": 1, "failed": 1}
+    assert (await service.batches.get("b-unkept")).settled is None  # type: ignore[union-attr]
+    assert await service.retrieve(caller, "b-unkept") == unkept
+    assert (await service.batches.get("b-unkept")).settled is not None  # type: ignore[union-attr]
 
 
 async def test_deleting_each_file_as_it_is_listed_deletes_them_all(session: Any) -> None:
