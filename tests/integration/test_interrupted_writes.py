@@ -27,11 +27,8 @@ from producers.gateway.batches.store import (
     StoredFile,
 )
 from producers.gateway.conversations.protocol import Conversation
-from producers.gateway.conversations.service import (
-    BATCHED_MESSAGE_BYTES,
-    ConversationService,
-    from_ms,
-)
+from producers.gateway.conversations.rows import from_ms
+from producers.gateway.conversations.service import BATCHED_MESSAGE_BYTES, ConversationService
 from producers.gateway.errors import ApiError
 from tandoor.policies.api_keys import Principal
 from tandoor.policies.redis_keys import batch_cancel_key

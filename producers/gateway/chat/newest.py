@@ -20,7 +20,7 @@ import redis.asyncio as aioredis
 
 from consumers.history import reply_slot_ms
 from producers.gateway.conversations.protocol import ConversationWithMessages, Message
-from producers.gateway.conversations.service import from_ms
+from producers.gateway.conversations.rows import from_ms
 from tandoor.clients import CASSANDRA_DOWN, REDIS_DOWN
 from tandoor.policies.redis_keys import REPLY_TTL_S, newest_reply_key
 

@@ -38,7 +38,8 @@ from producers.gateway.conversations.protocol import (
     Message,
     provisional_title,
 )
-from producers.gateway.conversations.service import ConversationService, from_ms, message_key
+from producers.gateway.conversations.rows import from_ms, message_key
+from producers.gateway.conversations.service import ConversationService
 from producers.gateway.errors import ApiError, kafka_unreachable, not_found
 from producers.gateway.shedding import ModelRouter
 from producers.gateway.streaming import StreamSlots

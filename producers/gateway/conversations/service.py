@@ -16,7 +16,21 @@ from producers.gateway.conversations.protocol import (
     ConversationWithMessages,
     Message,
 )
-from producers.gateway.errors import ApiError, count, not_found
+from producers.gateway.conversations.rows import (
+    Row,
+    conversation_of,
+    conversation_row,
+    from_ms,
+    moved_to_top,
+    parse_cursor,
+    sidebar_row,
+    sidebar_row_deleted,
+    to_ms,
+    user_message_row,
+    utc,
+    utc_now,
+)
+from producers.gateway.errors import ApiError, not_found
 from schemas.events import MessageKey
 from tandoor.clients import CASSANDRA_DOWN, cql, cql_together
 
@@ -34,13 +48,13 @@ class ConversationService:
         model = model or self.models[0]
         if model not in self.models:
             raise ApiError(400, f"unknown model {model!r}; available: {self.models}", param="model")
-        now = _now()
+        now = utc_now()
         conversation = Conversation(
             id=f"c_{uuid.uuid4().hex}", model=model, title=title, created_at=now, updated_at=now
         )
         await cql_together(  # listed and readable together, or neither
             self._session,
-            [_conversation_row(user_id, conversation), _sidebar_row(user_id, conversation)],
+            [conversation_row(user_id, conversation), sidebar_row(user_id, conversation)],
         )
         return conversation
 
@@ -49,7 +63,7 @@ class ConversationService:
         share a millisecond are neither skipped nor repeated. Sidebar rows that no longer
         match their conversation are passed over (see `_listed`), so a page may take
         several reads to fill."""
-        position = _parse_cursor(cursor)
+        position = parse_cursor(cursor)
         shown: list[tuple[Any, Conversation]] = []
         while len(shown) <= limit:
             wanted = limit + 1 - len(shown)
@@ -63,7 +77,7 @@ class ConversationService:
             position = (rows[-1].updated_at, rows[-1].conversation_id)
         more = len(shown) > limit
         last = shown[limit - 1][0] if more else None
-        next_cursor = f"{_to_ms(last.updated_at)}~{last.conversation_id}" if last else None
+        next_cursor = f"{to_ms(last.updated_at)}~{last.conversation_id}" if last else None
         return ConversationPage(data=[c for _, c in shown[:limit]], next_cursor=next_cursor)
 
     async def _listed(self, user_id: str, row: Any) -> Conversation | None:
@@ -77,9 +91,9 @@ class ConversationService:
         current = await self._row(row.conversation_id)
         if current is None or current.user_id != user_id:
             return None
-        if _utc(current.updated_at) != _utc(row.updated_at):
+        if utc(current.updated_at) != utc(row.updated_at):
             return None
-        return _conversation(row.conversation_id, current)
+        return conversation_of(row.conversation_id, current)
 
     async def _sidebar_after(
         self, user_id: str, cursor: tuple[dt.datetime, str] | None, count: int
@@ -112,7 +126,7 @@ class ConversationService:
                 role=r.role,
                 content=r.content or "",
                 status=r.status,
-                created_at=_utc(r.created_at),
+                created_at=utc(r.created_at),
                 model=r.model,
                 attempt=r.attempt,
                 finish_reason=r.finish_reason,
@@ -121,10 +135,10 @@ class ConversationService:
             if r.role is not None  # a reply replaced before it was stored (chat/newest.py)
         ]
         return ConversationWithMessages(
-            **_conversation(conversation_id, row).model_dump(),
+            **conversation_of(conversation_id, row).model_dump(),
             messages=messages,
             summary=row.summary,
-            summary_until=_utc(row.summary_until) if row.summary_until else None,
+            summary_until=utc(row.summary_until) if row.summary_until else None,
         )
 
     async def set_summary(
@@ -141,7 +155,7 @@ class ConversationService:
             (conversation_id,),
         )
         if not over_stale and rows and rows[0].summary_until:
-            if _utc(rows[0].summary_until) >= until:
+            if utc(rows[0].summary_until) >= until:
                 return
         await cql(
             self._session,
@@ -169,7 +183,7 @@ class ConversationService:
                     "UPDATE conversations SET title = %s WHERE conversation_id = %s",
                     (title, conversation_id),
                 ),
-                _sidebar_row(user_id, renamed),
+                sidebar_row(user_id, renamed),
             ],
         )
         return renamed
@@ -192,7 +206,7 @@ class ConversationService:
                     (conversation_id,),
                 ),
                 *(
-                    _sidebar_row_deleted(user_id, row.updated_at, conversation_id)
+                    sidebar_row_deleted(user_id, row.updated_at, conversation_id)
                     for row in sidebar
                     if row.conversation_id == conversation_id
                 ),
@@ -228,7 +242,7 @@ class ConversationService:
         (this is on the path to the first token); `names_it`: the conversation's title
         (its first message's, as redacted) is stored with it."""
         at = from_ms(at_ms)
-        rows = _moved_to_top(user_id, conversation, at)
+        rows = moved_to_top(user_id, conversation, at)
         if names_it:
             rows.append(
                 (
@@ -244,7 +258,7 @@ class ConversationService:
         """A new conversation with its first message: an API call's (on the path to the
         first token). The conversation's times are the message's, so its sidebar row is
         already the one at the top."""
-        rows = [_conversation_row(user_id, conversation), _sidebar_row(user_id, conversation)]
+        rows = [conversation_row(user_id, conversation), sidebar_row(user_id, conversation)]
         await self._with_message(conversation, conversation.created_at, message_id, content, rows)
 
     async def _with_message(
@@ -258,7 +272,7 @@ class ConversationService:
         """A user's message and the rows that show it: all or none, in one round trip,
         where the message fits in a batch; a longer one first, on its own (until the rows
         follow, its conversation does not exist yet or is not yet at the top)."""
-        message = _user_message_row(conversation, at, message_id, content)
+        message = user_message_row(conversation, at, message_id, content)
         if len(content.encode()) <= BATCHED_MESSAGE_BYTES:  # nearly every message
             await cql_together(self._session, [message, *rows])
             return
@@ -289,7 +303,7 @@ class ConversationService:
         await mark_replaced(self._session, conversation_id, keys, time.time_ns() // 1000)
 
     async def _owned(self, user_id: str, conversation_id: str) -> Conversation:
-        return _conversation(conversation_id, await self._owned_row(user_id, conversation_id))
+        return conversation_of(conversation_id, await self._owned_row(user_id, conversation_id))
 
     async def _owned_row(self, user_id: str, conversation_id: str) -> Any:
         """The conversation's row if `user_id` owns it; a 404 otherwise, never a 403 (an
@@ -307,111 +321,3 @@ class ConversationService:
             (conversation_id,),
         )
         return rows[0] if rows else None
-
-
-Row = tuple[str, tuple[object, ...]]
-
-
-def _conversation_row(user_id: str, conversation: Conversation) -> Row:
-    return (
-        "INSERT INTO conversations (conversation_id, user_id, model, title, created_at, "
-        "updated_at) VALUES (%s, %s, %s, %s, %s, %s)",
-        (
-            conversation.id,
-            user_id,
-            conversation.model,
-            conversation.title,
-            conversation.created_at,
-            conversation.updated_at,
-        ),
-    )
-
-
-def _user_message_row(
-    conversation: Conversation, at: dt.datetime, message_id: str, content: str
-) -> Row:
-    return (
-        "INSERT INTO messages_by_conversation (conversation_id, created_at, message_id, "
-        "role, content, status, model) VALUES (%s, %s, %s, 'user', %s, 'sent', %s)",
-        (conversation.id, at, message_id, content, conversation.model),
-    )
-
-
-def _moved_to_top(user_id: str, conversation: Conversation, at: dt.datetime) -> list[Row]:
-    """Its time, its new sidebar row, and the old row gone: together, or a sidebar row
-    left without its time would hide the conversation (rows that do not match it are
-    passed over)."""
-    rows = [
-        (
-            "UPDATE conversations SET updated_at = %s WHERE conversation_id = %s",
-            (at, conversation.id),
-        ),
-        _sidebar_row(user_id, conversation.model_copy(update={"updated_at": at})),
-    ]
-    if conversation.updated_at != at:  # else the old sidebar row is the new one
-        rows.append(_sidebar_row_deleted(user_id, conversation.updated_at, conversation.id))
-    return rows
-
-
-def _sidebar_row(user_id: str, conversation: Conversation) -> Row:
-    """The sidebar row, clustered by updated_at (newest first)."""
-    return (
-        "INSERT INTO conversations_by_user (user_id, updated_at, conversation_id, "
-        "model, title) VALUES (%s, %s, %s, %s, %s)",
-        (user_id, conversation.updated_at, conversation.id, conversation.model, conversation.title),
-    )
-
-
-def _sidebar_row_deleted(user_id: str, updated_at: dt.datetime, conversation_id: str) -> Row:
-    return (
-        "DELETE FROM conversations_by_user WHERE user_id = %s AND updated_at = %s "
-        "AND conversation_id = %s",
-        (user_id, updated_at, conversation_id),
-    )
-
-
-def _conversation(conversation_id: str, row: Any) -> Conversation:
-    return Conversation(
-        id=conversation_id,
-        model=row.model,
-        title=row.title,
-        created_at=_utc(row.created_at),
-        updated_at=_utc(row.updated_at),
-    )
-
-
-def _now() -> dt.datetime:
-    now = dt.datetime.now(dt.UTC)
-    return now.replace(microsecond=now.microsecond // 1000 * 1000)  # Cassandra keeps ms
-
-
-def _utc(value: dt.datetime) -> dt.datetime:
-    return value.replace(tzinfo=dt.UTC) if value.tzinfo is None else value
-
-
-def _to_ms(value: dt.datetime) -> int:
-    return int(_utc(value).timestamp() * 1000)
-
-
-def message_key(message: Message) -> MessageKey:
-    since_epoch = _utc(message.created_at) - dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
-    return MessageKey(
-        created_at_ms=since_epoch // dt.timedelta(milliseconds=1), message_id=message.id
-    )
-
-
-def from_ms(ms: int) -> dt.datetime:
-    return dt.datetime(1970, 1, 1, tzinfo=dt.UTC) + dt.timedelta(milliseconds=ms)
-
-
-MAX_CURSOR_MS = 253_402_300_800_000  # year 10000: past it is no time a cursor can hold
-
-
-def _parse_cursor(cursor: str | None) -> tuple[dt.datetime, str] | None:
-    if cursor is None:
-        return None
-    ms, sep, conversation_id = cursor.partition("~")
-    at = count(ms, MAX_CURSOR_MS)
-    if not sep or at is None or not conversation_id:
-        raise ApiError(400, "cursor: not a value from next_cursor", param="cursor")
-    return from_ms(at), conversation_id

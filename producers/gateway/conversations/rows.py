@@ -1,0 +1,117 @@
+"""A conversation's Cassandra rows, and the times and cursors they are keyed by."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from producers.gateway.conversations.protocol import Conversation, Message
+from producers.gateway.errors import ApiError, count
+from schemas.events import MessageKey
+
+Row = tuple[str, tuple[object, ...]]
+
+
+def conversation_row(user_id: str, conversation: Conversation) -> Row:
+    return (
+        "INSERT INTO conversations (conversation_id, user_id, model, title, created_at, "
+        "updated_at) VALUES (%s, %s, %s, %s, %s, %s)",
+        (
+            conversation.id,
+            user_id,
+            conversation.model,
+            conversation.title,
+            conversation.created_at,
+            conversation.updated_at,
+        ),
+    )
+
+
+def user_message_row(
+    conversation: Conversation, at: dt.datetime, message_id: str, content: str
+) -> Row:
+    return (
+        "INSERT INTO messages_by_conversation (conversation_id, created_at, message_id, "
+        "role, content, status, model) VALUES (%s, %s, %s, 'user', %s, 'sent', %s)",
+        (conversation.id, at, message_id, content, conversation.model),
+    )
+
+
+def moved_to_top(user_id: str, conversation: Conversation, at: dt.datetime) -> list[Row]:
+    """Its time, its new sidebar row, and the old row gone: together, or a sidebar row
+    left without its time would hide the conversation (rows that do not match it are
+    passed over)."""
+    rows = [
+        (
+            "UPDATE conversations SET updated_at = %s WHERE conversation_id = %s",
+            (at, conversation.id),
+        ),
+        sidebar_row(user_id, conversation.model_copy(update={"updated_at": at})),
+    ]
+    if conversation.updated_at != at:  # else the old sidebar row is the new one
+        rows.append(sidebar_row_deleted(user_id, conversation.updated_at, conversation.id))
+    return rows
+
+
+def sidebar_row(user_id: str, conversation: Conversation) -> Row:
+    """The sidebar row, clustered by updated_at (newest first)."""
+    return (
+        "INSERT INTO conversations_by_user (user_id, updated_at, conversation_id, "
+        "model, title) VALUES (%s, %s, %s, %s, %s)",
+        (user_id, conversation.updated_at, conversation.id, conversation.model, conversation.title),
+    )
+
+
+def sidebar_row_deleted(user_id: str, updated_at: dt.datetime, conversation_id: str) -> Row:
+    return (
+        "DELETE FROM conversations_by_user WHERE user_id = %s AND updated_at = %s "
+        "AND conversation_id = %s",
+        (user_id, updated_at, conversation_id),
+    )
+
+
+def conversation_of(conversation_id: str, row: Any) -> Conversation:
+    return Conversation(
+        id=conversation_id,
+        model=row.model,
+        title=row.title,
+        created_at=utc(row.created_at),
+        updated_at=utc(row.updated_at),
+    )
+
+
+def utc_now() -> dt.datetime:
+    now = dt.datetime.now(dt.UTC)
+    return now.replace(microsecond=now.microsecond // 1000 * 1000)  # Cassandra keeps ms
+
+
+def utc(value: dt.datetime) -> dt.datetime:
+    return value.replace(tzinfo=dt.UTC) if value.tzinfo is None else value
+
+
+def to_ms(value: dt.datetime) -> int:
+    return int(utc(value).timestamp() * 1000)
+
+
+def message_key(message: Message) -> MessageKey:
+    since_epoch = utc(message.created_at) - dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+    return MessageKey(
+        created_at_ms=since_epoch // dt.timedelta(milliseconds=1), message_id=message.id
+    )
+
+
+def from_ms(ms: int) -> dt.datetime:
+    return dt.datetime(1970, 1, 1, tzinfo=dt.UTC) + dt.timedelta(milliseconds=ms)
+
+
+MAX_CURSOR_MS = 253_402_300_800_000  # year 10000: past it is no time a cursor can hold
+
+
+def parse_cursor(cursor: str | None) -> tuple[dt.datetime, str] | None:
+    if cursor is None:
+        return None
+    ms, sep, conversation_id = cursor.partition("~")
+    at = count(ms, MAX_CURSOR_MS)
+    if not sep or at is None or not conversation_id:
+        raise ApiError(400, "cursor: not a value from next_cursor", param="cursor")
+    return from_ms(at), conversation_id
