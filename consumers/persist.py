@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 
 import orjson
 from aiokafka import AIOKafkaConsumer
-from aiokafka.errors import KafkaError
+from aiokafka.errors import KafkaError, MessageSizeTooLargeError
 from aiokafka.structs import ConsumerRecord
 from cassandra.cluster import Cluster
 from cassandra.connection import ConnectionException
@@ -25,7 +25,7 @@ from cassandra.connection import ConnectionException
 from consumers.history import HistoryWriter
 from consumers.metrics import PersistMetrics
 from schemas import topics
-from schemas.batch import final_output
+from schemas.batch import batch_output, final_output
 from schemas.codec import SchemaError, decode, is_final
 from schemas.events import FinalEvent
 from tandoor.clients import CASSANDRA_DOWN, cassandra_cluster, kafka_producer
@@ -179,20 +179,35 @@ class Persister:
         """Results of lines from `batch.requests`, once stored (again after a replay:
         each result's `id` names its request, so a reader can drop repeats). False if
         told to stop before Kafka took them."""
-        lines = [f for f in finals if f.custom_id is not None and f.batch_id]
+        results = [
+            r
+            for f in finals
+            if f.custom_id is not None and f.batch_id and (r := _result(f, self._redact))
+        ]
 
         async def send_all() -> None:
-            sends = [
-                await self._producer.send(
-                    topics.BATCH_RESULTS,
-                    orjson.dumps(final_output(final, self._redact(final.text))),
-                    key=(final.batch_id or "").encode(),
-                )
-                for final in lines
-            ]
+            sends = [await self._send_result(final, value) for final, value in results]
             await asyncio.gather(*sends)
 
-        return not lines or await self._until_sent(f"{len(lines)} batch results", send_all)
+        return not results or await self._until_sent(f"{len(results)} batch results", send_all)
+
+    async def _send_result(self, final: FinalEvent, value: bytes) -> Awaitable[object]:
+        """Kafka refuses a record past its size limit every time: the line is answered
+        with an error in its place, not retried for good."""
+        key = (final.batch_id or "").encode()
+        try:
+            sent: Awaitable[object] = await self._producer.send(
+                topics.BATCH_RESULTS, value, key=key
+            )
+        except MessageSizeTooLargeError:
+            log.error(
+                "batch result of %s too large for Kafka (%d bytes)", final.request_id, len(value)
+            )
+            message = f"the result ({len(value)} bytes) is too large to deliver"
+            error = {"code": "result_too_large", "message": message}
+            small = orjson.dumps(batch_output(final.custom_id, final.request_id, error=error))
+            sent = await self._producer.send(topics.BATCH_RESULTS, small, key=key)
+        return sent
 
     async def _until_sent(self, what: str, send: Callable[[], Awaitable[object]]) -> bool:
         """Retry `send` until Kafka takes it (a broker restarting, a leader moving);
@@ -216,13 +231,21 @@ class Persister:
     async def _dead_letter(self, record: ConsumerRecord[bytes, bytes], reason: str) -> bool:
         """False if told to stop before Kafka took it (a send that failed once stopped
         persistence: every restart met the same final and stopped again)."""
-        headers = topics.dead_letter_headers(record.topic, record.partition, record.offset, reason)
-        sent = await self._until_sent(
-            "a dead letter",
-            lambda: self._producer.send_and_wait(
-                topics.DEAD_LETTER, record.value, key=record.key, headers=headers
-            ),
-        )
+        source = (record.topic, record.partition, record.offset)
+
+        async def send() -> None:
+            headers = topics.dead_letter_headers(*source, reason)
+            try:
+                await self._producer.send_and_wait(
+                    topics.DEAD_LETTER, record.value, key=record.key, headers=headers
+                )
+            except MessageSizeTooLargeError:  # every time: its headers say where it is
+                headers = topics.dead_letter_headers(*source, f"{reason} (value too large)")
+                await self._producer.send_and_wait(
+                    topics.DEAD_LETTER, b"", key=record.key, headers=headers
+                )
+
+        sent = await self._until_sent("a dead letter", send)
         self.metrics.dead_lettered.inc(sent)
         return sent
 
@@ -236,6 +259,17 @@ def _log_stored(final: FinalEvent) -> None:
         final.usage.completion_tokens,
         extra={"request_id": final.request_id},
     )
+
+
+def _result(final: FinalEvent, redact: Callable[[str], str]) -> tuple[FinalEvent, bytes] | None:
+    """A batch line's result, serialized; None for a final no result can be made of (a
+    forged one: token counts whose sum passes 64 bits), logged instead of stopping
+    persistence on every restart."""
+    try:
+        return final, orjson.dumps(final_output(final, redact(final.text)))
+    except (TypeError, ValueError) as exc:
+        log.error("no batch result for %s: %r", final.request_id, exc)
+        return None
 
 
 def _finals(

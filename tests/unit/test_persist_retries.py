@@ -6,15 +6,17 @@ partition was dead-lettered with it (its reply never stored)."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
+import orjson
 import pytest
-from aiokafka.errors import KafkaConnectionError
+from aiokafka.errors import KafkaConnectionError, MessageSizeTooLargeError
 from aiokafka.structs import ConsumerRecord
 from cassandra.cluster import NoHostAvailable
 
 from consumers.persist import POISON_TRIES, Persister
-from schemas.events import FinalEvent
+from schemas.events import FinalEvent, Usage
 from tandoor.settings import Settings
 from tests.unit.test_rollups import final_event
 
@@ -95,3 +97,114 @@ async def test_a_dead_letter_kafka_refuses_for_a_while_is_sent_when_it_takes_it(
     finally:
         await real.stop()
         await persister._consumer.stop()
+
+
+class TakingProducer:
+    """Kafka taking every send of up to `limit` bytes; past it, refused as aiokafka does
+    before sending (`MessageSizeTooLargeError`, a KafkaError)."""
+
+    def __init__(self, limit: int = 1_000_000) -> None:
+        self.limit = limit
+        self.sent: list[tuple[str, bytes, list[tuple[str, bytes]]]] = []
+
+    async def send(
+        self, topic: str, value: bytes, key: bytes | None = None, headers: Any = None
+    ) -> asyncio.Future[None]:
+        if len(value) > self.limit:
+            raise MessageSizeTooLargeError(f"{len(value)} bytes")
+        self.sent.append((topic, value, list(headers or [])))
+        delivered = asyncio.get_running_loop().create_future()
+        delivered.set_result(None)
+        return delivered
+
+    async def send_and_wait(self, *args: Any, **kwargs: Any) -> None:
+        await (await self.send(*args, **kwargs))
+
+    def results(self) -> list[dict[str, Any]]:
+        return [orjson.loads(value) for topic, value, _ in self.sent if topic == "batch.results"]
+
+
+class OneFetch:
+    """`tokens` as a consumer reads it: one fetch of `records`, then nothing; the
+    persister is told to stop once it has committed them."""
+
+    def __init__(self, persister: Persister, records: list[ConsumerRecord[bytes, bytes]]) -> None:
+        self._persister, self._records, self.commits = persister, records, 0
+
+    async def getmany(self, **_: Any) -> dict[Any, list[ConsumerRecord[bytes, bytes]]]:
+        fetched, self._records = self._records, []
+        return {"tokens-0": fetched} if fetched else {}
+
+    async def commit(self) -> None:
+        self.commits += 1
+        self._persister.request_stop()
+
+    def assignment(self) -> set[Any]:
+        return set()
+
+
+def batch_final(request_id: str, offset: int = 5, **changes: Any) -> ConsumerRecord[bytes, bytes]:
+    fields = {"batch_id": "b1", "custom_id": request_id, "kind": "batch", "store": False}
+    event = final(request_id).model_copy(update=fields | changes)
+    value = orjson.dumps(event.model_dump())
+    return ConsumerRecord("tokens", 0, offset, 0, 0, b"k", value, None, 1, len(value), [])
+
+
+async def run_once(
+    records: list[ConsumerRecord[bytes, bytes]], producer: TakingProducer
+) -> tuple[OneFetch, StandInWriter]:
+    persister = Persister(Settings())
+    real_producer, real_consumer = persister._producer, persister._consumer
+    fetch, writer = OneFetch(persister, records), StandInWriter()
+    persister._consumer, persister._producer = fetch, producer
+    persister._writer = writer  # type: ignore[assignment]
+    try:
+        await asyncio.wait_for(persister.run(), 30)
+    finally:
+        await real_producer.stop()
+        await real_consumer.stop()
+    return fetch, writer
+
+
+async def test_a_batch_final_no_result_can_be_made_of_does_not_stop_persistence(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A forged final (token counts whose sum passes 64 bits) is dead-lettered by the store; its
+    result could not be serialized, and persistence raised before its commit, on every
+    restart. The other line's result goes out, and the fetch is committed."""
+    monkeypatch.setattr("consumers.persist.SEND_RETRY_S", 0.0)
+    huge = Usage(prompt_tokens=2**63, completion_tokens=2**63, queue_ms=0, decode_ms=0)
+    forged = batch_final("poison", usage=huge)
+    producer = TakingProducer()
+    fetch, _ = await run_once([forged, batch_final("good", offset=6)], producer)
+    assert fetch.commits >= 1
+    assert [r["custom_id"] for r in producer.results()] == ["good"]
+    assert [topic for topic, *_ in producer.sent].count("dead-letter") == 1
+
+
+async def test_a_result_too_big_for_kafka_is_answered_with_an_error_in_its_place() -> None:
+    """Kafka refuses a record over its size limit every time: the send was retried each
+    second for good, and nothing more was stored."""
+    producer = TakingProducer(limit=20_000)
+    fetch, _ = await run_once([batch_final("big", text="x" * 30_000)], producer)
+    assert fetch.commits >= 1
+    [result] = producer.results()
+    assert result["custom_id"] == "big" and result["response"] is None
+    assert result["error"]["code"] == "result_too_large"
+
+
+async def test_a_dead_letter_too_big_for_kafka_is_sent_without_its_value() -> None:
+    """Its headers say where the original is; the value is left out."""
+    persister = Persister(Settings())
+    real = persister._producer
+    producer = TakingProducer(limit=1_000)
+    persister._producer = producer
+    big = ConsumerRecord("tokens", 2, 9, 0, 0, b"k", b"v" * 5_000, None, 1, 5_000, [])
+    try:
+        assert await asyncio.wait_for(persister._dead_letter(big, "refused by the store"), 30)
+    finally:
+        await real.stop()
+        await persister._consumer.stop()
+    [(topic, value, headers)] = producer.sent
+    assert topic == "dead-letter" and value == b""
+    assert b"too large" in dict(headers)["error"]
