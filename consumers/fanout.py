@@ -199,7 +199,7 @@ class TokenFanout(ConsumerRebalanceListener):  # type: ignore[misc]
             while waiting:
                 batch = await consumer.getmany(timeout_ms=HANDOVER_POLL_MS)
                 for record in [r for records in batch.values() for r in records]:
-                    sub = waiting.get(record.key.decode()) if record.key else None
+                    sub = waiting.get(_request_id(record))
                     if sub is not None and (item := _delivered(record)) is not None:
                         sub.push(item)
                         if isinstance(item.event, FinalEvent):
@@ -212,7 +212,7 @@ class TokenFanout(ConsumerRebalanceListener):  # type: ignore[misc]
 
     async def _dispatch(self) -> None:
         async for record in self._consumer:
-            sub = self._subs.get(record.key.decode()) if record.key else None
+            sub = self._subs.get(_request_id(record))
             if sub is None or sub.partition != record.partition:
                 continue
             if sub.request_id in self._carried:
@@ -260,6 +260,12 @@ async def read_request(
             yield item
             if isinstance(item.event, FinalEvent):
                 return
+
+
+def _request_id(record: ConsumerRecord[bytes, bytes]) -> str:
+    """The key's request id; one that is not UTF-8 (another client's record) matches no
+    stream, and is passed over instead of stopping the reader."""
+    return record.key.decode(errors="replace") if record.key else ""
 
 
 def _delivered(record: ConsumerRecord[bytes, bytes]) -> Delivered | None:

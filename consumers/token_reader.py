@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -10,10 +11,12 @@ from collections.abc import Callable
 from aiokafka import AIOKafkaConsumer
 
 from schemas import topics
-from schemas.codec import decode_token_stream
+from schemas.codec import SchemaError, decode_token_stream
 from schemas.events import FinalEvent, TokenEvent
 from tandoor.clients import assign_from_end
 from tandoor.settings import Settings
+
+log = logging.getLogger(__name__)
 
 IDLE_S = 120.0  # a wait fails after this long without any event on `tokens`
 
@@ -48,7 +51,11 @@ class TokenCollector:
 
     async def _read(self) -> None:
         async for record in self._consumer:
-            event = decode_token_stream(record.value)
+            try:
+                event = decode_token_stream(record.value)
+            except SchemaError as exc:  # someone else's record: a tombstone, a newer schema
+                log.warning("passed over tokens %s@%s: %s", record.partition, record.offset, exc)
+                continue
             self._seen[id(event)] = time.perf_counter()
             self._last_read = time.monotonic()
             self.events[event.request_id].append(event)
@@ -82,6 +89,9 @@ class TokenCollector:
         `idle_s`, so a slow engine that keeps producing is waited for, a stalled one not."""
         started = time.monotonic()
         while not condition():
+            if self._task is not None and self._task.done():
+                self._task.result()  # the reader's failure, not a wait to the idle limit
+                raise RuntimeError("the reader of tokens stopped")
             quiet_s = time.monotonic() - max(started, self._last_read)
             if quiet_s > idle_s:
                 raise TimeoutError(f"nothing arrived for {idle_s:.0f} s waiting for {what}")

@@ -167,3 +167,46 @@ async def test_a_hand_over_reader_that_fails_to_start_is_started_again(
         assert offsets(sub.queue) == [10, 11, 12, 13, 14]
     finally:
         await fanout._consumer.stop()
+
+
+def foreign(offset: int) -> ConsumerRecord[bytes, bytes]:
+    """A record some other client wrote to `tokens`, keyed with bytes that are not UTF-8."""
+    return ConsumerRecord(
+        topics.TOKENS, PARTITION, offset, 0, 0, b"\xff\xfe", b"{}", None, 0, 0, ()
+    )
+
+
+async def test_a_record_keyed_with_bytes_that_are_not_utf8_is_passed_over(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Decoding its key stopped the replica's dispatch (a fatal exit: every stream on
+    it cut) and a hand-over reader (its streams got nothing more)."""
+    group, handover = Feed(), Feed()
+
+    @contextlib.asynccontextmanager
+    async def reader(_: object, partition: int, offset: int) -> AsyncIterator[Feed]:
+        yield handover
+
+    monkeypatch.setattr(fanout_module, "partition_reader", reader)
+    fanout = TokenFanout(Settings())
+    unstarted, fanout._consumer = fanout._consumer, group
+    sub = Subscription(REQUEST, PARTITION, next_offset=10)
+    fanout._subs[REQUEST] = sub
+    dispatch = asyncio.create_task(fanout._dispatch())
+    try:
+        group.records.put_nowait(foreign(10))
+        group.records.put_nowait(record(11, token(0)))
+        async with asyncio.timeout(WAIT_S):
+            assert (await sub.queue.get()).offset == 11
+        await fanout.on_partitions_revoked([TopicPartition(topics.TOKENS, PARTITION)])
+        carried = set(fanout._handovers)
+        handover.records.put_nowait(foreign(12))
+        handover.records.put_nowait(record(13, final(1)))
+        async with asyncio.timeout(WAIT_S):
+            await asyncio.gather(*carried)
+        assert offsets(sub.queue) == [13]
+        assert not dispatch.done()
+    finally:
+        dispatch.cancel()
+        await asyncio.gather(dispatch, return_exceptions=True)
+        await unstarted.stop()
