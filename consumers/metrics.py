@@ -20,6 +20,11 @@ class PersistMetrics:
             "Batches whose write failed and was retried",
             registry=self.registry,
         )
+        self.send_failures = Counter(
+            "tandoor_persist_send_failures",
+            "Dead letters and batch results Kafka refused and that were sent again",
+            registry=self.registry,
+        )
         self.dead_lettered = Counter(
             "tandoor_persist_dead_lettered",
             "Final events that could not be stored and went to the dead-letter topic",

@@ -164,6 +164,7 @@ class Persister:
                     pending.append((record, final))
             if pending:
                 self.metrics.failed_writes.inc()
+                self.metrics.lag.set(await self._lag())  # held up: it grows meanwhile
                 log.warning(
                     "storing %d replies failed (%r); retrying in %.1f s",
                     len(pending),
@@ -220,6 +221,8 @@ class Persister:
                 if self._stopping.is_set():
                     return False
                 log.warning("sending %s failed (%r); retrying", what, exc)
+                self.metrics.send_failures.inc()
+                self.metrics.lag.set(await self._lag())  # held up: it grows meanwhile
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stopping.wait(), SEND_RETRY_S)
 

@@ -19,6 +19,7 @@ from consumers.persist import POISON_TRIES, Persister
 from schemas.events import FinalEvent, Usage
 from tandoor.settings import Settings
 from tests.unit.test_rollups import final_event
+from tests.waiting import until
 
 UNREACHABLE_TRIES = POISON_TRIES  # as many rounds unreachable as the poison one takes
 
@@ -208,3 +209,46 @@ async def test_a_dead_letter_too_big_for_kafka_is_sent_without_its_value() -> No
     [(topic, value, headers)] = producer.sent
     assert topic == "dead-letter" and value == b""
     assert b"too large" in dict(headers)["error"]
+
+
+class Behind(OneFetch):
+    """The fetch, with 60 records still to read behind it."""
+
+    def assignment(self) -> set[Any]:
+        return {"tokens-0"}
+
+    def highwater(self, _: Any) -> int:
+        return 100
+
+    async def position(self, _: Any) -> int:
+        return 40
+
+
+class RefusingProducer(TakingProducer):
+    """`batch.results` unavailable (its leader moving) while `tokens` is read."""
+
+    async def send(self, *args: Any, **kwargs: Any) -> asyncio.Future[None]:
+        raise KafkaConnectionError("no leader for batch.results")
+
+
+async def test_persistence_held_up_by_kafka_shows_on_its_metrics(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Nothing is stored while a batch result cannot be sent: the lag gauge (set only
+    after a commit) and every counter stood still, so the stall looked healthy."""
+    monkeypatch.setattr("consumers.persist.SEND_RETRY_S", 0.01)
+    persister = Persister(Settings())
+    real_producer, real_consumer = persister._producer, persister._consumer
+    persister._consumer = Behind(persister, [batch_final("held")])
+    persister._producer = RefusingProducer()
+    persister._writer = StandInWriter()  # type: ignore[assignment]
+    running = asyncio.create_task(persister.run())
+    try:
+        failures = persister.metrics.send_failures._value.get
+        await until(failures, lambda sent: sent >= 3, what="retried sends", idle_s=30, poll_s=0.01)
+        assert persister.metrics.lag._value.get() == 60
+    finally:
+        persister.request_stop()
+        await asyncio.gather(running, return_exceptions=True)
+        await real_producer.stop()
+        await real_consumer.stop()
