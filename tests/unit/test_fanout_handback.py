@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import pytest
 from aiokafka import TopicPartition
@@ -90,9 +91,21 @@ def offsets(queue: asyncio.Queue[Delivered]) -> list[int]:
     return [queue.get_nowait().offset for _ in range(queue.qsize())]
 
 
-async def test_a_stream_on_a_partition_given_back_goes_on_without_a_gap(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+@dataclass
+class Rig:
+    """A fan-out whose group member reads `group` and whose hand-over readers read
+    `handover`, following REQUEST from offset 10."""
+
+    fanout: TokenFanout
+    group: Feed
+    handover: Feed
+    sub: Subscription
+    started_at: list[int]  # where each hand-over reader started
+    dispatch: asyncio.Task[None]
+
+
+@contextlib.asynccontextmanager
+async def dispatching(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Rig]:
     group, handover = Feed(), Feed()
     started_at: list[int] = []
 
@@ -108,6 +121,18 @@ async def test_a_stream_on_a_partition_given_back_goes_on_without_a_gap(
     fanout._subs[REQUEST] = sub
     dispatch = asyncio.create_task(fanout._dispatch())
     try:
+        yield Rig(fanout, group, handover, sub, started_at, dispatch)
+    finally:
+        dispatch.cancel()
+        await asyncio.gather(dispatch, return_exceptions=True)
+        await unstarted.stop()
+
+
+async def test_a_stream_on_a_partition_given_back_goes_on_without_a_gap(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async with dispatching(monkeypatch) as rig:
+        fanout, group, handover, sub = rig.fanout, rig.group, rig.handover, rig.sub
         await fanout.on_partitions_revoked([TopicPartition(topics.TOKENS, PARTITION)])
         carried = set(fanout._handovers)
         sentinel = Subscription(SENTINEL, PARTITION, next_offset=0)  # opened after the revoke
@@ -123,16 +148,12 @@ async def test_a_stream_on_a_partition_given_back_goes_on_without_a_gap(
         handover.records.put_nowait(record(14, final(4)))
         async with asyncio.timeout(WAIT_S):
             await asyncio.gather(*carried)  # the reader closes at the final
-        assert started_at == [10]
+        assert rig.started_at == [10]
         assert offsets(sub.queue) == [10, 11, 12, 13, 14]  # every event once, in order
         assert not fanout.handovers
         group.records.put_nowait(record(15, token(9)))  # later events: the member's again
         async with asyncio.timeout(WAIT_S):
             assert (await sub.queue.get()).offset == 15
-    finally:
-        dispatch.cancel()
-        await asyncio.gather(dispatch, return_exceptions=True)
-        await unstarted.stop()
 
 
 async def test_a_hand_over_reader_that_fails_to_start_is_started_again(
@@ -181,32 +202,16 @@ async def test_a_record_keyed_with_bytes_that_are_not_utf8_is_passed_over(
 ) -> None:
     """Decoding its key stopped the replica's dispatch (a fatal exit: every stream on
     it cut) and a hand-over reader (its streams got nothing more)."""
-    group, handover = Feed(), Feed()
-
-    @contextlib.asynccontextmanager
-    async def reader(_: object, partition: int, offset: int) -> AsyncIterator[Feed]:
-        yield handover
-
-    monkeypatch.setattr(fanout_module, "partition_reader", reader)
-    fanout = TokenFanout(Settings())
-    unstarted, fanout._consumer = fanout._consumer, group
-    sub = Subscription(REQUEST, PARTITION, next_offset=10)
-    fanout._subs[REQUEST] = sub
-    dispatch = asyncio.create_task(fanout._dispatch())
-    try:
-        group.records.put_nowait(foreign(10))
-        group.records.put_nowait(record(11, token(0)))
+    async with dispatching(monkeypatch) as rig:
+        rig.group.records.put_nowait(foreign(10))
+        rig.group.records.put_nowait(record(11, token(0)))
         async with asyncio.timeout(WAIT_S):
-            assert (await sub.queue.get()).offset == 11
-        await fanout.on_partitions_revoked([TopicPartition(topics.TOKENS, PARTITION)])
-        carried = set(fanout._handovers)
-        handover.records.put_nowait(foreign(12))
-        handover.records.put_nowait(record(13, final(1)))
+            assert (await rig.sub.queue.get()).offset == 11
+        await rig.fanout.on_partitions_revoked([TopicPartition(topics.TOKENS, PARTITION)])
+        carried = set(rig.fanout._handovers)
+        rig.handover.records.put_nowait(foreign(12))
+        rig.handover.records.put_nowait(record(13, final(1)))
         async with asyncio.timeout(WAIT_S):
             await asyncio.gather(*carried)
-        assert offsets(sub.queue) == [13]
-        assert not dispatch.done()
-    finally:
-        dispatch.cancel()
-        await asyncio.gather(dispatch, return_exceptions=True)
-        await unstarted.stop()
+        assert offsets(rig.sub.queue) == [13]
+        assert not rig.dispatch.done()
