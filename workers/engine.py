@@ -157,8 +157,8 @@ class Engine:
         # deprecation warning for raw prompts. It still checks the length against
         # max_model_len (vllm.exceptions.VLLMValidationError when the prompt is too long).
         prompt = tokens_input(prompt_token_ids)
-        stream = self._running().generate(prompt, _sampling_params(sampling), request_id)
-        try:
+        try:  # vLLM refuses sampling settings when they are built (VLLMValidationError)
+            stream = self._running().generate(prompt, _sampling_params(sampling), request_id)
             async with aclosing(stream):
                 async for output in stream:
                     yield _engine_output(output)
