@@ -28,7 +28,7 @@ from schemas import topics
 from schemas.batch import batch_output, final_output
 from schemas.codec import SchemaError, decode, is_final
 from schemas.events import FinalEvent
-from tandoor.clients import CASSANDRA_DOWN, cassandra_cluster, kafka_producer
+from tandoor.clients import CASSANDRA_DOWN, cassandra_cluster, kafka_producer, send_dead_letter
 from tandoor.ops import OpsServer
 from tandoor.policies.moderation import DefaultModerator
 from tandoor.settings import Settings
@@ -234,21 +234,9 @@ class Persister:
     async def _dead_letter(self, record: ConsumerRecord[bytes, bytes], reason: str) -> bool:
         """False if told to stop before Kafka took it (a send that failed once stopped
         persistence: every restart met the same final and stopped again)."""
-        source = (record.topic, record.partition, record.offset)
-
-        async def send() -> None:
-            headers = topics.dead_letter_headers(*source, reason)
-            try:
-                await self._producer.send_and_wait(
-                    topics.DEAD_LETTER, record.value, key=record.key, headers=headers
-                )
-            except MessageSizeTooLargeError:  # every time: its headers say where it is
-                headers = topics.dead_letter_headers(*source, f"{reason} (value too large)")
-                await self._producer.send_and_wait(
-                    topics.DEAD_LETTER, b"", key=record.key, headers=headers
-                )
-
-        sent = await self._until_sent("a dead letter", send)
+        sent = await self._until_sent(
+            "a dead letter", lambda: send_dead_letter(self._producer, record, reason)
+        )
         self.metrics.dead_lettered.inc(sent)
         return sent
 

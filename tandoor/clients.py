@@ -9,6 +9,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.errors import MessageSizeTooLargeError
+from aiokafka.structs import ConsumerRecord
 from cassandra import ConsistencyLevel, OperationTimedOut, RequestExecutionException
 from cassandra.cluster import EXEC_PROFILE_DEFAULT, Cluster, ExecutionProfile, NoHostAvailable
 from cassandra.policies import (
@@ -24,6 +26,7 @@ from redis.exceptions import OutOfMemoryError as RedisOutOfMemoryError
 from redis.exceptions import ReadOnlyError as RedisReadOnlyError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from schemas import topics
 from tandoor.settings import Settings
 
 CASSANDRA_RECONNECT_MAX_S = 5.0
@@ -167,3 +170,20 @@ async def cql_together(session: Any, statements: Sequence[tuple[str, Sequence[ob
     for statement, params in statements:
         batch.add(statement, params)
     await cql(session, batch)
+
+
+async def send_dead_letter(
+    producer: AIOKafkaProducer, record: ConsumerRecord[bytes, bytes], reason: str
+) -> None:
+    """`record` on the dead-letter topic, with why and where it was read. A record near
+    Kafka's size limit passes it once the headers are added, and would be refused on
+    every retry: it goes without its value (its `source` header says where it is)."""
+    where = (record.topic, record.partition, record.offset)
+    try:
+        headers = topics.dead_letter_headers(*where, reason)
+        await producer.send_and_wait(
+            topics.DEAD_LETTER, record.value, key=record.key, headers=headers
+        )
+    except MessageSizeTooLargeError:
+        headers = topics.dead_letter_headers(*where, f"{reason} (value too large)")
+        await producer.send_and_wait(topics.DEAD_LETTER, b"", key=record.key, headers=headers)

@@ -13,6 +13,7 @@ from aiokafka.structs import ConsumerRecord
 from schemas import topics
 from schemas.codec import encode
 from schemas.events import Event, FinalEvent, UsageRecord
+from tandoor.clients import send_dead_letter
 
 log = logging.getLogger(__name__)
 METADATA_WAIT_S = 10.0
@@ -68,7 +69,4 @@ class Publisher:
         )
 
     async def dead_letter(self, record: ConsumerRecord[bytes, bytes], reason: str) -> None:
-        headers = topics.dead_letter_headers(record.topic, record.partition, record.offset, reason)
-        await self._producer.send_and_wait(
-            topics.DEAD_LETTER, record.value, key=record.key, headers=headers
-        )
+        await send_dead_letter(self._producer, record, reason)

@@ -101,8 +101,8 @@ async def test_a_dead_letter_kafka_refuses_for_a_while_is_sent_when_it_takes_it(
 
 
 class TakingProducer:
-    """Kafka taking every send of up to `limit` bytes; past it, refused as aiokafka does
-    before sending (`MessageSizeTooLargeError`, a KafkaError)."""
+    """Kafka taking every send of up to `limit` bytes, headers counted; past it, refused
+    as aiokafka does before sending (`MessageSizeTooLargeError`, a KafkaError)."""
 
     def __init__(self, limit: int = 1_000_000) -> None:
         self.limit = limit
@@ -111,8 +111,9 @@ class TakingProducer:
     async def send(
         self, topic: str, value: bytes, key: bytes | None = None, headers: Any = None
     ) -> asyncio.Future[None]:
-        if len(value) > self.limit:
-            raise MessageSizeTooLargeError(f"{len(value)} bytes")
+        size = len(value) + sum(len(name) + len(data) for name, data in headers or [])
+        if size > self.limit:
+            raise MessageSizeTooLargeError(f"{size} bytes")
         self.sent.append((topic, value, list(headers or [])))
         delivered = asyncio.get_running_loop().create_future()
         delivered.set_result(None)

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import orjson
 import pytest
+from aiokafka.structs import ConsumerRecord
 
+from tests.unit.test_persist_retries import TakingProducer
+from workers.publisher import Publisher
 from workers.request import finish_reason_of
 from workers.worker import addressee_of
 
@@ -37,3 +40,14 @@ def test_an_undecodable_prompts_error_goes_to_the_partition_its_gateway_reads() 
 )
 def test_the_engines_finish_reasons(engine: str | None, shown: str) -> None:
     assert finish_reason_of(engine) == shown
+
+
+async def test_an_undecodable_prompt_too_big_to_dead_letter_whole_goes_without_its_value() -> None:
+    """A record near Kafka's limit is a dead letter past it once its headers are added:
+    refused, it stopped the worker, and every worker given the partition after it."""
+    producer = TakingProducer(limit=1_000)
+    big = ConsumerRecord("prompts.m", 1, 7, 0, 0, b"k", b"{" * 1_000, None, 1, 1_000, [])
+    await Publisher(producer).dead_letter(big, "not JSON")
+    [(topic, value, headers)] = producer.sent
+    assert topic == "dead-letter" and value == b""
+    assert dict(headers) == {"error": b"not JSON (value too large)", "source": b"prompts.m/1/7"}
