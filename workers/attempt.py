@@ -71,7 +71,9 @@ def usage_of(attempt: Attempt) -> Usage:
     started = attempt.submitted_ms or time.time() * 1000
     first = attempt.first_token_ms
     return Usage(
-        prompt_tokens=attempt.prompt_tokens,
+        # Only a prompt given to the engine counts: one stopped, expired or refused
+        # before is settled at nothing against its quota, as if never taken.
+        prompt_tokens=attempt.prompt_tokens if attempt.submitted_ms else 0,
         completion_tokens=attempt.completion_tokens,
         cached_tokens=attempt.cached_tokens,
         queue_ms=max(0.0, started - created),

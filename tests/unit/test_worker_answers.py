@@ -7,7 +7,10 @@ import orjson
 import pytest
 from aiokafka.structs import ConsumerRecord
 
+from schemas.events import now_ms
 from tests.unit.test_persist_retries import TakingProducer
+from tests.unit.test_transcript_records import attempt
+from workers.attempt import usage_of
 from workers.publisher import Publisher
 from workers.request import finish_reason_of
 from workers.worker import addressee_of
@@ -51,3 +54,14 @@ async def test_an_undecodable_prompt_too_big_to_dead_letter_whole_goes_without_i
     [(topic, value, headers)] = producer.sent
     assert topic == "dead-letter" and value == b""
     assert dict(headers) == {"error": b"not JSON (value too large)", "source": b"prompts.m/1/7"}
+
+
+def test_a_prompt_that_never_reached_the_engine_reports_no_prompt_tokens() -> None:
+    """Stopped or expired while it waited for token budget, or too long for the engine:
+    its prompt tokens were reported, settled against the user's quota and counted in
+    usage, while the same prompt expired before the worker took it reported none."""
+    waited = attempt()
+    waited.prompt_tokens = 1000  # rendered, then it waited for room
+    assert usage_of(waited).prompt_tokens == 0
+    waited.submitted_ms = now_ms()
+    assert usage_of(waited).prompt_tokens == 1000
