@@ -68,6 +68,8 @@ class Capacity:
                 )
             finally:
                 self._waiting[waiter] -= 1
+                if not self._waiting[waiter]:  # else kept for good, and scanned by each check
+                    del self._waiting[waiter]
                 self._changed.notify_all()  # a waiter behind this one may go now
             if give_up():
                 return False

@@ -96,3 +96,20 @@ async def test_a_waiter_past_its_deadline_gives_up_without_being_woken() -> None
     )
     assert await asyncio.wait_for(waiter, 5) is False
     assert capacity.tokens == 10
+
+
+async def test_nothing_is_kept_for_waiters_that_have_gone() -> None:
+    """Every waiter's (band, size) was kept at zero once it went: up to bands x context
+    length entries, each scanned by every later budget check."""
+    capacity = Capacity(max_seqs=4, max_tokens=10)
+    await capacity.reserve_tokens(10, give_up=lambda: False)
+    stopped = False
+    waiters = [
+        asyncio.create_task(capacity.reserve_tokens(size, give_up=lambda: stopped))
+        for size in range(1, 200)
+    ]
+    await settle()
+    stopped = True  # stopped by their users, say
+    await capacity.wake()
+    assert await asyncio.wait_for(asyncio.gather(*waiters), 5) == [False] * 199
+    assert not capacity._waiting
