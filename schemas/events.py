@@ -9,7 +9,7 @@ know.
 from __future__ import annotations
 
 import time
-from typing import Annotated, ClassVar, Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -68,11 +68,7 @@ class Sampling(BaseModel):
     temperature: float = Field(default=0.7, ge=0.0, le=MAX_TEMPERATURE)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     seed: int | None = None
-    # As the API allows: vLLM refuses an empty stop string, and a prompt written straight
-    # to Kafka is checked here alone.
-    stop: list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]] = Field(
-        default_factory=list, max_length=MAX_STOP_SEQUENCES
-    )
+    stop: list[str] = Field(default_factory=list)
     presence_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
     frequency_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
     # Generate exactly max_tokens (benchmarks and load tests; vLLM's ignore_eos).
