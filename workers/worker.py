@@ -156,7 +156,7 @@ class Worker:
                 task.add_done_callback(self._tasks.discard)
 
     async def _handle(self, record: Record) -> None:
-        assert self._runner is not None
+        slot_held = True
         try:
             try:
                 prompt = decode(PromptRequest, record.value)
@@ -164,18 +164,31 @@ class Worker:
                 await self._reject(record, exc)
             else:
                 bind_request_id(prompt.request_id)
-                tracked = self._tracked.setdefault(prompt.request_id, Tracked(prompt.request_id))
-                try:
-                    await self._runner.run(prompt, tracked, self.intake.band_of(record))
-                finally:
-                    self._tracked.pop(prompt.request_id, None)
+                if (original := self._tracked.get(prompt.request_id)) is not None:
+                    # Fetched again while it runs here (a rebalance restarts even a kept
+                    # partition from its oldest running prompt): no slot while it waits.
+                    slot_held = False
+                    await self.capacity.release_seq()
+                    await original.done.wait()
+                await self._run(prompt, self.intake.band_of(record))
             self.intake.finished(record)  # not reached when handed back (cancelled)
         except Exception as exc:
             log.exception("worker failure while handling offset %s", record.offset)
             self._failure = exc
             self._stopping.set()
         finally:
-            await self.capacity.release_seq()
+            if slot_held:
+                await self.capacity.release_seq()
+
+    async def _run(self, prompt: PromptRequest, band: str) -> None:
+        assert self._runner is not None
+        tracked = self._tracked.setdefault(prompt.request_id, Tracked(prompt.request_id))
+        try:
+            await self._runner.run(prompt, tracked, band)
+        finally:
+            if self._tracked.get(prompt.request_id) is tracked:
+                del self._tracked[prompt.request_id]
+            tracked.done.set()
 
     async def _reject(self, record: Record, exc: SchemaError) -> None:
         """Undecodable prompt: dead-letter it, and answer if we can tell whom."""

@@ -1,0 +1,82 @@
+"""A rebalance restarts even the partitions a worker keeps from their committed offset,
+the oldest prompt still running: the prompts it runs are fetched again. Each copy held
+a slot until its original finished, so after a scaling event a worker could fill every
+free slot with copies and start nothing new for minutes (pure logic: the worker's own
+handling, a stand-in for the runner)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from aiokafka.structs import ConsumerRecord
+
+from schemas.codec import encode
+from schemas.events import ChatMessage, PromptRequest, now_ms
+from schemas.topics import prompts_topic
+from tandoor.settings import Settings
+from tests.waiting import until
+from workers.attempt import Tracked
+from workers.engine import EngineOptions
+from workers.worker import Worker
+
+MODEL = "smollm2"
+
+
+class HeldRunner:
+    """Runs each prompt until the test lets the first one finish."""
+
+    def __init__(self) -> None:
+        self.runs: list[str] = []
+        self.finish = asyncio.Event()
+
+    async def run(self, prompt: PromptRequest, tracked: Tracked, band: str) -> None:
+        self.runs.append(prompt.request_id)
+        await self.finish.wait()
+
+
+def prompt_record(offset: int) -> ConsumerRecord[bytes, bytes]:
+    prompt = PromptRequest(
+        request_id="r_copy",
+        model=MODEL,
+        user_id="u",
+        tier="plus",
+        band="interactive-paid",
+        conversation_id="c",
+        messages=[ChatMessage(role="user", content="hi")],
+        created_at_ms=now_ms(),
+    )
+    value = encode(prompt)
+    return ConsumerRecord(prompts_topic(MODEL), 0, offset, 0, 0, b"k", value, None, 1, 0, [])
+
+
+async def test_a_prompt_fetched_again_while_it_runs_gives_its_slot_back() -> None:
+    worker = Worker(Settings(), MODEL, EngineOptions(model_dir=Path(".")))
+    runner = HeldRunner()
+    worker._runner = runner  # type: ignore[assignment]
+    free = worker.capacity.free_seqs
+    handled = []
+    for _ in range(2):  # taken, then fetched again after a rebalance
+        worker.capacity.take_seq()
+        handled.append(asyncio.create_task(worker._handle(prompt_record(5))))
+    try:
+        await until(
+            lambda: worker.capacity.free_seqs,
+            lambda f: f == free - 1,
+            what="a slot back",
+            idle_s=10,
+            poll_s=0.01,
+        )
+        assert runner.runs == ["r_copy"]  # the copy waits for the original, slot-free
+        runner.finish.set()
+        await asyncio.wait_for(asyncio.gather(*handled), 10)
+        assert runner.runs == ["r_copy"] * 2  # then runs, and finds it answered
+        assert worker.capacity.free_seqs == free
+        assert worker._failure is None
+    finally:
+        runner.finish.set()
+        await asyncio.gather(*handled, return_exceptions=True)
+        await worker._producer.stop()
+        await worker.intake.consumer.stop()
+        await worker.control.stop()
+        await worker._redis.aclose()
