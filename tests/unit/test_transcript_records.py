@@ -29,8 +29,8 @@ class RedisAway:
         return self.deletes[-1]
 
 
-def attempt() -> Attempt:
-    prompt = PromptRequest(
+def prompt() -> PromptRequest:
+    return PromptRequest(
         request_id="r_1",
         model="m",
         user_id="u",
@@ -40,7 +40,10 @@ def attempt() -> Attempt:
         messages=[ChatMessage(role="user", content="hi")],
         created_at_ms=now_ms(),
     )
-    return Attempt(prompt, Tracked("r_1", leased=True), 1, 1, recording=True)
+
+
+def attempt() -> Attempt:
+    return Attempt(prompt(), Tracked("r_1", leased=True), 1, 1, recording=True)
 
 
 async def test_a_failed_record_drops_the_transcript_once_redis_answers() -> None:

@@ -12,9 +12,10 @@ from pathlib import Path
 from aiokafka.structs import ConsumerRecord
 
 from schemas.codec import encode
-from schemas.events import ChatMessage, PromptRequest, now_ms
+from schemas.events import PromptRequest
 from schemas.topics import prompts_topic
 from tandoor.settings import Settings
+from tests.unit.test_transcript_records import prompt
 from tests.waiting import until
 from workers.attempt import Tracked
 from workers.engine import EngineOptions
@@ -36,17 +37,7 @@ class HeldRunner:
 
 
 def prompt_record(offset: int) -> ConsumerRecord[bytes, bytes]:
-    prompt = PromptRequest(
-        request_id="r_copy",
-        model=MODEL,
-        user_id="u",
-        tier="plus",
-        band="interactive-paid",
-        conversation_id="c",
-        messages=[ChatMessage(role="user", content="hi")],
-        created_at_ms=now_ms(),
-    )
-    value = encode(prompt)
+    value = encode(prompt())
     return ConsumerRecord(prompts_topic(MODEL), 0, offset, 0, 0, b"k", value, None, 1, 0, [])
 
 
@@ -67,10 +58,10 @@ async def test_a_prompt_fetched_again_while_it_runs_gives_its_slot_back() -> Non
             idle_s=10,
             poll_s=0.01,
         )
-        assert runner.runs == ["r_copy"]  # the copy waits for the original, slot-free
+        assert runner.runs == ["r_1"]  # the copy waits for the original, slot-free
         runner.finish.set()
         await asyncio.wait_for(asyncio.gather(*handled), 10)
-        assert runner.runs == ["r_copy"] * 2  # then runs, and finds it answered
+        assert runner.runs == ["r_1"] * 2  # then runs, and finds it answered
         assert worker.capacity.free_seqs == free
         assert worker._failure is None
     finally:
