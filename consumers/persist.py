@@ -180,11 +180,8 @@ class Persister:
         """Results of lines from `batch.requests`, once stored (again after a replay:
         each result's `id` names its request, so a reader can drop repeats). False if
         told to stop before Kafka took them."""
-        results = [
-            r
-            for f in finals
-            if f.custom_id is not None and f.batch_id and (r := _result(f, self._redact))
-        ]
+        lines = [f for f in finals if f.custom_id is not None and f.batch_id]
+        results = [r for r in (_result(f, self._redact) for f in lines) if r is not None]
 
         async def send_all() -> None:
             sends = [await self._send_result(final, value) for final, value in results]
