@@ -1,7 +1,7 @@
 """Listing a user's files and batches against real Cassandra: every one once, in order,
 however the pages fall, ones sharing a millisecond included. A batch's counts are kept
 on its row once they are final, and not before; counts that could not be kept are
-counted again."""
+counted again. Metadata reads back as given."""
 
 from __future__ import annotations
 
@@ -101,6 +101,20 @@ async def test_a_batchs_counts_are_kept_once_final_and_read_from_its_row(session
     answer(session, made, "d", 200)
     assert await service.retrieve(caller, "b-counts") == finished
     assert (await service.list(caller, limit=5, after=None))["data"] == [finished]
+
+
+@pytest.mark.parametrize("metadata", [None, {}, {"team": "a", "empty": ""}])
+async def test_a_batchs_metadata_reads_back_as_it_was_given(
+    session: Any, metadata: dict[str, str] | None
+) -> None:
+    """Cassandra keeps an empty map as no value: `{}` still reads back as `{}`."""
+    batches = BatchStore(session)
+    batch_id = f"b-meta-{uuid.uuid4().hex}"
+    made = StoredBatch(batch_id, "erin", "f", "/v1/chat/completions", "24h", 1, metadata, AT, None)
+    await batches.create(made)
+    found = await batches.get(batch_id)
+    assert found is not None and found.metadata == metadata
+    assert (found.metadata is None) == (metadata is None)
 
 
 class SettleTimesOut:

@@ -171,8 +171,8 @@ class BatchStore:
             [
                 (
                     "INSERT INTO api_batches (batch_id, user_id, input_file_id, endpoint, "
-                    "completion_window, total, metadata, created_at) "
-                    "VALUES (%s, %s, %s, %s, %s, %s, %s, %s)",
+                    "completion_window, total, metadata, metadata_given, created_at) "
+                    "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)",
                     (
                         batch.batch_id,
                         batch.user_id,
@@ -181,6 +181,7 @@ class BatchStore:
                         batch.completion_window,
                         batch.total,
                         batch.metadata,
+                        batch.metadata is not None,
                         batch.created_at,
                     ),
                 ),
@@ -210,14 +211,15 @@ class BatchStore:
             self._session,
             "SELECT batch_id, user_id, input_file_id, endpoint, completion_window, total, "
             "metadata, created_at, cancelled_at, settled_succeeded, settled_failed, "
-            "settled_unstatused, settled_last_at FROM api_batches WHERE batch_id = %s",
+            "settled_unstatused, settled_last_at, metadata_given FROM api_batches "
+            "WHERE batch_id = %s",
             (batch_id,),
         )
         if not rows:
             return None
-        *stored, succeeded, failed, unstatused, last_at = rows[0]
+        *stored, succeeded, failed, unstatused, last_at, metadata_given = rows[0]
         found = StoredBatch(*stored)
-        metadata = dict(found.metadata) if found.metadata else None  # the driver's map type
+        metadata = dict(found.metadata or {}) if metadata_given or found.metadata else None
         settled = None
         if succeeded is not None:
             settled = Answered(succeeded, failed, unstatused, _utc(last_at))
