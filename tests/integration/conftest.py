@@ -22,6 +22,12 @@ from tandoor.clients import cassandra_session, kafka_producer, redis_client
 from tandoor.settings import Settings
 from tests.engine import REFERENCE_DTYPE
 from tests.integration.batch_lines import BACKLOG_PER_WORKER, BLOCKED
+from tests.integration.persisting import (  # noqa: F401 (the persistence tests' fixtures)
+    dead_letter,
+    keyspace,
+    persist_env,
+    start_persist,
+)
 from workers.model_store import resolve_model_dir
 
 MAX_SEQS = 16

@@ -34,6 +34,7 @@ def test_migrations_apply_once(cassandra: Settings, keyspace: str) -> None:
             "0006_files_and_batches",
             "0007_files_by_user",
             "0008_batch_summary",
+            "0009_batch_metadata_given",
         ]
         assert migrate(session, keyspace) == []
         rows = session.execute(

@@ -6,156 +6,28 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
-from aiokafka.structs import ConsumerRecord, TopicPartition
+from aiokafka import AIOKafkaProducer
 
 from consumers.history import HistoryWriter, reply_time_ms
-from infra.roles import PersistProcess
-from infra.topics import start_group_at_end
 from producers.gateway.conversations.service import ConversationService
 from producers.gateway.errors import ApiError
-from schemas import topics
-from schemas.codec import encode
-from schemas.events import (
-    FinalEvent,
-    FinishReason,
-    MessageKey,
-    PromptKind,
-    TokenEvent,
-    Usage,
-    now_ms,
-)
-from tandoor.clients import assign_from_end, cassandra_session, kafka_producer
+from schemas.events import MessageKey, now_ms
+from tandoor.clients import cassandra_session
 from tandoor.settings import Settings
-from tests.integration.pipeline import group_committed
+from tests.integration.persisting import (
+    StartPersist,
+    final,
+    publish,
+    select_rows,
+    settled_rows,
+    wait_rows,
+)
 from tests.waiting import eventually
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def keyspace(migrated_keyspace: str) -> str:
-    return migrated_keyspace
-
-
-@pytest.fixture
-async def persist_env(kafka: str, settings: Settings, keyspace: str, unique: str) -> dict[str, str]:
-    """A group of its own, starting at the end of `tokens`: every test starts persist
-    before publishing, and a replay of what other tests left there only slows it."""
-    group = f"persist-{unique}"
-    await start_group_at_end(settings, group)
-    return {"TANDOOR_KEYSPACE": keyspace, "TANDOOR_PERSIST_GROUP": group}
-
-
-@pytest.fixture
-async def producer(kafka: str, settings: Settings) -> AsyncIterator[AIOKafkaProducer]:
-    async with kafka_producer(settings, client_id="persist-tests") as p:
-        yield p
-
-
-def final(
-    conversation: str,
-    text: str,
-    *,
-    reason: FinishReason = "stop",
-    attempt: int = 1,
-    request_id: str | None = None,
-    prompt_at: int | None = None,
-    kind: PromptKind = "chat",
-) -> FinalEvent:
-    return FinalEvent(
-        kind=kind,
-        request_id=request_id or f"req-{uuid.uuid4().hex[:10]}",
-        attempt=attempt,
-        seq=3,
-        finish_reason=reason,
-        text=text,
-        usage=Usage(
-            prompt_tokens=11,
-            completion_tokens=len(text.split()),
-            queue_ms=1,
-            ttft_ms=20,
-            decode_ms=50,
-        ),
-        model="smollm2",
-        user_id="alice",
-        tier="plus",
-        conversation_id=conversation,
-        created_at_ms=now_ms(),
-        prompt_created_at_ms=prompt_at or now_ms() - 1000,
-    )
-
-
-async def publish(producer: AIOKafkaProducer, *events: FinalEvent) -> None:
-    for event in events:
-        await producer.send_and_wait(topics.TOKENS, encode(event), key=event.request_id.encode())
-
-
-def select_rows(
-    settings: Settings, keyspace: str, query: str, params: tuple[Any, ...]
-) -> list[Any]:
-    with cassandra_session(settings, keyspace) as session:
-        return list(session.execute(query, params))
-
-
-def messages(settings: Settings, keyspace: str, conversation: str) -> list[Any]:
-    query = (
-        "SELECT message_id, content, status, attempt, created_at, completion_tokens, "
-        "finish_reason FROM messages_by_conversation WHERE conversation_id = %s"
-    )
-    return select_rows(settings, keyspace, query, (conversation,))
-
-
-async def wait_rows(settings: Settings, keyspace: str, conversation: str, count: int) -> list[Any]:
-    return await eventually(
-        lambda: asyncio.to_thread(messages, settings, keyspace, conversation),
-        lambda rows: len(rows) >= count,
-        what=f"{count} rows stored for {conversation}",
-    )
-
-
-async def settled_rows(
-    settings: Settings,
-    keyspace: str,
-    producer: AIOKafkaProducer,
-    conversation: str,
-    count: int,
-) -> list[Any]:
-    """The rows once `count` are there and whatever was published before has been
-    processed: a sentinel reply goes to every partition of `tokens` after the events
-    (Kafka keeps each partition's order), and persist has stored them all."""
-    sentinels = f"{conversation}-sentinels"
-    partitions = settings.tokens_partitions
-    for partition in range(partitions):
-        sentinel = final(sentinels, f"sentinel {partition}")
-        await producer.send_and_wait(topics.TOKENS, encode(sentinel), partition=partition)
-    await wait_rows(settings, keyspace, sentinels, partitions)
-    return await wait_rows(settings, keyspace, conversation, count)
-
-
-StartPersist = Callable[[], Awaitable[PersistProcess]]
-
-
-@pytest.fixture
-async def start_persist(persist_env: dict[str, str], tmp_path: Path) -> AsyncIterator[StartPersist]:
-    """Start `tandoor persist` processes; whatever still runs is stopped afterwards."""
-    processes: list[PersistProcess] = []
-
-    async def start() -> PersistProcess:
-        process = PersistProcess(tmp_path, persist_env)
-        processes.append(process)
-        process.start()
-        await process.wait_ready()
-        return process
-
-    yield start
-    for process in processes:
-        process.terminate()
 
 
 async def test_replies_are_stored_once_with_their_status_and_usage(
@@ -256,116 +128,6 @@ async def test_kill_9_and_restart_loses_and_duplicates_nothing(
     rows = await settled_rows(settings, keyspace, producer, conversation, 120)
     assert sorted(r.message_id for r in rows) == sorted(r.request_id for r in replies)
     assert {r.message_id: r.content for r in rows} == {r.request_id: r.text for r in replies}
-
-
-DeadLetters = Callable[[bytes], Awaitable[ConsumerRecord[bytes, bytes]]]
-
-
-@pytest.fixture
-async def dead_letter(settings: Settings) -> AsyncIterator[DeadLetters]:
-    """The dead letter keyed so, among those written from the fixture's start."""
-    dead = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap, fetch_max_wait_ms=50)
-    await dead.start()
-    found: list[ConsumerRecord[bytes, bytes]] = []
-
-    async def keyed(key: bytes) -> ConsumerRecord[bytes, bytes]:
-        async def letters() -> list[ConsumerRecord[bytes, bytes]]:
-            batch = await dead.getmany(timeout_ms=500)
-            found.extend(r for chunk in batch.values() for r in chunk)
-            return [r for r in found if r.key == key]
-
-        return (await eventually(letters, bool, what=f"a dead letter keyed {key!r}"))[0]
-
-    try:
-        await assign_from_end(dead, topics.DEAD_LETTER)
-        yield keyed
-    finally:
-        await dead.stop()
-
-
-async def test_a_final_that_cannot_be_stored_is_dead_lettered_and_the_rest_go_on(
-    settings: Settings,
-    keyspace: str,
-    producer: AIOKafkaProducer,
-    start_persist: StartPersist,
-    dead_letter: DeadLetters,
-) -> None:
-    """A final Cassandra can never take (a date past year 9999) is tried a few times,
-    then goes to the dead-letter topic with the reason; replies after it are stored."""
-    conversation = f"c-{uuid.uuid4().hex[:8]}"
-    poison = final(conversation, "from the far future", prompt_at=10**16)
-    poison = poison.model_copy(update={"created_at_ms": 10**16})
-    healthy = final(conversation, "an ordinary reply")
-    await start_persist()
-    await publish(producer, poison, healthy)
-    rows = await settled_rows(settings, keyspace, producer, conversation, 1)
-    letter = await dead_letter(poison.request_id.encode())
-    assert [(r.message_id, r.content) for r in rows] == [(healthy.request_id, "an ordinary reply")]
-    assert letter.value == encode(poison)
-    assert b"not stored after 3 tries" in dict(letter.headers)["error"]
-
-
-async def test_a_tombstone_and_an_undecodable_final_do_not_stop_or_lose_replies(
-    settings: Settings,
-    keyspace: str,
-    producer: AIOKafkaProducer,
-    start_persist: StartPersist,
-    dead_letter: DeadLetters,
-) -> None:
-    """A record with no value (any client can write one) stopped persistence, on every
-    restart; a final of a schema version it cannot read (a newer worker mid-upgrade) was
-    skipped and committed: the reply lost without a trace. Now the one is stepped over,
-    the other dead-lettered with the reason, and the reply after both is stored."""
-    conversation = f"c-{uuid.uuid4().hex[:8]}"
-    healthy = final(conversation, "after the odd ones")
-    newer = encode(final(conversation, "written by a newer worker")).replace(b'"v":1', b'"v":99')
-    key = healthy.request_id.encode()  # one partition: both odd records come first
-    await start_persist()
-    await producer.send_and_wait(topics.TOKENS, None, key=key)
-    await producer.send_and_wait(topics.TOKENS, newer, key=key)
-    await publish(producer, healthy)
-    rows = await settled_rows(settings, keyspace, producer, conversation, 1)
-    letter = await dead_letter(key)
-    assert [(r.message_id, r.content) for r in rows] == [(healthy.request_id, "after the odd ones")]
-    assert letter.value == newer
-    assert b"unknown schema version 99" in dict(letter.headers)["error"]
-
-
-async def test_deltas_alone_are_committed_so_a_restart_replays_little(
-    settings: Settings,
-    persist_env: dict[str, str],
-    producer: AIOKafkaProducer,
-    start_persist: StartPersist,
-) -> None:
-    """Persistence skips deltas and commits them less often than each fetch, but it
-    commits them: a reply still streaming is not replayed from its start."""
-    await start_persist()
-    request_id = f"req-{uuid.uuid4().hex[:10]}"
-    sent = [
-        await producer.send_and_wait(
-            topics.TOKENS,
-            encode(
-                TokenEvent(
-                    request_id=request_id,
-                    attempt=1,
-                    seq=seq,
-                    delta="word ",
-                    token_count=1,
-                    created_at_ms=now_ms(),
-                )
-            ),
-            key=request_id.encode(),
-        )
-        for seq in range(20)
-    ]
-    tp = TopicPartition(topics.TOKENS, sent[-1].partition)
-    end = sent[-1].offset + 1
-    group = persist_env["TANDOOR_PERSIST_GROUP"]
-    await eventually(
-        lambda: group_committed(settings, group, tp),
-        lambda offset: offset is not None and offset >= end,
-        what="persistence to commit a reply's deltas",
-    )
 
 
 async def test_a_reply_finished_after_its_conversation_was_deleted_is_not_kept(

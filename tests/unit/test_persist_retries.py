@@ -1,5 +1,5 @@
 """How persistence retries a write, with a stand-in for its Cassandra writer (the real
-one: tests/integration/test_persist.py): a final the store refuses is dead-lettered
+one: tests/integration/test_persist_faults.py): a final the store refuses is dead-lettered
 after POISON_TRIES, one it cannot reach is retried for as long as it takes. Tries were
 counted by offset alone, so a final sharing its offset with a poison one on another
 partition was dead-lettered with it (its reply never stored)."""
