@@ -4,27 +4,21 @@ package's shared worker: tests/integration/conftest.py)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import re
 import subprocess
-import time
 import urllib.request
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import pytest
-import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.structs import ConsumerRecord
 
 from consumers.token_reader import TokenCollector
 from infra.roles import WorkerProcess
-from producers.control import request_cancel
 from producers.prompts import PromptSubmitter
 from schemas import topics
 from schemas.codec import decode, encode
-from schemas.events import ANSWERED, MessageKey, PromptRequest, UsageRecord
+from schemas.events import ANSWERED, MessageKey, UsageRecord
 from tandoor.clients import assign_from_end, redis_client
 from tandoor.policies.redis_keys import attempt_key, lease_key, reply_key
 from tandoor.settings import Settings
@@ -107,29 +101,6 @@ async def test_high_band_overtakes_a_flooded_low_band(
     assert all(stream.finals(r.request_id)[0].finish_reason != "error" for r in flood)
 
 
-async def test_cancel_while_generating_keeps_partial_usage(
-    worker: WorkerProcess, producer: AIOKafkaProducer, settings: Settings, redis_url: str
-) -> None:
-    client = redis_client(settings)
-    try:
-        async with TokenCollector(settings) as stream:
-            request = prompt(
-                worker.model,
-                "Write a very long story about a dragon.",
-                max_tokens=1000,
-                ignore_eos=True,
-            )
-            await PromptSubmitter(settings, producer).submit(request)
-            await stream.first_token(request.request_id)
-            await request_cancel(producer, client, request.request_id, "stop button")
-            final = await stream.final(request.request_id)
-    finally:
-        await client.aclose()
-    assert final.finish_reason == "cancelled"
-    assert 0 < final.usage.completion_tokens < 1000  # cut short, whatever the engine's speed
-    assert final.text and final.usage.prompt_tokens > 0
-
-
 async def test_a_reply_goes_on_when_redis_loses_its_lease(
     worker: WorkerProcess, producer: AIOKafkaProducer, settings: Settings, redis_url: str
 ) -> None:
@@ -155,106 +126,6 @@ async def test_a_reply_goes_on_when_redis_loses_its_lease(
     assert len(tokens) > at_loss, "no text after the loss"
     assert "".join(t.delta for t in tokens) == final.text
     assert len(stream.finals(rid)) == 1
-
-
-async def test_cancel_before_the_worker_takes_the_prompt(
-    worker: WorkerProcess, producer: AIOKafkaProducer, settings: Settings, redis_url: str
-) -> None:
-    client = redis_client(settings)
-    request = prompt(worker.model, "Hello?", max_tokens=16)
-    try:
-        async with TokenCollector(settings) as stream:
-            await request_cancel(producer, client, request.request_id)
-            await PromptSubmitter(settings, producer).submit(request)
-            final = await stream.final(request.request_id)
-    finally:
-        await client.aclose()
-    assert final.finish_reason == "cancelled"
-    assert final.usage.completion_tokens == 0 and not stream.tokens(request.request_id, 1)
-
-
-@dataclass
-class LongReply:
-    """A long reply running on the worker, holding most of its token budget."""
-
-    stream: TokenCollector
-    submitter: PromptSubmitter
-    control: aioredis.Redis
-    request: PromptRequest
-
-
-@contextlib.asynccontextmanager
-async def long_reply_running(
-    worker: WorkerProcess, producer: AIOKafkaProducer, settings: Settings
-) -> AsyncIterator[LongReply]:
-    """The long reply, streaming; cancelled (and its final awaited) at the end."""
-    client = redis_client(settings)
-    submitter = PromptSubmitter(settings, producer)
-    try:
-        async with TokenCollector(settings) as stream:
-            long = prompt(
-                worker.model, "Write a long essay about rivers.", max_tokens=1000, ignore_eos=True
-            )
-            await submitter.submit(long)
-            await stream.first_token(long.request_id)
-            yield LongReply(stream, submitter, client, long)
-            await request_cancel(producer, client, long.request_id)
-            await stream.final(long.request_id)
-    finally:
-        await client.aclose()
-
-
-async def test_cancel_while_waiting_inside_the_worker(
-    worker: WorkerProcess, producer: AIOKafkaProducer, settings: Settings, redis_url: str
-) -> None:
-    async with long_reply_running(worker, producer, settings) as running:
-        stream = running.stream
-        waiting = prompt(worker.model, "Write a poem.", max_tokens=500)  # does not fit
-        await running.submitter.submit(waiting)
-        await eventually(  # taken by the worker, held for lack of token budget
-            lambda: samples(worker),
-            lambda found: found["tandoor_worker_requests_waiting"] >= 1,
-            what="the second prompt held in the worker",
-        )
-        assert not stream.tokens(waiting.request_id, 1)
-        await request_cancel(producer, running.control, waiting.request_id)
-        final = await stream.final(waiting.request_id)
-        # At once: not when the long reply ends and frees the budget it waits for.
-        long_id = running.request.request_id
-        assert not stream.finals(long_id), "the cancel waited for the long reply"
-    assert final.finish_reason == "cancelled"
-    assert final.usage.completion_tokens == 0 and not stream.tokens(waiting.request_id, 1)
-
-
-async def test_a_prompt_waiting_inside_the_worker_expires_at_its_deadline(
-    worker: WorkerProcess, producer: AIOKafkaProducer, settings: Settings, redis_url: str
-) -> None:
-    """Held for token budget while a long reply runs: answered `expired` when its
-    deadline passes, not minutes later when the long reply frees the budget (the
-    gateway would have told the client by then that no worker answered)."""
-    async with long_reply_running(worker, producer, settings) as running:
-        stream = running.stream
-        deadline_ms = int(time.time() * 1000) + 5_000  # ample to be taken before it
-        waiting = prompt(worker.model, "Write a poem.", max_tokens=500, deadline_ms=deadline_ms)
-        await running.submitter.submit(waiting)
-        final = await stream.final(waiting.request_id)
-        assert not stream.finals(running.request.request_id), (
-            "the deadline waited for the long reply"
-        )
-    assert final.finish_reason == "expired"
-    assert final.error == "the deadline passed in the worker's queue"  # taken, then held
-    assert final.usage.completion_tokens == 0 and not stream.tokens(waiting.request_id, 1)
-
-
-async def test_expired_prompt_never_reaches_the_engine(
-    worker: WorkerProcess, producer: AIOKafkaProducer, settings: Settings
-) -> None:
-    async with TokenCollector(settings) as stream:
-        request = prompt(worker.model, "Too late.", deadline_ms=int(time.time() * 1000) - 1)
-        await PromptSubmitter(settings, producer).submit(request)
-        final = await stream.final(request.request_id)
-    assert final.finish_reason == "expired" and "deadline" in (final.error or "")
-    assert final.usage.prompt_tokens == 0 and final.usage.completion_tokens == 0
 
 
 async def test_bad_input_gets_errors_and_the_worker_keeps_running(
