@@ -25,7 +25,7 @@ from cassandra.connection import ConnectionException
 from consumers.history import HistoryWriter
 from consumers.metrics import PersistMetrics
 from schemas import topics
-from schemas.batch import batch_output, final_output
+from schemas.batch import final_output, too_large_output
 from schemas.codec import SchemaError, decode, is_final
 from schemas.events import FinalEvent
 from tandoor.clients import CASSANDRA_DOWN, cassandra_cluster, kafka_producer, send_dead_letter
@@ -201,9 +201,7 @@ class Persister:
             log.error(
                 "batch result of %s too large for Kafka (%d bytes)", final.request_id, len(value)
             )
-            message = f"the result ({len(value)} bytes) is too large to deliver"
-            error = {"code": "result_too_large", "message": message}
-            small = orjson.dumps(batch_output(final.custom_id, final.request_id, error=error))
+            small = orjson.dumps(too_large_output(final.custom_id, final.request_id, len(value)))
             sent = await self._producer.send(topics.BATCH_RESULTS, small, key=key)
         return sent
 

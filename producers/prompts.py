@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from aiokafka import AIOKafkaProducer
-from aiokafka.errors import KafkaError
+from aiokafka.errors import KafkaError, MessageSizeTooLargeError
 
 from schemas.codec import encode
 from schemas.events import PromptRequest
@@ -16,13 +16,23 @@ from tandoor.settings import Settings
 log = logging.getLogger(__name__)
 
 
+class PromptTooLarge(Exception):
+    """Kafka refuses a record this large on every try: the caller's to shorten, not a
+    queue to wait for (a long-context model's prompt can pass the 1 MiB record limit)."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(f"the prompt is {size} bytes encoded: more than the prompt queue takes")
+        self.size = size
+
+
 class PromptSubmitter:
     def __init__(self, settings: Settings, producer: AIOKafkaProducer) -> None:
         self._layout = BandLayout([(band.name, band.partitions) for band in settings.bands])
         self._producer = producer
 
     async def submit(self, prompt: PromptRequest) -> int:
-        """Deliver the prompt durably; return the partition it went to."""
+        """Deliver the prompt durably; return the partition it went to. PromptTooLarge
+        where Kafka will never take it."""
         bind_request_id(prompt.request_id)  # the rest of this request's lines carry it
         partition = self._layout.partition_for(prompt.band, prompt.conversation_id)
         topic = prompts_topic(prompt.model)
@@ -32,12 +42,13 @@ class PromptSubmitter:
                 f"{topic} has no partition {partition} for band {prompt.band!r}: the bands "
                 f"need {self._layout.total_partitions} partitions; run `tandoor bootstrap`"
             )
-        await self._producer.send_and_wait(
-            topic,
-            encode(prompt),
-            key=prompt.conversation_id.encode(),
-            partition=partition,
-        )
+        value = encode(prompt)
+        try:
+            await self._producer.send_and_wait(
+                topic, value, key=prompt.conversation_id.encode(), partition=partition
+            )
+        except MessageSizeTooLargeError as exc:
+            raise PromptTooLarge(len(value)) from exc
         log.info(
             "queued %s prompt for %s: band %s, partition %d, up to %d new tokens",
             prompt.kind,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
+from schemas.errors import error_body
 from schemas.events import ANSWERED, TEMPLATE_REFUSED, TOO_LONG_FOR_ENGINE, FinalEvent
 
 # Header names on `batch.requests` records (Kafka header names are case-sensitive).
@@ -55,10 +56,17 @@ def refused_output(
     param: str | None = None,
 ) -> dict[str, Any]:
     """A line refused before it reached a model: the 4xx the same request gets over HTTP."""
-    body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
+    body = error_body(message, kind, param)
     return batch_output(
         custom_id, request_id, {"status_code": status_code, "request_id": request_id, "body": body}
     )
+
+
+def too_large_output(custom_id: str | None, request_id: str, size: int) -> dict[str, Any]:
+    """In place of an output past Kafka's record limit: sent again, it is refused again."""
+    message = f"the result ({size} bytes) is too large to deliver"
+    error = {"code": "result_too_large", "message": message}
+    return batch_output(custom_id, request_id, error=error)
 
 
 def cancelled_output(custom_id: str | None, request_id: str) -> dict[str, Any]:

@@ -4,20 +4,24 @@ known, as the persistence consumer does for the lines that ran."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable
 from typing import Any, Literal
 
 import orjson
 from aiokafka import AIOKafkaProducer
+from aiokafka.errors import MessageSizeTooLargeError
 
 from consumers.history import INSERT_BATCH_OUTPUT, batch_output_row
 from producers.admission.headers import answer_key
 from producers.admission.marks import LineMarks
 from schemas import topics
-from schemas.batch import cancelled_output, expired_output
+from schemas.batch import cancelled_output, expired_output, too_large_output
 from schemas.events import PromptRequest
 from tandoor.clients import cql
+
+log = logging.getLogger(__name__)
 
 Unrun = Literal["cancelled", "expired"]  # why a line is answered without running
 
@@ -32,8 +36,14 @@ class Answers:
         if owner is not None and batch_id and output.get("custom_id") is not None:
             row = batch_output_row(owner, batch_id, output, time.time_ns() // 1000)
             await cql(self._session, self._insert, row)
-        key = answer_key(batch_id)
-        await self._producer.send_and_wait(topics.BATCH_RESULTS, orjson.dumps(output), key=key)
+        key, value = answer_key(batch_id), orjson.dumps(output)
+        try:
+            await self._producer.send_and_wait(topics.BATCH_RESULTS, value, key=key)
+        except MessageSizeTooLargeError:  # refused again on every try: in front of every line
+            log.error("answer to %s too large for Kafka (%d bytes)", output["id"], len(value))
+            request_id = output["id"].removeprefix("batch_req_")
+            small = too_large_output(output.get("custom_id"), request_id, len(value))
+            await self._producer.send_and_wait(topics.BATCH_RESULTS, orjson.dumps(small), key=key)
 
     async def unrun(self, prompt: PromptRequest, why: Unrun) -> None:
         output = cancelled_output if why == "cancelled" else expired_output

@@ -15,6 +15,7 @@ from producers.gateway.chat.protocol import ReplyOptions, SamplingOptions, sampl
 from producers.gateway.errors import ApiError
 from producers.gateway.openai_api.protocol import ChatCompletionRequest
 from schemas.batch import MAX_CUSTOM_ID_CHARS, custom_line_request_id
+from schemas.errors import MAX_MESSAGE_CHARS, shortened
 from schemas.events import ChatMessage, PromptRequest, now_ms
 from tandoor.policies.api_keys import Principal
 
@@ -38,6 +39,7 @@ class Refused(Exception):
     def __init__(
         self, status: int, message: str, kind: str, param: str | None = None, kept: bool = True
     ) -> None:
+        message = shortened(message, MAX_MESSAGE_CHARS)  # logged, and quoting the line
         super().__init__(message)
         self.status, self.message, self.kind, self.param = status, message, kind, param
         self.kept = kept  # False: on `batch.results` only (a row would replace another's)

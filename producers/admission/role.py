@@ -52,7 +52,7 @@ from producers.admission.unreadable import UnreadableRecords
 from producers.admission.waiting import Waiting, WaitingLines
 from producers.gateway.chat.checks import ReplyChecks
 from producers.model_load import LoadMonitor
-from producers.prompts import PromptSubmitter
+from producers.prompts import PromptSubmitter, PromptTooLarge
 from schemas import topics
 from schemas.batch import (
     AUTHORIZATION_HEADER,
@@ -274,11 +274,12 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
             return False
 
     async def _answer_revoked(self, waiting: Waiting) -> None:
-        prompt = waiting.prompt
         message = "the API key was revoked before this line ran"
-        output = refused_output(
-            prompt.custom_id, prompt.request_id, 401, message, "authentication_error"
-        )
+        await self._answer_refused(waiting, 401, message, "authentication_error")
+
+    async def _answer_refused(self, waiting: Waiting, status: int, message: str, kind: str) -> None:
+        prompt = waiting.prompt
+        output = refused_output(prompt.custom_id, prompt.request_id, status, message, kind)
         await self.answers.send(prompt.user_id, prompt.batch_id, output)
         await self._answered(waiting, "refused")
 
@@ -392,7 +393,12 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
             return False
         # A retry is charged at its first time: the usage record settles that minute.
         admitted = prompt.model_copy(update={"created_at_ms": admission.charged_at_ms})
-        await self.submitter.submit(admitted)
+        try:
+            await self.submitter.submit(admitted)
+        except PromptTooLarge as exc:  # refused on every try: answered, never retried
+            await self.quotas.refund(admission)
+            await self._answer_refused(waiting, 413, f"{exc}; shorten the messages", BAD)
+            return False
         await self._mark(prompt.request_id, waiting.position)
         queue.charge(tenant, prompt.charged_tokens)
         self.metrics.charged_tokens.labels(prompt.user_id).inc(prompt.charged_tokens)

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from schemas.errors import error_body
 from tandoor.clients import CASSANDRA_DOWN, REDIS_DOWN
 
 # A store that cannot be reached (restarting, overloaded): a 503 the client may retry,
@@ -53,10 +52,6 @@ def kafka_unreachable(message: str) -> ApiError:
 
 def not_found(what: str) -> ApiError:
     return ApiError(404, f"{what} not found", kind="not_found_error")
-
-
-def error_body(message: str, kind: str, param: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
 
 
 def count(text: str, limit: int = 2**31) -> int | None:

@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from producers.gateway.errors import error_body
+from schemas.errors import error_body
 
 DISCONNECT: Message = {"type": "http.disconnect"}
 REFUSED = Counter(

@@ -13,6 +13,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
+import orjson
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.producer import message_accumulator
@@ -20,7 +21,7 @@ from aiokafka.producer import producer as producer_module
 from aiokafka.record.default_records import _DefaultRecordBatchBuilderPy
 
 from infra.roles import AdmissionProcess, PersistProcess, WorkerProcess, running
-from producers.batch_topic import ResultsReader, send_lines
+from producers.batch_topic import ResultsReader, chat_line, send_lines
 from schemas import topics
 from schemas.batch import AUTHORIZATION_HEADER
 from tandoor.clients import assign_from_end
@@ -161,3 +162,33 @@ async def test_a_batch_id_near_kafkas_record_limit_is_refused_and_lines_behind_i
     assert all(answered(r) for r in got)
     assert refused["response"]["status_code"] == 400, refused
     assert "1048300 characters" in refused["response"]["body"]["error"]["message"]
+
+
+async def test_refusals_that_would_echo_huge_input_are_answered_and_lines_behind_them_run(
+    settings: Settings,
+    worker: WorkerProcess,
+    producer: AIOKafkaProducer,
+    roles_env: dict[str, str],
+    results: ResultsReader,
+    tmp_path: Path,
+) -> None:
+    """A refusal quoted the line's model name, or the name of a field it does not know,
+    whole: a 320 KB name became an answer past Kafka's record limit (each character
+    escaped twice), retried each second for good in front of every line behind it."""
+    key, _ = await batch_key(settings, "echoes")
+    batch_id = f"echoes-{uuid.uuid4().hex[:6]}"
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    odd_model = chat_line("odd-model", {**body, "model": "\u0378" * 160_000})
+    odd_field = chat_line("odd-field", {**body, "model": worker.model, "f" * 900_000: 1})
+    hostile = [orjson.dumps(odd_model), orjson.dumps(odd_field)]
+    good = [question(worker.model, i) for i in range(2)]
+    await send_lines(producer, key, batch_id, [*hostile, *good])
+
+    roles = [AdmissionProcess(tmp_path, roles_env), PersistProcess(tmp_path, roles_env)]
+    async with running(roles):
+        got = {r["custom_id"]: r for r in await all_results(results, batch_id, 4)}
+    assert sorted(got) == ["line-0", "line-1", "odd-field", "odd-model"]
+    assert answered(got["line-0"]) and answered(got["line-1"])
+    for refused, status in [(got["odd-model"], 404), (got["odd-field"], 400)]:
+        assert refused["response"]["status_code"] == status, refused
+        assert len(orjson.dumps(refused)) < 4_000

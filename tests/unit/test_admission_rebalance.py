@@ -207,8 +207,14 @@ class Counting:
 
 
 class AdmitsAll:
+    def __init__(self) -> None:
+        self.refunded: list[str] = []
+
     async def admit(self, user_id: str, policy: Any, request_id: str, *_: Any, **__: Any) -> Any:
         return charged(user_id, request_id, 1, 0)
+
+    async def refund(self, admission: Any) -> None:
+        self.refunded.append(admission.request_id)
 
 
 async def test_a_mark_that_fails_after_the_forward_does_not_forward_the_line_again() -> None:
@@ -261,12 +267,12 @@ class Answers:
 
 
 async def forward_once(
-    callers: object, marks: object | None = None
-) -> tuple[Counting, Answers, PromptRequest, Admission]:
-    """One waiting line's turn to be forwarded, with these keys and marks."""
+    callers: object, marks: object | None = None, submitter: Any = None
+) -> tuple[Any, Answers, PromptRequest, Admission]:
+    """One waiting line's turn to be forwarded, with these keys, marks and submitter."""
     admission = Admission(Settings())
     prompt = batch_prompt(admission)
-    submitter, answers = Counting(), Answers()
+    submitter, answers = submitter or Counting(), Answers()
     admission.marks = cast(Any, marks or StandInMarks())
     admission.submitter, admission.answers = cast(Any, submitter), cast(Any, answers)
     admission.quotas, admission.callers = cast(Any, AdmitsAll()), cast(Any, callers)

@@ -43,7 +43,7 @@ from producers.gateway.conversations.service import ConversationService
 from producers.gateway.errors import ApiError, kafka_unreachable, not_found
 from producers.gateway.shedding import ModelRouter
 from producers.gateway.streaming import StreamSlots
-from producers.prompts import PromptSubmitter
+from producers.prompts import PromptSubmitter, PromptTooLarge
 from schemas.events import (
     ANSWERED,
     ChatMessage,
@@ -333,6 +333,10 @@ class ChatService:
         )
         try:
             await asyncio.wait_for(d.submitter.submit(prompt), d.settings.kafka_send_timeout_s)
+        except PromptTooLarge as exc:
+            if user_message_id is not None:
+                await d.conversations.mark_failed(conversation.id, user_message_id, p.now)
+            raise ApiError(413, f"{exc}; shorten the conversation", param="messages") from exc
         except (KafkaError, TimeoutError) as exc:
             await self._withdraw(p.request_id)
             if user_message_id is not None:
