@@ -15,10 +15,11 @@ from schemas.codec import SchemaError, decode, is_final
 from schemas.events import Event, FinalEvent, UsageRecord
 from streams.outputs import Outputs
 from streams.rollups import counted_id, restart_keys, rollup_keys
-from streams.tables import Counting, RollupTables
+from streams.tables import Counting, RollupTables, not_ahead
 
 log = logging.getLogger(__name__)
 E = TypeVar("E", bound=Event)
+MAX_COUNT = 2**31  # tokens in one record: far past any model's context
 
 
 def register_agents(
@@ -47,7 +48,7 @@ def register_agents(
 
 async def on_usage(payload: bytes, rollups: RollupTables, out: Outputs) -> None:
     """Count a finished request per user, pass it on keyed by model, settle its quota."""
-    record = _decoded(UsageRecord, payload)
+    record = _plausible(_decoded(UsageRecord, payload), rollups)
     if record is not None:
         # A record whose id was marked before is passed on again: its copy may not
         # have got out then (a crash between the two); the per-model side knows it by
@@ -72,11 +73,12 @@ async def on_by_model(payload: bytes, rollups: RollupTables) -> None:
     if is_final(payload):
         final = _decoded(FinalEvent, payload)
         if final is not None:
+            final = final.model_copy(update={"created_at_ms": not_ahead(final.created_at_ms)})
             at, keys = final.created_at_ms, restart_keys(final)
             apply = methodcaller("add_restart", final)
             await rollups.count("model", counted_id(final), at, keys, apply)
         return
-    record = _decoded(UsageRecord, payload)
+    record = _plausible(_decoded(UsageRecord, payload), rollups)
     if record is not None:  # forwarded again after a crash lost the user table's mark
         await count(rollups, "model", record, counted_id(record))
 
@@ -87,6 +89,21 @@ async def count(
     keys = [k for k in rollup_keys(record) if k[2] == dimension]
     apply = methodcaller("add", record)
     return await rollups.count(dimension, record_id, record.finished_at_ms, keys, apply)
+
+
+def _plausible(record: UsageRecord | None, rollups: RollupTables) -> UsageRecord | None:
+    """The record as counted: its time at most a little ahead of this clock (one far
+    ahead made a window ending past 64 bits, and the app crashed at each publish, for
+    good); None for counts no reply has (summed, they passed 64 bits, and no rollup of
+    the user or model could be written for the rest of the window)."""
+    if record is None:
+        return None
+    counts = (record.prompt_tokens, record.completion_tokens, record.charged_tokens)
+    if max(*counts, record.cached_tokens) >= MAX_COUNT:
+        log.error("passing over usage record %s: token counts %s", record.request_id, counts)
+        rollups.passed_over["implausible"] += 1
+        return None
+    return record.model_copy(update={"finished_at_ms": not_ahead(record.finished_at_ms)})
 
 
 def _decoded(model: type[E], payload: bytes) -> E | None:

@@ -3,16 +3,20 @@ the tokens-per-minute quota in Redis. Unit tests pass in-memory ones instead."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import faust
+from redis.exceptions import RedisError
 
 from schemas.events import UsageRecord
 from tandoor.clients import redis_client
 from tandoor.policies.quota import Quotas, charged
 from tandoor.settings import Settings
+
+log = logging.getLogger(__name__)
 
 Send = Callable[[bytes, bytes], Awaitable[Any]]  # (key, value)
 
@@ -28,7 +32,10 @@ def kafka_outputs(settings: Settings, by_model: faust.TopicT, rollups: faust.Top
     quotas = Quotas(redis_client(settings))
 
     async def settle(record: UsageRecord) -> None:
-        await settle_quota(quotas, record)
+        try:
+            await settle_quota(quotas, record)
+        except RedisError as exc:  # not down but refusing (MISCONF, read-only): counting goes on
+            log.warning("quota of %s not settled: %r", record.request_id, exc)
 
     return Outputs(
         rollups=lambda key, value: rollups.send(key=key, value=value),

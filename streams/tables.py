@@ -15,7 +15,7 @@ Bounded state, whatever the traffic:
   rollups get only the records the per-user ones counted, and keep re-runs' ids the
   same way;
 - a rollup is dropped once stream time is `streams_retention_windows` windows past
-  its end.
+  its end, and a record read later than that is not counted in it (`passed_over`).
 Tables change only inside a stream, on the partition of the record being processed
 (faust writes the changelog there), so each partition keeps a book (PartitionBook) of
 its own entries and expires them as its records arrive.
@@ -28,7 +28,7 @@ ends (by stream time, or by the clock when its partition goes quiet).
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -75,6 +75,7 @@ class RollupTables:
         self._dedupe_ms = int(settings.streams_dedupe_s * 1000)
         self._publish = publish
         self._books: dict[tuple[str, int], PartitionBook] = {}
+        self.passed_over: Counter[str] = Counter()  # records or windows not counted, by why
         for dimension in DIMENSIONS:  # called once every table is recovered
             self._counted[dimension].on_recover(self._on_recovered(app, dimension))
 
@@ -115,6 +116,11 @@ class RollupTables:
             rollup = rollup or Rollup(window, start, dimension, key, partition=partition)
             if rollup.partition == partition and rollup.offset >= offset:
                 continue  # read again after a restart: already in this one
+            if stored is None and self._expiry(rollup) < book.stream_ms:
+                # Its window was published closed and dropped: made again, this one
+                # record would replace the final count (a replay, a catch-up).
+                self.passed_over["late"] += 1
+                continue
             apply(rollup)
             rollup.partition, rollup.offset = partition, offset
             table[name] = orjson.dumps(rollup.dump())
@@ -230,7 +236,12 @@ class RollupTables:
 
 
 def _advance(book: PartitionBook, at_ms: int) -> None:
-    book.stream_ms = max(book.stream_ms, min(at_ms, now_ms() + CLOCK_AHEAD_MS))
+    book.stream_ms = max(book.stream_ms, not_ahead(at_ms))
+
+
+def not_ahead(at_ms: int) -> int:
+    """A record's time, at most CLOCK_AHEAD_MS ahead of this clock."""
+    return min(at_ms, now_ms() + CLOCK_AHEAD_MS)
 
 
 def _skipped_key(partition: int) -> bytes:

@@ -1,0 +1,78 @@
+"""Records on `usage` that no worker should write but any Kafka client can (or a worker
+with its clock gone wrong, or a replay long after): what the rollup agents make of
+them, in faust's test context (no broker)."""
+
+from __future__ import annotations
+
+import faust
+import pytest
+
+from schemas.codec import encode
+from schemas.events import now_ms
+from streams.app import rollup_tables
+from streams.tables import CLOCK_AHEAD_MS
+from tests.unit.test_streams_agents import Sink, count_per_model, short_memory, usage
+
+__all__ = ["short_memory"]  # the fixture, used by name
+
+
+async def test_a_record_stamped_past_64_bits_of_time_is_counted_now(
+    short_memory: tuple[faust.App, Sink],
+) -> None:
+    """Its window ended past 64 bits: every publish of the rollups raised, and the app
+    crashed, after every restart (the window came back from the changelog)."""
+    app, sink = short_memory
+    now = now_ms()
+    async with app.agents["rollups-by-user"].test_context() as agent:
+        await agent.put(encode(usage("far", at=2**64 - 1)))
+        await agent.put(encode(usage("near", at=now)))
+    await count_per_model(app, sink)  # publishes: it raised here
+    minutes = {k: r for k, r in sink.rollups.items() if k.startswith("user/ada/1m/")}
+    assert sum(r["requests"] for r in minutes.values()) == 2, minutes
+    assert max(r["end_ms"] for r in minutes.values()) <= now + CLOCK_AHEAD_MS + 120_000
+
+
+async def test_token_counts_no_reply_has_are_passed_over_and_counting_goes_on(
+    short_memory: tuple[faust.App, Sink],
+) -> None:
+    """Summed with the next record of the same user, 2**64 - 1 tokens made a rollup no
+    one could write: each later record of the window raised out of the agent."""
+    app, sink = short_memory
+    now = now_ms()
+    forged = usage("forged", at=now).model_copy(update={"prompt_tokens": 2**64 - 1})
+    async with app.agents["rollups-by-user"].test_context() as agent:
+        for record in (forged, usage("a", at=now), usage("b", at=now)):
+            await agent.put(encode(record))
+    await count_per_model(app, sink)
+    minute = sink.rollups[f"user/ada/1m/{now // 60_000 * 60_000}"]
+    assert (minute["requests"], minute["prompt_tokens"]) == (2, 6)
+    assert sink.rollups[f"model/smollm2/1m/{now // 60_000 * 60_000}"]["requests"] == 2
+    assert rollup_tables(app).passed_over["implausible"] == 1
+
+
+async def test_a_record_for_a_window_already_closed_and_dropped_does_not_replace_it(
+    short_memory: tuple[faust.App, Sink], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Published closed with its final count, then dropped: a record for it read late (a
+    replay, a catch-up) made it again with that one record, published closed as well:
+    analytics reading the latest message per key saw 1 request instead of 30."""
+    app, sink = short_memory
+    tables = rollup_tables(app)
+    hour = (now_ms() // 3_600_000 + 1) * 3_600_000
+    monkeypatch.setattr("streams.tables.now_ms", lambda: hour + 10 * 60_000)
+    async with app.agents["rollups-by-user"].test_context() as agent:
+        for i in range(30):
+            await agent.put(encode(usage(f"first-{i}", at=hour + i)))
+        await tables.publish_changes()
+        for minute in range(1, 11):  # stream time moves on: the first minute is dropped
+            await agent.put(encode(usage(f"later-{minute}", at=hour + minute * 60_000)))
+        await tables.publish_changes()
+        final = sink.rollups[f"user/ada/1m/{hour}"]
+        assert (final["requests"], final["closed"]) == (30, True)
+        # Housekeeping runs at most once a second: publishing comes first, as in a replay.
+        monkeypatch.setattr("streams.tables.HOUSEKEEP_EVERY_S", 3600.0)
+        await agent.put(encode(usage("late", at=hour + 5)))
+    await tables.publish_changes()
+    assert sink.rollups[f"user/ada/1m/{hour}"] == final
+    assert sink.rollups[f"user/ada/1h/{hour}"]["requests"] == 30 + 10 + 1  # still open
+    assert tables.passed_over["late"] == 1
