@@ -159,3 +159,35 @@ async def test_a_queued_completion_sends_keep_alives() -> None:
     frames = [f async for f in completion_chunks(reply, False, DefaultModerator().output_filter)]
     assert frames[1:3] == [": keep-alive\n\n"] * 2 and frames[-1] == "data: [DONE]\n\n"
     assert (await streamed_text(reply_of("Hi there.", 3))) == "Hi there."
+
+
+@pytest.mark.parametrize(
+    ("finish", "error", "kind", "code"),
+    [
+        ("error", "prompt has 2100 tokens; the model takes 2048", "invalid_request_error", 400),
+        (
+            "error",
+            "the chat template refused the conversation: roles must alternate",
+            "invalid_request_error",
+            400,
+        ),
+        ("expired", None, "service_unavailable", 503),
+        ("error", "the engine died", "api_error", 502),
+    ],
+)
+async def test_a_streamed_completion_fails_as_the_same_request_unstreamed_does(
+    finish: str, error: str | None, kind: str, code: int
+) -> None:
+    """Streamed, a prompt too long for the engine was a `server_error` (an SDK retries
+    those, and it could never succeed), where the same request unstreamed is a 400."""
+    failed = final("").model_copy(update={"finish_reason": finish, "error": error})
+    with pytest.raises(ApiError) as unstreamed:
+        await completion_body(replaying([failed]), DefaultModerator())
+    assert (unstreamed.value.status, unstreamed.value.kind) == (code, kind)
+    _, others = await streamed(replaying([failed]))
+    chunk = others[-1]["error"]
+    assert (chunk["type"], chunk["message"], chunk["param"]) == (
+        kind,
+        unstreamed.value.message,
+        unstreamed.value.param,
+    )

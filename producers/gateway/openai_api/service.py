@@ -15,6 +15,7 @@ from producers.gateway.chat.sse import KEEPALIVE, NO_ANSWER
 from producers.gateway.conversations.protocol import provisional_title
 from producers.gateway.errors import ApiError
 from producers.gateway.openai_api.protocol import ChatCompletionRequest
+from schemas.errors import error_body
 from schemas.events import (
     TEMPLATE_REFUSED,
     TOO_LONG_FOR_ENGINE,
@@ -134,8 +135,8 @@ async def completion_chunks(
             break
         if rest := redactor.feed(event.text[len(raw) :]) + redactor.flush():
             yield _content(base, rest)
-        if event.finish_reason not in FINISH:
-            yield _error(event.error or event.finish_reason, event.finish_reason)
+        if (refused := _refusal(event)) is not None:  # as the same request unstreamed
+            yield _data(error_body(refused.message, refused.kind, refused.param))
             break
         yield _data(
             {
@@ -154,25 +155,32 @@ async def completion_chunks(
 
 
 def _checked(final: FinalEvent) -> FinalEvent:
+    if (refused := _refusal(final)) is not None:
+        raise refused
+    return final
+
+
+def _refusal(final: FinalEvent) -> ApiError | None:
+    """How a reply that did not finish is answered (streamed: as its error chunk)."""
     if final.finish_reason == "expired":
-        raise ApiError(
+        return ApiError(
             503,
             "the model was busy and the request expired in the queue; retry",
             kind="service_unavailable",
             headers={"Retry-After": "5"},
         )
     if final.failed_with(TOO_LONG_FOR_ENGINE):
-        raise ApiError(400, f"context_length_exceeded: {final.error}", param="messages")
+        return ApiError(400, f"context_length_exceeded: {final.error}", param="messages")
     if final.failed_with(TEMPLATE_REFUSED):
-        raise ApiError(400, final.error or "", param="messages")
-    if final.finish_reason == "error":  # not the request's fault: an SDK retries a 5xx
-        raise ApiError(
+        return ApiError(400, final.error or "", param="messages")
+    if final.finish_reason not in FINISH:  # not the request's fault: an SDK retries a 5xx
+        return ApiError(
             502,
             f"the model failed to answer ({final.error or 'no reason given'}); retry",
             kind="api_error",
             headers={"Retry-After": "1"},
         )
-    return final
+    return None
 
 
 def _usage(final: FinalEvent) -> dict[str, Any]:
