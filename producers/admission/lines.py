@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from producers.gateway.chat.checks import ReplyChecks
 from producers.gateway.chat.protocol import ReplyOptions, SamplingOptions, sampling_for
-from producers.gateway.errors import ApiError
+from producers.gateway.errors import ApiError, unknown_model
 from producers.gateway.openai_api.protocol import ChatCompletionRequest
 from schemas.batch import MAX_CUSTOM_ID_CHARS, custom_line_request_id
 from schemas.errors import MAX_MESSAGE_CHARS, shortened
@@ -91,7 +91,7 @@ async def _prompt(
 ) -> PromptRequest:
     body = line.body
     if body.model not in checks.settings.models:
-        raise ApiError(404, f"model {body.model!r} does not exist", param="body.model")
+        raise unknown_model(body.model, param="body.model")
     if body.stream:
         raise ApiError(400, "a batch line cannot stream: omit `stream`", param="body.stream")
     messages = [

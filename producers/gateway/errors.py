@@ -50,6 +50,12 @@ def kafka_unreachable(message: str) -> ApiError:
     )
 
 
+def unknown_model(model: str, param: str = "model") -> ApiError:
+    """OpenAI's answer for a model it does not serve, on every surface (chat, OpenAI
+    API, batch line)."""
+    return ApiError(404, f"model {model!r} does not exist; see /v1/models", param=param)
+
+
 def not_found(what: str) -> ApiError:
     return ApiError(404, f"{what} not found", kind="not_found_error")
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 from functools import cache
 from types import SimpleNamespace
 from typing import Any, cast
@@ -62,7 +63,7 @@ def _gateway_registry() -> CollectorRegistry:
 
 
 def _streams_registry() -> CollectorRegistry:
-    tables = SimpleNamespace(sizes=lambda: {"rollups-by-user": 0})
+    tables = SimpleNamespace(sizes=lambda: {"rollups-by-user": 0}, passed_over=Counter())
     return metrics_registry(faust.App("dashboards-test"), cast(RollupTables, tables))
 
 

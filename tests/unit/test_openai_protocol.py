@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from producers.gateway.chat.protocol import CONTENT_MAX_CHARS
+from producers.admission.lines import BatchInputLine
+from producers.gateway.chat.protocol import CONTENT_MAX_CHARS, PostMessage, ReplyOptions
 from producers.gateway.openai_api.protocol import ChatCompletionRequest
 
 
@@ -35,3 +36,20 @@ def test_other_parts_are_refused_by_name(content: object, named: str) -> None:
     with pytest.raises(ValidationError, match=named) as refused:
         request(content)
     assert refused.value.errors()[0]["loc"] == ("messages", 0, "content")
+
+
+@pytest.mark.parametrize("stop", ["\n", ["\n"]])
+def test_a_stop_string_is_taken_alike_on_every_surface(stop: object) -> None:
+    """OpenAI's `stop` may be one string: taken on the OpenAI API and on batch lines,
+    it was a 400 "Input should be a valid list" on the chat routes."""
+    completion = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stop": stop}
+    line = {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions"}
+    parsed = [
+        PostMessage.model_validate({"content": "hi", "stop": stop}),
+        ReplyOptions.model_validate({"stop": stop}),  # edit and regenerate
+        ChatCompletionRequest.model_validate(completion),
+        BatchInputLine.model_validate({**line, "body": completion}).body,
+    ]
+    assert [options.stop for options in parsed] == [["\n"]] * len(parsed)
+    with pytest.raises(ValidationError, match="stop sequences"):
+        PostMessage.model_validate({"content": "hi", "stop": ""})

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
-
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from schemas.events import (
     MAX_PENALTY,
@@ -26,11 +24,22 @@ class SamplingOptions(BaseModel):
     temperature: float | None = Field(default=None, ge=0.0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
-    stop: list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]] | None = Field(
-        default=None, max_length=MAX_STOP_SEQUENCES
-    )
+    stop: str | list[str] | None = None  # OpenAI's: one string, or a list
     presence_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
     frequency_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, stop: str | list[str] | None) -> list[str] | None:
+        stops = [stop] if isinstance(stop, str) else stop
+        if stops is not None and (
+            len(stops) > MAX_STOP_SEQUENCES or not all(0 < len(s) <= MAX_STOP_CHARS for s in stops)
+        ):
+            raise ValueError(
+                f"up to {MAX_STOP_SEQUENCES} non-empty stop sequences "
+                f"of up to {MAX_STOP_CHARS} characters"
+            )
+        return stops
 
 
 class ReplyOptions(SamplingOptions):

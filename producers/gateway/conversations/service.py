@@ -30,7 +30,7 @@ from producers.gateway.conversations.rows import (
     utc,
     utc_now,
 )
-from producers.gateway.errors import ApiError, not_found
+from producers.gateway.errors import not_found, unknown_model
 from schemas.events import MessageKey
 from tandoor.clients import CASSANDRA_DOWN, cql, cql_together
 
@@ -47,7 +47,7 @@ class ConversationService:
     async def create(self, user_id: str, model: str | None, title: str | None) -> Conversation:
         model = model or self.models[0]
         if model not in self.models:
-            raise ApiError(400, f"unknown model {model!r}; available: {self.models}", param="model")
+            raise unknown_model(model)
         now = utc_now()
         conversation = Conversation(
             id=f"c_{uuid.uuid4().hex}", model=model, title=title, created_at=now, updated_at=now

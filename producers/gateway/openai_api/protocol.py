@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from producers.gateway.chat.protocol import CONTENT_MAX_CHARS, SamplingOptions
-from schemas.events import MAX_REPLY_TOKENS, MAX_STOP_CHARS, MAX_STOP_SEQUENCES
+from schemas.events import MAX_REPLY_TOKENS
 
 
 class InputMessage(BaseModel):
@@ -61,7 +61,6 @@ class ChatCompletionRequest(SamplingOptions):
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(default=None, ge=1, le=MAX_REPLY_TOKENS)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_REPLY_TOKENS)
-    stop: str | list[str] | None = None  # type: ignore[assignment]  # a string too
     n: int | None = Field(default=None, description="Only 1: one choice per request.")
     logprobs: bool | None = None
     top_logprobs: int | None = None
@@ -69,19 +68,6 @@ class ChatCompletionRequest(SamplingOptions):
     user: str | None = Field(default=None, max_length=256, description="Logged with the request.")
     store: bool | None = Field(default=None, description="false: no conversation is kept.")
     ignore_eos: bool = False  # vLLM's extension, for load tests
-
-    @field_validator("stop")
-    @classmethod
-    def _stop_list(cls, stop: str | list[str] | None) -> list[str] | None:
-        stops = [stop] if isinstance(stop, str) else stop
-        if stops is not None and (
-            len(stops) > MAX_STOP_SEQUENCES or not all(0 < len(s) <= MAX_STOP_CHARS for s in stops)
-        ):
-            raise ValueError(
-                f"up to {MAX_STOP_SEQUENCES} non-empty stop sequences "
-                f"of up to {MAX_STOP_CHARS} characters"
-            )
-        return stops
 
     @field_validator("n")
     @classmethod

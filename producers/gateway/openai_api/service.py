@@ -13,7 +13,7 @@ from producers.gateway.chat.protocol import ReplyOptions, SamplingOptions
 from producers.gateway.chat.service import ApiCall, ChatService, Reply
 from producers.gateway.chat.sse import KEEPALIVE, NO_ANSWER
 from producers.gateway.conversations.protocol import provisional_title
-from producers.gateway.errors import ApiError
+from producers.gateway.errors import ApiError, unknown_model
 from producers.gateway.openai_api.protocol import ChatCompletionRequest
 from schemas.errors import error_body
 from schemas.events import (
@@ -40,12 +40,7 @@ async def start_completion(
     chat: ChatService, caller: Principal, body: ChatCompletionRequest
 ) -> Reply:
     if body.model not in chat.deps.settings.models:
-        raise ApiError(
-            404,
-            f"model {body.model!r} does not exist; see /v1/models",
-            kind="invalid_request_error",
-            param="model",
-        )
+        raise unknown_model(body.model)
     *history, last = [
         _message(m.role, await chat.moderated(m.content, f"messages.{i}.content"))
         for i, m in enumerate(body.messages)
