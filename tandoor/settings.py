@@ -212,6 +212,9 @@ class Settings(BaseSettings):
     # Lines read ahead of forwarding (all tenants): each assigned partition of
     # `batch.requests` may fill its share, then it is paused until its lines move on.
     admission_max_waiting: int = Field(default=50_000, ge=1)
+    # ... and in bytes of the lines as read (a waiting line takes about 1.3 times its
+    # size in memory): long-context lines fill the memory long before 50,000 lines.
+    admission_max_waiting_bytes: int = Field(default=256 * 1024 * 1024, ge=1)
 
     # Persistence consumer: its group on `tokens`.
     persist_group: str = "persist"

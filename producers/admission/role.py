@@ -163,7 +163,8 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
 
     async def _read_lines(self) -> None:
         while not self._stopping.is_set():
-            self.queued.pause_full(self.consumer, self.settings.admission_max_waiting)
+            limits = self.settings.admission_max_waiting, self.settings.admission_max_waiting_bytes
+            self.queued.pause_full(self.consumer, *limits)
             read_in = self._revokes
             try:
                 records = await self.reader.read(max_records=500, idle_s=IDLE_S)
@@ -221,7 +222,7 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
         waiting = Waiting(record.partition, record.offset, prompt, api_key)
         if await self._answered_unrun(waiting) or self._revokes != read_in:
             return  # answered, or revoked while it was checked: not queued
-        self.queued.add(prompt.request_id, position)
+        self.queued.add(prompt.request_id, position, len(record.value or b""))
         fair = self.settings.admission_fairness == "vtc"
         self.queues[prompt.model].push(owner if fair else "everyone", waiting)
 

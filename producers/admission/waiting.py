@@ -29,35 +29,50 @@ class Waiting:
 
 class WaitingLines:
     """Where each waiting line was read ("partition:offset", by request id), and how many
-    each partition holds: its part of the read-ahead buffer, counted as lines come and
-    go (counting them on every read cost ~0.1 s a second with the buffer full)."""
+    lines and bytes each partition holds: its part of the read-ahead buffer, counted as
+    lines come and go (counting them on every read cost ~0.1 s a second with the buffer
+    full)."""
 
     def __init__(self) -> None:
-        self._positions: dict[str, str] = {}
+        self._positions: dict[str, tuple[str, int]] = {}  # request id: (position, size)
         self.per_partition: Counter[int] = Counter()
+        self.bytes_per_partition: Counter[int] = Counter()
 
-    def add(self, request_id: str, position: str) -> None:
+    def add(self, request_id: str, position: str, size: int = 0) -> None:
         self.discard(request_id)
-        self._positions[request_id] = position
+        self._positions[request_id] = (position, size)
         self.per_partition[_partition(position)] += 1
+        self.bytes_per_partition[_partition(position)] += size
 
     def where(self, request_id: str) -> str | None:
-        return self._positions.get(request_id)
+        found = self._positions.get(request_id)
+        return found[0] if found is not None else None
 
     def discard(self, request_id: str) -> None:
-        position = self._positions.pop(request_id, None)
-        if position is not None:
+        found = self._positions.pop(request_id, None)
+        if found is not None:
+            position, size = found
             self.per_partition[_partition(position)] -= 1
+            self.bytes_per_partition[_partition(position)] -= size
 
-    def pause_full(self, consumer: AIOKafkaConsumer, max_waiting: int) -> None:
-        """A partition whose lines fill its share of the buffer is read no further until
-        they move on; the others are read on. One tenant held by its quota (or a slow
-        model) holds back only the batches that share its partition, not every batch."""
+    def pause_full(
+        self, consumer: AIOKafkaConsumer, max_waiting: int, max_waiting_bytes: int
+    ) -> None:
+        """A partition whose lines fill its share of the buffer, in lines or in bytes, is
+        read no further until they move on; the others are read on. One tenant held by
+        its quota (or a slow model) holds back only the batches that share its
+        partition, not every batch; long-context lines cannot fill the memory."""
         assigned = consumer.assignment()
         if not assigned:
             return
         share = max(1, max_waiting // len(assigned))
-        full = {tp for tp in assigned if self.per_partition[tp.partition] >= share}
+        byte_share = max(1, max_waiting_bytes // len(assigned))
+        full = {
+            tp
+            for tp in assigned
+            if self.per_partition[tp.partition] >= share
+            or self.bytes_per_partition[tp.partition] >= byte_share
+        }
         paused = consumer.paused() & assigned
         if full - paused:
             log.info("buffer share full: pausing %s", sorted(tp.partition for tp in full - paused))
@@ -67,7 +82,7 @@ class WaitingLines:
 
     def drop_partitions(self, gone: set[int]) -> None:
         """Forget the lines of partitions that moved: their new owner reads them again."""
-        for request_id, position in list(self._positions.items()):
+        for request_id, (position, _) in list(self._positions.items()):
             if _partition(position) in gone:
                 self.discard(request_id)
 
