@@ -247,8 +247,10 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
         )
         await self.answers.send(owner, batch_id, output)
         # A repeat is not marked: its mark would be taken, read again after a restart,
-        # as the first line's, which would then be refused as the repeat.
-        if custom_id is not None and batch_id and refused.kept:
+        # as the first line's, which would then be refused as the repeat. Nor a line of
+        # no one's (no known key): anyone who can write to the topic could fill Redis
+        # with marks; replayed after a crash, it is answered again.
+        if custom_id is not None and batch_id and refused.kept and owner is not None:
             await self._mark(request_id, where, first_only=True)
         self._done(record.partition, record.offset, "refused")
 

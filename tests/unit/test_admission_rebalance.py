@@ -315,3 +315,43 @@ async def test_a_key_that_cannot_be_read_again_does_not_stop_forwarding() -> Non
     with a good key; retried instead, it stopped forwarding for every model."""
     submitter, answers, prompt, _ = await forward_once(KeysUnreadable())
     assert submitter.sent == [prompt.request_id] and answers.sent == []
+
+
+class NoOwner:
+    async def resolve(self, key: str | None) -> None:
+        return None
+
+    async def revoked_owner(self, key: str | None) -> None:
+        return None  # never a key of anyone's
+
+
+class RecordingMarks:
+    def __init__(self) -> None:
+        self.marked: list[str] = []
+
+    async def where(self, request_id: str) -> str | None:
+        return None
+
+    async def mark(self, request_id: str, position: str, first_only: bool = False) -> None:
+        self.marked.append(position)
+
+
+async def test_lines_with_no_ones_key_are_answered_but_leave_nothing_in_redis() -> None:
+    """Anyone who can write to the topic, with no key at all, grew Redis by a mark kept
+    7 days per line; under volatile-lru they pushed out quota windows and real marks."""
+    admission = Admission(Settings())
+    marks, answers = RecordingMarks(), Answers()
+    admission.callers, admission.marks = cast(Any, NoOwner()), cast(Any, marks)
+    admission.answers = cast(Any, answers)
+    line = b'{"custom_id": "junk", "method": "POST", "url": "/v1/chat/completions", "body": {}}'
+    junk = ConsumerRecord(
+        topics.BATCH_REQUESTS, 0, 7, 0, 0, b"b1", line, None, 2, len(line), [("batch-id", b"b1")]
+    )
+    try:
+        await admission._admit(junk, 0)
+    finally:
+        await admission.consumer.stop()  # never started: closed for their finalizers
+        await admission.producer.stop()
+    (output,) = answers.sent
+    assert output["response"]["status_code"] == 401 and output["custom_id"] == "junk"
+    assert marks.marked == []
