@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 import orjson
 from aiokafka import AIOKafkaProducer
-from aiokafka.errors import MessageSizeTooLargeError
+from aiokafka.errors import KafkaError, MessageSizeTooLargeError
 
 from consumers.history import INSERT_BATCH_OUTPUT, batch_output_row
 from producers.admission.headers import answer_key
@@ -19,10 +19,12 @@ from producers.admission.marks import LineMarks
 from schemas import topics
 from schemas.batch import cancelled_output, expired_output, too_large_output
 from schemas.events import PromptRequest
-from tandoor.clients import cql
+from tandoor.clients import CASSANDRA_DOWN, REDIS_DOWN, cql
 
 log = logging.getLogger(__name__)
 
+# Stores a line's step may wait for: it is tried again, never dropped.
+UNREACHABLE = (*REDIS_DOWN, KafkaError, *CASSANDRA_DOWN)
 Unrun = Literal["cancelled", "expired"]  # why a line is answered without running
 
 

@@ -36,7 +36,8 @@ from aiokafka.errors import KafkaError
 from aiokafka.structs import ConsumerRecord
 from cassandra.cluster import Cluster
 
-from producers.admission.answers import Answers, Unrun, unrun_lines, why_unrun
+from producers.admission.answers import UNREACHABLE, Answers, Unrun, why_unrun
+from producers.admission.band_room import BandRoom
 from producers.admission.fairness import FairQueue
 from producers.admission.headers import (
     BAD,
@@ -48,6 +49,7 @@ from producers.admission.headers import (
 from producers.admission.lines import Refused, parse_line, prompt_for
 from producers.admission.marks import CallerCache, LineMarks
 from producers.admission.metrics import AdmissionMetrics
+from producers.admission.sweep import answer_unrunnable
 from producers.admission.unreadable import UnreadableRecords
 from producers.admission.waiting import Waiting, WaitingLines
 from producers.gateway.chat.checks import ReplyChecks
@@ -63,8 +65,6 @@ from schemas.batch import (
 )
 from schemas.events import now_ms
 from tandoor.clients import (
-    CASSANDRA_DOWN,
-    REDIS_DOWN,
     cassandra_cluster,
     kafka_producer,
     redis_client,
@@ -85,9 +85,6 @@ COMMIT_EVERY_S = 1.0
 IDLE_S = 0.1  # nothing to read: look again after this
 RETRY_S = 1.0  # a store failing: try the line again after this
 SWEEP_S = 1.0  # how often waiting lines are looked over for a cancel or a passed deadline
-ANSWERS_PER_SWEEP = 256
-ANSWERS_AT_ONCE = 32  # well under the Redis client's pool of 100 connections
-UNREACHABLE = (*REDIS_DOWN, KafkaError, *CASSANDRA_DOWN)
 
 
 class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
@@ -111,8 +108,7 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
         self.queues: dict[str, FairQueue[Waiting]] = {m: FairQueue() for m in settings.models}
         self.queued = WaitingLines()
         self.ops = OpsServer("admission", self.metrics.registry, self._readiness)
-        self._sent: dict[str, int] = {}  # model -> forwarded since its load was measured
-        self._measured: dict[str, object] = {}
+        self.band = BandRoom(settings, self.load)
         self._arrived = asyncio.Event()
         self._revokes = 0  # a record read before the latest revoke is its new owner's
         self._stopping = asyncio.Event()
@@ -301,7 +297,7 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
                 more = await self._answer_unrunnable()
                 swept_at = 0.0 if more else time.monotonic()  # more: after this pass
             for model, queue in self.queues.items():
-                room = self._room(model)
+                room = self.band.room(model)
                 while room > 0 and not self._stopping.is_set():
                     picked = queue.pop(time.monotonic())
                     if picked is None:
@@ -315,61 +311,18 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
                 await asyncio.wait_for(self._arrived.wait(), POLL_S)
 
     async def _answer_unrunnable(self) -> bool:
-        """Waiting lines of a cancelled batch or past their deadline, answered now: their
-        turn may be hours away (a tenant held by its quota, a band without workers), and
-        their batch shows `cancelling` until every line is answered. At most
-        ANSWERS_PER_SWEEP a sweep, ANSWERS_AT_ONCE at a time: one after another, a big
-        batch's answers held every other tenant's lines for minutes. A store failing
-        ends the sweep (the next one tries again): forwarding goes on meanwhile. True if
-        more are due."""
+        """Waiting lines of a cancelled batch or past their deadline, answered now
+        (sweep.py); True if more are due."""
         lines = [line for queue in self.queues.values() for line in queue.items()]
-        try:
-            unrun = await unrun_lines(self.marks, (line.prompt for line in lines), now_ms())
-        except UNREACHABLE as exc:
-            log.warning("looking for cancelled or expired lines failed (%r); next sweep", exc)
-            return False
-        due = [
-            (line, why)
-            for line in lines
-            if (why := unrun.get(line.prompt.request_id)) is not None
-            and self.queued.where(line.prompt.request_id) == line.position
-        ]
-        more, due = len(due) > ANSWERS_PER_SWEEP, due[:ANSWERS_PER_SWEEP]
-        at_once = asyncio.Semaphore(ANSWERS_AT_ONCE)
-
-        async def answer(line: Waiting, why: Unrun) -> None:
-            async with at_once:
-                await self._answer_unrun(line, why)
-
-        outcomes = await asyncio.gather(
-            *(answer(*due_line) for due_line in due), return_exceptions=True
+        answered, more = await answer_unrunnable(
+            lines,
+            self.marks,
+            lambda line: self.queued.where(line.prompt.request_id) == line.position,
+            self._answer_unrun,
         )
-        answered = set()
-        for (line, _), outcome in zip(due, outcomes, strict=True):
-            if outcome is None:
-                answered.add(line.prompt.request_id)
-            elif isinstance(outcome, UNREACHABLE):
-                log.warning(
-                    "answering a cancelled or expired line failed (%r); next sweep", outcome
-                )
-            else:
-                raise outcome
         for queue in self.queues.values():
             queue.remove(lambda line: line.prompt.request_id in answered)
-        return more and len(answered) == len(due)
-
-    def _room(self, model: str) -> int:
-        """Prompts the batch band may still take: per worker, less what it holds."""
-        load = self.load.load(model)
-        if load is None:
-            return 0  # not measured yet, or Kafka cannot be asked: wait
-        if self._measured.get(model) is not load:
-            self._measured[model], self._sent[model] = load, 0
-        workers = max(1, load.workers)  # none yet: one worker's worth waits for it
-        held = load.backlog.get("batch", 0) + self._sent.get(model, 0)
-        per_worker = self.settings.batch_backlog_per_worker
-        per_worker = per_worker or max(1, self.settings.models[model].max_num_seqs // 4)
-        return workers * per_worker - held
+        return more
 
     async def _forward(self, queue: FairQueue[Waiting], tenant: str, waiting: Waiting) -> bool:
         """Charge, produce, mark; False when the tenant is over its quota (it waits)."""
@@ -405,7 +358,7 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
         await self._mark(prompt.request_id, waiting.position)
         queue.charge(tenant, prompt.charged_tokens)
         self.metrics.charged_tokens.labels(prompt.user_id).inc(prompt.charged_tokens)
-        self._sent[prompt.model] = self._sent.get(prompt.model, 0) + 1
+        self.band.sent(prompt.model)
         self.queued.discard(prompt.request_id)  # gone already if revoked meanwhile
         self._done(waiting.partition, waiting.offset, "forwarded")
         return True

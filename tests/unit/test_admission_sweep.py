@@ -8,7 +8,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any, cast
 
-from producers.admission.role import ANSWERS_AT_ONCE, ANSWERS_PER_SWEEP, Admission
+from producers.admission.role import Admission
+from producers.admission.sweep import ANSWERS_AT_ONCE, ANSWERS_PER_SWEEP
 from producers.admission.waiting import Waiting
 from tandoor.settings import Settings
 from tests.unit.test_admission_rebalance import StandInMarks, batch_prompt
