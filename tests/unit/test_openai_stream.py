@@ -9,7 +9,7 @@ from typing import Any, cast
 import orjson
 import pytest
 
-from producers.gateway.chat.service import Reply
+from producers.gateway.chat.reply import Reply
 from producers.gateway.errors import ApiError
 from producers.gateway.openai_api.service import completion_body, completion_chunks
 from schemas.events import Event

@@ -10,7 +10,8 @@ from fastapi.responses import StreamingResponse
 
 from producers.gateway.auth import Caller
 from producers.gateway.chat.protocol import PostMessage, ReplyOptions
-from producers.gateway.chat.service import ChatService, Reply
+from producers.gateway.chat.reply import Reply
+from producers.gateway.chat.service import ChatService
 from producers.gateway.chat.sse import ResumePoint, frame, reply_frames
 from producers.gateway.json_body import StrictJsonRoute
 from producers.gateway.services import Services, services

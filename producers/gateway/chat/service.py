@@ -30,6 +30,7 @@ from producers.gateway.chat.inflight import InFlight, Queued
 from producers.gateway.chat.jobs import ConversationJobs
 from producers.gateway.chat.newest import Newest, NewestReply
 from producers.gateway.chat.protocol import PostMessage, ReplyOptions, sampling_for
+from producers.gateway.chat.reply import ApiCall, Reply
 from producers.gateway.chat.routing import Request, routed
 from producers.gateway.chat.watch import ReplyWatch
 from producers.gateway.conversations.protocol import (
@@ -60,28 +61,6 @@ from tandoor.policies.redis_keys import ATTEMPT_TTL_S, done_key
 from tandoor.settings import Settings
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Reply:
-    request_id: str
-    conversation: Conversation
-    model: str  # the one answering: the conversation's, or its fallback under load
-    user_message_id: str | None  # None when regenerating: no new user message
-    watch: ReplyWatch
-    dropped: int = 0  # older turns left out of the context
-    summarized: bool = False  # a summary stood in for turns before them
-
-
-@dataclass(frozen=True)
-class ApiCall:
-    """An OpenAI API call: the client sends the whole context; its conversation is opened
-    only once the call is admitted (a refused call leaves none behind), and not kept at
-    all with `store: false`; it asks for no title or summary, which nobody would read."""
-
-    model: str
-    title: str | None
-    store: bool = True
 
 
 @dataclass

@@ -10,7 +10,8 @@ from typing import Any
 import orjson
 
 from producers.gateway.chat.protocol import ReplyOptions, SamplingOptions
-from producers.gateway.chat.service import ApiCall, ChatService, Reply
+from producers.gateway.chat.reply import ApiCall, Reply
+from producers.gateway.chat.service import ChatService
 from producers.gateway.chat.sse import KEEPALIVE, NO_ANSWER
 from producers.gateway.conversations.protocol import provisional_title
 from producers.gateway.errors import ApiError, unknown_model
