@@ -85,12 +85,28 @@ class PartitionReader:
         log.warning("skipping unreadable record %s/%s@%s: %s", *tp, offset, exc)
         await self._on_unreadable(tp, offset, str(exc))  # must not raise
 
+    async def unread(self, records: list[Record]) -> None:
+        """Records read but not taken (a rebalance meanwhile) are read again: from the
+        first of them, on each partition still assigned whose position is past it. A
+        position reset to the commit by the new assignment reads them again already
+        (seeking forward then would skip the lines before them)."""
+        for tp, offset in _first_offsets(records).items():
+            if tp not in self._consumer.assignment():
+                continue  # its new owner reads it from the commit
+            past = await self._consumer.position(tp) > offset
+            if past and tp in self._consumer.assignment():  # not revoked while asked
+                self._consumer.seek(tp, offset)
+
     def _rewind(self, records: list[Record]) -> None:
         """Records read but not handed out (the call failed after them) are read again."""
-        first: dict[TopicPartition, int] = {}
-        for record in records:
-            tp = TopicPartition(record.topic, record.partition)
-            first[tp] = min(first.get(tp, record.offset), record.offset)
-        for tp, offset in first.items():
+        for tp, offset in _first_offsets(records).items():
             if tp in self._consumer.assignment():
                 self._consumer.seek(tp, offset)
+
+
+def _first_offsets(records: list[Record]) -> dict[TopicPartition, int]:
+    first: dict[TopicPartition, int] = {}
+    for record in records:
+        tp = TopicPartition(record.topic, record.partition)
+        first[tp] = min(first.get(tp, record.offset), record.offset)
+    return first

@@ -168,9 +168,10 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
                 log.warning("reading %s failed: %s; retrying", topics.BATCH_REQUESTS, exc)
                 await asyncio.sleep(RETRY_S)
                 continue
-            for record in records:
-                if self._revokes != read_in:
-                    break  # a rebalance meanwhile: the rest is read again from the commit
+            for index, record in enumerate(records):
+                if self._revokes != read_in:  # a rebalance meanwhile: the rest read again
+                    await self.reader.unread(records[index:])
+                    break
                 if TopicPartition(record.topic, record.partition) not in self.consumer.assignment():
                     continue  # revoked mid-fetch: its new owner reads it from the commit
                 self.offsets.taken(record.topic, record.partition, record.offset)

@@ -24,6 +24,7 @@ from producers.admission.unreadable import UnreadableRecords
 from producers.admission.waiting import Waiting
 from schemas import topics
 from schemas.events import PromptRequest
+from tandoor.partition_reader import PartitionReader
 from tandoor.policies.quota import charged
 from tandoor.settings import Settings
 
@@ -31,8 +32,16 @@ TPS = {TopicPartition(topics.BATCH_REQUESTS, p) for p in (0, 1)}
 
 
 class StandInConsumer:
-    def __init__(self) -> None:
+    def __init__(self, positions: dict[int, int] | None = None) -> None:
         self.commits: list[dict[TopicPartition, int]] = []
+        self.positions = positions or {}  # by partition; unset: reset to the commit (0)
+        self.seeks: dict[int, int] = {}
+
+    async def position(self, tp: TopicPartition) -> int:
+        return self.positions.get(tp.partition, 0)
+
+    def seek(self, tp: TopicPartition, offset: int) -> None:
+        self.seeks[tp.partition] = offset
 
     def assignment(self) -> set[TopicPartition]:
         return TPS  # the old assignment, as until the rebalance completes
@@ -70,6 +79,7 @@ async def test_records_read_before_a_revoke_are_left_to_be_read_again() -> None:
     consumer = StandInConsumer()
     admission.consumer = cast(Any, consumer)
     admission.reader = cast(Any, OneBatch())
+    admission.reader.unread = PartitionReader(cast(Any, consumer), cast(Any, None)).unread  # type: ignore[method-assign]
     admission._admit = admit  # type: ignore[method-assign,assignment]
     try:
         await admission._read_lines()
@@ -77,6 +87,40 @@ async def test_records_read_before_a_revoke_are_left_to_be_read_again() -> None:
         await admission.producer.stop()  # never started: closed for its finalizer
     assert admitted == [10]
     assert admission.offsets.to_commit() == {}, "the rest is the next owner's to read"
+    assert consumer.seeks == {}, "positions reset to the commit read them again already"
+
+
+async def test_records_fetched_after_a_rebalance_completed_are_read_again() -> None:
+    """The rebalance completed inside the read (stepping over an unreadable record waits
+    a second per record): what came back was fetched under the new assignment, so the
+    consumer's position was already past it. Thrown away as read before the revoke, those
+    lines were never read again, and the next commit passed them: lost."""
+    admission = Admission(Settings())
+    batch = [record(0, 10), record(0, 11), record(1, 20)]
+
+    class RebalancedWhileReading:
+        async def read(self, max_records: int, idle_s: float) -> list[Any]:
+            admission.request_stop()  # one pass of the loop
+            await admission.on_partitions_revoked(list(TPS))
+            return batch
+
+    admitted: list[int] = []
+
+    async def admit(line: ConsumerRecord[bytes, bytes], read_in: int = 0) -> None:
+        admitted.append(line.offset)
+
+    await admission.consumer.stop()  # never started: closed for its finalizer
+    consumer = StandInConsumer(positions={0: 12, 1: 21})
+    admission.consumer = cast(Any, consumer)
+    admission.reader = cast(Any, RebalancedWhileReading())
+    admission.reader.unread = PartitionReader(cast(Any, consumer), cast(Any, None)).unread  # type: ignore[method-assign]
+    admission._admit = admit  # type: ignore[method-assign,assignment]
+    try:
+        await admission._read_lines()
+    finally:
+        await admission.producer.stop()  # never started: closed for its finalizer
+    assert admitted == []
+    assert consumer.seeks == {0: 10, 1: 20}, "read again from the first thrown away"
 
 
 class StandInProducer:
