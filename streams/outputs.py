@@ -4,6 +4,7 @@ the tokens-per-minute quota in Redis. Unit tests pass in-memory ones instead."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +19,8 @@ from tandoor.settings import Settings
 
 log = logging.getLogger(__name__)
 
+SETTLE_PAUSE_S = 5.0
+
 Send = Callable[[bytes, bytes], Awaitable[Any]]  # (key, value)
 
 
@@ -29,19 +32,36 @@ class Outputs:
 
 
 def kafka_outputs(settings: Settings, by_model: faust.TopicT, rollups: faust.TopicT) -> Outputs:
-    quotas = Quotas(redis_client(settings))
-
-    async def settle(record: UsageRecord) -> None:
-        try:
-            await settle_quota(quotas, record)
-        except RedisError as exc:  # not down but refusing (MISCONF, read-only): counting goes on
-            log.warning("quota of %s not settled: %r", record.request_id, exc)
-
     return Outputs(
         rollups=lambda key, value: rollups.send(key=key, value=value),
         by_model=lambda key, value: by_model.send(key=key, value=value),
-        settle=settle,
+        settle=Settler(Quotas(redis_client(settings))).settle,
     )
+
+
+class Settler:
+    """Settles each record's quota on the actor that counts every `usage` partition:
+    once Redis failed, settling is skipped for SETTLE_PAUSE_S (each record waited out the
+    client's timeouts, and the rollups fell behind for as long as Redis was out). What
+    is skipped ends by itself: a slot's lease, a minute's window."""
+
+    def __init__(self, quotas: Quotas, clock: Callable[[], float] = time.monotonic) -> None:
+        self._quotas, self._clock = quotas, clock
+        self._paused_until = 0.0
+        self.skipped = 0
+
+    async def settle(self, record: UsageRecord) -> None:
+        if self._clock() < self._paused_until:
+            self.skipped += 1
+            return
+        failures = self._quotas.unreachable
+        try:
+            await settle_quota(self._quotas, record)
+        except RedisError as exc:  # answering, but refusing (MISCONF, read-only)
+            log.warning("quota of %s not settled: %r", record.request_id, exc)
+            failures -= 1
+        if self._quotas.unreachable != failures:
+            self._paused_until = self._clock() + SETTLE_PAUSE_S
 
 
 async def settle_quota(quotas: Quotas, record: UsageRecord) -> None:

@@ -146,6 +146,7 @@ class Quotas:
         self._admit = client.register_script(ADMIT)
         self._settle = client.register_script(SETTLE)
         self._uncounted: Counter[str] = Counter()  # streams admitted while Redis was down
+        self.unreachable = 0  # settlements and releases Redis could not take
 
     async def admit(
         self,
@@ -237,6 +238,7 @@ class Quotas:
         try:
             await self._settle(keys=keys, args=[delta, SETTLED_TTL_MS])
         except REDIS_DOWN as exc:
+            self.unreachable += 1
             log.warning("%s: not settled, Redis unreachable (%s)", admission.request_id, exc)
 
     async def refund(self, admission: Admission) -> None:
@@ -260,4 +262,5 @@ class Quotas:
         try:
             await self._redis.zrem(streams_key(admission.user_id), admission.request_id)
         except REDIS_DOWN as exc:  # the slot's lease frees it later
+            self.unreachable += 1
             log.warning("%s: slot not released, Redis unreachable (%s)", admission.request_id, exc)
