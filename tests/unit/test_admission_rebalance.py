@@ -10,6 +10,7 @@ when it came back, taken twice (one of them never finished: no commit past it ag
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any, cast
 from unittest.mock import patch
@@ -59,15 +60,40 @@ def record(partition: int, offset: int) -> ConsumerRecord[bytes, bytes]:
     )
 
 
-async def test_records_read_before_a_revoke_are_left_to_be_read_again() -> None:
-    admission = Admission(Settings())
-    batch = [record(0, 10), record(0, 11), record(1, 20)]
+Admit = Callable[[ConsumerRecord[bytes, bytes], int], Awaitable[None]]
+
+
+async def one_read(
+    admission: Admission,
+    consumer: StandInConsumer,
+    batch: list[ConsumerRecord[bytes, bytes]],
+    admit: Admit,
+    revoke_in_read: bool = False,
+) -> None:
+    """One pass of admission's read loop over `batch`, with these stand-ins; a revoke of
+    every partition inside the read when asked (a rebalance that completes meanwhile)."""
 
     class OneBatch:
         async def read(self, max_records: int, idle_s: float) -> list[Any]:
             admission.request_stop()  # one pass of the loop
+            if revoke_in_read:
+                await admission.on_partitions_revoked(list(TPS))
             return batch
 
+        unread = PartitionReader(cast(Any, consumer), cast(Any, None)).unread
+
+    await admission.consumer.stop()  # never started: closed for its finalizer
+    admission.consumer = cast(Any, consumer)
+    admission.reader = cast(Any, OneBatch())
+    admission._admit = admit  # type: ignore[method-assign,assignment]
+    try:
+        await admission._read_lines()
+    finally:
+        await admission.producer.stop()  # never started: closed for its finalizer
+
+
+async def test_records_read_before_a_revoke_are_left_to_be_read_again() -> None:
+    admission = Admission(Settings())
     admitted: list[int] = []
 
     async def admit(line: ConsumerRecord[bytes, bytes], read_in: int = 0) -> None:
@@ -75,16 +101,8 @@ async def test_records_read_before_a_revoke_are_left_to_be_read_again() -> None:
         if len(admitted) == 1:  # a member joins while the first line is checked
             await admission.on_partitions_revoked(list(TPS))
 
-    await admission.consumer.stop()  # never started: closed for its finalizer
     consumer = StandInConsumer()
-    admission.consumer = cast(Any, consumer)
-    admission.reader = cast(Any, OneBatch())
-    admission.reader.unread = PartitionReader(cast(Any, consumer), cast(Any, None)).unread  # type: ignore[method-assign]
-    admission._admit = admit  # type: ignore[method-assign,assignment]
-    try:
-        await admission._read_lines()
-    finally:
-        await admission.producer.stop()  # never started: closed for its finalizer
+    await one_read(admission, consumer, [record(0, 10), record(0, 11), record(1, 20)], admit)
     assert admitted == [10]
     assert admission.offsets.to_commit() == {}, "the rest is the next owner's to read"
     assert consumer.seeks == {}, "positions reset to the commit read them again already"
@@ -96,29 +114,14 @@ async def test_records_fetched_after_a_rebalance_completed_are_read_again() -> N
     consumer's position was already past it. Thrown away as read before the revoke, those
     lines were never read again, and the next commit passed them: lost."""
     admission = Admission(Settings())
-    batch = [record(0, 10), record(0, 11), record(1, 20)]
-
-    class RebalancedWhileReading:
-        async def read(self, max_records: int, idle_s: float) -> list[Any]:
-            admission.request_stop()  # one pass of the loop
-            await admission.on_partitions_revoked(list(TPS))
-            return batch
-
     admitted: list[int] = []
 
     async def admit(line: ConsumerRecord[bytes, bytes], read_in: int = 0) -> None:
         admitted.append(line.offset)
 
-    await admission.consumer.stop()  # never started: closed for its finalizer
     consumer = StandInConsumer(positions={0: 12, 1: 21})
-    admission.consumer = cast(Any, consumer)
-    admission.reader = cast(Any, RebalancedWhileReading())
-    admission.reader.unread = PartitionReader(cast(Any, consumer), cast(Any, None)).unread  # type: ignore[method-assign]
-    admission._admit = admit  # type: ignore[method-assign,assignment]
-    try:
-        await admission._read_lines()
-    finally:
-        await admission.producer.stop()  # never started: closed for its finalizer
+    batch = [record(0, 10), record(0, 11), record(1, 20)]
+    await one_read(admission, consumer, batch, admit, revoke_in_read=True)
     assert admitted == []
     assert consumer.seeks == {0: 10, 1: 20}, "read again from the first thrown away"
 
