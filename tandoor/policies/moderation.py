@@ -146,7 +146,24 @@ def _hold_from(text: str) -> int:
         hold = min(found, default=len(text))
         if hold > start or start == 0:
             break
-    return _not_inside_a_match(text, hold, max(0, len(text) - HOLD_CHARS))
+    floor = max(0, len(text) - HOLD_CHARS)
+    hold = _not_inside_a_match(text, hold, floor)
+    return _past_cut_matches(text, hold) if floor > 0 else hold
+
+
+def _past_cut_matches(text: str, cut: int) -> int:
+    """A release where the hold reaches HOLD_CHARS: moved past the end of any match it
+    would cut (the hold could not keep it whole), so that the match is redacted whole.
+    Released in pieces, an address or a number before a long run
+    ("john.doe@corp.com-----...") went out as typed: no piece held all of it."""
+    moved = True
+    while moved:
+        moved = False
+        for pattern in (EMAIL, CARD, PHONE):
+            for match in pattern.finditer(text):
+                if match.start(2) < cut < match.end(2):
+                    cut, moved = match.end(2), True
+    return cut
 
 
 def _not_inside_a_match(text: str, hold: int, floor: int) -> int:

@@ -226,3 +226,25 @@ def test_numbers_in_prose_stream_as_they_come(text: str, most_held: int) -> None
         released += len(redactor.feed(text[i : i + 4]))
         assert min(i + 4, len(text)) - released <= most_held, "held back"
     assert released + len(redactor.flush()) == len(text)
+
+
+@pytest.mark.parametrize(
+    ("personal", "shown"),
+    [
+        ("john.doe@corp.com", ["john.doe", "corp.com"]),
+        ("4111 1111 1111 1111", ["4111", "1111 1111"]),
+        ("+1 415 555 0123", ["415", "555 0123"]),
+    ],
+)
+@pytest.mark.parametrize("run", ["-", "."])
+def test_personal_data_before_a_run_past_the_hold_is_not_streamed(
+    personal: str, shown: list[str], run: str
+) -> None:
+    """One unfinished word past HOLD_CHARS is released a piece at a time: each piece was
+    redacted alone, and none held a whole match, so the address or number went out as
+    typed (stored, the reply showed it redacted)."""
+    text = f"Mail {personal}{run * 4400}"
+    for size in [*range(1, 21), 32, 64, 128]:
+        out = streamed(text, size)
+        assert not any(part in out for part in shown), (size, out[:60])
+        assert out.startswith("Mail [") and out.endswith(run * 100), (size, out[:60])
