@@ -13,6 +13,7 @@ from openai.types.chat import ChatCompletionMessageParam
 from schemas.events import ANSWERED
 from tests.e2e.helpers import auth, stored_reply
 from tests.e2e.stack import Stack
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.integration
 
@@ -204,3 +205,42 @@ async def test_the_official_client_gets_a_400_naming_each_parameter_it_cannot_ha
                     model=stack.settings.served_models[0], messages=question, **extra
                 )
             assert param in str(refused.value.body), (param, refused.value.body)
+
+
+async def test_a_stream_its_client_leaves_is_stopped_and_frees_the_slot(stack: Stack) -> None:
+    """The OpenAI API cannot resume a stream: one whose client went (a break, a timeout)
+    ran on to max_tokens, charged, holding a free user's only stream slot (every call
+    meanwhile a 429). It is stopped as by the stop button."""
+    headers = await auth(stack, "free")
+    key = headers["Authorization"].removeprefix("Bearer ")
+    model = stack.settings.served_models[0]
+    async with client(stack, key) as api:
+        story = await api.chat.completions.create(
+            model=model,
+            max_tokens=400,
+            stream=True,
+            extra_body={"ignore_eos": True},
+            messages=[{"role": "user", "content": "Write a long story about a dragon."}],
+        )
+        async for chunk in story:
+            if any(choice.delta.content for choice in chunk.choices):
+                break
+        await story.close()
+
+        async def another() -> Any:
+            try:
+                return await api.chat.completions.create(
+                    model=model, max_tokens=4, messages=[{"role": "user", "content": "Hi"}]
+                )
+            except openai.RateLimitError:
+                return None  # the slot still held
+
+        answered = await eventually(another, what="a call once the left stream stopped")
+    assert answered.choices[0].finish_reason in ("stop", "length")
+    async with httpx.AsyncClient(base_url=stack.url) as http:
+        listed = (await http.get("/v1/conversations", headers=headers)).json()["data"]
+        first = min(listed, key=lambda c: c["created_at"])
+        (reply,) = [
+            m for m in await stored_reply(http, headers, first["id"]) if m["role"] == "assistant"
+        ]
+    assert reply["status"] == "stopped", reply

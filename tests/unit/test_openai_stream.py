@@ -3,6 +3,7 @@ stream and as a whole, exactly as they are stored."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -11,7 +12,11 @@ import pytest
 
 from producers.gateway.chat.reply import Reply
 from producers.gateway.errors import ApiError
-from producers.gateway.openai_api.service import completion_body, completion_chunks
+from producers.gateway.openai_api.service import (
+    completion_body,
+    completion_chunks,
+    stopped_if_left,
+)
 from schemas.events import Event
 from tandoor.policies.moderation import DefaultModerator
 from tests.unit.test_sse import feed, final, token
@@ -191,3 +196,17 @@ async def test_a_streamed_completion_fails_as_the_same_request_unstreamed_does(
         unstreamed.value.message,
         unstreamed.value.param,
     )
+
+
+async def test_a_stream_its_client_leaves_is_stopped_and_one_read_to_its_end_is_not() -> None:
+    stops: list[str] = []
+    left = stopped_if_left(reply_chunks(), lambda: stops.append("stop"))
+    assert await anext(left)
+    await left.aclose()  # the client went after the first chunk
+    whole = stopped_if_left(reply_chunks(), lambda: stops.append("no"))
+    read_to_end = [chunk async for chunk in whole]
+    assert stops == ["stop"] and read_to_end[-1] == "data: [DONE]\n\n"
+
+
+def reply_chunks() -> AsyncIterator[str]:
+    return completion_chunks(reply_of(REPLY, 4), False, DefaultModerator().output_filter)

@@ -4,6 +4,7 @@ they know of it is its in-flight record (inflight.py), not the gateway that star
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -20,8 +21,11 @@ from producers.gateway.errors import ApiError, kafka_unreachable
 from schemas import topics
 from schemas.codec import encode
 from schemas.events import FinalEvent
+from tandoor.clients import REDIS_DOWN
 from tandoor.policies.api_keys import Principal
 from tandoor.settings import Settings
+
+log = logging.getLogger(__name__)
 
 
 class ReplyControl:
@@ -36,6 +40,7 @@ class ReplyControl:
         self.conversations = conversations
         self.producer = producer
         self.inflight = inflight
+        self._left: set[asyncio.Task[None]] = set()  # stops of replies their clients left
 
     async def stop(self, caller: Principal, conversation_id: str) -> str:
         await self.conversations.owned(caller.user_id, conversation_id)
@@ -49,6 +54,26 @@ class ReplyControl:
                 "the stop did not reach the workers (Kafka); the reply may go on, please retry"
             ) from exc
         return str(record["request_id"])
+
+    def stop_left(self, caller: Principal, conversation_id: str, request_id: str) -> None:
+        """A client that cannot resume (the OpenAI API) went before its reply ended: the
+        reply is stopped as by the stop button, in the background (it would run on to
+        max_tokens for no one, charged, holding the caller's stream slot)."""
+        task = asyncio.create_task(self._stop_left(caller, conversation_id, request_id))
+        self._left.add(task)
+        task.add_done_callback(self._left.discard)
+
+    async def _stop_left(self, caller: Principal, conversation_id: str, request_id: str) -> None:
+        try:
+            record = await self.inflight.running(conversation_id, 409)
+            if record.get("request_id") == request_id:  # not ended, nor another's since
+                timeout_s = self.settings.kafka_send_timeout_s
+                await asyncio.wait_for(self._stop(record, caller), timeout_s)
+                log.info("%s: stopped, its client went", request_id)
+        except ApiError:
+            return  # ended meanwhile
+        except (KafkaError, TimeoutError, *REDIS_DOWN) as exc:
+            log.warning("%s: not stopped when its client went (%r)", request_id, exc)
 
     async def _stop(self, record: dict[str, Any], caller: Principal) -> None:
         request_id = str(record["request_id"])

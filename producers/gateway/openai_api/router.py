@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends
@@ -15,6 +16,7 @@ from producers.gateway.openai_api.service import (
     completion_body,
     completion_chunks,
     start_completion,
+    stopped_if_left,
 )
 from producers.gateway.services import Services, services
 from producers.gateway.streaming import ReplyStream
@@ -54,7 +56,10 @@ async def chat_completions(
     with svc.deps.streams.reserve() as slot:
         reply = await start_completion(svc, caller, body)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        chunks = completion_chunks(reply, include_usage, moderator.output_filter)
+        chunks = stopped_if_left(
+            completion_chunks(reply, include_usage, moderator.output_filter),
+            partial(svc.running.stop_left, caller, reply.conversation.id, reply.request_id),
+        )
         timeout = svc.deps.settings.gateway_write_timeout_s
         return ReplyStream(
             chunks, slot, timeout, SSE_HEADERS, resumable=False, queued=reply.watch.queued

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 import orjson
@@ -148,6 +148,22 @@ async def completion_chunks(
     else:
         yield _error(NO_ANSWER, "timeout")
     yield "data: [DONE]\n\n"
+
+
+async def stopped_if_left(
+    chunks: AsyncIterator[str], stop: Callable[[], None]
+) -> AsyncGenerator[str]:
+    """The stream's chunks; `stop` is called if the client goes before the last (a
+    break, a timeout, a write too slow): it cannot resume, so the reply would run on
+    for no one."""
+    ended = False
+    try:
+        async for chunk in chunks:
+            yield chunk
+        ended = True
+    finally:
+        if not ended:
+            stop()
 
 
 def _checked(final: FinalEvent) -> FinalEvent:
