@@ -113,8 +113,8 @@ class ReplyStream(StreamingResponse):
     `queued` says whether more of the reply's events are already waiting: the frames
     made meanwhile go out in one write (a write costs the middleware stack and the
     socket, a quarter of the gateway's time per frame in bench/token_path.py). A frame
-    is never held for an event still to come, except after a waiting event that makes
-    no frame (a duplicate), until the next one."""
+    is never held for an event still to come: an event that makes no frame (held by the
+    redaction, a duplicate) comes as an empty chunk, and what is held goes out."""
 
     def __init__(
         self,
@@ -137,8 +137,9 @@ class ReplyStream(StreamingResponse):
         await send({**start, "headers": self.raw_headers})
         frames: list[bytes] = []
         async for chunk in self.body_iterator:
-            frames.append(chunk.encode() if isinstance(chunk, str) else bytes(chunk))
-            if not self.queued():
+            if chunk:  # empty: an event that made no frame; what is held goes out now
+                frames.append(chunk.encode() if isinstance(chunk, str) else bytes(chunk))
+            if frames and not self.queued():
                 await send(
                     {"type": "http.response.body", "body": b"".join(frames), "more_body": True}
                 )

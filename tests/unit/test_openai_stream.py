@@ -44,7 +44,7 @@ async def streamed(reply: Reply) -> tuple[str, list[dict[str, Any]]]:
     text, others = "", []
     async for frame in completion_chunks(reply, False, moderator.output_filter):
         data = frame.removeprefix("data: ").strip()
-        if data == "[DONE]":
+        if data in ("[DONE]", ""):  # "": an event that made no chunk
             continue
         chunk: dict[str, Any] = orjson.loads(data)
         content = "".join(c["delta"].get("content", "") for c in chunk.get("choices", []))
@@ -161,7 +161,8 @@ async def test_a_queued_completion_sends_keep_alives() -> None:
 
     watch = SimpleNamespace(events=quiet_then_reply)
     reply = cast(Reply, SimpleNamespace(request_id="r", model="m", watch=watch))
-    frames = [f async for f in completion_chunks(reply, False, DefaultModerator().output_filter)]
+    chunks = completion_chunks(reply, False, DefaultModerator().output_filter)
+    frames = [f async for f in chunks if f]
     assert frames[1:3] == [": keep-alive\n\n"] * 2 and frames[-1] == "data: [DONE]\n\n"
     assert (await streamed_text(reply_of("Hi there.", 3))) == "Hi there."
 
@@ -210,3 +211,23 @@ async def test_a_stream_its_client_leaves_is_stopped_and_one_read_to_its_end_is_
 
 def reply_chunks() -> AsyncIterator[str]:
     return completion_chunks(reply_of(REPLY, 4), False, DefaultModerator().output_filter)
+
+
+async def test_each_event_yields_a_chunk_or_nothing_before_the_next_is_awaited() -> None:
+    """As on the chat API (test_sse.py): an event held whole by the redaction kept the
+    chunk before it from going out until the next event."""
+    consumed = 0
+    events = [token("Hello there, ", 0), token("wor", 1), token("ld. ", 2)]
+
+    async def counted() -> AsyncIterator[Any]:
+        nonlocal consumed
+        async for item in feed(*events, final("Hello there, world. ")):
+            consumed += 1
+            yield item
+
+    reply = cast(
+        Reply, SimpleNamespace(request_id="r", model="m", watch=SimpleNamespace(events=counted))
+    )
+    chunks = completion_chunks(reply, False, DefaultModerator().output_filter)
+    yielded_after = [consumed async for _ in chunks]
+    assert {1, 2, 3} <= set(yielded_after)

@@ -172,3 +172,21 @@ def test_ids_this_gateway_never_sends_are_a_400(event_id: str) -> None:
 def test_ids_name_their_reply() -> None:
     point = ResumePoint.parse(f"{TAG}.2.30")
     assert point == ResumePoint(TAG, 2, 30) and reply_tag("another") != TAG
+
+
+async def test_each_event_yields_before_the_next_is_awaited() -> None:
+    """An event the redaction held whole ("wor", until its word ends) made no frame, and
+    the frame before it was kept to go out with the next one, seconds away in a pause
+    of the model (up to the 15 s keep-alive). Each event now yields (an empty string
+    where it made no frame), so the stream writes what it has."""
+    events: list[Event] = [token("Hello there, ", 0), token("wor", 1), token("ld. ", 2)]
+    consumed = 0
+
+    async def counted() -> AsyncIterator[Delivered | None]:
+        nonlocal consumed
+        async for item in feed(*events, final("Hello there, world. ")):
+            consumed += 1
+            yield item
+
+    yielded_after = [consumed async for _ in reply_frames(counted(), StreamRedactor)]
+    assert set(yielded_after) == {1, 2, 3, 4}

@@ -125,8 +125,10 @@ async def reply_frames(
         # Skipped: an attempt abandoned before the one the client resumes. Not a final:
         # older than the id means the id was never sent, and the client needs the end.
         if resume is not None and event.attempt < resume.attempt and not final:
+            yield ""
             continue
         if current is not None and event.attempt < current.number:
+            yield ""
             continue  # a late event of an abandoned attempt
         if current is None or event.attempt > current.number:
             known = resume is not None and resume.attempt == event.attempt
@@ -143,8 +145,9 @@ async def reply_frames(
             yield frame(_final(event), current.event_id)
             yield DONE
             return
-        if chunk := current.feed(event.seq, event.delta):
-            yield chunk
+        # Empty where the event makes no frame (held by the redaction, a duplicate): the
+        # stream writes what it holds, not waiting for the next event (streaming.py).
+        yield current.feed(event.seq, event.delta) or ""
     yield frame({"type": "error", "error": NO_ANSWER})  # the events ended without a final
     yield DONE
 

@@ -111,6 +111,7 @@ async def completion_chunks(
             continue
         event = item.event
         if event.attempt < attempt:
+            yield ""
             continue  # a late event of an abandoned attempt
         if event.attempt > attempt:
             if sent:
@@ -120,11 +121,14 @@ async def completion_chunks(
         if isinstance(event, TokenEvent):
             if event.seq > next_seq:
                 gap = True
+            text = ""
             if event.seq == next_seq and not gap:  # a lower seq was delivered twice
                 next_seq, raw = event.seq + 1, raw + event.delta
-                if text := redactor.feed(event.delta):
-                    sent = True
-                    yield _content(base, text)
+                text = redactor.feed(event.delta)
+            sent = sent or bool(text)
+            # Nothing where the event makes no chunk: the stream writes what it holds,
+            # not waiting for the next event (streaming.py).
+            yield _content(base, text) if text else ""
             continue
         if not event.text.startswith(raw):  # what was sent is not the stored reply
             yield _error(RESTARTED, "restarted")
