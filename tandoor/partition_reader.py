@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 from typing import TypeAlias
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.errors import KafkaError
 from aiokafka.structs import ConsumerRecord
 
 log = logging.getLogger(__name__)
@@ -87,15 +88,23 @@ class PartitionReader:
 
     async def unread(self, records: list[Record]) -> None:
         """Records read but not taken (a rebalance meanwhile) are read again: from the
-        first of them, on each partition still assigned whose position is past it. A
-        position reset to the commit by the new assignment reads them again already
-        (seeking forward then would skip the lines before them)."""
+        first of them (or the commit, if later), on each partition still assigned whose
+        position is past it. A position reset to the commit by the new assignment reads
+        them again already (seeking forward then would skip the lines before them)."""
         for tp, offset in _first_offsets(records).items():
             if tp not in self._consumer.assignment():
                 continue  # its new owner reads it from the commit
-            past = await self._consumer.position(tp) > offset
+            try:
+                # Not before the commit: back after another member had it, what that
+                # member committed is handled (marks stop a line running twice, not an
+                # unmarked refusal being answered twice).
+                start = max(offset, await self._consumer.committed(tp) or 0)
+                past = await self._consumer.position(tp) > start
+            except KafkaError as exc:  # moved again while its position was fetched
+                log.info("not reading %s/%s again from %s: %r", *tp, offset, exc)
+                continue
             if past and tp in self._consumer.assignment():  # not revoked while asked
-                self._consumer.seek(tp, offset)
+                self._consumer.seek(tp, start)
 
     def _rewind(self, records: list[Record]) -> None:
         """Records read but not handed out (the call failed after them) are read again."""

@@ -8,7 +8,7 @@ before it reaches the model, in the reply as it streams, and in the reply as sto
 from __future__ import annotations
 
 import string
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -64,6 +64,7 @@ HOLD_CHARS = 4096
 _SHORTEST_MATCH = 9  # [phone]: nine digits at least ([card] is longer)
 _SHORT_HOLD = 64
 _MAYBE_PERSONAL = re2.compile(r"[@\d]")  # every pattern needs one
+_MATCH_LOOKBACK = 320  # the longest address (64 + 1 + 255): a longer match is no one's
 
 
 @dataclass(frozen=True)
@@ -153,15 +154,22 @@ def _hold_from(text: str) -> int:
 
 def _past_cut_matches(text: str, cut: int) -> int:
     """A release where the hold reaches HOLD_CHARS: moved past the end of any match it
-    would cut (the hold could not keep it whole), so that the match is redacted whole.
-    Released in pieces, an address or a number before a long run
-    ("john.doe@corp.com-----...") went out as typed: no piece held all of it."""
+    would cut that redaction replaces (the hold could not keep it whole), so that it is
+    redacted whole. Released in pieces, an address or a number before a long run
+    ("john.doe@corp.com-----...") went out as typed: no piece held all of it. One
+    redaction leaves as it is (digits not yet a phone's) keeps the cut: released
+    whole, it went out before the rest of the phone arrived. Only matches within
+    _MATCH_LOOKBACK either side of the cut are looked at: each event costs that, not
+    the whole hold."""
     moved = True
     while moved:
         moved = False
-        for pattern in (EMAIL, CARD, PHONE):
-            for match in pattern.finditer(text):
-                if match.start(2) < cut < match.end(2):
+        for pattern, replaced in _REDACTED:
+            window = (max(0, cut - _MATCH_LOOKBACK), cut + _MATCH_LOOKBACK)
+            for match in pattern.finditer(text, *window):
+                if match.start(2) >= cut:
+                    break
+                if cut < match.end(2) and replaced(match.group(2)):
                     cut, moved = match.end(2), True
     return cut
 
@@ -269,3 +277,11 @@ def _is_dotted_number(number: str) -> bool:
         return False
     groups = number.split(".")
     return len(groups) == 2 or all(len(group) <= 3 for group in groups)
+
+
+# What each pattern's match is replaced by redact() when (the streaming cut's concern).
+_REDACTED: tuple[tuple[re2._Regexp[str], Callable[[str], bool]], ...] = (
+    (EMAIL, lambda _: True),
+    (CARD, _luhn_valid),
+    (PHONE, lambda number: _phone_label(number) != number),
+)

@@ -16,6 +16,7 @@ from typing import Any, cast
 from unittest.mock import patch
 
 from aiokafka import TopicPartition
+from aiokafka.errors import IllegalStateError
 from aiokafka.structs import ConsumerRecord
 from cassandra.cluster import NoHostAvailable
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -33,12 +34,20 @@ TPS = {TopicPartition(topics.BATCH_REQUESTS, p) for p in (0, 1)}
 
 
 class StandInConsumer:
-    def __init__(self, positions: dict[int, int] | None = None) -> None:
+    def __init__(
+        self, positions: dict[int, int] | None = None, committed: dict[int, int] | None = None
+    ) -> None:
         self.commits: list[dict[TopicPartition, int]] = []
         self.positions = positions or {}  # by partition; unset: reset to the commit (0)
+        self.committed_offsets = committed or {}  # by partition; unset: none
         self.seeks: dict[int, int] = {}
 
+    async def committed(self, tp: TopicPartition) -> int | None:
+        return self.committed_offsets.get(tp.partition)
+
     async def position(self, tp: TopicPartition) -> int:
+        if self.positions.get(tp.partition) == -1:  # moved again while it was fetched
+            raise IllegalStateError("No current assignment for partition")
         return self.positions.get(tp.partition, 0)
 
     def seek(self, tp: TopicPartition, offset: int) -> None:
@@ -124,6 +133,34 @@ async def test_records_fetched_after_a_rebalance_completed_are_read_again() -> N
     await one_read(admission, consumer, batch, admit, revoke_in_read=True)
     assert admitted == []
     assert consumer.seeks == {0: 10, 1: 20}, "read again from the first thrown away"
+
+
+async def test_lines_another_member_handled_meanwhile_are_not_read_again() -> None:
+    """Revoked, handled and committed by another member up to 100, then back: the
+    position is the commit, and the lines thrown away (from 50) are that member's done."""
+    admission = Admission(Settings())
+
+    async def admit(line: ConsumerRecord[bytes, bytes], read_in: int = 0) -> None:
+        raise AssertionError("nothing is admitted after the revoke")
+
+    consumer = StandInConsumer(positions={0: 100, 1: 130}, committed={0: 100, 1: 120})
+    batch = [record(0, 50), record(1, 110)]
+    await one_read(admission, consumer, batch, admit, revoke_in_read=True)
+    assert consumer.seeks == {1: 120}, "from the commit, where fetched past it"
+
+
+async def test_a_partition_moved_again_while_its_lines_are_given_back_stops_nothing() -> None:
+    """Its position asked for while a second rebalance took it: aiokafka's error
+    escaped the read loop and stopped admission (rolling deploys)."""
+    admission = Admission(Settings())
+
+    async def admit(line: ConsumerRecord[bytes, bytes], read_in: int = 0) -> None:
+        raise AssertionError("nothing is admitted after the revoke")
+
+    consumer = StandInConsumer(positions={0: -1, 1: 21})
+    batch = [record(0, 10), record(1, 20)]
+    await one_read(admission, consumer, batch, admit, revoke_in_read=True)
+    assert consumer.seeks == {1: 20}
 
 
 class StandInProducer:

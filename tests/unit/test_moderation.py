@@ -248,3 +248,18 @@ def test_personal_data_before_a_run_past_the_hold_is_not_streamed(
         out = streamed(text, size)
         assert not any(part in out for part in shown), (size, out[:60])
         assert out.startswith("Mail [") and out.endswith(run * 100), (size, out[:60])
+
+
+@pytest.mark.parametrize("run", [" ", ".", "-"])
+def test_digits_not_yet_a_phone_at_the_hold_are_not_released_with_what_follows(run: str) -> None:
+    """A release at the hold's limit moved past "1 ... 415 555" (seven digits: no phone
+    yet) and let it out whole; "0123" came after it alone, too short to be one."""
+    text = f"Call 1{run * 4090}415 555 0123 now."
+    for size in range(1, 9):
+        assert "555 0123" not in streamed(text, size), size
+
+
+def test_a_long_number_streams_as_it_is_stored() -> None:
+    text = "Pi: " + "1" * 4110 + " done."
+    for size in (1, 3, 4, 7):
+        assert streamed(text, size) == redact_reply(text), size
