@@ -263,11 +263,16 @@ async def test_the_analytics_example_reads_the_streams(settings: Settings, kafka
     raise AssertionError("the example never printed the record")
 
 
-def open_minute(at_ms: int) -> int:
-    """A minute open 40-100 s more (and 10 s of grace): long enough to see it published
-    open and stop the app, the sooner the better (the test waits for it to close)."""
-    minute = at_ms - at_ms % 60_000
-    return minute if minute + 60_000 - at_ms >= 40_000 else minute + 60_000
+async def an_open_minute() -> tuple[int, int]:
+    """Now, and its minute, open 40-60 s more (and 10 s of grace): long enough to see it
+    published open and stop the app, the sooner the better (the test waits for it to
+    close). Not the next minute: a record stamped ahead of the app's clock is counted
+    at most 10 s ahead."""
+    left_ms = 60_000 - now_ms() % 60_000
+    if left_ms < 40_000:
+        await asyncio.sleep(left_ms / 1000)  # the next one, from its start
+    at = now_ms()
+    return at, at - at % 60_000
 
 
 async def test_a_window_open_at_a_restart_is_published_closed_with_no_record_after(
@@ -285,9 +290,9 @@ async def test_a_window_open_at_a_restart_is_published_closed_with_no_record_aft
     app.start()
     try:
         await app.wait_ready()  # first: a slow start must not see the minute end
-        minute = open_minute(now_ms())
+        at, minute = await an_open_minute()
         key = f"user/{user}/1m/{minute}"
-        await publish(settings, record(user, model, minute + 1_000, prompt=3, completion=4))
+        await publish(settings, record(user, model, at, prompt=3, completion=4))
         latest = await eventually(
             lambda: published(settings, f"user/{user}/"),
             lambda found: key in found,
