@@ -33,6 +33,8 @@ def check_batch_id(batch_id: str | None) -> str:
     if len(batch_id) > MAX_BATCH_ID_CHARS:
         message = f"the batch id has {len(batch_id)} characters; at most {MAX_BATCH_ID_CHARS}"
         raise Refused(400, message, BAD, kept=False)
+    if "\0" in batch_id:  # it separates the fields a line's request id hashes
+        raise Refused(400, "the batch id contains a NUL character", BAD, kept=False)
     return batch_id
 
 

@@ -4,8 +4,9 @@
 then fails far from the request: in the Cassandra driver (answered as "Cassandra is
 unreachable", leaking one of the connection's stream ids each time), in Kafka's
 serializer or in a nested model (a bare 500). orjson refuses it as invalid JSON, a 400
-before any handler runs, as it does on the batch topic. It also refuses NaN, Infinity
-and integers beyond 64 bits, which no field takes."""
+before any handler runs, as it does on the batch topic. It also refuses NaN and
+Infinity; an integer beyond 64 bits becomes a float, which every numeric field's range
+refuses."""
 
 from __future__ import annotations
 

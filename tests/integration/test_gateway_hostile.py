@@ -226,6 +226,9 @@ COMPLETION = {"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}
         ({"top_p": 0}, "top_p"),
         ({"presence_penalty": 3}, "presence_penalty"),
         ({"seed": -1}, "seed"),
+        # Integers past 64 bits are read as floats (orjson): refused by the field's range.
+        ({"seed": 10**30}, "seed"),
+        ({"max_tokens": 10**30}, "max_tokens"),
         ({"tools": [{"type": "function"}]}, "tools"),  # unknown: refused, not ignored
         ({"stream_options": {"include_usage": True, "x": 1}}, "stream_options.x"),
     ],

@@ -13,6 +13,7 @@ from producers.admission.headers import (
     text_of,
 )
 from producers.admission.lines import Refused
+from schemas.batch import custom_line_request_id
 
 
 def test_text_that_is_not_utf8_or_empty_is_absent() -> None:
@@ -27,6 +28,17 @@ def test_a_missing_or_over_long_batch_id_is_the_line_s_400(batch_id: str | None)
         check_batch_id(batch_id)
     assert refused.value.status == 400 and "batch id" in refused.value.message
     assert check_batch_id("b" * MAX_BATCH_ID_CHARS) == "b" * MAX_BATCH_ID_CHARS
+
+
+def test_a_batch_id_with_a_nul_is_refused_so_no_two_lines_share_a_request_id() -> None:
+    """A line's request id hashes owner, batch id and custom_id joined by NUL: a NUL in
+    the batch id made ("a\\0b", "c") and ("a", "b\\0c") one id, and the second line
+    was taken for a replay of the first and never ran."""
+    assert custom_line_request_id("u", "a\0b", "c") == custom_line_request_id("u", "a", "b\0c")
+    with pytest.raises(Refused) as refused:
+        check_batch_id("a\0b")
+    assert refused.value.status == 400 and "NUL" in refused.value.message
+    assert check_batch_id("a") == "a"
 
 
 def test_only_a_bearer_key_is_a_key() -> None:
