@@ -38,7 +38,7 @@ def register_agents(
     @app.agent(tokens, name="restarts-from-tokens")
     async def restarts_agent(stream: faust.StreamT[bytes]) -> None:
         async for payload in stream:
-            await on_token_event(payload, out)
+            await on_token_event(payload, rollups, out)
 
     @app.agent(by_model, name="rollups-by-model")
     async def by_model_agent(stream: faust.StreamT[bytes]) -> None:
@@ -48,7 +48,7 @@ def register_agents(
 
 async def on_usage(payload: bytes, rollups: RollupTables, out: Outputs) -> None:
     """Count a finished request per user, pass it on keyed by model, settle its quota."""
-    record = _plausible(_decoded(UsageRecord, payload), rollups)
+    record = _plausible(_decoded(UsageRecord, payload, rollups), rollups)
     if record is not None:
         # A record whose id was marked before is passed on again: its copy may not
         # have got out then (a crash between the two); the per-model side knows it by
@@ -58,12 +58,12 @@ async def on_usage(payload: bytes, rollups: RollupTables, out: Outputs) -> None:
         await out.settle(record)
 
 
-async def on_token_event(payload: bytes, out: Outputs) -> None:
+async def on_token_event(payload: bytes, rollups: RollupTables, out: Outputs) -> None:
     """Pass on the final events of re-runs (attempt > 1); token events are skipped
     without being parsed."""
     if not is_final(payload):
         return
-    final = _decoded(FinalEvent, payload)
+    final = _decoded(FinalEvent, payload, rollups)
     if final is not None and final.attempt > 1:
         await out.by_model(final.model.encode(), payload)
 
@@ -71,14 +71,14 @@ async def on_token_event(payload: bytes, out: Outputs) -> None:
 async def on_by_model(payload: bytes, rollups: RollupTables) -> None:
     """A usage record or a re-run's final event, keyed by model."""
     if is_final(payload):
-        final = _decoded(FinalEvent, payload)
+        final = _decoded(FinalEvent, payload, rollups)
         if final is not None:
             final = final.model_copy(update={"created_at_ms": not_ahead(final.created_at_ms)})
             at, keys = final.created_at_ms, restart_keys(final)
             apply = methodcaller("add_restart", final)
             await rollups.count("model", counted_id(final), at, keys, apply)
         return
-    record = _plausible(_decoded(UsageRecord, payload), rollups)
+    record = _plausible(_decoded(UsageRecord, payload, rollups), rollups)
     if record is not None:  # forwarded again after a crash lost the user table's mark
         await count(rollups, "model", record, counted_id(record))
 
@@ -106,9 +106,12 @@ def _plausible(record: UsageRecord | None, rollups: RollupTables) -> UsageRecord
     return record.model_copy(update={"finished_at_ms": not_ahead(record.finished_at_ms)})
 
 
-def _decoded(model: type[E], payload: bytes) -> E | None:
+def _decoded(model: type[E], payload: bytes, rollups: RollupTables) -> E | None:
+    """The record, or None counted as passed over: a newer version rolled out before
+    this app is lost to its rollups, and the metric says how much."""
     try:
         return decode(model, payload)
     except SchemaError as exc:
         log.error("skipping an undecodable %s: %s", model.__name__, exc)
+        rollups.passed_over["undecodable"] += 1
         return None

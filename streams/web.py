@@ -63,12 +63,12 @@ def metrics_registry(app: faust.App, rollups: RollupTables) -> CollectorRegistry
         entries.labels(table).set_function(partial(_entries, rollups, table))
     passed_over = Gauge(
         "tandoor_streams_passed_over",
-        "Records (implausible counts) or windows of records (late: their window was "
-        "published closed and dropped) not counted since the process started",
+        "Records (implausible counts, undecodable) or windows of records (late: their "
+        "window was published closed and dropped) not counted since the process started",
         ["reason"],
         registry=registry,
     )
-    for reason in ("implausible", "late"):
+    for reason in ("implausible", "undecodable", "late"):
         passed_over.labels(reason).set_function(partial(rollups.passed_over.__getitem__, reason))
     return registry
 

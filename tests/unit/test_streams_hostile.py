@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import faust
 import pytest
+from prometheus_client import generate_latest
 
 from schemas.codec import encode
 from schemas.events import now_ms
 from streams.app import rollup_tables
 from streams.tables import CLOCK_AHEAD_MS
+from streams.web import metrics_registry
 from tests.unit.test_streams_agents import Sink, count_per_model, short_memory, usage
 
 __all__ = ["short_memory"]  # the fixture, used by name
@@ -76,3 +78,23 @@ async def test_a_record_for_a_window_already_closed_and_dropped_does_not_replace
     assert sink.rollups[f"user/ada/1m/{hour}"] == final
     assert sink.rollups[f"user/ada/1h/{hour}"]["requests"] == 30 + 10 + 1  # still open
     assert tables.passed_over["late"] == 1
+
+
+async def test_records_it_cannot_read_are_counted_as_passed_over_and_counting_goes_on(
+    short_memory: tuple[faust.App, Sink],
+) -> None:
+    """A newer record version rolled out before the app (or bytes that are no record)
+    was skipped with only a log line: analytics lost requests with no metric to say so."""
+    app, sink = short_memory
+    now = now_ms()
+    newer = encode(usage("newer", at=now)).replace(b'"v":1', b'"v":99')
+    async with app.agents["rollups-by-user"].test_context() as agent:
+        for payload in (b"\xff not json", newer, encode(usage("a", at=now))):
+            await agent.put(payload)
+    async with app.agents["restarts-from-tokens"].test_context() as agent:
+        await agent.put(b'{"type":"final","v":1,"request_id":7}')
+    await count_per_model(app, sink)
+    assert sink.rollups[f"user/ada/1m/{now // 60_000 * 60_000}"]["requests"] == 1
+    assert rollup_tables(app).passed_over["undecodable"] == 3
+    metrics = generate_latest(metrics_registry(app, rollup_tables(app))).decode()
+    assert 'tandoor_streams_passed_over{reason="undecodable"} 3.0' in metrics
