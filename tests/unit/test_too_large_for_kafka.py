@@ -16,7 +16,7 @@ from producers.prompts import PromptSubmitter
 from schemas.batch import refused_output
 from schemas.errors import MAX_MESSAGE_CHARS, MAX_PARAM_CHARS
 from tandoor.settings import Settings
-from tests.unit.test_admission_rebalance import AdmitsAll, Valid, forward_once
+from tests.unit.test_admission_forward import AdmitsAll, Valid, forward_once
 
 
 class RefusesLarge:

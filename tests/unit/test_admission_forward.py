@@ -1,0 +1,240 @@
+"""Admission forwarding a waiting line, with stand-ins for its stores and producers:
+keys revoked or unreadable meanwhile, marks that fail, stores down, lines of no one's
+key (the real ones: tests/integration/test_batch_admission.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from functools import partial
+from typing import Any, cast
+from unittest.mock import patch
+
+from aiokafka.structs import ConsumerRecord
+from cassandra.cluster import NoHostAvailable
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from producers.admission.role import Admission
+from producers.admission.waiting import Waiting
+from schemas import topics
+from schemas.events import PromptRequest
+from tandoor.policies.quota import charged
+from tandoor.settings import Settings
+
+
+def batch_prompt(admission: Admission) -> PromptRequest:
+    return PromptRequest.model_validate(
+        {
+            "request_id": "bl_1",
+            "model": admission.settings.served_models[0],
+            "user_id": "u",
+            "tier": "batch",
+            "band": "batch",
+            "conversation_id": "bl_1",
+            "messages": [{"role": "user", "content": "Hi"}],
+            "sampling": {"max_tokens": 4},
+            "created_at_ms": 1,
+            "batch_id": "b1",
+            "custom_id": "line-0",
+        }
+    )
+
+
+class StandInMarks:
+    async def cancelled(self, owner: str, batch_id: str | None) -> bool:
+        return True
+
+    async def mark(self, request_id: str, position: str, first_only: bool = False) -> None:
+        return None
+
+
+class CassandraDown:
+    async def unrun(self, prompt: Any, why: str) -> None:
+        raise NoHostAvailable("Cassandra is unreachable", {})
+
+
+async def test_a_store_down_ends_the_sweep_of_cancelled_lines_not_the_forwarding() -> None:
+    """The sweep answering a cancelled batch's waiting lines retried each one until the
+    store answered: forwarding, every model's, stopped meanwhile (it needs Redis and
+    Kafka only)."""
+    admission = Admission(Settings())
+    prompt = batch_prompt(admission)
+    admission.marks = cast(Any, StandInMarks())
+    admission.answers = cast(Any, CassandraDown())
+    admission.queued.add(prompt.request_id, "0:3")
+    admission.queues[prompt.model].push("u", Waiting(0, 3, prompt))
+    try:
+        await asyncio.wait_for(admission._answer_unrunnable(), 5)
+    finally:
+        await admission.consumer.stop()  # never started: closed for their finalizers
+        await admission.producer.stop()
+    assert admission.queues[prompt.model].size == 1, "left for the next sweep"
+
+
+class MarkFailsOnce:
+    def __init__(self) -> None:
+        self.marked: list[str] = []
+
+    async def mark(self, request_id: str, position: str, first_only: bool = False) -> None:
+        if not self.marked:
+            self.marked.append("failed")
+            raise RedisConnectionError("Redis is unreachable")
+        self.marked.append(position)
+
+
+class Counting:
+    def __init__(self) -> None:
+        self.sent: list[str] = []
+
+    async def submit(self, prompt: PromptRequest) -> None:
+        self.sent.append(prompt.request_id)
+
+
+class AdmitsAll:
+    def __init__(self) -> None:
+        self.refunded: list[str] = []
+
+    async def admit(self, user_id: str, policy: Any, request_id: str, *_: Any, **__: Any) -> Any:
+        return charged(user_id, request_id, 1, 0)
+
+    async def refund(self, admission: Any) -> None:
+        self.refunded.append(admission.request_id)
+
+
+async def test_a_mark_that_fails_after_the_forward_does_not_forward_the_line_again() -> None:
+    """The whole step was tried again: the line went to the model's topic twice (and,
+    with Redis failing, no worker could tell the copies apart)."""
+    admission = Admission(Settings())
+    prompt = batch_prompt(admission)
+    marks, submitter = MarkFailsOnce(), Counting()
+    admission.marks, admission.submitter = cast(Any, marks), cast(Any, submitter)
+    admission.quotas, admission.callers = cast(Any, AdmitsAll()), cast(Any, Valid())
+    admission._answered_unrun = lambda waiting: _false()  # type: ignore[method-assign]
+    admission.queued.add(prompt.request_id, "0:3")
+    queue = admission.queues[prompt.model]
+    try:
+        with patch("producers.admission.role.RETRY_S", 0.01):
+            forward = partial(admission._forward, queue, "u", Waiting(0, 3, prompt))
+            assert await admission._until_done(forward)
+    finally:
+        await admission.consumer.stop()  # never started: closed for their finalizers
+        await admission.producer.stop()
+    assert submitter.sent == [prompt.request_id], "forwarded more than once"
+    assert marks.marked == ["failed", "0:3"], "the mark was not written in the end"
+
+
+async def _false() -> bool:
+    return False
+
+
+class Valid:
+    async def resolve(self, key: str | None) -> object:
+        return object()
+
+
+class Revoked:
+    async def resolve(self, key: str | None) -> None:
+        return None  # the key was revoked while its line waited
+
+
+class KeysUnreadable:
+    async def resolve(self, key: str | None) -> None:
+        raise NoHostAvailable("Cassandra is unreachable", {})
+
+
+class Answers:
+    def __init__(self) -> None:
+        self.sent: list[dict[str, Any]] = []
+
+    async def send(self, owner: str | None, batch_id: str | None, output: dict[str, Any]) -> None:
+        self.sent.append(output)
+
+
+async def forward_once(
+    callers: object, marks: object | None = None, submitter: Any = None
+) -> tuple[Any, Answers, PromptRequest, Admission]:
+    """One waiting line's turn to be forwarded, with these keys, marks and submitter."""
+    admission = Admission(Settings())
+    prompt = batch_prompt(admission)
+    submitter, answers = submitter or Counting(), Answers()
+    admission.marks = cast(Any, marks or StandInMarks())
+    admission.submitter, admission.answers = cast(Any, submitter), cast(Any, answers)
+    admission.quotas, admission.callers = cast(Any, AdmitsAll()), cast(Any, callers)
+    admission._answered_unrun = lambda waiting: _false()  # type: ignore[method-assign]
+    admission.queued.add(prompt.request_id, "0:3")
+    try:
+        with patch("producers.admission.role.RETRY_S", 0.01):
+            forward = partial(
+                admission._forward,
+                admission.queues[prompt.model],
+                "u",
+                Waiting(0, 3, prompt, "tdr_key"),
+            )
+            await admission._until_done(forward)
+    finally:
+        await admission.consumer.stop()  # never started: closed for their finalizers
+        await admission.producer.stop()
+    return submitter, answers, prompt, admission
+
+
+async def test_a_line_whose_key_was_revoked_while_it_waited_is_answered_401_not_run() -> None:
+    """The key was checked once, when the line was read: lines held hours behind their
+    tenant's quota ran (and were charged) under a key revoked meanwhile."""
+    submitter, answers, prompt, admission = await forward_once(Revoked())
+    assert submitter.sent == [], "it ran"
+    (output,) = answers.sent
+    assert output["response"]["status_code"] == 401 and output["custom_id"] == "line-0"
+    assert admission.queued.where(prompt.request_id) is None
+
+
+async def test_a_refusal_whose_mark_fails_is_sent_once() -> None:
+    """The whole step was tried again, every second while Redis refused the mark (full):
+    the same answer went out again and again."""
+    _, answers, _, _ = await forward_once(Revoked(), MarkFailsOnce())
+    assert len(answers.sent) == 1, answers.sent
+
+
+async def test_a_key_that_cannot_be_read_again_does_not_stop_forwarding() -> None:
+    """Cassandra down (the key's cache run out): the line is forwarded, as it was read
+    with a good key; retried instead, it stopped forwarding for every model."""
+    submitter, answers, prompt, _ = await forward_once(KeysUnreadable())
+    assert submitter.sent == [prompt.request_id] and answers.sent == []
+
+
+class NoOwner:
+    async def resolve(self, key: str | None) -> None:
+        return None
+
+    async def revoked_owner(self, key: str | None) -> None:
+        return None  # never a key of anyone's
+
+
+class RecordingMarks:
+    def __init__(self) -> None:
+        self.marked: list[str] = []
+
+    async def where(self, request_id: str) -> str | None:
+        return None
+
+    async def mark(self, request_id: str, position: str, first_only: bool = False) -> None:
+        self.marked.append(position)
+
+
+async def test_lines_with_no_ones_key_are_answered_but_leave_nothing_in_redis() -> None:
+    """Anyone who can write to the topic, with no key at all, grew Redis by a mark kept
+    7 days per line; under volatile-lru they pushed out quota windows and real marks."""
+    admission = Admission(Settings())
+    marks, answers = RecordingMarks(), Answers()
+    admission.callers, admission.marks = cast(Any, NoOwner()), cast(Any, marks)
+    admission.answers = cast(Any, answers)
+    line = b'{"custom_id": "junk", "method": "POST", "url": "/v1/chat/completions", "body": {}}'
+    junk = ConsumerRecord(
+        topics.BATCH_REQUESTS, 0, 7, 0, 0, b"b1", line, None, 2, len(line), [("batch-id", b"b1")]
+    )
+    try:
+        await admission._admit(junk, 0)
+    finally:
+        await admission.consumer.stop()  # never started: closed for their finalizers
+        await admission.producer.stop()
+    (output,) = answers.sent
+    assert output["response"]["status_code"] == 401 and output["custom_id"] == "junk"
+    assert marks.marked == []
