@@ -12,7 +12,7 @@ from producers.admission.role import Admission
 from producers.admission.sweep import ANSWERS_AT_ONCE, ANSWERS_PER_SWEEP
 from producers.admission.waiting import Waiting
 from tandoor.settings import Settings
-from tests.unit.test_admission_rebalance import StandInMarks, batch_prompt
+from tests.unit.test_admission_forward import StandInMarks, batch_prompt
 
 LINES = 600
 
