@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from typing import Any
 
@@ -11,7 +12,7 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from schemas.events import ANSWERED
-from tests.e2e.helpers import auth, stored_reply
+from tests.e2e.helpers import auth, sse, stored_reply
 from tests.e2e.stack import Stack
 from tests.waiting import eventually
 
@@ -205,6 +206,38 @@ async def test_the_official_client_gets_a_400_naming_each_parameter_it_cannot_ha
                     model=stack.settings.served_models[0], messages=question, **extra
                 )
             assert param in str(refused.value.body), (param, refused.value.body)
+
+
+async def test_an_unstreamed_completion_its_client_leaves_is_stopped(stack: Stack) -> None:
+    """A call given up on (an SDK's timeout, a closed connection) ran on to max_tokens,
+    charged, holding a stream slot; the SDK's retry then ran a second one beside it."""
+    headers = await auth(stack)
+    body = {
+        "model": stack.settings.served_models[0],
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "messages": [{"role": "user", "content": "Write a long story about a dragon."}],
+    }
+    async with httpx.AsyncClient(base_url=stack.url, timeout=None) as http:
+        call = asyncio.create_task(http.post("/v1/chat/completions", json=body, headers=headers))
+
+        async def conversations() -> list[Any]:
+            return list((await http.get("/v1/conversations", headers=headers)).json()["data"])
+
+        (conversation,) = await eventually(conversations, what="the call's conversation")
+        path = f"/v1/conversations/{conversation['id']}/stream"
+        async with http.stream("GET", path, headers=headers) as followed:
+            async for _, data in sse(followed):
+                if isinstance(data, dict) and data.get("type") == "token":
+                    break  # the reply is being written: now its client gives up
+        call.cancel()
+        await asyncio.gather(call, return_exceptions=True)
+        (reply,) = [
+            m
+            for m in await stored_reply(http, headers, conversation["id"])
+            if m["role"] == "assistant"
+        ]
+    assert reply["status"] == "stopped", reply
 
 
 async def test_a_stream_its_client_leaves_is_stopped_and_frees_the_slot(stack: Stack) -> None:

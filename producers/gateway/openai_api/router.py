@@ -5,8 +5,7 @@ from __future__ import annotations
 from functools import partial
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends
-from fastapi.responses import StreamingResponse
+from fastapi import APIRouter, Depends, Request, Response
 
 from producers.gateway.auth import Caller
 from producers.gateway.chat.router import SSE_HEADERS, Chat
@@ -17,11 +16,13 @@ from producers.gateway.openai_api.service import (
     completion_chunks,
     start_completion,
     stopped_if_left,
+    unless_left,
 )
 from producers.gateway.services import Services, services
 from producers.gateway.streaming import ReplyStream
 
 router = APIRouter(prefix="/v1", tags=["openai"], route_class=StrictJsonRoute)
+CLIENT_LEFT = 499  # nginx's "client closed request": logged, read by no one
 
 
 @router.get("/models")
@@ -44,13 +45,16 @@ async def models(caller: Caller, deps: Annotated[Services, Depends(services)]) -
 
 @router.post("/chat/completions", response_model=None)
 async def chat_completions(
-    body: ChatCompletionRequest, caller: Caller, svc: Chat
-) -> dict[str, Any] | StreamingResponse:
+    body: ChatCompletionRequest, caller: Caller, svc: Chat, request: Request
+) -> dict[str, Any] | Response:
     moderator = svc.deps.checks.moderator
     if not body.stream:  # its connection is held as long as a stream's: counted alike
         slot = svc.deps.streams.take()
         try:
-            return await completion_body(await start_completion(svc, caller, body), moderator)
+            reply = await start_completion(svc, caller, body)
+            stop = partial(svc.running.stop_left, caller, reply.conversation.id, reply.request_id)
+            answer = await unless_left(completion_body(reply, moderator), request.receive, stop)
+            return Response(status_code=CLIENT_LEFT) if answer is None else answer
         finally:
             slot.release()
     with svc.deps.streams.reserve() as slot:

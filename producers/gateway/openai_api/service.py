@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import orjson
+from starlette.types import Receive
 
 from producers.gateway.chat.protocol import ReplyOptions, SamplingOptions
 from producers.gateway.chat.reply import ApiCall, Reply
@@ -168,6 +170,31 @@ async def stopped_if_left(
     finally:
         if not ended:
             stop()
+
+
+async def unless_left(
+    body: Awaitable[dict[str, Any]], receive: Receive, stop: Callable[[], None]
+) -> dict[str, Any] | None:
+    """The unstreamed reply, or None if the client goes first (an SDK's timeout, a
+    closed connection): `stop` is called, as for a stream. Run on, it was charged to its
+    end, held a stream slot, and the SDK's retry ran a second one beside it."""
+    answering = asyncio.ensure_future(body)
+    leaving = asyncio.ensure_future(_left(receive))
+    try:
+        await asyncio.wait({answering, leaving}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        leaving.cancel()
+        if not answering.done():  # the client went, or this handler was cancelled
+            answering.cancel()
+            stop()
+    return None if answering.cancelled() else answering.result()
+
+
+async def _left(receive: Receive) -> None:
+    """Returns when the client disconnects: the body has been read, so the server's
+    next message is the disconnect (sent at the latest when the response is)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 def _checked(final: FinalEvent) -> FinalEvent:
