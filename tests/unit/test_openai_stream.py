@@ -10,6 +10,7 @@ from typing import Any, cast
 import orjson
 import pytest
 
+from consumers.fanout import Delivered
 from producers.gateway.chat.reply import Reply
 from producers.gateway.errors import ApiError
 from producers.gateway.openai_api.service import (
@@ -17,7 +18,7 @@ from producers.gateway.openai_api.service import (
     completion_chunks,
     stopped_if_left,
 )
-from schemas.events import Event
+from schemas.events import Event, FinalEvent
 from tandoor.policies.moderation import DefaultModerator
 from tests.unit.test_sse import feed, final, token
 
@@ -33,9 +34,22 @@ def reply_of(text: str, size: int) -> Reply:
     return replaying([*tokens(text, size), final(text)])
 
 
+class Watching:
+    """A reply's watch: its events, and its final event once one has arrived."""
+
+    def __init__(self, events: list[Event]) -> None:
+        self._events = events
+        self.final: FinalEvent | None = None
+
+    async def events(self) -> AsyncIterator[Delivered | None]:
+        async for item in feed(*self._events):
+            if item is not None and isinstance(item.event, FinalEvent):
+                self.final = item.event
+            yield item
+
+
 def replaying(events: list[Event]) -> Reply:
-    watch = SimpleNamespace(events=lambda: feed(*events))
-    return cast(Reply, SimpleNamespace(request_id="r", model="m", watch=watch))
+    return cast(Reply, SimpleNamespace(request_id="r", model="m", watch=Watching(events)))
 
 
 async def streamed(reply: Reply) -> tuple[str, list[dict[str, Any]]]:
@@ -201,16 +215,28 @@ async def test_a_streamed_completion_fails_as_the_same_request_unstreamed_does(
 
 async def test_a_stream_its_client_leaves_is_stopped_and_one_read_to_its_end_is_not() -> None:
     stops: list[str] = []
-    left = stopped_if_left(reply_chunks(), lambda: stops.append("stop"))
+    left = stopped_if_left(*reply_chunks(reply_of(REPLY, 4)), lambda: stops.append("stop"))
     assert await anext(left)
     await left.aclose()  # the client went after the first chunk
-    whole = stopped_if_left(reply_chunks(), lambda: stops.append("no"))
+    whole = stopped_if_left(*reply_chunks(reply_of(REPLY, 4)), lambda: stops.append("no"))
     read_to_end = [chunk async for chunk in whole]
     assert stops == ["stop"] and read_to_end[-1] == "data: [DONE]\n\n"
 
 
-def reply_chunks() -> AsyncIterator[str]:
-    return completion_chunks(reply_of(REPLY, 4), False, DefaultModerator().output_filter)
+async def test_a_stream_ended_because_its_reply_was_rerun_stops_the_rerun() -> None:
+    """The client was told to retry (text it has cannot be taken back) while the re-run
+    went on generating, charged, holding the caller's stream slot, for no one."""
+    first, second = "The first attempt said this", "The second attempt says that"
+    running = replaying([*tokens(first, 4)[:3], *tokens(second, 4, attempt=2)])
+    stops: list[str] = []
+    chunks = [c async for c in stopped_if_left(*reply_chunks(running), lambda: stops.append("x"))]
+    assert '"restarted"' in chunks[-2] and stops == ["x"]
+
+
+def reply_chunks(reply: Reply) -> tuple[AsyncIterator[str], Any]:
+    """A reply's chunks, and its watch."""
+    chunks = completion_chunks(reply, False, DefaultModerator().output_filter)
+    return chunks, reply.watch
 
 
 async def test_each_event_yields_a_chunk_or_nothing_before_the_next_is_awaited() -> None:

@@ -31,6 +31,7 @@ class ReplyWatch:
         self.sub = sub
         self._give_up_s = give_up_s
         self._on_final = on_final
+        self.final: FinalEvent | None = None  # once the reply has ended
         # Events for the client; None marks the end (after a final, or on giving up).
         self._out: asyncio.Queue[Delivered | None] = asyncio.Queue()
         self.task = asyncio.create_task(self._follow(), name=f"reply-{sub.request_id}")
@@ -59,6 +60,7 @@ class ReplyWatch:
                 item = await next_within(self.sub.queue, self._give_up_s)
                 if isinstance(item.event, FinalEvent):
                     last, final = item, item.event
+                    self.final = final
                 else:
                     self._out.put_nowait(item)
         except TimeoutError:

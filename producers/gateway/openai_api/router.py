@@ -62,6 +62,7 @@ async def chat_completions(
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunks = stopped_if_left(
             completion_chunks(reply, include_usage, moderator.output_filter),
+            reply.watch,
             partial(svc.running.stop_left, caller, reply.conversation.id, reply.request_id),
         )
         timeout = svc.deps.settings.gateway_write_timeout_s

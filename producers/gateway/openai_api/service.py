@@ -15,6 +15,7 @@ from producers.gateway.chat.protocol import ReplyOptions, SamplingOptions
 from producers.gateway.chat.reply import ApiCall, Reply
 from producers.gateway.chat.service import ChatService
 from producers.gateway.chat.sse import KEEPALIVE, NO_ANSWER
+from producers.gateway.chat.watch import ReplyWatch
 from producers.gateway.conversations.protocol import provisional_title
 from producers.gateway.errors import ApiError, unknown_model
 from producers.gateway.openai_api.protocol import ChatCompletionRequest
@@ -157,18 +158,17 @@ async def completion_chunks(
 
 
 async def stopped_if_left(
-    chunks: AsyncIterator[str], stop: Callable[[], None]
+    chunks: AsyncIterator[str], watch: ReplyWatch, stop: Callable[[], None]
 ) -> AsyncGenerator[str]:
-    """The stream's chunks; `stop` is called if the client goes before the last (a
-    break, a timeout, a write too slow): it cannot resume, so the reply would run on
-    for no one."""
-    ended = False
+    """The stream's chunks; `stop` is called if they end before the reply did: the
+    client went (a break, a timeout, a write too slow), or the stream ended while the
+    reply ran on (re-run after text was sent, no event in time). The client cannot
+    resume it, so the reply would run on for no one."""
     try:
         async for chunk in chunks:
             yield chunk
-        ended = True
     finally:
-        if not ended:
+        if watch.final is None:
             stop()
 
 
