@@ -4,6 +4,7 @@ the context window), and the prompt it becomes."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Literal
 
@@ -18,6 +19,8 @@ from schemas.batch import MAX_CUSTOM_ID_CHARS, custom_line_request_id
 from schemas.errors import MAX_MESSAGE_CHARS, shortened
 from schemas.events import ChatMessage, PromptRequest, now_ms
 from tandoor.policies.api_keys import Principal
+
+log = logging.getLogger(__name__)
 
 BATCH_BAND = "batch"
 
@@ -94,6 +97,8 @@ async def _prompt(
         raise unknown_model(body.model, param="body.model")
     if body.stream:
         raise ApiError(400, "a batch line cannot stream: omit `stream`", param="body.stream")
+    if body.user:  # as over HTTP: for abuse tracing
+        log.info("batch %s line for end user %r of %s", batch_id, body.user, caller.user_id)
     messages = [
         _message(m.role, await checks.moderated(m.content, f"body.messages.{i}.content"))
         for i, m in enumerate(body.messages)

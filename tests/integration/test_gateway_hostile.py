@@ -231,6 +231,7 @@ COMPLETION = {"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}
         ({"max_tokens": 10**30}, "max_tokens"),
         ({"tools": [{"type": "function"}]}, "tools"),  # unknown: refused, not ignored
         ({"stream_options": {"include_usage": True, "x": 1}}, "stream_options.x"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),  # not streamed
     ],
 )
 async def test_openai_parameters_are_honoured_or_refused_by_name(

@@ -3,6 +3,7 @@ line that is not even JSON still names what is wrong; results in OpenAI's output
 
 from __future__ import annotations
 
+import logging
 from typing import cast
 
 import orjson
@@ -36,6 +37,9 @@ def test_a_good_line_parses() -> None:
     assert parsed.custom_id == "q-1" and parsed.line.body.model == "smollm2"
 
 
+STREAMED = {"stream_options": {"include_usage": True}}  # a batch line cannot stream
+
+
 @pytest.mark.parametrize(
     ("raw", "custom_id", "says"),
     [
@@ -54,6 +58,11 @@ def test_a_good_line_parses() -> None:
             "body.n",
         ),
         (line(extra=1), "q-1", "extra"),
+        (
+            line(body={"model": "m", "messages": [{"role": "user", "content": "x"}]} | STREAMED),
+            "q-1",
+            "body.stream_options",
+        ),
     ],
 )
 def test_a_bad_line_names_its_problem(raw: bytes, custom_id: str | None, says: str) -> None:
@@ -166,3 +175,16 @@ async def test_a_line_above_its_tiers_whole_minute_of_tokens_is_refused_not_held
     with pytest.raises(Refused) as refused:
         await prompt_for(checks, caller, "b1", asking(50))
     assert refused.value.status == 413 and "50 a minute" in refused.value.message
+
+
+async def test_a_lines_end_user_is_logged_as_over_http(caplog: pytest.LogCaptureFixture) -> None:
+    """`user` was taken and dropped: abuse tracing had the HTTP API's calls only."""
+    settings = Settings()
+    checks = ReplyChecks(settings, DefaultModerator(), cast(Quotas, None))
+    model = next(iter(settings.models))
+    hi = [{"role": "user", "content": "Hi"}]
+    parsed = parse_line(line(body={"model": model, "messages": hi, "user": "end-user-7"}))
+    assert parsed.line is not None
+    with caplog.at_level(logging.INFO, logger="producers.admission.lines"):
+        await prompt_for(checks, Principal("u", "batch", "k"), "b1", parsed.line)
+    assert any("end-user-7" in r.getMessage() for r in caplog.records)

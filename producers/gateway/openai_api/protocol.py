@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from producers.gateway.chat.protocol import CONTENT_MAX_CHARS, SamplingOptions
 from schemas.events import MAX_REPLY_TOKENS
@@ -68,6 +68,15 @@ class ChatCompletionRequest(SamplingOptions):
     user: str | None = Field(default=None, max_length=256, description="Logged with the request.")
     store: bool | None = Field(default=None, description="false: no conversation is kept.")
     ignore_eos: bool = False  # vLLM's extension, for load tests
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_streamed(cls, options: StreamOptions | None, info: ValidationInfo) -> object:
+        """As vLLM's and OpenAI's servers: taken and ignored, it was a parameter dropped
+        (a batch line's, a call not streamed)."""
+        if options is not None and not info.data.get("stream"):
+            raise ValueError("only allowed when `stream` is true")
+        return options
 
     @field_validator("n")
     @classmethod
