@@ -21,6 +21,7 @@ import statistics
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from cassandra.concurrent import execute_concurrent_with_args
 
@@ -31,6 +32,8 @@ from producers.gateway.batches.store import StoredBatch
 from tandoor.clients import cassandra_session
 from tandoor.policies.api_keys import Principal
 from tandoor.settings import Settings
+
+NO_KAFKA: Any = None  # reads and stores only: no batch is queued
 
 WRITTEN_US = 1_796_000_000_000_000
 
@@ -69,7 +72,7 @@ async def main(args: argparse.Namespace) -> None:
     )
     caller = Principal(user, "batch", "bench")
     with cassandra_session(settings, settings.keyspace) as session:
-        service = BatchService(session, producer=None, redis=None)
+        service = BatchService(session, make_producer=NO_KAFKA, redis=None)
         await service.batches.create(batch)
         started = time.perf_counter()
         write_batch(session, batch)

@@ -4,7 +4,7 @@ the same; this one serves the tests, the benchmarks and the HTTP Batches API."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import orjson
@@ -45,6 +45,27 @@ async def send_lines(
     for delivery in sent:
         await delivery
     return len(sent)
+
+
+async def send_all_or_none(
+    make_producer: Callable[[str], AIOKafkaProducer],
+    api_key: str,
+    batch_id: str,
+    lines: Iterable[bytes],
+    deadline_ms: int | None = None,
+) -> int:
+    """send_lines in one Kafka transaction, on a producer of its own (one transaction at
+    a time per producer): admission reads committed records only, so it sees every
+    line or none. A sender that fails or dies part-way leaves no line to run (a dead
+    one's transaction is aborted by the broker after its timeout), where a client's
+    retry ran the lines that had got out twice."""
+    producer = make_producer(f"batch-{batch_id}")
+    await producer.start()
+    try:
+        async with producer.transaction():
+            return await send_lines(producer, api_key, batch_id, lines, deadline_ms)
+    finally:
+        await producer.stop()
 
 
 class ResultsReader:

@@ -113,6 +113,18 @@ def kafka_producer(settings: Settings, client_id: str) -> AIOKafkaProducer:
     )
 
 
+def transactional_producer(settings: Settings, transactional_id: str) -> AIOKafkaProducer:
+    """A producer for one transaction (its records are read all or none)."""
+    return AIOKafkaProducer(
+        bootstrap_servers=settings.kafka_bootstrap,
+        client_id="batch-queue",
+        transactional_id=transactional_id,
+        acks="all",
+        enable_idempotence=True,
+        linger_ms=settings.producer_linger_ms,
+    )
+
+
 async def assign_from_end(consumer: AIOKafkaConsumer, topic: str) -> list[TopicPartition]:
     """Read every partition of `topic` from its current end, without a consumer group
     (every reader sees every event). The consumer must be started."""

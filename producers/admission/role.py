@@ -97,6 +97,9 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
             enable_auto_commit=False,
             auto_offset_reset="earliest",
             fetch_max_wait_ms=settings.fetch_wait_ms,
+            # An API batch's lines are one transaction: all run, or none (a gateway that
+            # died part-way). Records written without one are read as they come.
+            isolation_level="read_committed",
         )
         self.producer = kafka_producer(settings, "admission")
         self.submitter = PromptSubmitter(settings, self.producer)

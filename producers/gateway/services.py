@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from fastapi import Request
@@ -20,7 +21,12 @@ from producers.gateway.shedding import ModelRouter
 from producers.gateway.streaming import StreamSlots
 from producers.model_load import LoadMonitor
 from producers.prompts import PromptSubmitter
-from tandoor.clients import cassandra_cluster, kafka_producer, redis_client
+from tandoor.clients import (
+    cassandra_cluster,
+    kafka_producer,
+    redis_client,
+    transactional_producer,
+)
 from tandoor.policies.api_keys import KeyStore
 from tandoor.policies.moderation import DefaultModerator
 from tandoor.policies.quota import Quotas
@@ -84,7 +90,7 @@ async def open_services(settings: Settings, slots: StreamSlots) -> AsyncIterator
             )
         )
         keys = KeyStore(session, cache, set(settings.tiers))
-        batches = BatchService(session, producer, cache)
+        batches = BatchService(session, partial(transactional_producer, settings), cache)
         yield Services(settings, keys, conversations, chat, cluster, session, load, batches)
 
 

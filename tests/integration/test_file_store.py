@@ -19,6 +19,8 @@ from producers.gateway.batches.store import BatchStore, FileStore, Order, Stored
 from producers.gateway.errors import ApiError
 from tandoor.policies.api_keys import Principal
 
+NO_KAFKA: Any = None  # reads and stores only: no batch is queued
+
 pytestmark = pytest.mark.integration
 
 AT = dt.datetime(2026, 12, 1, 12, 0, 0, 123000)
@@ -81,7 +83,7 @@ def answer(session: Any, batch: StoredBatch, custom_id: str, status: int) -> Non
 
 
 async def test_a_batchs_counts_are_kept_once_final_and_read_from_its_row(session: Any) -> None:
-    service = BatchService(session, producer=None, redis=None)
+    service = BatchService(session, make_producer=NO_KAFKA, redis=None)
     caller = Principal("carol", "batch", "k")
     made = StoredBatch("b-counts", "carol", "f", "/v1/chat/completions", "24h", 3, None, AT, None)
     made = dataclasses.replace(made, created_at=dt.datetime.now(dt.UTC).replace(tzinfo=None))
@@ -135,13 +137,13 @@ async def test_counts_that_could_not_be_kept_are_counted_again(session: Any) -> 
     caller = Principal("dave", "batch", "k")
     made = StoredBatch("b-unkept", "dave", "f", "/v1/chat/completions", "24h", 2, None, AT, None)
     made = dataclasses.replace(made, created_at=dt.datetime.now(dt.UTC).replace(tzinfo=None))
-    service = BatchService(session, producer=None, redis=None)
+    service = BatchService(session, make_producer=NO_KAFKA, redis=None)
     await service.batches.create(made)
     answer(session, made, "a", 200)
     answer(session, made, "b", 500)
-    unkept = await BatchService(SettleTimesOut(session), producer=None, redis=None).retrieve(
-        caller, "b-unkept"
-    )
+    unkept = await BatchService(
+        SettleTimesOut(session), make_producer=NO_KAFKA, redis=None
+    ).retrieve(caller, "b-unkept")
     assert unkept["status"] == "completed"
     assert unkept["request_counts"] == {"total": 2, "completed": 1, "failed": 1}
     assert (await service.batches.get("b-unkept")).settled is None  # type: ignore[union-attr]
@@ -152,7 +154,7 @@ async def test_counts_that_could_not_be_kept_are_counted_again(session: Any) -> 
 async def test_deleting_each_file_as_it_is_listed_deletes_them_all(session: Any) -> None:
     """OpenAI's usual clean-up: the next page starts after a file just deleted, which
     was a 404 on page 2."""
-    service = BatchService(session, producer=None, redis=None)
+    service = BatchService(session, make_producer=NO_KAFKA, redis=None)
     caller = Principal(f"dave-{uuid.uuid4().hex[:6]}", "batch", "k")
     uploaded = [
         (await service.upload(caller, f"{i}.jsonl", "batch", b"{}\n"))["id"] for i in range(5)

@@ -2,20 +2,20 @@
 statement, before it is sent and after it is applied, what a user can see afterwards
 is the whole record or nothing (a listed file that cannot be fetched, a conversation
 without its message, are the failures), and a delete the user retries leaves nothing
-stored. A batch that Kafka takes only part of is withdrawn."""
+stored. A batch that Kafka takes only part of, or whose gateway dies part-way, runs no line."""
 
 from __future__ import annotations
 
 import datetime as dt
 import itertools
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 import orjson
 import pytest
-import redis.asyncio as aioredis
-from aiokafka import AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaTimeoutError
 
 from producers.gateway.batches.service import BatchService, CreateBatch
@@ -30,8 +30,10 @@ from producers.gateway.conversations.protocol import Conversation
 from producers.gateway.conversations.rows import from_ms
 from producers.gateway.conversations.service import BATCHED_MESSAGE_BYTES, ConversationService
 from producers.gateway.errors import ApiError
+from schemas import topics
+from schemas.topics import BATCH_PARTITIONS
 from tandoor.policies.api_keys import Principal
-from tandoor.policies.redis_keys import batch_cancel_key
+from tandoor.settings import Settings
 
 pytestmark = pytest.mark.integration
 
@@ -232,27 +234,83 @@ def sidebar_ids(session: Any) -> set[str]:
     return {row.conversation_id for row in rows}
 
 
-class KafkaGivingOut:
-    """A producer that takes `takes` records, then times out."""
+class GivingOut(AIOKafkaProducer):  # type: ignore[misc]
+    """A producer that takes `takes` records, then fails with `failure`: Kafka timing
+    out, or the process dying (then nothing more is sent, not even the abort)."""
 
-    def __init__(self, producer: AIOKafkaProducer, takes: int) -> None:
-        self._producer, self._left = producer, takes
+    def __init__(self, takes: int, failure: BaseException, **config: Any) -> None:
+        super().__init__(**config)
+        self._left, self._failure = takes, failure
 
     async def send(self, *args: Any, **kwargs: Any) -> Any:
         if self._left == 0:
-            raise KafkaTimeoutError()
+            raise self._failure
         self._left -= 1
-        return await self._producer.send(*args, **kwargs)
+        return await super().send(*args, **kwargs)
+
+    async def abort_transaction(self) -> None:
+        if isinstance(self._failure, Died):
+            raise self._failure  # the broker aborts it once its timeout has passed
+        await super().abort_transaction()
 
 
-async def test_a_batch_kafka_takes_only_part_of_is_withdrawn(
-    session: Any, producer: AIOKafkaProducer, redis_url: str, unique: str
+def giving_out(
+    settings: Settings, failure: BaseException, made: list[str]
+) -> Callable[[str], AIOKafkaProducer]:
+    def make(transactional_id: str) -> AIOKafkaProducer:
+        made.append(transactional_id)
+        return GivingOut(
+            2,
+            failure,
+            bootstrap_servers=settings.kafka_bootstrap,
+            transactional_id=transactional_id,
+            transaction_timeout_ms=5_000,  # a dead sender's partition is held this long
+        )
+
+    return make
+
+
+BATCH_REQUESTS = [TopicPartition(topics.BATCH_REQUESTS, p) for p in range(BATCH_PARTITIONS)]
+
+
+@asynccontextmanager
+async def batch_requests_reader(settings: Settings) -> AsyncIterator[AIOKafkaConsumer]:
+    """A committed-only reader of `batch.requests`, as admission is, from its end now
+    (earlier tests left records there that no client can parse)."""
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=settings.kafka_bootstrap, isolation_level="read_committed"
+    )
+    await consumer.start()
+    try:
+        consumer.assign(BATCH_REQUESTS)
+        await consumer.seek_to_end(*BATCH_REQUESTS)
+        for tp in BATCH_REQUESTS:
+            await consumer.position(tp)
+        yield consumer
+    finally:
+        await consumer.stop()
+
+
+async def records_readable(consumer: AIOKafkaConsumer, key: str) -> int:
+    """Records with this key from the reader's position to the end it can read."""
+    ends = await consumer.end_offsets(BATCH_REQUESTS)  # committed-only: the stable end
+    found = 0
+    for tp in BATCH_REQUESTS:
+        while await consumer.position(tp) < ends[tp]:
+            batch = await consumer.getmany(tp, timeout_ms=1_000)
+            found += sum(r.key == key.encode() for r in batch.get(tp, []))
+    return found
+
+
+@pytest.mark.parametrize("failure", [KafkaTimeoutError(), Died("the gateway died")])
+async def test_a_batch_kafka_takes_only_part_of_runs_no_line(
+    session: Any, settings: Settings, unique: str, failure: BaseException
 ) -> None:
-    """The client is told to retry and nothing was kept: the batch is not listed, and
-    the lines already queued are marked to be answered as cancelled when admission reads
-    them. Before, the batch stayed listed, 'cancelling' forever."""
+    """Kafka failing part-way: the client is told to retry and nothing was kept. The
+    gateway dying part-way (the SDK retries on its own): no line that got out runs.
+    Before, the lines that got out were read by admission and ran, beside the whole
+    batch the retry sent (the dead gateway's batch also stayed listed)."""
     caller = Principal(f"u-{unique}", "batch", "k")
-    redis = aioredis.Redis.from_url(redis_url)
     lines = b"".join(
         orjson.dumps(
             {"custom_id": f"l{i}", "method": "POST", "url": "/v1/chat/completions", "body": {}}
@@ -260,17 +318,18 @@ async def test_a_batch_kafka_takes_only_part_of_is_withdrawn(
         + b"\n"
         for i in range(5)
     )
-    try:
-        service = BatchService(session, KafkaGivingOut(producer, takes=2), redis)
-        uploaded = await service.upload(caller, "in.jsonl", "batch", lines)
-        body = CreateBatch(
-            input_file_id=uploaded["id"], endpoint="/v1/chat/completions", completion_window="24h"
-        )
-        with pytest.raises(ApiError) as refused:
+    made: list[str] = []
+    service = BatchService(session, giving_out(settings, failure, made), redis=None)
+    uploaded = await service.upload(caller, "in.jsonl", "batch", lines)
+    body = CreateBatch(
+        input_file_id=uploaded["id"], endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    async with batch_requests_reader(settings) as reader:
+        with pytest.raises((ApiError, Died)) as refused:
             await service.create(caller, "tdr_key", body)
-        assert refused.value.status == 503
-        assert await service.batches.of_user(caller.user_id, 10, None) == []
-        marks = await redis.keys(batch_cancel_key(caller.user_id, "*"))
-        assert len(marks) == 1, "the queued lines are not answered as cancelled"
-    finally:
-        await redis.aclose()
+        (transactional_id,) = made
+        assert await records_readable(reader, transactional_id.removeprefix("batch-")) == 0
+    if isinstance(failure, KafkaTimeoutError):
+        assert isinstance(refused.value, ApiError) and refused.value.status == 503
+        listed = await service.batches.of_user(caller.user_id, 10, None)
+        assert listed == [], "listed, a batch no line of which can run"

@@ -10,14 +10,14 @@ import asyncio
 import dataclasses
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any, Literal
 
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 from pydantic import BaseModel, ConfigDict, Field
 
-from producers.batch_topic import send_lines
+from producers.batch_topic import send_all_or_none
 from producers.gateway.batches.input_file import input_lines
 from producers.gateway.batches.objects import (
     COMPLETION_WINDOW,
@@ -41,7 +41,7 @@ from producers.gateway.batches.store import (
     StoredFile,
 )
 from producers.gateway.errors import ApiError, not_found, unavailable
-from tandoor.clients import CASSANDRA_DOWN, REDIS_DOWN
+from tandoor.clients import CASSANDRA_DOWN
 from tandoor.policies.api_keys import Principal
 from tandoor.policies.redis_keys import BATCH_LINE_TTL_S, batch_cancel_key
 
@@ -63,10 +63,12 @@ class CreateBatch(BaseModel):
 
 
 class BatchService:
-    def __init__(self, session: Any, producer: AIOKafkaProducer, redis: Any) -> None:
+    def __init__(
+        self, session: Any, make_producer: Callable[[str], AIOKafkaProducer], redis: Any
+    ) -> None:
         self.files = FileStore(session)
         self.batches = BatchStore(session)
-        self._producer = producer
+        self._make_producer = make_producer  # one per batch: its lines are one transaction
         self._redis = redis
 
     # Files.
@@ -135,26 +137,15 @@ class BatchService:
             None,
         )
         await self.batches.create(batch)
+        deadline_ms = 1000 * epoch(batch.created_at + COMPLETION_WINDOW)
         try:
-            deadline_ms = 1000 * epoch(batch.created_at + COMPLETION_WINDOW)
-            await send_lines(self._producer, api_key, batch.batch_id, lines, deadline_ms)
-        except KafkaError as exc:
-            await self._withdraw(batch)
+            await send_all_or_none(self._make_producer, api_key, batch.batch_id, lines, deadline_ms)
+        except KafkaError as exc:  # no line got out: nothing is kept
+            await self.batches.delete(batch)
             raise unavailable("the batch could not be queued (Kafka)") from exc
         # No read from here on: a failure now would answer "nothing was changed" to a
         # batch that runs, and the client's retry would run it twice.
         return batch_object(batch, Answered())
-
-    async def _withdraw(self, batch: StoredBatch) -> None:
-        """A batch only part queued: admission answers the lines that got out and are
-        not forwarded yet as cancelled (that mark first), and the batch is no longer
-        listed or found (whatever Redis says: the answer is a 503 either way)."""
-        key = batch_cancel_key(batch.user_id, batch.batch_id)
-        try:
-            await self._redis.set(key, 1, ex=BATCH_LINE_TTL_S)
-        except REDIS_DOWN as exc:
-            log.warning("%s: lines already queued may run (%s)", batch.batch_id, exc)
-        await self.batches.delete(batch)
 
     async def retrieve(self, caller: Principal, batch_id: str) -> dict[str, Any]:
         return await self._object(await self._own_batch(caller, batch_id))
