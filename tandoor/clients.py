@@ -113,9 +113,13 @@ def kafka_producer(settings: Settings, client_id: str) -> AIOKafkaProducer:
     )
 
 
+TRANSACTION_TIMEOUT_MS = 60_000  # a dead producer's transaction is aborted after it
+
+
 def transactional_producer(settings: Settings, transactional_id: str) -> AIOKafkaProducer:
     """A producer for one transaction (its records are read all or none)."""
     return AIOKafkaProducer(
+        transaction_timeout_ms=TRANSACTION_TIMEOUT_MS,
         bootstrap_servers=settings.kafka_bootstrap,
         client_id="batch-queue",
         transactional_id=transactional_id,

@@ -35,6 +35,7 @@ def test_migrations_apply_once(cassandra: Settings, keyspace: str) -> None:
             "0007_files_by_user",
             "0008_batch_summary",
             "0009_batch_metadata_given",
+            "0010_batch_queuing",
         ]
         assert migrate(session, keyspace) == []
         rows = session.execute(

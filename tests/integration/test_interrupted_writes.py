@@ -18,6 +18,7 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaTimeoutError
 
+from producers.gateway.batches.objects import QUEUING_LIMIT, utc_now
 from producers.gateway.batches.service import BatchService, CreateBatch
 from producers.gateway.batches.store import (
     CHUNK_BYTES,
@@ -270,6 +271,7 @@ def giving_out(
     return make
 
 
+URL = "/v1/chat/completions"
 BATCH_REQUESTS = [TopicPartition(topics.BATCH_REQUESTS, p) for p in range(BATCH_PARTITIONS)]
 
 
@@ -329,7 +331,37 @@ async def test_a_batch_kafka_takes_only_part_of_runs_no_line(
             await service.create(caller, "tdr_key", body)
         (transactional_id,) = made
         assert await records_readable(reader, transactional_id.removeprefix("batch-")) == 0
+    listed = await service.batches.of_user(caller.user_id, 10, None)
     if isinstance(failure, KafkaTimeoutError):
         assert isinstance(refused.value, ApiError) and refused.value.status == 503
-        listed = await service.batches.of_user(caller.user_id, 10, None)
         assert listed == [], "listed, a batch no line of which can run"
+
+
+async def test_a_batch_whose_gateway_died_while_queuing_it_shows_failed(
+    session: Any, settings: Settings, unique: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its lines never run (the transaction is aborted), but it stayed listed as
+    `in_progress` with nothing answered for 24 hours, then `expired` with every line
+    `batch_expired`. It shows `validating` while the lines may still be committed,
+    then `failed`, saying why."""
+    caller = Principal(f"u-{unique}", "batch", "k")
+    lines = b"".join(
+        orjson.dumps({"custom_id": f"l{i}", "method": "POST", "url": URL, "body": {}}) + b"\n"
+        for i in range(3)  # it dies at the third
+    )
+    service = BatchService(session, giving_out(settings, Died("the gateway died"), []), None)
+    uploaded = await service.upload(caller, "in.jsonl", "batch", lines)
+    body = CreateBatch(
+        input_file_id=uploaded["id"], endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    with pytest.raises(Died):
+        await service.create(caller, "tdr_key", body)
+    (batch_id,) = await service.batches.of_user(caller.user_id, 10, None)
+    assert (await service.retrieve(caller, batch_id))["status"] == "validating"
+    later = utc_now() + QUEUING_LIMIT + dt.timedelta(seconds=1)
+    monkeypatch.setattr("producers.gateway.batches.objects.utc_now", lambda: later)
+    shown = await service.retrieve(caller, batch_id)
+    assert shown["status"] == "failed" and shown["failed_at"] is not None
+    assert shown["errors"]["data"][0]["code"] == "queuing_interrupted"
+    listed = await service.list(caller, 10, None)
+    assert [b["status"] for b in listed["data"]] == ["failed"]

@@ -10,8 +10,24 @@ from typing import Any
 import re2
 
 from producers.gateway.batches.store import Answered, StoredBatch, StoredFile
+from tandoor.clients import TRANSACTION_TIMEOUT_MS
 
 COMPLETION_WINDOW = dt.timedelta(hours=24)
+# A batch still queuing this long after its creation never will be: its gateway died
+# before its lines' transaction was committed, and Kafka has aborted it by now.
+QUEUING_LIMIT = dt.timedelta(milliseconds=2 * TRANSACTION_TIMEOUT_MS)
+NOT_QUEUED = {
+    "object": "list",
+    "data": [
+        {
+            "code": "queuing_interrupted",
+            "message": "the gateway stopped while queuing this batch: none of its lines ran; "
+            "create it again",
+            "param": None,
+            "line": None,
+        }
+    ],
+}
 OUTPUT_PREFIX, ERROR_PREFIX = "file-out-", "file-err-"  # a batch's files, made when read
 EPOCH = dt.datetime(1970, 1, 1)  # naive UTC, as the stored times are
 
@@ -21,6 +37,7 @@ def batch_object(batch: StoredBatch, answered: Answered) -> dict[str, Any]:
     completed, failed = answered.succeeded, answered.failed
     status = _status(batch, answered)
     final = status in ("completed", "cancelled", "expired")
+    failed_at = epoch(batch.created_at + QUEUING_LIMIT) if status == "failed" else None
     created, expires = epoch(batch.created_at), epoch(batch.created_at + COMPLETION_WINDOW)
     cancel_shown = status in ("cancelling", "cancelled")
     cancelling = epoch(batch.cancelled_at) if batch.cancelled_at and cancel_shown else None
@@ -28,7 +45,7 @@ def batch_object(batch: StoredBatch, answered: Answered) -> dict[str, Any]:
         "id": batch.batch_id,
         "object": "batch",
         "endpoint": batch.endpoint,
-        "errors": None,
+        "errors": NOT_QUEUED if status == "failed" else None,
         "input_file_id": batch.input_file_id,
         "completion_window": batch.completion_window,
         "status": status,
@@ -39,7 +56,7 @@ def batch_object(batch: StoredBatch, answered: Answered) -> dict[str, Any]:
         "expires_at": expires,
         "finalizing_at": None,
         "completed_at": epoch(answered.last_at or utc_now()) if status == "completed" else None,
-        "failed_at": None,
+        "failed_at": failed_at,
         "expired_at": expires if status == "expired" else None,
         "cancelling_at": cancelling,
         "cancelled_at": cancelling if status == "cancelled" else None,
@@ -57,6 +74,8 @@ def is_settled(batch: StoredBatch, answered: Answered) -> bool:
 
 
 def _status(batch: StoredBatch, answered: Answered) -> str:
+    if batch.queuing and not answered.count:  # an answer: its lines were committed
+        return "failed" if utc_now() > batch.created_at + QUEUING_LIMIT else "validating"
     done = answered.count >= batch.total
     window_end = batch.created_at + COMPLETION_WINDOW
     if _cancelled_in_time(batch, answered, done):  # unanswered lines end with the window

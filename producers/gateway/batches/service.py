@@ -135,6 +135,7 @@ class BatchService:
             body.metadata,
             utc_now(),
             None,
+            queuing=True,
         )
         await self.batches.create(batch)
         deadline_ms = 1000 * epoch(batch.created_at + COMPLETION_WINDOW)
@@ -143,8 +144,13 @@ class BatchService:
         except KafkaError as exc:  # no line got out: nothing is kept
             await self.batches.delete(batch)
             raise unavailable("the batch could not be queued (Kafka)") from exc
-        # No read from here on: a failure now would answer "nothing was changed" to a
-        # batch that runs, and the client's retry would run it twice.
+        # No failure from here on: it would answer "nothing was changed" to a batch that
+        # runs, and the client's retry would run it twice.
+        batch = dataclasses.replace(batch, queuing=False)
+        try:
+            await self.batches.queued(batch.batch_id)
+        except CASSANDRA_DOWN as exc:  # shown `failed` until its first line is answered
+            log.warning("%s: queued, but not marked so (%s)", batch.batch_id, exc)
         return batch_object(batch, Answered())
 
     async def retrieve(self, caller: Principal, batch_id: str) -> dict[str, Any]:
@@ -159,7 +165,7 @@ class BatchService:
     async def cancel(self, caller: Principal, batch_id: str) -> dict[str, Any]:
         batch = await self._own_batch(caller, batch_id)
         shown = await self._object(batch)
-        if shown["status"] in ("completed", "expired"):  # a cancel would rewrite its end
+        if shown["status"] in ("completed", "expired", "failed"):  # a cancel would rewrite its end
             raise ApiError(
                 409, f"the batch is {shown['status']}: nothing to cancel", kind="conflict_error"
             )

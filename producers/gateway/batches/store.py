@@ -59,6 +59,7 @@ class StoredBatch:
     created_at: dt.datetime
     cancelled_at: dt.datetime | None
     settled: Answered | None = None  # its final counts, once no answer can change them
+    queuing: bool = False  # its lines not yet all in Kafka (a gateway died meanwhile?)
 
 
 class FileStore:
@@ -171,8 +172,8 @@ class BatchStore:
             [
                 (
                     "INSERT INTO api_batches (batch_id, user_id, input_file_id, endpoint, "
-                    "completion_window, total, metadata, metadata_given, created_at) "
-                    "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)",
+                    "completion_window, total, metadata, metadata_given, created_at, "
+                    "queuing) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
                     (
                         batch.batch_id,
                         batch.user_id,
@@ -183,6 +184,7 @@ class BatchStore:
                         batch.metadata,
                         batch.metadata is not None,
                         batch.created_at,
+                        batch.queuing,
                     ),
                 ),
                 (
@@ -191,6 +193,13 @@ class BatchStore:
                     (batch.user_id, batch.created_at, batch.batch_id),
                 ),
             ],
+        )
+
+    async def queued(self, batch_id: str) -> None:
+        await cql(
+            self._session,
+            "UPDATE api_batches SET queuing = false WHERE batch_id = %s",
+            (batch_id,),
         )
 
     async def delete(self, batch: StoredBatch) -> None:
@@ -211,19 +220,19 @@ class BatchStore:
             self._session,
             "SELECT batch_id, user_id, input_file_id, endpoint, completion_window, total, "
             "metadata, created_at, cancelled_at, settled_succeeded, settled_failed, "
-            "settled_unstatused, settled_last_at, metadata_given FROM api_batches "
+            "settled_unstatused, settled_last_at, metadata_given, queuing FROM api_batches "
             "WHERE batch_id = %s",
             (batch_id,),
         )
         if not rows:
             return None
-        *stored, succeeded, failed, unstatused, last_at, metadata_given = rows[0]
+        *stored, succeeded, failed, unstatused, last_at, metadata_given, queuing = rows[0]
         found = StoredBatch(*stored)
         metadata = dict(found.metadata or {}) if metadata_given or found.metadata else None
         settled = None
         if succeeded is not None:
             settled = Answered(succeeded, failed, unstatused, _utc(last_at))
-        return dataclasses.replace(found, metadata=metadata, settled=settled)
+        return dataclasses.replace(found, metadata=metadata, settled=settled, queuing=bool(queuing))
 
     async def of_user(self, user_id: str, limit: int, after: StoredBatch | None) -> list[str]:
         """Batch ids, newest first, after `after` (a page's last): the rest of its
