@@ -4,15 +4,23 @@ the same; this one serves the tests, the benchmarks and the HTTP Batches API."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import orjson
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.errors import KafkaTimeoutError
 
 from schemas import topics
 from schemas.batch import AUTHORIZATION_HEADER, BATCH_ID_HEADER, DEADLINE_HEADER
+from tandoor.clients import TRANSACTION_TIMEOUT_MS
 
+# All of a batch's lines are in Kafka within this, well before the broker would abort
+# the transaction (TRANSACTION_TIMEOUT_MS), or none is: a 503.
+QUEUE_LIMIT_S = 0.75 * TRANSACTION_TIMEOUT_MS / 1000
+STOP_LIMIT_S = 10.0
 RESULT_PARTITIONS = [
     TopicPartition(topics.BATCH_RESULTS, p) for p in range(topics.BATCH_PARTITIONS)
 ]
@@ -60,12 +68,18 @@ async def send_all_or_none(
     one's transaction is aborted by the broker after its timeout), where a client's
     retry ran the lines that had got out twice."""
     producer = make_producer(f"batch-{batch_id}")
-    await producer.start()
     try:
-        async with producer.transaction():
-            return await send_lines(producer, api_key, batch_id, lines, deadline_ms)
+        # aiokafka waits for the transaction's coordinator with no limit of its own.
+        async with asyncio.timeout(QUEUE_LIMIT_S):
+            await producer.start()
+            async with producer.transaction():
+                return await send_lines(producer, api_key, batch_id, lines, deadline_ms)
+    except TimeoutError as exc:
+        raise KafkaTimeoutError(f"the batch was not queued within {QUEUE_LIMIT_S} s") from exc
     finally:
-        await producer.stop()
+        with contextlib.suppress(TimeoutError):  # what it sent is decided by now
+            async with asyncio.timeout(STOP_LIMIT_S):
+                await producer.stop()
 
 
 class ResultsReader:

@@ -3,6 +3,7 @@ stream and as a whole, exactly as they are stored."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Any, cast
@@ -17,6 +18,7 @@ from producers.gateway.openai_api.service import (
     completion_body,
     completion_chunks,
     stopped_if_left,
+    unless_left,
 )
 from schemas.events import Event, FinalEvent
 from tandoor.policies.moderation import DefaultModerator
@@ -257,3 +259,34 @@ async def test_each_event_yields_a_chunk_or_nothing_before_the_next_is_awaited()
     chunks = completion_chunks(reply, False, DefaultModerator().output_filter)
     yielded_after = [consumed async for _ in chunks]
     assert {1, 2, 3} <= set(yielded_after)
+
+
+async def test_an_unstreamed_completion_whose_client_went_is_stopped_without_an_error() -> None:
+    """Cancelled, the reply task was not yet done when its result was asked for: every
+    client that went was a 500 with a traceback in the log (and in the 5xx alerts)."""
+    stops: list[str] = []
+    started = asyncio.Event()
+
+    async def never_answered() -> dict[str, Any]:
+        started.set()
+        await asyncio.Event().wait()
+        return {}
+
+    async def client_goes() -> dict[str, Any]:
+        await started.wait()
+        return {"type": "http.disconnect"}
+
+    answer = await unless_left(never_answered(), client_goes, lambda: stops.append("stop"))
+    assert answer is None and stops == ["stop"]
+
+    async def client_stays() -> dict[str, Any]:
+        await asyncio.Event().wait()
+        return {}
+
+    async def answered() -> dict[str, Any]:
+        return {"id": "chatcmpl-r"}
+
+    assert await unless_left(answered(), client_stays, lambda: stops.append("no")) == {
+        "id": "chatcmpl-r"
+    }
+    assert stops == ["stop"]

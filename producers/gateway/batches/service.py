@@ -62,6 +62,9 @@ class CreateBatch(BaseModel):
     metadata: dict[MetadataKey, MetadataValue] | None = Field(default=None, max_length=16)
 
 
+MARK_RETRY_S = (1, 2, 4, 8, 16, 32)  # 63 s in all: within QUEUING_LIMIT
+
+
 class BatchService:
     def __init__(
         self, session: Any, make_producer: Callable[[str], AIOKafkaProducer], redis: Any
@@ -70,6 +73,7 @@ class BatchService:
         self.batches = BatchStore(session)
         self._make_producer = make_producer  # one per batch: its lines are one transaction
         self._redis = redis
+        self._marking: set[asyncio.Task[None]] = set()
 
     # Files.
 
@@ -146,12 +150,30 @@ class BatchService:
             raise unavailable("the batch could not be queued (Kafka)") from exc
         # No failure from here on: it would answer "nothing was changed" to a batch that
         # runs, and the client's retry would run it twice.
-        batch = dataclasses.replace(batch, queuing=False)
+        await self._mark_queued(batch.batch_id)
+        return batch_object(dataclasses.replace(batch, queuing=False), Answered())
+
+    async def _mark_queued(self, batch_id: str) -> None:
+        """Unmarked, a batch whose lines are in Kafka would show `failed` once
+        QUEUING_LIMIT has passed (until its first line is answered): a store that fails
+        now is tried again in the background, well within that limit."""
         try:
-            await self.batches.queued(batch.batch_id)
-        except CASSANDRA_DOWN as exc:  # shown `failed` until its first line is answered
-            log.warning("%s: queued, but not marked so (%s)", batch.batch_id, exc)
-        return batch_object(batch, Answered())
+            await self.batches.queued(batch_id)
+        except CASSANDRA_DOWN as exc:
+            log.warning("%s: queued, not yet marked so (%s); trying again", batch_id, exc)
+            task = asyncio.create_task(self._mark_queued_later(batch_id))
+            self._marking.add(task)
+            task.add_done_callback(self._marking.discard)
+
+    async def _mark_queued_later(self, batch_id: str) -> None:
+        for delay_s in MARK_RETRY_S:
+            await asyncio.sleep(delay_s)
+            try:
+                await self.batches.queued(batch_id)
+                return
+            except CASSANDRA_DOWN as exc:
+                failure = exc
+        log.error("%s: queued, never marked so; it shows failed (%s)", batch_id, failure)
 
     async def retrieve(self, caller: Principal, batch_id: str) -> dict[str, Any]:
         return await self._object(await self._own_batch(caller, batch_id))

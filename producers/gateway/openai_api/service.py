@@ -187,6 +187,7 @@ async def unless_left(
         if not answering.done():  # the client went, or this handler was cancelled
             answering.cancel()
             stop()
+            await asyncio.gather(answering, return_exceptions=True)
     return None if answering.cancelled() else answering.result()
 
 
