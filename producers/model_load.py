@@ -99,17 +99,32 @@ class LoadMonitor:
                 await self._task
 
     async def _poll(self) -> None:
-        async with backlog_clients(self.settings) as (admin, offsets):
-            while True:
-                for model in self.models:
-                    try:
-                        measured = await measure(admin, offsets, self.layout, model)
-                    except (KafkaError, OSError, KeyError) as exc:
-                        self._load.pop(model, None)  # unknown: never refuse on stale figures
-                        log.warning("load of %s unknown: %r", model, exc)
-                        continue
-                    self._load[model] = self._summed(model, measured, time.monotonic())
+        """Forever: a poll that ended would leave its last figures in force (a replica
+        that saw no worker at its start would refuse every prompt from then on)."""
+        while True:
+            try:
+                async with backlog_clients(self.settings) as (admin, offsets):
+                    while True:
+                        await self._measure_all(admin, offsets)
+                        await asyncio.sleep(self.poll_s)
+            except (KafkaError, OSError) as exc:
+                self._load.clear()
+                log.warning("load monitor cannot reach Kafka (%r); retrying", exc)
                 await asyncio.sleep(self.poll_s)
+
+    async def _measure_all(self, admin: AIOKafkaAdminClient, offsets: AIOKafkaConsumer) -> None:
+        for model in self.models:
+            try:
+                measured = await measure(admin, offsets, self.layout, model)
+            except (KafkaError, OSError, KeyError) as exc:
+                self._load.pop(model, None)  # unknown: never refuse on stale figures
+                log.warning("load of %s unknown: %r", model, exc)
+                continue
+            except Exception:  # a bug or an odd answer must not end the monitor
+                self._load.pop(model, None)
+                log.exception("load of %s unknown", model)
+                continue
+            self._load[model] = self._summed(model, measured, time.monotonic())
 
     def _summed(self, model: str, measured: Measured, now: float) -> ModelLoad:
         progress = self._progress[model]

@@ -18,12 +18,16 @@ from tests.waiting import eventually, until
 
 async def mid_stream(users: list[ChatClient], count: int) -> None:
     """Until `count` clients are receiving tokens."""
-    await until(
-        lambda: sum(u.streaming.is_set() for u in users),
-        lambda streaming: streaming >= count,
-        what=f"{count} clients receiving tokens",
-        poll_s=0.05,
-    )
+    try:
+        await until(
+            lambda: sum(u.streaming.is_set() for u in users),
+            lambda streaming: streaming >= count,
+            what=f"{count} clients receiving tokens",
+            poll_s=0.05,
+        )
+    except AssertionError as exc:
+        seen = [turn.seen() for user in users for turn in user.turns[-1:]]
+        raise AssertionError(f"{exc}; the clients saw {seen}") from exc
 
 
 async def assert_conversations_complete(stack: Stack, users: list[ChatClient]) -> None:

@@ -51,12 +51,18 @@ class Turn:
     restarts: int = 0
     resumes: int = 0  # streams reopened with Last-Event-ID
     refused: list[int] = field(default_factory=list)  # 503/429 answers before it was taken
+    last_refusal: str = ""  # its message, for a failure to show
     from_history: bool = False  # the reply ended while the client was away
     events: list[tuple[str, int]] = field(default_factory=list)  # (type, attempt) as read
 
     @property
     def done(self) -> bool:
         return self.final is not None
+
+    def seen(self) -> str:
+        """What the client got so far, for a failure to show."""
+        kinds = [kind for kind, _ in self.events]
+        return f"{self.request_id}: {kinds[:3]}..., refused {self.refused} {self.last_refusal}"
 
     def progress(self) -> tuple[int, bool, int, int, int]:
         """What changes as the turn moves on, as the client sees it."""
@@ -193,7 +199,7 @@ async def _refused(response: httpx.Response, turn: Turn) -> None:
     """A 503 or 429 before anything was taken: wait as told. Anything else but 200 is a
     failure of the test."""
     if response.status_code in (429, 503):
-        await response.aread()
+        turn.last_refusal = (await response.aread()).decode(errors="replace")[:200]
         turn.refused.append(response.status_code)
         raise Retry(float(response.headers.get("Retry-After", "1")))
     if response.status_code != 200:
