@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import datetime as dt
 import tracemalloc
 
@@ -151,3 +152,20 @@ def test_a_file_that_starts_with_a_byte_order_mark_is_read_as_without_it() -> No
     assert input_lines(codecs.BOM_UTF8 + first + b"\r\n" + second, URL) == [first, second]
     with pytest.raises(ApiError, match="line 2 is not JSON"):
         input_lines(first + b"\n" + codecs.BOM_UTF8 + second, URL)
+
+
+@pytest.mark.parametrize(
+    ("age", "status"),
+    [
+        (dt.timedelta(seconds=5), "cancelling"),  # its lines may still be committed
+        (dt.timedelta(minutes=5), "cancelled"),  # none ran: nothing to wait for
+    ],
+)
+def test_a_batch_cancelled_while_queuing_shows_the_cancel(age: dt.timedelta, status: str) -> None:
+    """Listed while its create is still queuing it, and cancelled: the cancel shows, not
+    `validating` (nor `failed` once its gateway is known to have died)."""
+    queuing = dataclasses.replace(batch(age, cancelled=True), queuing=True)
+    shown = batch_object(queuing, Answered.of([]))
+    assert shown["status"] == status
+    assert shown["cancelling_at"] is not None and shown["errors"] is None
+    assert (shown["cancelled_at"] is not None) == (status == "cancelled")

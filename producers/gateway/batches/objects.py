@@ -75,7 +75,10 @@ def is_settled(batch: StoredBatch, answered: Answered) -> bool:
 
 def _status(batch: StoredBatch, answered: Answered) -> str:
     if batch.queuing and not answered.count:  # an answer: its lines were committed
-        return "failed" if utc_now() > batch.created_at + QUEUING_LIMIT else "validating"
+        interrupted = utc_now() > batch.created_at + QUEUING_LIMIT  # none of them ran
+        if batch.cancelled_at is not None:
+            return "cancelled" if interrupted else "cancelling"
+        return "failed" if interrupted else "validating"
     done = answered.count >= batch.total
     window_end = batch.created_at + COMPLETION_WINDOW
     if _cancelled_in_time(batch, answered, done):  # unanswered lines end with the window
