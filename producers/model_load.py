@@ -16,6 +16,7 @@ from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from itertools import pairwise
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
@@ -34,8 +35,8 @@ MIN_RATE_SPAN_S = 10.0  # ...once watched this long (a shorter look says too lit
 class ModelLoad:
     backlog: dict[str, int]  # band -> prompts past the workers' commits
     workers: int  # members of the model's worker group
-    finished_per_s: float | None  # None: not watched long enough to tell
-    idle_s: float  # how long the commits have not moved (as far as this replica saw)
+    finished_per_s: float | None  # while they were full; None: not watched so long enough
+    idle_s: float  # how long they have been full with nothing finishing (this replica saw)
 
     @property
     def total(self) -> int:
@@ -50,24 +51,31 @@ class Measured:
 
 
 class Progress:
-    """The commits of one model's workers over the last RATE_WINDOW_S."""
+    """The commits of one model's workers over the last RATE_WINDOW_S, counted only while
+    the workers were full: a rate measured while they had less to do than they could
+    take says how much was asked, not how fast they finish (one reply in a quiet minute
+    made a burst look six minutes long, and refused it)."""
 
     def __init__(self) -> None:
-        self._seen: deque[tuple[float, int]] = deque()
+        self._seen: deque[tuple[float, int, bool]] = deque()  # (when, commits, full)
         self._moved_at: float | None = None
 
-    def add(self, now: float, done: int) -> None:
-        if not self._seen or self._seen[-1][1] != done:
-            self._moved_at = now  # the first look counts as a move: idle since watched
-        self._seen.append((now, done))
+    def add(self, now: float, done: int, *, full: bool) -> None:
+        """`full`: every slot taken, so a new prompt waits for one to finish."""
+        if not self._seen or self._seen[-1][1] != done or not full:
+            # Moving, or room for more (nothing waits): not stalled. The first look
+            # counts too: idle since watched.
+            self._moved_at = now
+        self._seen.append((now, done, full))
         while len(self._seen) > 2 and now - self._seen[1][0] >= RATE_WINDOW_S:
             self._seen.popleft()
 
     def rate(self) -> float | None:
-        (first_t, first), (last_t, last) = self._seen[0], self._seen[-1]
-        if last_t - first_t < MIN_RATE_SPAN_S:
-            return None
-        return max(0, last - first) / (last_t - first_t)
+        span = moved = 0.0
+        for (then, done_then, full), (later, done_later, _) in pairwise(self._seen):
+            if full:
+                span, moved = span + later - then, moved + max(0, done_later - done_then)
+        return moved / span if span >= MIN_RATE_SPAN_S else None
 
     def idle_s(self, now: float) -> float:
         return 0.0 if self._moved_at is None else now - self._moved_at
@@ -124,15 +132,19 @@ class LoadMonitor:
                 self._load.pop(model, None)
                 log.exception("load of %s unknown", model)
                 continue
-            self._load[model] = self._summed(model, measured, time.monotonic())
+            self.record(model, measured, time.monotonic())
 
-    def _summed(self, model: str, measured: Measured, now: float) -> ModelLoad:
+    def record(self, model: str, measured: Measured, now: float) -> ModelLoad:
+        """The model's load from a measurement taken at `now`, kept as its latest."""
         progress = self._progress[model]
-        progress.add(now, measured.done)
+        slots = measured.workers * self.settings.models[model].max_num_seqs
+        progress.add(now, measured.done, full=0 < slots <= sum(measured.backlog.values()))
         by_band = {band.name: 0 for band in self.layout.ranges}
         for partition, count in measured.backlog.items():
             by_band[self.layout.band_of(partition).name] += count
-        return ModelLoad(by_band, measured.workers, progress.rate(), progress.idle_s(now))
+        load = ModelLoad(by_band, measured.workers, progress.rate(), progress.idle_s(now))
+        self._load[model] = load
+        return load
 
 
 @asynccontextmanager

@@ -7,7 +7,14 @@ import pytest
 
 from producers.gateway.errors import ApiError
 from producers.gateway.shedding import ModelRouter, busy
-from producers.model_load import MIN_RATE_SPAN_S, RATE_WINDOW_S, ModelLoad, Progress
+from producers.model_load import (
+    MIN_RATE_SPAN_S,
+    RATE_WINDOW_S,
+    LoadMonitor,
+    Measured,
+    ModelLoad,
+    Progress,
+)
 from tandoor.models import ModelConfig
 from tandoor.settings import DEFAULT_TIERS, Fallback, Settings
 
@@ -109,15 +116,68 @@ def test_only_the_bands_above_and_its_own_are_ahead_of_a_prompt() -> None:
 
 def test_the_rate_is_the_commits_of_the_last_minute_once_watched_long_enough() -> None:
     progress = Progress()
-    progress.add(0.0, 100)
-    progress.add(MIN_RATE_SPAN_S / 2, 105)
+    progress.add(0.0, 100, full=True)
+    progress.add(MIN_RATE_SPAN_S / 2, 105, full=True)
     assert progress.rate() is None, "too short a look"
-    progress.add(MIN_RATE_SPAN_S, 110)
+    progress.add(MIN_RATE_SPAN_S, 110, full=True)
     assert progress.rate() == pytest.approx(1.0)
     for t in range(11, 200):
-        progress.add(float(t), 110)
+        progress.add(float(t), 110, full=True)
     assert progress.rate() == 0.0, f"older than {RATE_WINDOW_S} s is forgotten"
     assert progress.idle_s(200.0) == pytest.approx(200.0 - MIN_RATE_SPAN_S)
+
+
+class Watched:
+    """A load monitor fed measurements of "big" (one worker, SLOTS slots), a second apart."""
+
+    def __init__(self) -> None:
+        self.monitor = LoadMonitor(router({}).settings)
+        self.now, self.done = 0.0, 0
+
+    def seconds(self, count: int, in_flight: int, finished_per_s: float = 0.0) -> ModelLoad:
+        """`in_flight` prompts past the commits (running or waiting) for `count` seconds,
+        `finished_per_s` of them committed each second."""
+        for _ in range(count):
+            self.now += 1.0
+            self.done += round(finished_per_s) if finished_per_s >= 1 else 0
+            measured = Measured(backlog={0: in_flight}, done=self.done, workers=1)
+            load = self.monitor.record("big", measured, self.now)
+        return load
+
+
+def test_a_burst_after_a_quiet_spell_is_taken() -> None:
+    """Nothing to finish is no stall: after two idle minutes, prompts beyond the workers'
+    slots start within seconds, and are not refused as "none finished in 120 s"."""
+    watched = Watched()
+    watched.seconds(120, in_flight=0)
+    burst = watched.seconds(1, in_flight=SLOTS + 6)
+    assert router({"big": burst}).answering("big", "plus") == "big"
+
+
+def test_a_quiet_minute_is_no_measure_of_how_fast_the_workers_finish() -> None:
+    """One reply in the last minute: a rate of 1/60 s said a burst of six more than the
+    slots would wait six minutes, and refused it; the workers were idle, not slow."""
+    watched = Watched()
+    watched.seconds(5, in_flight=1)
+    watched.done += 1  # it finished
+    watched.seconds(55, in_flight=0)
+    burst = watched.seconds(1, in_flight=SLOTS + 6)
+    assert router({"big": burst}).answering("big", "plus") == "big"
+
+
+def test_full_workers_are_measured_and_refuse_what_they_cannot_start_in_time() -> None:
+    watched = Watched()
+    full = watched.seconds(30, in_flight=SLOTS + 100, finished_per_s=1.0)
+    assert full.finished_per_s == pytest.approx(1.0)
+    assert "prompts are ahead" in refused(router({"big": full}), "big", "plus").message
+
+
+def test_full_workers_finishing_nothing_for_a_budget_are_stalled() -> None:
+    watched = Watched()
+    watched.seconds(120, in_flight=0)
+    watched.seconds(int(BUDGET_S) - 1, in_flight=SLOTS + 1)
+    stalled = watched.seconds(2, in_flight=SLOTS + 1)
+    assert "none finished" in refused(router({"big": stalled}), "big", "plus").message
 
 
 def test_a_fallback_to_an_unserved_model_is_refused() -> None:
