@@ -169,6 +169,8 @@ async def test_deleting_each_file_as_it_is_listed_deletes_them_all(session: Any)
         after = page["data"][-1]["id"]
     assert sorted(deleted) == sorted(uploaded)
     assert (await service.list_files(caller, 10, "desc", None, None))["data"] == []
-    with pytest.raises(ApiError) as gone:  # a cursor naming no time is still unknown
-        await service.list_files(caller, 2, "desc", f"file-{uuid.uuid4().hex}", None)
-    assert gone.value.status == 404
+    # A cursor naming no time is still unknown, and one past the year 9999 (a 500).
+    for cursor in (f"file-{uuid.uuid4().hex}", "file-t" + "f" * 12 + "0" * 20):
+        with pytest.raises(ApiError) as gone:
+            await service.list_files(caller, 2, "desc", cursor, None)
+        assert gone.value.status == 404 and cursor in gone.value.message

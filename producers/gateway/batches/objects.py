@@ -137,7 +137,10 @@ def file_created(file_id: str) -> dt.datetime | None:
     stamp = re2.fullmatch(r"file-t([0-9a-f]{12})[0-9a-f]{20}", file_id)
     if stamp is None:
         return None  # an id from before ids named their time
-    return EPOCH + dt.timedelta(milliseconds=int(stamp.group(1), 16))
+    try:
+        return EPOCH + dt.timedelta(milliseconds=int(stamp.group(1), 16))
+    except OverflowError:  # past the year 9999: no id of ours
+        return None
 
 
 def utc_now() -> dt.datetime:
