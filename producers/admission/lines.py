@@ -112,7 +112,7 @@ async def _prompt(
     )
     max_tokens = checks.max_tokens(caller, options)
     context = checks.context(body.model, messages, max_tokens, client_context=True)
-    checks.affordable(caller, context.prompt_tokens + max_tokens)  # else held for good
+    checks.affordable(caller.tier, context.prompt_tokens + max_tokens)  # else held for good
     request_id = custom_line_request_id(caller.user_id, batch_id, line.custom_id)
     return PromptRequest(
         request_id=request_id,

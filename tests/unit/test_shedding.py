@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from producers.gateway.chat.checks import ReplyChecks
+from producers.gateway.chat.routing import Request, routed
 from producers.gateway.errors import ApiError
 from producers.gateway.shedding import ModelRouter, busy
 from producers.model_load import (
@@ -15,7 +17,9 @@ from producers.model_load import (
     ModelLoad,
     Progress,
 )
+from schemas.events import ChatMessage
 from tandoor.models import ModelConfig
+from tandoor.policies.moderation import DefaultModerator
 from tandoor.settings import DEFAULT_TIERS, Fallback, Settings
 
 SLOTS = 4  # each model's max_num_seqs
@@ -39,6 +43,7 @@ def router(loads: dict[str, ModelLoad]) -> ModelRouter:
     tiers = {
         name: t.model_copy(update={"max_wait_s": BUDGET_S}) for name, t in DEFAULT_TIERS.items()
     }
+    tiers["tiny"] = tiers["plus"].model_copy(update={"tokens_per_minute": 100})
     settings = Settings(
         models={
             name: ModelConfig(source=f"/models/{name}", max_num_seqs=SLOTS)
@@ -207,3 +212,21 @@ def test_a_request_the_fallback_cannot_take_is_not_shed_to_it() -> None:
     with pytest.raises(ApiError) as caught:
         no_worker.answering("big", "free", takes=lambda m: m != "small")
     assert caught.value.status == 503
+
+
+@pytest.mark.parametrize(("tier", "words", "status"), [("plus", 5000, 0), ("tiny", 5, 413)])
+@pytest.mark.parametrize("client_context", [True, False], ids=["api", "chat"])
+def test_a_request_that_can_never_pass_is_refused_as_such_while_the_model_is_busy(
+    client_context: bool, tier: str, words: int, status: int
+) -> None:
+    """Longer than the model's window, or than the tier's whole minute of tokens: the
+    4xx it gets when the model is free (OpenAI's 400 for an API client's context, the
+    chat page's 413), not "busy, retry in 10 s", which an SDK retries for ever."""
+    status = status or (400 if client_context else 413)
+    asked = [ChatMessage(role="user", content="word " * words)]
+    for busy_load in (load(workers=0), None):  # busy, and the same request when free
+        route = router({"big": busy_load} if busy_load else {})
+        checks = ReplyChecks(route.settings, DefaultModerator(), None)  # type: ignore[arg-type]
+        with pytest.raises(ApiError) as caught:
+            routed(route, checks, Request(tier, "big", asked, 256, client_context, None))
+        assert caught.value.status == status, caught.value.message

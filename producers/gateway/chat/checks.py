@@ -78,15 +78,15 @@ class ReplyChecks:
             raise too_long
         return context
 
-    def affordable(self, caller: Principal, tokens: int) -> None:
+    def affordable(self, tier: str, tokens: int) -> None:
         """A request above the tier's whole minute of tokens never fits: a 413 now, not
         a 429 retried forever (nor a batch line held back for good)."""
-        per_minute = self.settings.tiers[caller.tier].tokens_per_minute
+        per_minute = self.settings.tiers[tier].tokens_per_minute
         if tokens > per_minute:
             raise ApiError(
                 413,
                 f"this request needs {tokens} tokens (its prompt and max_tokens); tier "
-                f"{caller.tier!r} allows {per_minute} a minute: send a shorter context or a "
+                f"{tier!r} allows {per_minute} a minute: send a shorter context or a "
                 "smaller max_tokens",
                 param="max_tokens",
             )
@@ -94,7 +94,7 @@ class ReplyChecks:
     async def admit(self, caller: Principal, request_id: str, tokens: int, now: int) -> Admission:
         """Charge the caller's quota, or refuse with 413 (never fits), 429 (over it) or
         503 (unknowable)."""
-        self.affordable(caller, tokens)
+        self.affordable(caller.tier, tokens)
         policy = self.settings.tiers[caller.tier]
         try:
             return await self.quotas.admit(caller.user_id, policy, request_id, tokens, now)

@@ -22,7 +22,8 @@ class Request:
 
 
 def routed(router: ModelRouter, checks: ReplyChecks, request: Request) -> tuple[str, Context]:
-    """The model that answers (busy: a 503, uncharged) and the context it gets. A
+    """The model that answers (busy: a 503, uncharged) and the context it gets; a
+    context too long for the asked model, or for the tier's minute, is its 4xx. A
     fallback whose smaller window refuses the context is not shed to: that was a 400
     because of load (the chat page's history is cut to fit, as on any model)."""
     contexts: dict[str, Context] = {}
@@ -41,5 +42,9 @@ def routed(router: ModelRouter, checks: ReplyChecks, request: Request) -> tuple[
             return False
         return True
 
+    # What can never pass is refused as such first: busy, it was a 503 to retry, and an
+    # SDK retries it for ever.
+    asked = context_on(request.model)
+    checks.affordable(request.tier, asked.prompt_tokens + request.max_tokens)
     model = router.answering(request.model, request.tier, takes)
     return model, context_on(model)
