@@ -64,6 +64,9 @@ class PartitionBook:
     counted: deque[tuple[int, bytes]] = field(default_factory=deque)  # (at_ms, id), in order
     dirty: set[bytes] = field(default_factory=set)
     closed: set[bytes] = field(default_factory=set)  # published as closed
+    # Expired before their last change was published (a catch-up: stream time runs
+    # far ahead of the publish timer): published once more, closed, then forgotten.
+    unpublished: dict[bytes, bytes] = field(default_factory=dict)
     housekept_at: float = 0.0
 
 
@@ -146,14 +149,16 @@ class RollupTables:
             # Swapped out before the sends: the agent counts on while they wait, and
             # what it marks meanwhile is for the next call, not cleared with these.
             dirty, book.dirty = book.dirty, set()
+            expired, book.unpublished = book.unpublished, {}
+            for name, stored in sorted(expired.items()):
+                await self._publish(name, _summary(stored, closed=True))
+                published += 1
             for name in sorted(dirty | (ended - book.closed)):
                 stored = table.get(name)
                 if stored is None:
                     continue  # expired meanwhile
                 closed = name in ended
-                await self._publish(
-                    name, orjson.dumps(Rollup.load(orjson.loads(stored)).summary(closed))
-                )
+                await self._publish(name, _summary(stored, closed))
                 if closed:
                     book.closed.add(name)
                 published += 1
@@ -229,10 +234,16 @@ class RollupTables:
         while book.counted and book.counted[0][0] < horizon:
             counted.pop(book.counted.popleft()[1], None)
         for name in [n for n, (_, expiry) in book.windows.items() if expiry < book.stream_ms]:
-            table.pop(name, None)
+            stored = table.pop(name, None)
             del book.windows[name]
+            if stored is not None and (name in book.dirty or name not in book.closed):
+                book.unpublished[name] = stored
             book.dirty.discard(name)
             book.closed.discard(name)
+
+
+def _summary(stored: bytes, closed: bool) -> bytes:
+    return orjson.dumps(Rollup.load(orjson.loads(stored)).summary(closed))
 
 
 def _advance(book: PartitionBook, at_ms: int) -> None:
