@@ -21,7 +21,7 @@ from typing import Any
 import orjson
 
 from schemas.batch import final_output
-from schemas.events import FinalEvent, MessageKey
+from schemas.events import SERVICE_JOBS, FinalEvent, MessageKey
 from tandoor.clients import cql, cql_together
 
 MESSAGE_STATUS = {
@@ -33,7 +33,6 @@ MESSAGE_STATUS = {
 }
 
 ATTEMPT_US = 100  # a reply's write time moves on this much per attempt
-SERVICE_JOBS = ("title", "summary")  # asked for by the gateway, not by the user
 
 INSERT_MESSAGE = """
 INSERT INTO messages_by_conversation (conversation_id, created_at, message_id, role, content,

@@ -24,6 +24,8 @@ TOO_LONG_FOR_ENGINE = "prompt has "
 # alternate"): the caller's too.
 TEMPLATE_REFUSED = "the chat template refused the conversation: "
 PromptKind = Literal["chat", "title", "summary", "batch"]
+# Asked for by the gateway, not by the user: not the user's usage (charged no quota).
+SERVICE_JOBS: tuple[PromptKind, ...] = ("title", "summary")
 
 # What any surface (chat API, OpenAI API, batch lines) accepts for one reply.
 MAX_REPLY_TOKENS = 4096

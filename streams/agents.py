@@ -12,7 +12,7 @@ from typing import TypeVar
 import faust
 
 from schemas.codec import SchemaError, decode, is_final
-from schemas.events import Event, FinalEvent, UsageRecord
+from schemas.events import SERVICE_JOBS, Event, FinalEvent, UsageRecord
 from streams.outputs import Outputs
 from streams.rollups import counted_id, restart_keys, rollup_keys
 from streams.tables import Counting, RollupTables, not_ahead
@@ -52,8 +52,12 @@ async def on_usage(payload: bytes, rollups: RollupTables, out: Outputs) -> None:
     if record is not None:
         # A record whose id was marked before is passed on again: its copy may not
         # have got out then (a crash between the two); the per-model side knows it by
-        # its id. One known by its offset was passed on when it was first read.
-        if await count(rollups, "user", record, counted_id(record)) != "replayed":
+        # its id. One known by its offset was passed on when it was first read. A
+        # title or summary is the model's work, not the user's request.
+        if (
+            record.kind in SERVICE_JOBS
+            or await count(rollups, "user", record, counted_id(record)) != "replayed"
+        ):
             await out.by_model(record.model.encode(), payload)
         await out.settle(record)
 

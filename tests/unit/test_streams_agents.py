@@ -100,6 +100,23 @@ async def test_the_user_agent_counts_forwards_and_settles(
     assert sink.rollups["model/smollm2/1m/120000"]["requests"] == 2
 
 
+async def test_titles_and_summaries_count_for_the_model_not_the_user(
+    app_and_sink: tuple[faust.App, Sink],
+) -> None:
+    """The gateway's own jobs (charged no quota, not listed in the user's usage) are the
+    model's work: a one-turn chat is one request of the user's, two of the model's."""
+    app, sink = app_and_sink
+    title = usage("t").model_copy(update={"kind": "title", "prompt_tokens": 300})
+    summary = usage("s").model_copy(update={"kind": "summary"})
+    async with app.agents["rollups-by-user"].test_context() as agent:
+        for record in (usage("a"), title, summary):
+            await agent.put(encode(record))
+    await count_per_model(app, sink)
+    mine = sink.rollups["user/ada/1m/120000"]
+    assert (mine["requests"], mine["prompt_tokens"]) == (1, 3), mine
+    assert sink.rollups["model/smollm2/1m/120000"]["requests"] == 3
+
+
 async def count_per_model(app: faust.App, sink: Sink) -> None:
     """The per-model agent reads what the per-user one passed on; both publish."""
     async with app.agents["rollups-by-model"].test_context() as agent:
