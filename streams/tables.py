@@ -185,7 +185,12 @@ class RollupTables:
             return None
         prefix = f"{dimension}/{key}/".encode()
         closing_ms = now_ms() - CLOSE_GRACE_MS
-        rollups = [Rollup.load(orjson.loads(v)) for k, v in table.items() if k.startswith(prefix)]
+        rollups = [
+            Rollup.load(orjson.loads(value))
+            for name, value in table.items()
+            # "<window>/<start>" after it: "alice/" also starts "alice/bob"'s names
+            if name.startswith(prefix) and name.count(b"/", len(prefix)) == 1
+        ]
         found = [rollup.summary(rollup.end_ms <= closing_ms) for rollup in rollups]
         return sorted(found, key=lambda s: (s["window"], -s["start_ms"]))
 

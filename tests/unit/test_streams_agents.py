@@ -352,6 +352,18 @@ async def test_the_rollups_read_over_http_say_which_windows_are_closed(
     }
 
 
+async def test_the_rollups_read_over_http_are_the_named_users_only(
+    app_and_sink: tuple[faust.App, Sink],
+) -> None:
+    app, _ = app_and_sink
+    async with app.agents["rollups-by-user"].test_context() as agent:
+        await agent.put(encode(usage("a", user="alice")))
+        await agent.put(encode(usage("b", user="alice/bob")))  # user ids may hold a "/"
+    tables = rollup_tables(app)
+    assert [s["key"] for s in tables.summaries("user", "alice") or []] == ["alice"] * 2
+    assert [s["key"] for s in tables.summaries("user", "alice/bob") or []] == ["alice/bob"] * 2
+
+
 async def test_a_record_from_a_clock_far_ahead_does_not_expire_the_others(
     short_memory: tuple[faust.App, Sink],
 ) -> None:
