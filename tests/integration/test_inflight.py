@@ -24,11 +24,11 @@ OLD_REPLIES = [
 
 
 async def claimed(
-    redis: aioredis.Redis, replaces: list[MessageKey], queued: bool = True
+    redis: aioredis.Redis, replaces: list[MessageKey], queued: bool = True, store: bool = True
 ) -> tuple[InFlight, str]:
     inflight, conversation_id = InFlight(redis), f"c_{uuid.uuid4().hex}"
     sub = Subscription(request_id=f"r_{uuid.uuid4().hex}", partition=3, next_offset=7)
-    prompt = Queued("smollm2-135m", now_ms(), replaces)
+    prompt = Queued("smollm2-135m", now_ms(), replaces, store=store)
     assert await inflight.claim(conversation_id, sub, now_ms() + 60_000, prompt)
     if queued:  # the gateway produced the prompt
         await inflight.mark_queued(conversation_id, sub.request_id)
@@ -71,6 +71,21 @@ async def test_a_stop_before_any_worker_ends_a_regenerate_with_what_it_replaces(
     kept = await redis.get(final_key(final.request_id))
     assert kept is not None and decode(FinalEvent, kept).replaces == OLD_REPLIES
     assert await inflight.end_untaken(record, "u_1", "free") is None  # a second stop
+
+
+@pytest.mark.parametrize("store", [False, True])
+async def test_a_reply_ended_in_the_queue_is_stored_only_if_asked(
+    redis: aioredis.Redis, store: bool
+) -> None:
+    """OpenAI's `store: false`, its client gone while the prompt waited: the cancelled
+    final said store, and persistence kept a stopped reply in a conversation nobody
+    asked to keep (and again when the worker delivered that final later)."""
+    inflight, conversation_id = await claimed(redis, [], store=store)
+    record = await inflight.running(conversation_id, 409)
+    final = await inflight.end_untaken(record, "u_1", "free")
+    assert final is not None and final.store is store
+    kept = await redis.get(final_key(final.request_id))
+    assert kept is not None and decode(FinalEvent, kept).store is store
 
 
 async def test_a_stop_after_a_worker_took_the_prompt_leaves_the_final_to_it(

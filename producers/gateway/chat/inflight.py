@@ -43,6 +43,7 @@ class Queued:
     # A regenerate's or edit's: its cancelled final hides them too, once stored, even
     # when the gateway that queued it died before marking them (and another stops it).
     replaces: Sequence[MessageKey] = ()
+    store: bool = True  # False: OpenAI's `store: false`, its cancelled final is not kept
 
 
 # A prompt no worker has taken yet, answered as done with `final` (KEYS: attempt, done,
@@ -90,6 +91,7 @@ class InFlight:
                 "prompt_at_ms": prompt.created_at_ms,
                 "conversation_id": conversation_id,
                 "replaces": [key.model_dump() for key in prompt.replaces],
+                "store": prompt.store,
                 "queued": False,  # until mark_queued: the request may still be refused
             }
         )
@@ -191,4 +193,5 @@ def _cancelled_in_queue(record: dict[str, Any], user_id: str, tier: str) -> Fina
         created_at_ms=at,
         prompt_created_at_ms=prompt_at,
         replaces=[MessageKey.model_validate(key) for key in record.get("replaces", [])],
+        store=bool(record.get("store", True)),
     )

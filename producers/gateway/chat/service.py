@@ -253,7 +253,7 @@ class ChatService:
         conversation = self._opened(p)  # p's stays an ApiCall
         sub = await d.fanout.subscribe(p.request_id)
         start_by = p.now + int(d.settings.silence_limit_s(p.caller.tier) * 1000)
-        queued = Queued(p.model, p.now, p.replaces)
+        queued = Queued(p.model, p.now, p.replaces, store)
         if not await self.inflight.claim(conversation.id, sub, start_by, queued):  # one at a time
             d.fanout.unsubscribe(sub)
             raise ApiError(409, "a reply is being generated: stop it first", kind="conflict_error")
