@@ -32,6 +32,10 @@ MAX_REPLY_TOKENS = 4096
 MAX_TEMPERATURE = 2.0
 MAX_PENALTY = 2.0  # presence and frequency penalties, either sign (OpenAI's range)
 MAX_STOP_SEQUENCES = 4
+# A prompt's ids key its replies and usage records, which carry them again: a 600 KB
+# request id made each answer too large for Kafka, and every worker given the partition
+# stopped on it in turn. Ours are far shorter; workers refuse longer ones (`answerable`).
+MAX_ID_CHARS = 256
 MAX_STOP_CHARS = 256  # each: the prompt's Kafka record has a size limit (1 MiB)
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import orjson
 
 from schemas.codec import SchemaError, decode
-from schemas.events import ControlEvent, FinalEvent, PromptRequest, Usage, now_ms
+from schemas.events import MAX_ID_CHARS, ControlEvent, FinalEvent, PromptRequest, Usage, now_ms
 from tandoor.clients import kafka_producer, redis_client
 from tandoor.logs import bind_request_id
 from tandoor.ops import OpsServer
@@ -159,7 +159,7 @@ class Worker:
         slot_held = True
         try:
             try:
-                prompt = decode(PromptRequest, record.value)
+                prompt = answerable(decode(PromptRequest, record.value))
             except SchemaError as exc:
                 await self._reject(record, exc)
             else:
@@ -275,11 +275,22 @@ def addressee_of(payload: bytes) -> tuple[str, int | None] | None:
     with contextlib.suppress(orjson.JSONDecodeError):
         data = orjson.loads(payload)
         request_id = data.get("request_id") if isinstance(data, dict) else None
-        if isinstance(request_id, str) and request_id:
+        # Longer than any prompt may hold: no gateway made it, and its answer was
+        # too large to produce.
+        if isinstance(request_id, str) and 0 < len(request_id) <= MAX_ID_CHARS:
             partition = data.get("reply_partition")
             valid = isinstance(partition, int) and not isinstance(partition, bool)
             return (request_id, partition if valid and partition >= 0 else None)
     return None
+
+
+def answerable(prompt: PromptRequest) -> PromptRequest:
+    """The prompt, or a SchemaError for ids too long to answer in a Kafka record (the
+    schema cannot bound them without a new version)."""
+    for field in ("request_id", "user_id", "conversation_id"):
+        if len(getattr(prompt, field)) > MAX_ID_CHARS:
+            raise SchemaError(f"field {field!r}: longer than {MAX_ID_CHARS} characters", field)
+    return prompt
 
 
 def _malformed_final(request_id: str, model: str, error: str) -> FinalEvent:

@@ -7,13 +7,27 @@ import orjson
 import pytest
 from aiokafka.structs import ConsumerRecord
 
-from schemas.events import now_ms
+from schemas.codec import SchemaError, decode, encode
+from schemas.events import ChatMessage, PromptRequest, now_ms
 from tests.unit.test_persist_retries import TakingProducer
 from tests.unit.test_transcript_records import attempt
 from workers.attempt import usage_of
 from workers.publisher import Publisher
 from workers.request import finish_reason_of
-from workers.worker import addressee_of
+from workers.worker import addressee_of, answerable
+
+
+SAMPLE_PROMPT = PromptRequest(
+    request_id="r1",
+    model="smollm2",
+    user_id="u",
+    tier="plus",
+    band="interactive-paid",
+    conversation_id="c",
+    messages=[ChatMessage(role="user", content="hi")],
+    created_at_ms=1,
+    reply_partition=0,
+)
 
 
 def test_an_undecodable_prompts_error_goes_to_the_partition_its_gateway_reads() -> None:
@@ -25,6 +39,21 @@ def test_an_undecodable_prompts_error_goes_to_the_partition_its_gateway_reads() 
     assert addressee_of(orjson.dumps({"request_id": "r1", "reply_partition": True})) == ("r1", None)
     assert addressee_of(orjson.dumps({"request_id": ""})) is None
     assert addressee_of(b"not JSON") is None
+
+
+@pytest.mark.parametrize("field", ["request_id", "user_id", "conversation_id"])
+def test_a_prompt_whose_ids_are_too_long_to_answer_is_undecodable_and_unanswered(
+    field: str,
+) -> None:
+    """Ids key the replies and usage records, which carry them again: a 600 KB id made
+    each answer too large for Kafka, and every worker given the partition stopped on it
+    in turn. Such a prompt is dead-lettered, and no error final is addressed to it."""
+    prompt = {**orjson.loads(encode(SAMPLE_PROMPT)), field: "r" * 600_000}
+    with pytest.raises(SchemaError, match=field):
+        answerable(decode(PromptRequest, orjson.dumps(prompt)))
+    addressed = addressee_of(orjson.dumps(prompt))
+    assert addressed is None if field == "request_id" else addressed == (prompt["request_id"], 0)
+    assert answerable(decode(PromptRequest, encode(SAMPLE_PROMPT))) == SAMPLE_PROMPT
 
 
 @pytest.mark.parametrize(
