@@ -16,7 +16,6 @@ from workers.publisher import Publisher
 from workers.request import finish_reason_of
 from workers.worker import addressee_of, answerable
 
-
 SAMPLE_PROMPT = PromptRequest(
     request_id="r1",
     model="smollm2",
