@@ -58,6 +58,7 @@ class PromptIntake(ConsumerRebalanceListener):  # type: ignore[misc]
         self.backlog: dict[str, int] = {}
         self._lag_checked = 0.0
         self._paused = False
+        self._outside: set[int] = set()  # partitions past every band, warned of
 
     async def start(self) -> None:
         self.consumer.subscribe([self.topic], listener=self)
@@ -123,15 +124,37 @@ class PromptIntake(ConsumerRebalanceListener):  # type: ignore[misc]
         for tp, records in batch.items():  # fetched before its pause: fetch it again
             self.consumer.seek(tp, records[0].offset)
 
-    def finished(self, record: Record) -> None:
+    def finished(self, record: Record, held: bool = True) -> None:
         self.offsets.finished(record.topic, record.partition, record.offset)
+        if held:
+            self.held[self.band_of(record)] -= 1
+
+    def copy_of_running(self, record: Record) -> None:
+        """`record` was fetched again while it runs here (a rebalance): not in flight
+        twice, or its band's count keeps lower bands from free slots until it ends."""
         self.held[self.band_of(record)] -= 1
 
     async def commit(self) -> None:
         await commit_finished(self.consumer, self.offsets)
 
     def band_of(self, record: Record) -> str:
-        return self.layout.band_of(record.partition).name
+        return self._band_of(record.partition)
+
+    def _band_of(self, partition: int) -> str:
+        """A partition past every band (the topic grew for a wider band before this
+        worker's settings did) is read as the lowest band's: served, last."""
+        try:
+            return self.layout.band_of(partition).name
+        except ValueError:
+            if partition not in self._outside:
+                self._outside.add(partition)
+                log.warning(
+                    "%s partition %d is outside every configured band: read as the lowest "
+                    "band until this worker gets the new bands",
+                    self.topic,
+                    partition,
+                )
+            return self.layout.ranges[-1].name
 
     # ConsumerRebalanceListener
     async def on_partitions_revoked(self, revoked: list[TopicPartition]) -> None:
@@ -161,8 +184,7 @@ class PromptIntake(ConsumerRebalanceListener):  # type: ignore[misc]
         return self._assigned_in(self.layout.ranges[0].name)
 
     def _assigned_in(self, band: str) -> list[TopicPartition]:
-        wanted = self.layout.band(band).partitions
-        return [tp for tp in self.consumer.assignment() if tp.partition in wanted]
+        return [tp for tp in self.consumer.assignment() if self._band_of(tp.partition) == band]
 
     async def _refresh_backlog(self) -> None:
         """Prompts waiting per band: the end of each partition minus our position."""
@@ -177,5 +199,5 @@ class PromptIntake(ConsumerRebalanceListener):  # type: ignore[misc]
         backlog: dict[str, int] = defaultdict(int)
         for tp in assigned:
             position = await self.consumer.position(tp)
-            backlog[self.layout.band_of(tp.partition).name] += max(0, ends[tp] - position)
+            backlog[self._band_of(tp.partition)] += max(0, ends[tp] - position)
         self.backlog = dict(backlog)

@@ -1,0 +1,63 @@
+"""A prompt partition past every configured band (the topic grew for a wider band
+before this worker's settings did): its prompts are taken as the lowest band's, not a
+ValueError that stopped every worker given one of the new partitions at once (a
+stand-in for the consumer)."""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+from aiokafka import TopicPartition
+from aiokafka.structs import ConsumerRecord
+
+from tandoor.settings import Settings
+from workers.intake import PromptIntake
+
+WAITING = 5  # prompts in each partition
+
+
+class GrownTopic:
+    """Every partition of the layout and one more, each holding WAITING prompts."""
+
+    def __init__(self, topic: str, partitions: int) -> None:
+        self.assigned = {TopicPartition(topic, p) for p in range(partitions + 1)}
+        self.outside = TopicPartition(topic, partitions)
+        self.asked: list[set[TopicPartition]] = []
+
+    def assignment(self) -> set[TopicPartition]:
+        return self.assigned
+
+    def resume(self, *_: TopicPartition) -> None:
+        pass
+
+    async def end_offsets(self, tps: list[TopicPartition]) -> dict[TopicPartition, int]:
+        return dict.fromkeys(tps, WAITING)
+
+    async def position(self, _: TopicPartition) -> int:
+        return 0
+
+    async def getmany(
+        self, *tps: TopicPartition, timeout_ms: int = 0, max_records: int | None = None
+    ) -> dict[TopicPartition, list[ConsumerRecord[bytes, bytes]]]:
+        self.asked.append(set(tps))
+        if self.outside not in tps:
+            return {}
+        tp = self.outside
+        return {tp: [ConsumerRecord(tp.topic, tp.partition, 0, 0, 0, b"k", b"v", None, 1, 1, [])]}
+
+
+async def test_a_partition_past_every_band_is_read_as_the_lowest_band() -> None:
+    settings = Settings()
+    intake = PromptIntake(settings, settings.served_models[0])
+    await intake.consumer.stop()  # never started: closed for its finalizer
+    consumer = GrownTopic(intake.topic, intake.layout.total_partitions)
+    intake.consumer = cast(Any, consumer)
+    lowest = intake.layout.ranges[-1].name
+    for _ in range(20):  # until the lowest band's turn comes
+        taken = await intake.take(4)
+        if taken:
+            break
+    assert [record.partition for record in taken] == [consumer.outside.partition]
+    assert intake.band_of(taken[0]) == lowest
+    assert intake.held[lowest] == 1
+    assert intake.backlog[lowest] >= WAITING  # its prompts count as waiting there
