@@ -168,10 +168,12 @@ class Worker:
                     # Fetched again while it runs here (a rebalance restarts even a kept
                     # partition from its oldest running prompt): no slot while it waits.
                     slot_held = False
+                    self.intake.copy_of_running(record)
                     await self.capacity.release_seq()
                     await original.done.wait()
                 await self._run(prompt, self.intake.band_of(record))
-            self.intake.finished(record)  # not reached when handed back (cancelled)
+            # Not reached when handed back (cancelled).
+            self.intake.finished(record, held=slot_held)
         except Exception as exc:
             log.exception("worker failure while handling offset %s", record.offset)
             self._failure = exc

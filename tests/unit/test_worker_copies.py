@@ -49,6 +49,7 @@ async def test_a_prompt_fetched_again_while_it_runs_gives_its_slot_back() -> Non
     handled = []
     for _ in range(2):  # taken, then fetched again after a rebalance
         worker.capacity.take_seq()
+        worker.intake.held["interactive-paid"] += 1  # as intake counts what it takes
         handled.append(asyncio.create_task(worker._handle(prompt_record(5))))
     try:
         await until(
@@ -59,10 +60,14 @@ async def test_a_prompt_fetched_again_while_it_runs_gives_its_slot_back() -> Non
             poll_s=0.01,
         )
         assert runner.runs == ["r_1"]  # the copy waits for the original, slot-free
+        # and is not in flight twice: counted so, it kept lower bands from the free
+        # slots (the scheduler's headroom) until the original ended
+        assert dict(worker.intake.held) == {"interactive-paid": 1}
         runner.finish.set()
         await asyncio.wait_for(asyncio.gather(*handled), 10)
         assert runner.runs == ["r_1"] * 2  # then runs, and finds it answered
         assert worker.capacity.free_seqs == free
+        assert dict(worker.intake.held) == {"interactive-paid": 0}
         assert worker._failure is None
     finally:
         runner.finish.set()
