@@ -123,6 +123,10 @@ class PromptIntake(ConsumerRebalanceListener):  # type: ignore[misc]
             return
         for tp, records in batch.items():  # fetched before its pause: fetch it again
             self.consumer.seek(tp, records[0].offset)
+        try:  # for the lag gauge, which a full worker would leave as it filled up
+            await self._refresh_backlog()
+        except (IllegalStateError, KafkaError) as exc:
+            log.info("backlog while full: %s", exc)
 
     def finished(self, record: Record, held: bool = True) -> None:
         self.offsets.finished(record.topic, record.partition, record.offset)
@@ -192,11 +196,8 @@ class PromptIntake(ConsumerRebalanceListener):  # type: ignore[misc]
             return
         self._lag_checked = time.monotonic()
         assigned = list(self.consumer.assignment())
-        if not assigned:
-            self.backlog = {}
-            return
-        ends = await self.consumer.end_offsets(assigned)
-        backlog: dict[str, int] = defaultdict(int)
+        backlog = {band.name: 0 for band in self.layout.ranges}  # a band moved away reads 0
+        ends = await self.consumer.end_offsets(assigned) if assigned else {}
         for tp in assigned:
             position = await self.consumer.position(tp)
             backlog[self._band_of(tp.partition)] += max(0, ends[tp] - position)

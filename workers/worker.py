@@ -141,6 +141,7 @@ class Worker:
         while not self._stopping.is_set():
             if self.capacity.free_seqs == 0:
                 await self.intake.poll_while_full()
+                self.metrics.lag(self.intake.backlog)
                 await _first_of(
                     self.capacity.wait_for_free_seq(),
                     self._stopping.wait(),

@@ -30,6 +30,9 @@ class GrownTopic:
     def resume(self, *_: TopicPartition) -> None:
         pass
 
+    def pause(self, *_: TopicPartition) -> None:
+        pass
+
     async def end_offsets(self, tps: list[TopicPartition]) -> dict[TopicPartition, int]:
         return dict.fromkeys(tps, WAITING)
 
@@ -40,7 +43,7 @@ class GrownTopic:
         self, *tps: TopicPartition, timeout_ms: int = 0, max_records: int | None = None
     ) -> dict[TopicPartition, list[ConsumerRecord[bytes, bytes]]]:
         self.asked.append(set(tps))
-        if self.outside not in tps:
+        if self.outside not in tps:  # (none named: a poll while full, nothing fetched)
             return {}
         tp = self.outside
         return {tp: [ConsumerRecord(tp.topic, tp.partition, 0, 0, 0, b"k", b"v", None, 1, 1, [])]}
@@ -61,3 +64,20 @@ async def test_a_partition_past_every_band_is_read_as_the_lowest_band() -> None:
     assert intake.band_of(taken[0]) == lowest
     assert intake.held[lowest] == 1
     assert intake.backlog[lowest] >= WAITING  # its prompts count as waiting there
+
+
+async def test_the_backlog_is_measured_while_the_worker_is_full_and_every_band_shown() -> None:
+    """The lag gauge was set only after a take: with every slot busy (for minutes on a
+    CPU) it stayed at the low value read as the worker filled up, and a band whose
+    partitions all moved away kept its last value."""
+    settings = Settings()
+    intake = PromptIntake(settings, settings.served_models[0])
+    await intake.consumer.stop()
+    consumer = GrownTopic(intake.topic, intake.layout.total_partitions - 1)
+    intake.consumer = cast(Any, consumer)
+    await intake.poll_while_full()
+    assert sum(intake.backlog.values()) == WAITING * intake.layout.total_partitions
+    consumer.assigned = set()  # every partition moved to other workers
+    intake._lag_checked = 0.0
+    await intake.poll_while_full()
+    assert intake.backlog == {band.name: 0 for band in intake.layout.ranges}

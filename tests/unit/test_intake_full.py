@@ -31,6 +31,12 @@ class StandInConsumer:
     def seek(self, tp: TopicPartition, offset: int) -> None:
         self.seeks.append((tp, offset))
 
+    async def end_offsets(self, tps: list[TopicPartition]) -> dict[TopicPartition, int]:
+        return dict.fromkeys(tps, 0)
+
+    async def position(self, _: TopicPartition) -> int:
+        return 0
+
     async def getmany(self, timeout_ms: int) -> dict[TopicPartition, list[Any]]:
         self.polls.append((set(self.paused), timeout_ms))
         # Records fetched for partition 1 before it was paused (it was just assigned).
