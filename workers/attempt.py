@@ -78,7 +78,9 @@ def usage_of(attempt: Attempt) -> Usage:
         completion_tokens=attempt.completion_tokens,
         cached_tokens=attempt.cached_tokens,
         queue_ms=max(0.0, started - created),
-        ttft_ms=None if first is None else max(0.0, first - created),
+        # A continuation's first token is not the reply's: that was the attempt's it
+        # continues, whose time this worker does not know.
+        ttft_ms=None if first is None or attempt.carried else max(0.0, first - created),
         decode_ms=0.0 if first is None else max(0.0, attempt.last_token_ms - first),
     )
 

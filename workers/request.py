@@ -263,7 +263,8 @@ class RequestRunner:
             attempt.first_token_ms = now
             self.metrics.waiting.dec()
             self.metrics.running.inc()
-            self.metrics.first_token(attempt.band, _since(attempt.prompt, now))
+            if not attempt.carried:  # else the user's first token was the earlier attempt's
+                self.metrics.first_token(attempt.band, _since(attempt.prompt, now))
         attempt.last_token_ms = now
         attempt.completion_tokens += new_tokens
 

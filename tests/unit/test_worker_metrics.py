@@ -6,6 +6,8 @@ from __future__ import annotations
 from typing import Any, cast
 
 from tests.unit.test_transcript_records import attempt
+from workers.attempt import usage_of
+from workers.ledger import Recorded
 from workers.metrics import WorkerMetrics
 from workers.request import RequestRunner, RunnerConfig
 
@@ -25,6 +27,24 @@ def test_first_token_is_observed_under_the_attempts_band() -> None:
         metrics.registry.get_sample_value(count, {"model": "m", "band": "interactive-paid"}) is None
     )
     assert metrics.registry.get_sample_value("tandoor_worker_requests_running", {"model": "m"}) == 1
+
+
+def test_a_continued_reply_reports_no_time_to_first_token_of_its_own() -> None:
+    """Its first token was the attempt's it continues (a worker handed it back at
+    SIGTERM, or died): timed from the prompt, each scale-in put replies of 20 s and more
+    into the TTFT histogram and the usage stream, latency no user had."""
+    metrics = WorkerMetrics("m")
+    unused = cast(Any, None)
+    runner = RequestRunner(RunnerConfig("m", 0.05, 16), unused, unused, unused, unused, metrics)
+    continued = attempt()
+    continued.carried = (Recorded(1, 0, "Hel", 1),)
+    metrics.waiting.inc()
+    runner._count(continued, 3, 0)
+    count = "tandoor_worker_time_to_first_token_seconds_count"
+    assert metrics.registry.get_sample_value(count, {"model": "m", "band": continued.band}) is None
+    assert metrics.registry.get_sample_value("tandoor_worker_requests_running", {"model": "m"}) == 1
+    assert usage_of(continued).ttft_ms is None
+    assert usage_of(continued).completion_tokens == 3
 
 
 def test_queue_time_has_room_for_batch_waits() -> None:
