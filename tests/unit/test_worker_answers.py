@@ -8,25 +8,15 @@ import pytest
 from aiokafka.structs import ConsumerRecord
 
 from schemas.codec import SchemaError, decode, encode
-from schemas.events import ChatMessage, PromptRequest, now_ms
+from schemas.events import PromptRequest, now_ms
 from tests.unit.test_persist_retries import TakingProducer
-from tests.unit.test_transcript_records import attempt
+from tests.unit.test_transcript_records import attempt, prompt
 from workers.attempt import usage_of
 from workers.publisher import Publisher
 from workers.request import finish_reason_of
 from workers.worker import addressee_of, answerable
 
-SAMPLE_PROMPT = PromptRequest(
-    request_id="r1",
-    model="smollm2",
-    user_id="u",
-    tier="plus",
-    band="interactive-paid",
-    conversation_id="c",
-    messages=[ChatMessage(role="user", content="hi")],
-    created_at_ms=1,
-    reply_partition=0,
-)
+SAMPLE_PROMPT = prompt().model_copy(update={"reply_partition": 0})
 
 
 def test_an_undecodable_prompts_error_goes_to_the_partition_its_gateway_reads() -> None:
