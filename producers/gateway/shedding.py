@@ -89,14 +89,7 @@ class ModelRouter:
     ) -> str:
         """`takes`: whether a model can take the request (its context window): a
         fallback that cannot is not shed to. Asked only when shedding."""
-        if model not in self.settings.models:  # a conversation outlives its model's config
-            raise ApiError(
-                404,
-                f"model {model!r} is no longer served; start a new conversation with one of "
-                f"{sorted(self.settings.models)}",
-                param="model",
-                kind="not_found_error",
-            )
+        self.served(model)
         rule = self._fallback(model, tier)
         load = self.load(model)
         if (
@@ -126,6 +119,17 @@ class ModelRouter:
             kind="service_unavailable",
             headers={"Retry-After": str(verdict.retry_after_s)},
         )
+
+    def served(self, model: str) -> None:
+        """A 404 for a model no longer configured (a conversation outlives its config)."""
+        if model not in self.settings.models:
+            raise ApiError(
+                404,
+                f"model {model!r} is no longer served; start a new conversation with one of "
+                f"{sorted(self.settings.models)}",
+                param="model",
+                kind="not_found_error",
+            )
 
     def busy(self, model: str, tier: str) -> Busy | None:
         budget_s = self.settings.wait_budget_s(tier)

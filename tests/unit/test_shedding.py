@@ -230,3 +230,13 @@ def test_a_request_that_can_never_pass_is_refused_as_such_while_the_model_is_bus
         with pytest.raises(ApiError) as caught:
             routed(route, checks, Request(tier, "big", asked, 256, client_context, None))
         assert caught.value.status == status, caught.value.message
+
+
+def test_a_conversation_on_a_model_no_longer_configured_is_a_404_on_every_way_in() -> None:
+    """Its context was asked of the model's config before the router's 404: a 500."""
+    route = router({})
+    checks = ReplyChecks(route.settings, DefaultModerator(), None)  # type: ignore[arg-type]
+    asked = [ChatMessage(role="user", content="hi")]
+    with pytest.raises(ApiError) as caught:
+        routed(route, checks, Request("plus", "retired", asked, 256, False, None))
+    assert caught.value.status == 404 and "retired" in caught.value.message

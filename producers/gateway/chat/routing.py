@@ -44,6 +44,7 @@ def routed(router: ModelRouter, checks: ReplyChecks, request: Request) -> tuple[
 
     # What can never pass is refused as such first: busy, it was a 503 to retry, and an
     # SDK retries it for ever.
+    router.served(request.model)
     asked = context_on(request.model)
     checks.affordable(request.tier, asked.prompt_tokens + request.max_tokens)
     model = router.answering(request.model, request.tier, takes)
