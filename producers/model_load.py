@@ -116,7 +116,8 @@ class LoadMonitor:
                         await self._measure_all(admin, offsets)
                         await asyncio.sleep(self.poll_s)
             except (KafkaError, OSError) as exc:
-                self._load.clear()
+                for model in self.models:
+                    self._unknown(model)
                 log.warning("load monitor cannot reach Kafka (%r); retrying", exc)
                 await asyncio.sleep(self.poll_s)
 
@@ -125,14 +126,20 @@ class LoadMonitor:
             try:
                 measured = await measure(admin, offsets, self.layout, model)
             except (KafkaError, OSError, KeyError) as exc:
-                self._load.pop(model, None)  # unknown: never refuse on stale figures
+                self._unknown(model)
                 log.warning("load of %s unknown: %r", model, exc)
                 continue
             except Exception:  # a bug or an odd answer must not end the monitor
-                self._load.pop(model, None)
+                self._unknown(model)
                 log.exception("load of %s unknown", model)
                 continue
             self.record(model, measured, time.monotonic())
+
+    def _unknown(self, model: str) -> None:
+        """Never refuse on stale figures; and watch anew once measured again (the gap
+        paired with the last look before it read as minutes of nothing finished)."""
+        self._load.pop(model, None)
+        self._progress[model] = Progress()
 
     def record(self, model: str, measured: Measured, now: float) -> ModelLoad:
         """The model's load from a measurement taken at `now`, kept as its latest."""
@@ -151,17 +158,18 @@ class LoadMonitor:
 async def backlog_clients(
     settings: Settings,
 ) -> AsyncIterator[tuple[AIOKafkaAdminClient, AIOKafkaConsumer]]:
-    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
-    offsets = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap, enable_auto_commit=False)
-    await admin.start()
-    try:
+    """Both clients, each closed whatever happens, a start that failed included (the
+    monitor retries through an outage: each retry left one open)."""
+    async with contextlib.AsyncExitStack() as opened:
+        admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
+        opened.push_async_callback(admin.close)
+        await admin.start()
+        offsets = AIOKafkaConsumer(
+            bootstrap_servers=settings.kafka_bootstrap, enable_auto_commit=False
+        )
+        opened.push_async_callback(offsets.stop)
         await offsets.start()
-        try:
-            yield admin, offsets
-        finally:
-            await offsets.stop()
-    finally:
-        await admin.close()
+        yield admin, offsets
 
 
 async def measure(

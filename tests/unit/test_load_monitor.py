@@ -7,9 +7,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, ClassVar
 
 import pytest
+from aiokafka.errors import KafkaConnectionError
 
 from producers import model_load
 from producers.model_load import LoadMonitor, Measured
@@ -98,3 +100,67 @@ async def test_clients_that_cannot_start_are_tried_again(
         await until(sees_workers(monitor, 2), what="2 workers", idle_s=2)
     finally:
         await monitor.stop()
+
+
+class Client:
+    """A stand-in for aiokafka's admin client or consumer whose start may fail."""
+
+    made: ClassVar[list[Client]] = []
+
+    def __init__(self, **_: object) -> None:
+        self.closed = False
+        Client.made.append(self)
+
+    async def start(self) -> None:
+        if type(self).fails:
+            raise KafkaConnectionError("Kafka refused the connection")
+
+    async def stop(self) -> None:
+        self.closed = True
+
+    close = stop
+    fails = False
+
+
+class FailingConsumer(Client):
+    fails = True
+
+
+async def test_clients_whose_start_failed_are_closed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Retried every poll through an outage: each attempt left a client and its
+    connections open."""
+    Client.made = []
+    monkeypatch.setattr(model_load, "AIOKafkaAdminClient", Client)
+    monkeypatch.setattr(model_load, "AIOKafkaConsumer", FailingConsumer)
+    for _ in range(3):
+        with pytest.raises(KafkaConnectionError):
+            async with model_load.backlog_clients(Settings()):
+                pass
+    assert len(Client.made) == 6 and all(client.closed for client in Client.made)
+
+
+async def test_an_outage_is_not_counted_as_time_the_workers_finished_nothing(
+    monitor: LoadMonitor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first measurement after Kafka came back was paired with the last before it:
+    two minutes "full, nothing finished", and a minute of busy refusals after."""
+    clock = [0.0]
+    monkeypatch.setattr(model_load, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    slots = monitor.settings.models["m"].max_num_seqs
+    done = [0]
+
+    async def measure(*_: object) -> Measured:
+        clock[0] += 1.0
+        if 30 <= clock[0] < 150:
+            raise KafkaConnectionError("Kafka is down")
+        done[0] += 1
+        return Measured(backlog={0: slots + 30}, done=done[0], workers=1)
+
+    monkeypatch.setattr(model_load, "measure", measure)
+    await monitor.start()
+    try:
+        await until(lambda: clock[0] >= 155, what="the clock", idle_s=5, poll_s=0.001)
+    finally:
+        await monitor.stop()
+    load = monitor.load("m")
+    assert load is not None and load.finished_per_s is None, load  # watched anew
