@@ -231,8 +231,7 @@ class RequestRunner:
         request_id, tracked = attempt.prompt.request_id, attempt.tracked
         coalescer = Coalescer(self.config.coalesce_s, self.config.coalesce_tokens)
         sampling = attempt.prompt.sampling.model_copy(update={"max_tokens": max_tokens})
-        attempt.submitted_ms = time.time() * 1000
-        self.metrics.queued(attempt.band, _since(attempt.prompt, attempt.submitted_ms))
+        self._submitted(attempt)
         tracked.in_engine = True
         if tracked.cancelled:
             return "cancelled"
@@ -253,6 +252,11 @@ class RequestRunner:
         if rest is not None:
             await self._send_tokens(attempt, *rest)
         return reason
+
+    def _submitted(self, attempt: Attempt) -> None:
+        attempt.submitted_ms = time.time() * 1000
+        if not attempt.carried:  # else it includes the earlier attempt's whole run
+            self.metrics.queued(attempt.band, _since(attempt.prompt, attempt.submitted_ms))
 
     def _count(self, attempt: Attempt, new_tokens: int, cached_tokens: int) -> None:
         attempt.cached_tokens = cached_tokens

@@ -29,7 +29,7 @@ def test_first_token_is_observed_under_the_attempts_band() -> None:
     assert metrics.registry.get_sample_value("tandoor_worker_requests_running", {"model": "m"}) == 1
 
 
-def test_a_continued_reply_reports_no_time_to_first_token_of_its_own() -> None:
+def test_a_continued_reply_reports_no_time_to_first_token_or_queue_of_its_own() -> None:
     """Its first token was the attempt's it continues (a worker handed it back at
     SIGTERM, or died): timed from the prompt, each scale-in put replies of 20 s and more
     into the TTFT histogram and the usage stream, latency no user had."""
@@ -39,9 +39,14 @@ def test_a_continued_reply_reports_no_time_to_first_token_of_its_own() -> None:
     continued = attempt()
     continued.carried = (Recorded(1, 0, "Hel", 1),)
     metrics.waiting.inc()
+    runner._submitted(continued)
     runner._count(continued, 3, 0)
-    count = "tandoor_worker_time_to_first_token_seconds_count"
-    assert metrics.registry.get_sample_value(count, {"model": "m", "band": continued.band}) is None
+    band = {"model": "m", "band": continued.band}
+    for histogram in ("time_to_first_token", "queue"):  # the queue: the whole earlier run
+        assert (
+            metrics.registry.get_sample_value(f"tandoor_worker_{histogram}_seconds_count", band)
+            is None
+        )
     assert metrics.registry.get_sample_value("tandoor_worker_requests_running", {"model": "m"}) == 1
     assert usage_of(continued).ttft_ms is None
     assert usage_of(continued).completion_tokens == 3
