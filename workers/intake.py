@@ -30,6 +30,7 @@ Record: TypeAlias = ConsumerRecord[bytes, bytes]
 LAG_REFRESH_S = 0.1  # backlog per band is only needed when bands compete for slots
 IDLE_WAIT_MS = 100
 FULL_POLL_S = 30.0  # while the engine is full, a poll that fetches nothing this often
+BACKLOG_WHILE_FULL_S = 1.0  # what measuring the backlog may take then
 
 
 class PromptIntake(ConsumerRebalanceListener):  # type: ignore[misc]
@@ -111,9 +112,9 @@ class PromptIntake(ConsumerRebalanceListener):  # type: ignore[misc]
         too), made while the engine is full, so that the backlog stays in Kafka for
         other workers and aiokafka does not leave the group: it does after
         `max_poll_interval_ms` (5 min) without a poll, and every slot busy that long is
-        common on a slow CPU (32 replies of 1,000 tokens at 3 tokens/s each). It returns
-        at once: a poll cancelled midway leaves aiokafka counting it as under way, and
-        its check off for good."""
+        common on a slow CPU (32 replies of 1,000 tokens at 3 tokens/s each). Its poll
+        returns at once (a poll cancelled midway leaves aiokafka counting it as under
+        way, and its check off for good); the backlog is measured within a second."""
         self.consumer.pause(*self.consumer.assignment())
         self._paused = True
         try:
@@ -124,9 +125,10 @@ class PromptIntake(ConsumerRebalanceListener):  # type: ignore[misc]
         for tp, records in batch.items():  # fetched before its pause: fetch it again
             self.consumer.seek(tp, records[0].offset)
         try:  # for the lag gauge, which a full worker would leave as it filled up
-            await self._refresh_backlog()
-        except (IllegalStateError, KafkaError) as exc:
-            log.info("backlog while full: %s", exc)
+            async with asyncio.timeout(BACKLOG_WHILE_FULL_S):  # a slot may free meanwhile
+                await self._refresh_backlog()
+        except (IllegalStateError, KafkaError, TimeoutError) as exc:
+            log.info("backlog while full: %r", exc)
 
     def finished(self, record: Record, held: bool = True) -> None:
         self.offsets.finished(record.topic, record.partition, record.offset)

@@ -5,13 +5,14 @@ stand-in for the consumer)."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, cast
 
 from aiokafka import TopicPartition
 from aiokafka.structs import ConsumerRecord
 
 from tandoor.settings import Settings
-from workers.intake import PromptIntake
+from workers.intake import BACKLOG_WHILE_FULL_S, PromptIntake
 
 WAITING = 5  # prompts in each partition
 
@@ -81,3 +82,18 @@ async def test_the_backlog_is_measured_while_the_worker_is_full_and_every_band_s
     intake._lag_checked = 0.0
     await intake.poll_while_full()
     assert intake.backlog == {band.name: 0 for band in intake.layout.ranges}
+
+
+class SlowBroker(GrownTopic):
+    async def end_offsets(self, tps: list[TopicPartition]) -> dict[TopicPartition, int]:
+        await asyncio.sleep(60)  # a leader being elected
+        return await super().end_offsets(tps)
+
+
+async def test_a_full_worker_measuring_its_backlog_is_not_held_up_by_a_slow_broker() -> None:
+    """Slots that free meanwhile would wait for the measurement (40 s per request)."""
+    settings = Settings()
+    intake = PromptIntake(settings, settings.served_models[0])
+    await intake.consumer.stop()
+    intake.consumer = cast(Any, SlowBroker(intake.topic, intake.layout.total_partitions - 1))
+    await asyncio.wait_for(intake.poll_while_full(), BACKLOG_WHILE_FULL_S + 5)
