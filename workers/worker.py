@@ -13,6 +13,7 @@ from typing import Any
 
 import orjson
 
+from schemas.batch import MAX_CUSTOM_ID_CHARS
 from schemas.codec import SchemaError, decode
 from schemas.events import MAX_ID_CHARS, ControlEvent, FinalEvent, PromptRequest, Usage, now_ms
 from tandoor.clients import kafka_producer, redis_client
@@ -288,11 +289,20 @@ def addressee_of(payload: bytes) -> tuple[str, int | None] | None:
 
 
 def answerable(prompt: PromptRequest) -> PromptRequest:
-    """The prompt, or a SchemaError for ids too long to answer in a Kafka record (the
-    schema cannot bound them without a new version)."""
-    for field in ("request_id", "user_id", "conversation_id"):
-        if len(getattr(prompt, field)) > MAX_ID_CHARS:
-            raise SchemaError(f"field {field!r}: longer than {MAX_ID_CHARS} characters", field)
+    """The prompt, or a SchemaError for ids too long to answer: its answers carry them
+    again (the schema cannot bound them without a new version)."""
+    limits = {
+        "request_id": MAX_ID_CHARS,
+        "user_id": MAX_ID_CHARS,
+        "conversation_id": MAX_ID_CHARS,
+        "batch_id": MAX_ID_CHARS,
+        "custom_id": MAX_CUSTOM_ID_CHARS,
+    }
+    for field, limit in limits.items():
+        if len(getattr(prompt, field) or "") > limit:
+            raise SchemaError(f"field {field!r}: longer than {limit} characters", field)
+    if any(len(key.message_id) > MAX_ID_CHARS for key in prompt.replaces):
+        raise SchemaError(f"field 'replaces': an id longer than {MAX_ID_CHARS}", "replaces")
     return prompt
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import orjson
 import redis.asyncio as aioredis
 
+from schemas.events import MAX_ID_CHARS
 from tandoor.clients import REDIS_DOWN, cassandra_session, cql, redis_client
 from tandoor.policies.redis_keys import api_key_cache_key
 from tandoor.settings import Settings
@@ -57,6 +58,8 @@ class KeyStore:
             raise ValueError(f"unknown tier {tier!r}; tiers are {sorted(self._tiers)}")
         if not user_id.strip():
             raise ValueError("user must not be empty")
+        if len(user_id) > MAX_ID_CHARS:  # ids key every reply: workers refuse longer ones
+            raise ValueError(f"user must be at most {MAX_ID_CHARS} characters")
         key = new_key()
         principal = Principal(user_id=user_id, tier=tier, key_id=key_hash(key)[:12])
         await cql(

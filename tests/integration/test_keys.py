@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
+from schemas.events import MAX_ID_CHARS
 from tandoor.clients import cassandra_session
 from tandoor.policies.api_keys import KeyStore, Principal, key_hash
 from tandoor.policies.redis_keys import api_key_cache_key
@@ -62,11 +63,15 @@ async def test_a_malformed_key_is_refused_without_a_lookup(store: KeyStore, redi
         await cache.aclose()
 
 
-async def test_unknown_tier_and_empty_user_are_refused(store: KeyStore) -> None:
+async def test_unknown_tier_and_empty_or_overlong_users_are_refused(store: KeyStore) -> None:
     with pytest.raises(ValueError, match="unknown tier 'gold'"):
         await store.create("carol", "gold")
     with pytest.raises(ValueError, match="user"):
         await store.create(" ", "free")
+    # Its every prompt would be charged, then refused by the workers (ids key replies).
+    with pytest.raises(ValueError, match=f"user.*{MAX_ID_CHARS}"):
+        await store.create("u" * (MAX_ID_CHARS + 1), "free")
+    await store.create("u" * MAX_ID_CHARS, "free")
 
 
 async def test_a_key_whose_tier_is_no_longer_configured_is_refused(

@@ -8,7 +8,7 @@ import pytest
 from aiokafka.structs import ConsumerRecord
 
 from schemas.codec import SchemaError, decode, encode
-from schemas.events import PromptRequest, now_ms
+from schemas.events import MessageKey, PromptRequest, now_ms
 from tests.unit.test_persist_retries import TakingProducer
 from tests.unit.test_transcript_records import attempt, prompt
 from workers.attempt import usage_of
@@ -30,7 +30,9 @@ def test_an_undecodable_prompts_error_goes_to_the_partition_its_gateway_reads() 
     assert addressee_of(b"not JSON") is None
 
 
-@pytest.mark.parametrize("field", ["request_id", "user_id", "conversation_id"])
+@pytest.mark.parametrize(
+    "field", ["request_id", "user_id", "conversation_id", "batch_id", "custom_id"]
+)
 def test_a_prompt_whose_ids_are_too_long_to_answer_is_undecodable_and_unanswered(
     field: str,
 ) -> None:
@@ -43,6 +45,12 @@ def test_a_prompt_whose_ids_are_too_long_to_answer_is_undecodable_and_unanswered
     addressed = addressee_of(orjson.dumps(prompt))
     assert addressed is None if field == "request_id" else addressed == (prompt["request_id"], 0)
     assert answerable(decode(PromptRequest, encode(SAMPLE_PROMPT))) == SAMPLE_PROMPT
+
+
+def test_a_prompt_replacing_a_message_of_an_overlong_id_is_unanswered() -> None:
+    key = MessageKey(created_at_ms=1, message_id="m" * 600_000)
+    with pytest.raises(SchemaError, match="replaces"):
+        answerable(SAMPLE_PROMPT.model_copy(update={"replaces": [key]}))
 
 
 @pytest.mark.parametrize(
