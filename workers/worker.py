@@ -288,17 +288,19 @@ def addressee_of(payload: bytes) -> tuple[str, int | None] | None:
     return None
 
 
+ID_LIMITS = {  # characters
+    "request_id": MAX_ID_CHARS,
+    "user_id": MAX_ID_CHARS,
+    "conversation_id": MAX_ID_CHARS,
+    "batch_id": MAX_ID_CHARS,
+    "custom_id": MAX_CUSTOM_ID_CHARS,
+}
+
+
 def answerable(prompt: PromptRequest) -> PromptRequest:
     """The prompt, or a SchemaError for ids too long to answer: its answers carry them
     again (the schema cannot bound them without a new version)."""
-    limits = {
-        "request_id": MAX_ID_CHARS,
-        "user_id": MAX_ID_CHARS,
-        "conversation_id": MAX_ID_CHARS,
-        "batch_id": MAX_ID_CHARS,
-        "custom_id": MAX_CUSTOM_ID_CHARS,
-    }
-    for field, limit in limits.items():
+    for field, limit in ID_LIMITS.items():
         if len(getattr(prompt, field) or "") > limit:
             raise SchemaError(f"field {field!r}: longer than {limit} characters", field)
     if any(len(key.message_id) > MAX_ID_CHARS for key in prompt.replaces):

@@ -4,7 +4,6 @@ would refuse every prompt as 'no worker' from then on)."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from types import SimpleNamespace
@@ -72,10 +71,16 @@ async def test_an_unexpected_error_makes_the_load_unknown_and_polling_goes_on(
 async def test_the_load_is_unknown_while_measuring_fails(
     monitor: LoadMonitor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(model_load, "measure", measurements(workers(0), RuntimeError("bug")))
+    failing, calls = measurements(workers(0), RuntimeError("bug")), []
+
+    async def counted(*args: object) -> Measured:
+        calls.append(args)
+        return await failing(*args)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(model_load, "measure", counted)
     await monitor.start()
-    try:
-        await asyncio.sleep(POLL_S * 20)
+    try:  # a third measurement starts only once the second one's failure was handled
+        await until(lambda: len(calls), lambda n: n >= 3, what="3 measurements", idle_s=2)
         assert monitor.load("m") is None  # never the stale "no worker"
     finally:
         await monitor.stop()
