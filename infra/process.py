@@ -22,12 +22,15 @@ class ServerProcess:
         self._child: subprocess.Popen[bytes] | None = None  # set when launched by this process
 
     def pid(self) -> int | None:
-        """The pid of the running server, or None (a stale pid file is removed)."""
+        """The pid of the running server, or None (a stale pid file is removed). The file
+        holds the pid and the process's start time: after a reboot the pid may be another
+        program's, which `infra down` would have killed and `infra up` waited on."""
         try:
-            pid = int(self.pid_file.read_text())
-        except (FileNotFoundError, ValueError):
+            pid, started = (int(field) for field in self.pid_file.read_text().split())
+        except (FileNotFoundError, ValueError):  # missing, or a pid alone (no start time)
+            self.pid_file.unlink(missing_ok=True)
             return None
-        if _alive(pid):
+        if _alive(pid) and _start_time(pid) == started:
             return pid
         self.pid_file.unlink(missing_ok=True)
         return None
@@ -47,7 +50,7 @@ class ServerProcess:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # outlives the CLI; Ctrl-C is ours to forward
             )
-        self.pid_file.write_text(str(proc.pid))
+        self.pid_file.write_text(f"{proc.pid} {_start_time(proc.pid)}")
         self._child = proc
         return proc.pid
 
@@ -125,8 +128,17 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _start_time(pid: int) -> int | None:
+    """When the process started, in clock ticks since boot (/proc/PID/stat, field 22)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])  # fields from the 3rd on, after the name
+
+
 def _signal_group(pid: int, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError):
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, sig)
 
 

@@ -74,6 +74,10 @@ class RoleProcess:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    @property
+    def exit_code(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
     def log(self) -> str:
         return self.log_file.read_text(errors="replace") if self.log_file.exists() else ""
 
@@ -165,7 +169,9 @@ class GatewayProcess(RoleProcess):
     def __init__(self, log_dir: Path, port: int, env: dict[str, str]) -> None:
         args = ["gateway", "--port", str(port)]
         env = {"TANDOOR_GATEWAY_METRICS_PORT": "0", **env}
-        super().__init__("gateway", args, "Application startup complete", log_dir, env)
+        # Logged once it listens: uvicorn logs "Application startup complete" before it
+        # binds the port, and then exits if the port is taken.
+        super().__init__("gateway", args, "Uvicorn running on", log_dir, env)
         self.port = port
 
 

@@ -26,6 +26,7 @@ class Stack:
             CassandraServer(settings),
             RedisServer(settings),
         )
+        self.started: list[LocalServer] = []  # by up(), in order
 
     def up(self) -> None:
         """Start what is not running, then wait for all; the slow starts overlap."""
@@ -34,13 +35,17 @@ class Stack:
             server.fetch()
         for server in self.servers:
             if server.launch():
+                self.started.append(server)
                 log.info("%s: starting on %s", server.name, server.address)
         for server in self.servers:
             server.wait_ready()
             log.info("%s: ready", server.name)
 
-    def down(self) -> None:
-        for server in reversed(self.servers):  # Kafka last: clients may still flush to it
+    def down(self, started_only: bool = False) -> None:
+        """Stop the servers; with `started_only`, those this Stack's up() started (a run
+        beside a stack someone brought up for other work leaves theirs running)."""
+        servers = self.started if started_only else self.servers
+        for server in reversed(servers):  # Kafka last: clients may still flush to it
             if server.stop():
                 log.info("%s: stopped", server.name)
 

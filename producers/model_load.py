@@ -125,13 +125,10 @@ class LoadMonitor:
         for model in self.models:
             try:
                 measured = await measure(admin, offsets, self.layout, model)
-            except (KafkaError, OSError, KeyError) as exc:
+            except Exception as exc:  # a bug or an odd answer must not end the monitor
                 self._unknown(model)
-                log.warning("load of %s unknown: %r", model, exc)
-                continue
-            except Exception:  # a bug or an odd answer must not end the monitor
-                self._unknown(model)
-                log.exception("load of %s unknown", model)
+                expected = isinstance(exc, (KafkaError, OSError, KeyError))
+                log.warning("load of %s unknown: %r", model, exc, exc_info=not expected)
                 continue
             self.record(model, measured, time.monotonic())
 

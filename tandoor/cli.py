@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-import signal
-import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
@@ -97,13 +95,13 @@ def bootstrap_command() -> None:
 def run() -> None:
     """The main job: servers, a worker per model, persistence, batch admission, streams,
     gateway; Ctrl-C stops all."""
+    from infra.main_job import run_main_job
     from infra.roles import (
         AdmissionProcess,
         GatewayProcess,
         PersistProcess,
         StreamsProcess,
         WorkerProcess,
-        terminate_all,
     )
     from infra.stack import Stack
 
@@ -117,35 +115,23 @@ def run() -> None:
     roles.append(AdmissionProcess(logs, {}))
     roles.append(StreamsProcess(logs, {"TANDOOR_ANALYTICS_TOKEN": str(settings.analytics_token)}))
     roles.append(GatewayProcess(logs, settings.gateway_port, {}))
-    try:
-        _guard(stack.up)
-        _bootstrap()
-        for role in roles:
-            role.start()
-            typer.echo(f"{role.name} starting (log {role.log_file})")
-        _guard(lambda: asyncio.run(_all_ready(roles)))
+
+    def announce() -> None:
         _print_status(stack)
         from tandoor.policies.api_keys import create_key
 
         key, _ = asyncio.run(create_key(settings, "local", "plus"))
-        typer.echo(f"chat page: http://{settings.host}:{settings.gateway_port}/")
-        typer.echo(f"API: http://{settings.host}:{settings.gateway_port}/v1 (API key {key})")
+        address = f"http://{settings.host}:{settings.gateway_port}"
+        typer.echo(f"chat page: {address}/")
+        typer.echo(f"API: {address}/v1 (API key {key})")
         rollups = f"http://{settings.host}:{settings.streams_web_port}/rollups/user/local"
         bearer = f"Authorization: Bearer {settings.analytics_token}"
         typer.echo(f"usage rollups: curl -H '{bearer}' {rollups}")
         typer.echo('Tandoor is up. Try: tandoor ask "What is the capital of France?"')
         typer.echo("Press Ctrl-C to stop everything.")
-        _wait_for_stop_signal()
-    finally:
-        typer.echo("stopping…")
-        asyncio.run(terminate_all(roles))
-        stack.down()
 
-
-async def _all_ready(roles: list[RoleProcess]) -> None:
-    await asyncio.gather(*(role.wait_ready() for role in roles))
-    for role in roles:
-        typer.echo(f"{role.name} ready (metrics http://127.0.0.1:{role.ops_port()}/metrics)")
+    code = _guard(lambda: run_main_job(stack, roles, _bootstrap, announce, typer.echo))
+    raise typer.Exit(code)
 
 
 @app.command("worker")
@@ -281,13 +267,6 @@ def _guard(action: Callable[[], T]) -> T:
     except InfraError as exc:
         typer.secho(f"error: {exc}", err=True, fg=typer.colors.RED)
         raise typer.Exit(2) from exc
-
-
-def _wait_for_stop_signal() -> None:
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
 
 
 def main() -> None:

@@ -2,7 +2,8 @@
 natively: a GPU of compute capability 8.0 or newer, or a CPU with AVX-512 BF16, AMX or
 Arm's BF16. Elsewhere bf16 is emulated and several times slower than float32 (measured on
 an AVX2-only AMD EPYC: torch's bf16 matmul 0.9 GFLOP/s against 103 in float32; vLLM 17
-chunks/s against 48 at 16 streams), so a CPU without it runs float32 and a GPU float16."""
+chunks/s against 48 at 16 streams), so a CPU without it runs float32, and an older GPU
+float16 where the model allows it."""
 
 from __future__ import annotations
 
@@ -33,7 +34,13 @@ def choose_dtype(
         major, minor = gpu_capability
         if gpu_capability >= BF16_GPU_CAPABILITY:
             return DtypeChoice("bfloat16", f"GPU compute capability {major}.{minor}")
-        return DtypeChoice("float16", f"GPU compute capability {major}.{minor} lacks bf16")
+        # vLLM's own auto there: float16, or float32 for the models float16 breaks
+        # (Gemma 3: passed float16 outright, the bundled second model refused to start).
+        return DtypeChoice(
+            "auto",
+            f"GPU compute capability {major}.{minor} lacks bf16: float16 where the "
+            "model takes it, else float32 (vLLM's choice)",
+        )
     native = sorted(NATIVE_BF16_CPU_FLAGS & cpu_flags)
     if native:
         return DtypeChoice("bfloat16", f"CPU computes bf16 natively ({', '.join(native)})")

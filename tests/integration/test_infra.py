@@ -10,6 +10,7 @@ import pytest
 
 from infra.errors import StartError
 from infra.redis_server import RedisServer
+from infra.roles import GatewayProcess
 from tandoor.settings import Settings
 
 
@@ -53,3 +54,21 @@ def test_a_server_that_fails_to_start_shows_its_log(tmp_path: Path) -> None:
         server.wait_ready()
     assert "port" in str(info.value).lower()
     assert str(server.process.log_file) in str(info.value)
+
+
+async def test_a_gateway_whose_port_is_taken_is_not_reported_ready(
+    kafka: str, cassandra: Settings, redis_url: str, tmp_path: Path
+) -> None:
+    """uvicorn logs its start-up complete before it binds the port: the main job said
+    "Tandoor is up" while the gateway had exited and the page's port was another's."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        gateway = GatewayProcess(tmp_path, taken.getsockname()[1], {})
+        gateway.start()
+        try:
+            with pytest.raises(StartError, match="exited during start-up") as info:
+                await gateway.wait_ready()
+            assert "address already in use" in str(info.value)
+        finally:
+            gateway.terminate()

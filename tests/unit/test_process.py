@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -58,3 +59,25 @@ def test_a_previous_run_log_does_not_count_as_ready(tmp_path: Path) -> None:
         assert not log_contains(proc.log_file, "toy ready")
     finally:
         proc.terminate(grace_s=5)
+
+
+@pytest.mark.parametrize("recorded", ["{pid}", "{pid} 1"])
+def test_a_pid_file_naming_another_program_is_stale_and_that_program_is_left_alone(
+    tmp_path: Path, recorded: str
+) -> None:
+    """After a reboot the pid in a pid file may be someone else's: `infra down` killed its
+    process group, `infra up` took it for the server and waited on it."""
+    stranger = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True
+    )
+    try:
+        proc = server(tmp_path)
+        proc.pid_file.parent.mkdir(parents=True)
+        proc.pid_file.write_text(recorded.format(pid=stranger.pid))
+        assert proc.pid() is None
+        assert proc.terminate(grace_s=1) is False
+        assert stranger.poll() is None  # not signalled
+        assert not proc.pid_file.exists()
+    finally:
+        stranger.kill()
+        stranger.wait()

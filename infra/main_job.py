@@ -1,0 +1,88 @@
+"""The main job's life: servers, then roles, then a watch that ends on a stop signal or
+on a role that dies; and a teardown that stops exactly what it started, whatever ends it."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from infra.roles import RoleProcess, terminate_all
+
+# Ctrl-C, a closed terminal or SSH session, `kill`: without a handler SIGHUP ended the
+# job before its teardown, leaving every role (a worker holds GBs) running unseen.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class Stopped(Exception):
+    """A stop signal arrived."""
+
+
+class Servers(Protocol):
+    def up(self) -> None: ...
+
+    def down(self, started_only: bool = False) -> None: ...
+
+
+def run_main_job(
+    servers: Servers,
+    roles: Sequence[RoleProcess],
+    prepare: Callable[[], None],
+    announce: Callable[[], None],
+    say: Callable[[str], None],
+    poll_s: float = 1.0,
+) -> int:
+    """0 once stopped by a signal, 1 if a role died. Servers someone else had running
+    are left running: only those this job started are stopped."""
+    stop_on_signals()
+    try:
+        servers.up()
+        prepare()
+        for role in roles:
+            role.start()
+            say(f"{role.name} starting (log {role.log_file})")
+        asyncio.run(_all_ready(roles, say))
+        announce()
+        dead = until_one_exits(roles, poll_s)
+        say(f"error: {dead.name} exited (code {dead.exit_code}); log {dead.log_file}")
+        return 1
+    except Stopped as stop:
+        say(f"{stop}: stopping…")
+        return 0
+    finally:
+        ignore_stop_signals()  # a second Ctrl-C must not cut the teardown short
+        asyncio.run(terminate_all(roles))
+        servers.down(started_only=True)
+
+
+def stop_on_signals() -> None:
+    """From now on a stop signal raises Stopped wherever the job is, its start included."""
+
+    def stop(signum: int, _frame: object) -> None:
+        ignore_stop_signals()
+        raise Stopped(signal.Signals(signum).name)
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, stop)
+
+
+def ignore_stop_signals() -> None:
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def until_one_exits(roles: Sequence[RoleProcess], poll_s: float) -> RoleProcess:
+    """The first role found exited (a worker out of memory, its engine dead)."""
+    while True:
+        for role in roles:
+            if not role.alive:
+                return role
+        time.sleep(poll_s)
+
+
+async def _all_ready(roles: Sequence[RoleProcess], say: Callable[[str], None]) -> None:
+    await asyncio.gather(*(role.wait_ready() for role in roles))
+    for role in roles:
+        say(f"{role.name} ready (metrics http://127.0.0.1:{role.ops_port()}/metrics)")

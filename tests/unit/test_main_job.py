@@ -1,0 +1,98 @@
+"""The main job's life with toy roles (child processes of a few lines) and a stand-in
+for the servers: what a stop signal, or a role that dies, leaves behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from infra.main_job import STOP_SIGNALS, run_main_job
+from infra.roles import RoleProcess
+
+TOY = """
+import sys, time
+print("toy ready", flush=True)
+print("metrics on http://127.0.0.1:1/metrics", flush=True)
+time.sleep(float(sys.argv[1]))
+"""
+
+
+class ToyRole(RoleProcess):
+    module = "toy_role"
+
+    def __init__(self, tmp_path: Path, name: str, lives_s: float) -> None:
+        env = {"PYTHONPATH": str(tmp_path)}
+        super().__init__(name, [str(lives_s)], "toy ready", tmp_path, env)
+
+
+class Servers:
+    def __init__(self) -> None:
+        self.downs: list[bool] = []
+
+    def up(self) -> None:
+        pass
+
+    def down(self, started_only: bool = False) -> None:
+        self.downs.append(started_only)
+
+
+@pytest.fixture
+def toys(tmp_path: Path) -> Iterator[Path]:
+    (tmp_path / "toy_role.py").write_text(TOY)
+    handlers = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    yield tmp_path
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
+
+
+def signal_when_ready(roles: list[ToyRole], sig: signal.Signals) -> None:
+    def send() -> None:
+        while not all("toy ready" in role.log() for role in roles):
+            threading.Event().wait(0.05)
+        os.kill(os.getpid(), sig)
+
+    threading.Thread(target=send, daemon=True).start()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_stops_every_role_and_only_the_servers_it_started(
+    toys: Path, sig: signal.Signals
+) -> None:
+    """A closed terminal (SIGHUP) ended the job with no teardown: every role ran on."""
+    roles = [ToyRole(toys, "a", 600), ToyRole(toys, "b", 600)]
+    servers = Servers()
+    said: list[str] = []
+    signal_when_ready(roles, sig)
+    code = run_main_job(servers, roles, lambda: None, lambda: None, said.append, 0.05)
+    assert code == 0
+    assert not any(role.alive for role in roles)
+    assert servers.downs == [True]  # a stack someone had up before is theirs
+    assert f"{sig.name}: stopping…" in said
+
+
+def test_a_stop_signal_during_start_up_stops_what_has_started(toys: Path) -> None:
+    roles = [ToyRole(toys, "a", 600)]
+    servers = Servers()
+
+    def prepare() -> None:  # the bootstrap, slow: the signal arrives in the middle of it
+        os.kill(os.getpid(), signal.SIGHUP)
+        threading.Event().wait(5)
+
+    code = run_main_job(servers, roles, prepare, lambda: None, lambda _: None, 0.05)
+    assert code == 0
+    assert roles[0].proc is None  # never started
+    assert servers.downs == [True]
+
+
+def test_a_role_that_dies_ends_the_job_loudly_and_stops_the_rest(toys: Path) -> None:
+    roles = [ToyRole(toys, "steady", 600), ToyRole(toys, "short-lived", 1)]
+    said: list[str] = []
+    code = run_main_job(Servers(), roles, lambda: None, lambda: None, said.append, 0.05)
+    assert code == 1
+    assert not roles[0].alive
+    assert any(line.startswith("error: short-lived exited (code 0)") for line in said)
