@@ -22,9 +22,17 @@ PROMPTS_PREFIX = "prompts."
 USAGE_PARTITIONS = 4
 
 
+MAX_MODEL_NAME = 200  # Kafka's topic names end at 249 characters
+
+
 def prompts_topic(model: str) -> str:
-    if not model or not all(c.isascii() and (c.isalnum() or c in "-_.") for c in model):
-        raise ValueError(f"model name {model!r} is not a valid topic suffix")
+    if not (0 < len(model) <= MAX_MODEL_NAME) or not all(
+        c.isascii() and (c.isalnum() or c in "-_.") for c in model
+    ):
+        raise ValueError(
+            f"model name {model!r} is not a valid topic suffix: 1 to {MAX_MODEL_NAME} of "
+            "A-Z a-z 0-9 . _ - (serve 'org/model' as 'org-model' or similar)"
+        )
     return PROMPTS_PREFIX + model
 
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import typer
 from pydantic import ValidationError
+from pydantic_settings import SettingsError
 
 from infra.errors import InfraError
 from tandoor.batch_cli import batch_app
@@ -43,6 +44,10 @@ def _setup(
             f"  {'.'.join(map(str, e['loc'])) or 'TANDOOR_*'}: {e['msg']}" for e in exc.errors()
         )
         typer.secho(f"configuration error (TANDOOR_*):\n{problems}", err=True, fg="red")
+        raise typer.Exit(2) from None
+    except SettingsError as exc:  # a value that is not JSON where JSON is expected
+        cause = f": {exc.__cause__}" if exc.__cause__ else ""
+        typer.secho(f"configuration error (TANDOOR_*): {exc}{cause}", err=True, fg="red")
         raise typer.Exit(2) from None
     configure_logging(log_level.upper(), role, settings.log_format)
 

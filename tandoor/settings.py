@@ -10,6 +10,7 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from schemas.events import MAX_REPLY_TOKENS
+from schemas.topics import prompts_topic
 from tandoor import PROJECT_ROOT
 from tandoor.models import BUNDLED_MODELS, BUNDLED_PREFIX, ModelConfig, parse_models
 
@@ -103,7 +104,7 @@ class Settings(BaseSettings):
     redis_port: int = 6379
     start_timeout_s: float = 180.0
 
-    keyspace: str = "tandoor"
+    keyspace: str = Field(default="tandoor", pattern=r"^[a-z][a-z0-9_]{0,47}$")  # CQL's rule
     cassandra_datacenter: str = "datacenter1"
     cassandra_replication_factor: int = Field(default=1, ge=1)  # the keyspace's
     kafka_replication_factor: int = Field(default=1, ge=1)  # every topic's, internal ones too
@@ -229,6 +230,13 @@ class Settings(BaseSettings):
     @classmethod
     def _models(cls, raw: object) -> object:
         return parse_models(raw)
+
+    @field_validator("models", mode="after")
+    @classmethod
+    def _topic_names(cls, models: dict[str, ModelConfig]) -> dict[str, ModelConfig]:
+        for name in models:  # each names its prompt topic: "org/model" failed at bootstrap
+            prompts_topic(name)
+        return models
 
     @model_validator(mode="after")
     def _consistent(self) -> Settings:

@@ -110,7 +110,7 @@ async def _prompt(
         max_tokens=body.reply_tokens,
         ignore_eos=body.ignore_eos,
     )
-    max_tokens = checks.max_tokens(caller, options)
+    max_tokens = checks.max_tokens(caller, options, body.model)
     context = checks.context(body.model, messages, max_tokens, client_context=True)
     checks.affordable(caller.tier, context.prompt_tokens + max_tokens)  # else held for good
     request_id = custom_line_request_id(caller.user_id, batch_id, line.custom_id)

@@ -189,3 +189,25 @@ def test_the_command_line_reports_a_configuration_error_in_one_line_each(
     )
     assert "models.smollm2.speculatve: Extra inputs are not permitted" in result.output
     assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "complaint"),
+    [
+        ("TANDOOR_MODELS", "{'smollm2': {}}", "Expecting property name enclosed in double quotes"),
+        ("TANDOOR_TIERS", "[", "error parsing value for field \"tiers\""),
+        ("TANDOOR_MODELS", '{"org/model": {"source": "/m"}}', "'org/model' is not a valid topic"),
+        ("TANDOOR_MODELS", json.dumps({"m" * 201: {"source": "/m"}}), "1 to 200"),
+        ("TANDOOR_KEYSPACE", "tandoor-test", "keyspace: String should match pattern"),
+    ],
+)
+def test_settings_that_are_not_json_or_name_no_valid_topic_or_keyspace_are_one_line(
+    monkeypatch: pytest.MonkeyPatch, fresh_settings: None, variable: str, value: str, complaint: str
+) -> None:
+    """Each was a traceback: unparsable JSON at any command, a model name Kafka cannot
+    take as a topic, a keyspace CQL cannot name, at bootstrap."""
+    monkeypatch.setenv(variable, value)
+    result = CliRunner().invoke(app, ["infra", "status"])
+    assert result.exit_code == 2, result.output
+    assert complaint in result.output
+    assert "Traceback" not in result.output

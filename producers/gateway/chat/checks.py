@@ -36,10 +36,15 @@ class ReplyChecks:
             raise ApiError(400, verdict.reason or "blocked", kind="moderation_error", param=param)
         return verdict.text
 
-    def max_tokens(self, caller: Principal, options: ReplyOptions) -> int:
+    def max_tokens(self, caller: Principal, options: ReplyOptions, model: str) -> int:
+        """The reply's length: as asked, within the tier's limit; when not asked, the
+        default, at most half the model's window (a small window, 512 tokens, was all
+        kept for the reply: every message of the chat page was refused as too long)."""
         limit = self.settings.tiers[caller.tier].max_reply_tokens
         if options.max_tokens is None:
-            return min(self.settings.reply_max_tokens, limit)
+            config = self.settings.models.get(model)  # None: a removed model, a 404 later
+            half_window = config.max_model_len // 2 if config else limit
+            return min(self.settings.reply_max_tokens, limit, half_window)
         if options.max_tokens > limit:
             raise ApiError(
                 400,

@@ -194,7 +194,7 @@ class ChatService:
         running, Kafka down) leaves the conversation as it was."""
         d = self.deps
         client_context = isinstance(conversation, ApiCall)
-        max_tokens = d.checks.max_tokens(caller, options)
+        max_tokens = d.checks.max_tokens(caller, options, conversation.model)
         asked = [
             *history,
             *([ChatMessage(role="user", content=new_text)] if new_text is not None else []),
