@@ -195,7 +195,7 @@ def test_the_command_line_reports_a_configuration_error_in_one_line_each(
     ("variable", "value", "complaint"),
     [
         ("TANDOOR_MODELS", "{'smollm2': {}}", "Expecting property name enclosed in double quotes"),
-        ("TANDOOR_TIERS", "[", "error parsing value for field \"tiers\""),
+        ("TANDOOR_TIERS", "[", 'error parsing value for field "tiers"'),
         ("TANDOOR_MODELS", '{"org/model": {"source": "/m"}}', "'org/model' is not a valid topic"),
         ("TANDOOR_MODELS", json.dumps({"m" * 201: {"source": "/m"}}), "1 to 200"),
         ("TANDOOR_KEYSPACE", "tandoor-test", "keyspace: String should match pattern"),
