@@ -13,6 +13,8 @@ install_system_packages() {
     command -v mvn >/dev/null || missing+=(maven)
     command -v redis-server >/dev/null || missing+=(redis-server)
     command -v chromium >/dev/null || missing+=(chromium)  # the browser tests
+    # Debian's python3 has no venv without it: `python3 -m venv` fails half-way.
+    python3 -c 'import ensurepip' 2>/dev/null || missing+=(python3-venv)
     [ ${#missing[@]} -eq 0 ] && return
     if [ "$(id -u)" -ne 0 ]; then
         log "missing system packages: ${missing[*]}; install them with apt-get as root"; exit 1
@@ -49,7 +51,8 @@ install_virtualenv() {
         log "virtualenv up to date"; return
     fi
     log "installing the virtualenv for the $ENGINE engine from $LOCK (first time: several GB, a few minutes)"
-    [ -x .venv/bin/python ] || python3 -m venv .venv
+    # A venv without pip is one a failed `python3 -m venv` left: made again, not reused.
+    [ -x .venv/bin/pip ] || { rm -rf .venv && python3 -m venv .venv; }
     .venv/bin/pip uninstall -q -y "$OTHER" 2>/dev/null || true
     # The lock was resolved once by hand (docs/operations.md: the click conflict); --no-deps keeps it exact.
     # uv downloads in parallel: about a minute less than pip on a fresh machine; pip
