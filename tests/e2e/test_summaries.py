@@ -63,6 +63,12 @@ async def test_older_turns_are_summarized_and_used(stack: Stack) -> None:
         # neither shown nor sent to the model any more.
         first = next(m for m in opened["messages"] if m["role"] == "user")
         edit = f"/v1/conversations/{conversation}/messages/{first['id']}/edit"
+        # An edit refused (too long for the window) leaves it as it was, summary included
+        # (it was forgotten before the refusal).
+        refused = await http.post(edit, json={"content": "word " * 6000}, headers=headers)
+        assert refused.status_code == 413, refused.text
+        unchanged = await opened_conversation()
+        assert unchanged["summary"] == opened["summary"], unchanged
         body = {"content": "Tell me about rivers.", "max_tokens": 16, "temperature": 0}
         async with http.stream("POST", edit, json=body, headers=headers) as response:
             assert response.status_code == 200, await response.aread()

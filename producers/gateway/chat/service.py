@@ -170,12 +170,18 @@ class ChatService:
         at = next((i for i, m in enumerate(shown) if m.id == message_id and m.role == "user"), None)
         if at is None:
             raise not_found("user message")
-        until = opened.summary_until
-        if until is not None and shown[at].created_at <= until:  # what it edits away
-            await self.deps.conversations.forget_summary(conversation_id)
         replaces = [*shown[at:], *_after([unstored] if unstored else [], shown[at])]
         history = usable(shown[:at])
-        return await self.reply(caller, conversation, history, text, body, replaces=replaces)
+        reply = await self.reply(caller, conversation, history, text, body, replaces=replaces)
+        until = opened.summary_until
+        if until is not None and shown[at].created_at <= until:  # what it edited away
+            # Once queued: a refused edit leaves the conversation as it was. Should this
+            # fail, the turns marked replaced keep the summary unused (summary_is_stale).
+            try:
+                await self.deps.conversations.forget_summary(conversation_id)
+            except CASSANDRA_DOWN as exc:
+                log.warning("summary of %s not forgotten: %r", conversation_id, exc)
+        return reply
 
     async def reply(
         self,
