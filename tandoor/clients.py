@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator, Sequence
+import contextlib
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -146,18 +147,45 @@ async def assign_from_end(consumer: AIOKafkaConsumer, topic: str) -> list[TopicP
     return assigned
 
 
-async def cql(session: Any, statement: Any, params: Sequence[object] = ()) -> list[Any]:
+async def cql(
+    session: Any, statement: Any, params: Sequence[object] = (), large: bool = False
+) -> list[Any]:
     """Run a statement and await all its rows (every page)."""
-    return [row async for page in cql_pages(session, statement, params) for row in page]
+    pages = cql_pages(session, statement, params, large)
+    return [row async for page in pages for row in page]
 
 
 async def cql_pages(
-    session: Any, statement: Any, params: Sequence[object] = ()
+    session: Any, statement: Any, params: Sequence[object] = (), large: bool = False
 ) -> AsyncIterator[list[Any]]:
     """A statement's rows page by page (the driver's fetch size), the next page fetched
     only once the caller has taken this one: a partition of any size is held a page at a
     time. Runs on the driver's threads, bridged to asyncio (the driver's own asyncio
-    reactor is experimental)."""
+    reactor is experimental).
+
+    `large` values or rows (a file's chunks): timed out here, not by the driver, whose
+    timer holds the request, its values and its rows, until the timeout's end whether
+    answered or not (a file's 512 KiB chunks, 10 s of them, in memory)."""
+    if not large:
+        async for page in _pages(session, statement, params, driver_timed=True):
+            yield page
+        return
+    timeout_s = session.default_timeout
+    async with contextlib.aclosing(_pages(session, statement, params, False)) as pages:
+        while True:
+            try:
+                async with asyncio.timeout(timeout_s):
+                    page = await anext(pages)
+            except StopAsyncIteration:
+                return
+            except TimeoutError as exc:
+                raise OperationTimedOut(f"no answer in {timeout_s} s") from exc
+            yield page
+
+
+async def _pages(
+    session: Any, statement: Any, params: Sequence[object], driver_timed: bool
+) -> AsyncGenerator[list[Any]]:
     loop = asyncio.get_running_loop()
     pages: asyncio.Queue[tuple[list[Any], bool] | BaseException] = asyncio.Queue()
 
@@ -165,17 +193,21 @@ async def cql_pages(
         got = (list(page or ()), bool(response.has_more_pages))
         loop.call_soon_threadsafe(pages.put_nowait, got)
 
-    response = session.execute_async(statement, params)
+    untimed = {} if driver_timed else {"timeout": None}
+    response = session.execute_async(statement, params, **untimed)
     response.add_callbacks(on_page, lambda exc: loop.call_soon_threadsafe(pages.put_nowait, exc))
-    while True:
-        got = await pages.get()
-        if isinstance(got, BaseException):
-            raise got
-        page, more = got
-        yield page
-        if not more:
-            return
-        response.start_fetching_next_page()
+    try:
+        while True:
+            got = await pages.get()
+            if isinstance(got, BaseException):
+                raise got
+            page, more = got
+            yield page
+            if not more:
+                return
+            response.start_fetching_next_page()
+    finally:  # on_page and the response are a cycle, holding both until a collection
+        response.clear_callbacks()
 
 
 async def cql_together(session: Any, statements: Sequence[tuple[str, Sequence[object]]]) -> None:

@@ -14,6 +14,8 @@ from schemas.topics import prompts_topic
 from tandoor import PROJECT_ROOT
 from tandoor.models import BUNDLED_MODELS, BUNDLED_PREFIX, ModelConfig, parse_models
 
+MAX_USER_FILE_BYTES = 4 * 1024**3
+
 
 class Band(BaseModel):
     """A priority band: a contiguous range of partitions of every prompt topic."""
@@ -171,6 +173,8 @@ class Settings(BaseSettings):
     # or more headers a 431.
     gateway_max_body_bytes: int = Field(default=1024 * 1024, ge=1)
     gateway_max_file_bytes: int = Field(default=64 * 1024 * 1024, ge=1)  # POST /v1/files
+    # What one user's uploads may hold in all; an upload beyond it is a 413.
+    gateway_max_user_file_bytes: int = Field(default=MAX_USER_FILE_BYTES, ge=1)
     gateway_max_header_bytes: int = Field(default=64 * 1024, ge=1024)
     gateway_max_headers: int = Field(default=100, ge=10)
     # Origins whose pages may call the API (CORS); none by default, so a browser lets

@@ -90,7 +90,12 @@ async def open_services(settings: Settings, slots: StreamSlots) -> AsyncIterator
             )
         )
         keys = KeyStore(session, cache, set(settings.tiers))
-        batches = BatchService(session, partial(transactional_producer, settings), cache)
+        batches = BatchService(
+            session,
+            partial(transactional_producer, settings),
+            cache,
+            settings.gateway_max_user_file_bytes,
+        )
         yield Services(settings, keys, conversations, chat, cluster, session, load, batches)
 
 

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import hashlib
+import tracemalloc
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -15,7 +18,14 @@ from cassandra import OperationTimedOut
 
 from consumers.history import INSERT_BATCH_OUTPUT, batch_output_row
 from producers.gateway.batches.service import BatchService
-from producers.gateway.batches.store import BatchStore, FileStore, Order, StoredBatch, StoredFile
+from producers.gateway.batches.store import (
+    CHUNK_BYTES,
+    BatchStore,
+    FileStore,
+    Order,
+    StoredBatch,
+    StoredFile,
+)
 from producers.gateway.errors import ApiError
 from tandoor.policies.api_keys import Principal
 
@@ -174,3 +184,48 @@ async def test_deleting_each_file_as_it_is_listed_deletes_them_all(session: Any)
         with pytest.raises(ApiError) as gone:
             await service.list_files(caller, 2, "desc", cursor, None)
         assert gone.value.status == 404 and cursor in gone.value.message
+
+
+async def pieces(content: bytes, size: int) -> AsyncIterator[bytes]:
+    for i in range(0, len(content), size):
+        yield content[i : i + size]
+
+
+async def test_a_file_goes_in_and_comes_out_a_chunk_at_a_time(session: Any) -> None:
+    """Held whole, twice on the way in and once on the way out: a few 64 MiB uploads or
+    downloads at once ran a replica out of memory."""
+    service = BatchService(session, make_producer=NO_KAFKA, redis=None)
+    caller = Principal(f"u-{uuid.uuid4().hex[:8]}", "batch", "k")
+    content = bytes(range(256)) * (48 * CHUNK_BYTES // 256) + b"tail"  # 24 MiB and a bit
+    digest, longest = hashlib.sha256(), 0
+    tracemalloc.start()
+    try:
+        uploaded = await service.upload(caller, "in.jsonl", "batch", pieces(content, 64 * 1024))
+        _, upload_peak = tracemalloc.get_traced_memory()
+        tracemalloc.reset_peak()
+        async for chunk in await service.content(caller, uploaded["id"]):
+            digest.update(chunk)
+            longest = max(longest, len(chunk))
+        _, download_peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert uploaded["bytes"] == len(content)
+    assert digest.digest() == hashlib.sha256(content).digest()
+    assert longest == CHUNK_BYTES
+    # A few chunks at a time (the driver's own copies included), not the file.
+    assert upload_peak < 12 * CHUNK_BYTES, upload_peak
+    assert download_peak < 12 * CHUNK_BYTES, download_peak
+
+
+async def test_uploads_beyond_what_one_user_may_keep_are_refused(session: Any) -> None:
+    caller = Principal(f"u-{uuid.uuid4().hex[:8]}", "batch", "k")
+    service = BatchService(session, make_producer=NO_KAFKA, redis=None, max_user_bytes=100)
+    kept = await service.upload(caller, "a.jsonl", "batch", b"x" * 60)
+    await service.upload(caller, "b.jsonl", "batch", b"x" * 60)  # 120: over, once
+    with pytest.raises(ApiError) as refused:
+        await service.upload(caller, "c.jsonl", "batch", b"x")
+    assert refused.value.status == 413 and "delete some" in refused.value.message
+    await service.delete_file(caller, kept["id"])
+    await service.upload(caller, "c.jsonl", "batch", b"x")  # room again
+    other = Principal(f"u-{uuid.uuid4().hex[:8]}", "batch", "k")
+    await service.upload(other, "d.jsonl", "batch", b"x" * 60)  # each user's own

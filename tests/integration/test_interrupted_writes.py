@@ -57,11 +57,14 @@ class DyingSession:
         self._applied = applied
         self.sent = 0
 
-    def execute_async(self, statement: Any, params: Any = None) -> Any:
+    def __getattr__(self, name: str) -> Any:  # prepare, default_timeout: as the session's
+        return getattr(self._session, name)
+
+    def execute_async(self, statement: Any, params: Any = None, **options: Any) -> Any:
         n, self.sent = self.sent, self.sent + 1
         if n > self._at or (n == self._at and not self._applied):
             raise Died(f"died before statement {n}")
-        future = self._session.execute_async(statement, params)
+        future = self._session.execute_async(statement, params, **options)
         if n == self._at:
             future.result()  # applied on the server; the caller never hears of it
             raise Died(f"died after statement {n}")

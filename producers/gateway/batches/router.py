@@ -3,14 +3,15 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, File, Form, Query, Request, UploadFile
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from producers.gateway.auth import Caller
 from producers.gateway.batches.service import BatchService, CreateBatch
-from producers.gateway.batches.store import Order
+from producers.gateway.batches.store import CHUNK_BYTES, Order
 from producers.gateway.errors import ApiError
 from producers.gateway.json_body import StrictJsonRoute
 from producers.gateway.services import Services, services
@@ -36,7 +37,7 @@ async def upload_file(
     limit = deps.settings.gateway_max_file_bytes
     if file.size is not None and file.size > limit:
         raise ApiError(413, f"the file is {file.size} bytes: at most {limit}", param="file")
-    return await svc.upload(caller, file.filename or "upload.jsonl", purpose, await file.read())
+    return await svc.upload(caller, file.filename or "upload.jsonl", purpose, read_in_chunks(file))
 
 
 @router.get("/files")
@@ -56,11 +57,15 @@ async def retrieve_file(file_id: str, caller: Caller, svc: Batches) -> dict[str,
     return await svc.file(caller, file_id)
 
 
+async def read_in_chunks(file: UploadFile) -> AsyncIterator[bytes]:
+    """The upload (spooled to disk by the multipart parser) a chunk at a time."""
+    while chunk := await file.read(CHUNK_BYTES):
+        yield chunk
+
+
 @router.get("/files/{file_id}/content")
-async def file_content(file_id: str, caller: Caller, svc: Batches) -> Response:
+async def file_content(file_id: str, caller: Caller, svc: Batches) -> StreamingResponse:
     content = await svc.content(caller, file_id)
-    if isinstance(content, bytes):
-        return Response(content, media_type="application/octet-stream")
     return StreamingResponse(content, media_type="application/octet-stream")
 
 

@@ -10,7 +10,7 @@ import asyncio
 import dataclasses
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Callable
 from typing import Annotated, Any, Literal
 
 from aiokafka import AIOKafkaProducer
@@ -44,6 +44,7 @@ from producers.gateway.errors import ApiError, not_found, unavailable
 from tandoor.clients import CASSANDRA_DOWN
 from tandoor.policies.api_keys import Principal
 from tandoor.policies.redis_keys import BATCH_LINE_TTL_S, batch_cancel_key
+from tandoor.settings import MAX_USER_FILE_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -63,13 +64,22 @@ class CreateBatch(BaseModel):
 
 
 MARK_RETRY_S = (1, 2, 4, 8, 16, 32)  # 63 s in all: within QUEUING_LIMIT
+BATCHES_CREATED_AT_ONCE = 2  # per replica; more wait their turn
 
 
 class BatchService:
     def __init__(
-        self, session: Any, make_producer: Callable[[str], AIOKafkaProducer], redis: Any
+        self,
+        session: Any,
+        make_producer: Callable[[str], AIOKafkaProducer],
+        redis: Any,
+        max_user_bytes: int = MAX_USER_FILE_BYTES,
     ) -> None:
         self.files = FileStore(session)
+        self._max_user_bytes = max_user_bytes
+        # Batches created at once: each holds up to twice its input file in memory (its
+        # bytes, then its lines) until its lines are sent; many ran a replica out of it.
+        self._creating = asyncio.Semaphore(BATCHES_CREATED_AT_ONCE)
         self.batches = BatchStore(session)
         self._make_producer = make_producer  # one per batch: its lines are one transaction
         self._redis = redis
@@ -78,18 +88,25 @@ class BatchService:
     # Files.
 
     async def upload(
-        self, caller: Principal, filename: str, purpose: str, data: bytes
+        self, caller: Principal, filename: str, purpose: str, data: bytes | AsyncIterable[bytes]
     ) -> dict[str, Any]:
         if purpose != "batch":
             raise ApiError(400, "only purpose 'batch' is supported", param="purpose")
         if not _is_unicode(filename):  # a multipart charset may decode to half a pair
             raise ApiError(400, "the file's name is not valid Unicode text", param="file")
+        held = await self.files.held_by(caller.user_id)
+        if held >= self._max_user_bytes:  # each upload was more storage, without end
+            raise ApiError(
+                413,
+                f"your files hold {held} bytes, the most one user may keep is "
+                f"{self._max_user_bytes}: delete some first",
+                param="file",
+            )
         created = utc_now()
         stored = StoredFile(
-            new_file_id(created), caller.user_id, purpose, filename[:256], len(data), created
+            new_file_id(created), caller.user_id, purpose, filename[:256], 0, created
         )
-        await self.files.create(stored, data)
-        return file_object(stored)
+        return file_object(await self.files.create(stored, data))
 
     async def file(self, caller: Principal, file_id: str) -> dict[str, Any]:
         if file_id.startswith((OUTPUT_PREFIX, ERROR_PREFIX)):
@@ -101,12 +118,12 @@ class BatchService:
             return file_object(made)
         return file_object(await self._own_file(caller, file_id))
 
-    async def content(self, caller: Principal, file_id: str) -> bytes | AsyncIterator[bytes]:
-        """An uploaded file whole; a batch's output or error file as it is read."""
+    async def content(self, caller: Principal, file_id: str) -> AsyncIterator[bytes]:
+        """A file's bytes as they are read (its owner checked first)."""
         if file_id.startswith((OUTPUT_PREFIX, ERROR_PREFIX)):
             return (await self._batch_file(caller, file_id))[1]
         await self._own_file(caller, file_id)
-        return await self.files.content(file_id)
+        return self.files.chunks(file_id)
 
     async def delete_file(self, caller: Principal, file_id: str) -> dict[str, Any]:
         await self.files.delete(await self._own_file(caller, file_id))
@@ -126,9 +143,16 @@ class BatchService:
 
     async def create(self, caller: Principal, api_key: str, body: CreateBatch) -> dict[str, Any]:
         source = await self._own_file(caller, body.input_file_id)
+        async with self._creating:  # until its lines are sent: held till then
+            return await self._create(caller, api_key, body, source)
+
+    async def _create(
+        self, caller: Principal, api_key: str, body: CreateBatch, source: StoredFile
+    ) -> dict[str, Any]:
         content = await self.files.content(source.file_id)
         # Up to 64 MB of JSON: parsed beside the loop, whose streams go on meanwhile.
         lines = await asyncio.to_thread(input_lines, content, body.endpoint)
+        del content
         batch = StoredBatch(
             f"batch_{uuid.uuid4().hex}",
             caller.user_id,
