@@ -33,16 +33,19 @@ class FairQueue(Generic[T]):
         self._last_counter = 0.0  # of the last tenant charged: the floor when none waits
         self.size = 0
 
-    def push(self, tenant: str, item: T) -> None:
+    def push(self, tenant: str, item: T, now: float) -> None:
         state = self._tenants.setdefault(tenant, _Tenant())
         if not state.queue:  # newly backlogged
-            waiting = [t.counter for t in self._tenants.values() if t.queue]
-            state.counter = max(state.counter, min(waiting, default=self._last_counter))
+            self._lift(state, now)
         state.queue.append(item)
         self.size += 1
 
     def pop(self, now: float) -> tuple[str, T] | None:
         """The next line: the oldest of the tenant served least, skipping held tenants."""
+        for state in self._tenants.values():
+            if state.queue and 0 < state.held_until <= now:  # its hold over: as if new
+                state.held_until = 0.0
+                self._lift(state, now)
         ready = [
             (state.counter, name)
             for name, state in self._tenants.items()
@@ -53,6 +56,17 @@ class FairQueue(Generic[T]):
         _, name = min(ready)
         self.size -= 1
         return name, self._tenants[name].queue.popleft()
+
+    def _lift(self, state: _Tenant[T], now: float) -> None:
+        """To the lowest counter of the others that could be served meanwhile: one held
+        by its quota was served nothing, and its counter, left behind, let newcomers (and
+        itself, once free) take every line until they caught up."""
+        waiting = [
+            t.counter
+            for t in self._tenants.values()
+            if t.queue and t.held_until <= now and t is not state
+        ]
+        state.counter = max(state.counter, min(waiting, default=self._last_counter))
 
     def put_back(self, tenant: str, item: T, held_until: float = 0.0) -> None:
         """Undo a pop (the line could not go yet), first in its tenant's line again."""

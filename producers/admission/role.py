@@ -85,6 +85,7 @@ COMMIT_EVERY_S = 1.0
 IDLE_S = 0.1  # nothing to read: look again after this
 RETRY_S = 1.0  # a store failing: try the line again after this
 SWEEP_S = 1.0  # how often waiting lines are looked over for a cancel or a passed deadline
+UNSENT_PER_PASS = 32  # lines of a model answered or held back before the next pass
 
 
 class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
@@ -224,7 +225,7 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
             return  # answered, or revoked while it was checked: not queued
         self.queued.add(prompt.request_id, position, len(record.value or b""))
         fair = self.settings.admission_fairness == "vtc"
-        self.queues[prompt.model].push(owner if fair else "everyone", waiting)
+        self.queues[prompt.model].push(owner if fair else "everyone", waiting, time.monotonic())
 
     async def _seen_elsewhere(self, request_id: str, position: str) -> bool:
         """Another record of the batch already has this custom_id."""
@@ -301,14 +302,19 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
                 more = await self._answer_unrunnable()
                 swept_at = 0.0 if more else time.monotonic()  # more: after this pass
             for model, queue in self.queues.items():
-                room = self.band.room(model)
-                while room > 0 and not self._stopping.is_set():
+                room, unsent = self.band.room(model), 0
+                # Lines answered instead (cancelled, expired, key revoked) or held by a
+                # quota are bounded per pass too: 50,000 of a cancelled batch, answered
+                # one by one, held up the sweep and every other model for minutes.
+                while room > 0 and unsent < UNSENT_PER_PASS and not self._stopping.is_set():
                     picked = queue.pop(time.monotonic())
                     if picked is None:
                         break
                     tenant, waiting = picked
                     if await self._until_done(partial(self._forward, queue, tenant, waiting)):
                         room -= 1
+                    else:
+                        unsent += 1
                 self.metrics.waiting.labels(model).set(queue.size)
             self._arrived.clear()
             with contextlib.suppress(TimeoutError):
@@ -333,10 +339,14 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
         prompt = waiting.prompt
         if self.queued.where(prompt.request_id) != waiting.position:
             return False  # its partition was revoked meanwhile: the new owner has it
+        # A line answered counts as served: a tenant whose cancelled batch was answered
+        # line by line kept the lowest counter, and took every turn until it was done.
         if await self._answered_unrun(waiting):
+            queue.charge(tenant, prompt.charged_tokens)
             return False
         if await self._key_revoked(waiting):
             await self._answer_revoked(waiting)
+            queue.charge(tenant, prompt.charged_tokens)
             return False
         policy = self.settings.tiers[prompt.tier]
         try:
@@ -358,6 +368,7 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
         except PromptTooLarge as exc:  # refused on every try: answered, never retried
             await self.quotas.refund(admission)
             await self._answer_refused(waiting, 413, f"{exc}; shorten the messages", BAD)
+            queue.charge(tenant, prompt.charged_tokens)
             return False
         await self._mark(prompt.request_id, waiting.position)
         queue.charge(tenant, prompt.charged_tokens)

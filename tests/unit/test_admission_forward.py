@@ -61,7 +61,7 @@ async def test_a_store_down_ends_the_sweep_of_cancelled_lines_not_the_forwarding
     admission.marks = cast(Any, StandInMarks())
     admission.answers = cast(Any, CassandraDown())
     admission.queued.add(prompt.request_id, "0:3")
-    admission.queues[prompt.model].push("u", Waiting(0, 3, prompt))
+    admission.queues[prompt.model].push("u", Waiting(0, 3, prompt), 0.0)
     try:
         await asyncio.wait_for(admission._answer_unrunnable(), 5)
     finally:
@@ -238,3 +238,68 @@ async def test_lines_with_no_ones_key_are_answered_but_leave_nothing_in_redis() 
     (output,) = answers.sent
     assert output["response"]["status_code"] == 401 and output["custom_id"] == "junk"
     assert marks.marked == []
+
+
+class CancelledBatchA:
+    async def cancelled(self, owner: str, batch_id: str | None) -> bool:
+        return batch_id == "A"
+
+    async def mark(self, request_id: str, position: str, first_only: bool = False) -> None:
+        return None
+
+
+class Recorded:
+    """What went out, in order: answers (without running) and forwards."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str]] = []
+
+    async def unrun(self, prompt: PromptRequest, why: str) -> None:
+        self.events.append(("answered", prompt.user_id))
+
+    async def submit(self, prompt: PromptRequest) -> None:
+        self.events.append(("forwarded", prompt.user_id))
+
+
+class Room:
+    def room(self, model: str) -> int:
+        return 8
+
+    def sent(self, model: str) -> None:
+        return None
+
+
+async def test_a_cancelled_batch_answered_line_by_line_does_not_hold_up_other_tenants() -> None:
+    """Answered lines were not counted as served: the tenant kept the lowest counter and
+    every turn, and B got nothing until all of A's 2,000 lines had been answered."""
+    admission = Admission(Settings())
+    recorded = Recorded()
+    admission.marks, admission.answers = cast(Any, CancelledBatchA()), cast(Any, recorded)
+    admission.submitter, admission.band = cast(Any, recorded), cast(Any, Room())
+    admission.quotas, admission.callers = cast(Any, AdmitsAll()), cast(Any, Valid())
+    model = admission.settings.served_models[0]
+    for i in range(2000):
+        for user, batch in (("a", "A"), ("b", "B")):
+            if user == "b" and i >= 20:
+                continue
+            prompt = batch_prompt(admission).model_copy(
+                update={
+                    "request_id": f"bl_{user}{i}",
+                    "user_id": user,
+                    "batch_id": batch,
+                    "charged_tokens": 10,
+                }
+            )
+            admission.queued.add(prompt.request_id, f"0:{2 * i + (user == 'b')}")
+            admission.queues[model].push(user, Waiting(0, 2 * i + (user == "b"), prompt), 0.0)
+    forwarding = asyncio.create_task(admission._forward_lines())
+    try:
+        while ("forwarded", "b") not in recorded.events:
+            await asyncio.sleep(0.01)
+    finally:
+        admission.request_stop()
+        await forwarding
+        await admission.consumer.stop()  # never started: closed for their finalizers
+        await admission.producer.stop()
+    before_b = recorded.events[: recorded.events.index(("forwarded", "b"))]
+    assert len(before_b) <= 300, f"{len(before_b)} of A's lines answered before B's first"

@@ -39,7 +39,7 @@ async def test_a_big_cancelled_batch_is_answered_a_bounded_part_per_sweep() -> N
     for offset in range(LINES):
         prompt = first.model_copy(update={"request_id": f"bl_{offset}"})
         admission.queued.add(prompt.request_id, f"0:{offset}")
-        admission.queues[prompt.model].push("u", Waiting(0, offset, prompt))
+        admission.queues[prompt.model].push("u", Waiting(0, offset, prompt), 0.0)
     try:
         sweeps = [await admission._answer_unrunnable()]
         after_one = len(answers.answered)
