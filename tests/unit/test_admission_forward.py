@@ -253,12 +253,15 @@ class Recorded:
 
     def __init__(self) -> None:
         self.events: list[tuple[str, str]] = []
+        self.b_forwarded = asyncio.Event()
 
     async def unrun(self, prompt: PromptRequest, why: str) -> None:
         self.events.append(("answered", prompt.user_id))
 
     async def submit(self, prompt: PromptRequest) -> None:
         self.events.append(("forwarded", prompt.user_id))
+        if prompt.user_id == "b":
+            self.b_forwarded.set()
 
 
 class Room:
@@ -294,8 +297,7 @@ async def test_a_cancelled_batch_answered_line_by_line_does_not_hold_up_other_te
             admission.queues[model].push(user, Waiting(0, 2 * i + (user == "b"), prompt), 0.0)
     forwarding = asyncio.create_task(admission._forward_lines())
     try:
-        while ("forwarded", "b") not in recorded.events:
-            await asyncio.sleep(0.01)
+        await recorded.b_forwarded.wait()
     finally:
         admission.request_stop()
         await forwarding
