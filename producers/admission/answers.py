@@ -63,12 +63,9 @@ async def unrun_lines(
     marks: LineMarks, prompts: Iterable[PromptRequest], now: int
 ) -> dict[str, Unrun]:
     """Why each line must not run (by request id; absent where it may run): its batch
-    was cancelled, or its window is over. Redis is asked once a batch."""
+    was cancelled, or its window is over. Redis is asked once for all their batches."""
     prompts = list(prompts)
-    cancelled = set()
-    for owner, batch_id in {(p.user_id, p.batch_id) for p in prompts}:
-        if await marks.cancelled(owner, batch_id):
-            cancelled.add((owner, batch_id))
+    cancelled = await marks.cancelled_batches((p.user_id, p.batch_id) for p in prompts)
     unrun: dict[str, Unrun] = {}
     for prompt in prompts:
         if (prompt.user_id, prompt.batch_id) in cancelled:

@@ -5,7 +5,7 @@ cancelled, and the keys it has resolved lately."""
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
 from tandoor.policies.api_keys import KeyStore, Principal
@@ -32,7 +32,21 @@ class LineMarks:
         await self._redis.set(key, position, ex=BATCH_LINE_TTL_S, nx=first_only)
 
     async def cancelled(self, owner: str, batch_id: str | None) -> bool:
-        return bool(batch_id and await self._redis.exists(batch_cancel_key(owner, batch_id)))
+        return (owner, batch_id) in await self.cancelled_batches([(owner, batch_id)])
+
+    async def cancelled_batches(
+        self, batches: Iterable[tuple[str, str | None]]
+    ) -> set[tuple[str, str | None]]:
+        """Which of these (owner, batch id) were cancelled, asked in one round trip: a
+        sweep over 20,000 waiting batches asked one by one took seconds, every second."""
+        named = [(owner, batch_id) for owner, batch_id in set(batches) if batch_id]
+        if not named:
+            return set()
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for owner, batch_id in named:
+                pipe.exists(batch_cancel_key(owner, batch_id))
+            found = await pipe.execute()
+        return {batch for batch, hit in zip(named, found, strict=True) if hit}
 
 
 class CallerCache:

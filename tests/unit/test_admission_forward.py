@@ -5,6 +5,7 @@ key (the real ones: tests/integration/test_batch_admission.py)."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterable
 from functools import partial
 from typing import Any, cast
 from unittest.mock import patch
@@ -39,7 +40,17 @@ def batch_prompt(admission: Admission) -> PromptRequest:
     )
 
 
-class StandInMarks:
+class ByBatch:
+    async def cancelled(self, owner: str, batch_id: str | None) -> bool:
+        raise NotImplementedError
+
+    async def cancelled_batches(
+        self, batches: Iterable[tuple[str, str | None]]
+    ) -> set[tuple[str, str | None]]:
+        return {batch for batch in set(batches) if await self.cancelled(*batch)}
+
+
+class StandInMarks(ByBatch):
     async def cancelled(self, owner: str, batch_id: str | None) -> bool:
         return True
 
@@ -240,7 +251,7 @@ async def test_lines_with_no_ones_key_are_answered_but_leave_nothing_in_redis() 
     assert marks.marked == []
 
 
-class CancelledBatchA:
+class CancelledBatchA(ByBatch):
     async def cancelled(self, owner: str, batch_id: str | None) -> bool:
         return batch_id == "A"
 
