@@ -11,7 +11,7 @@ from typing import Any
 
 import orjson
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from aiokafka.errors import KafkaTimeoutError
+from aiokafka.errors import KafkaError, KafkaTimeoutError
 
 from schemas import topics
 from schemas.batch import AUTHORIZATION_HEADER, BATCH_ID_HEADER, DEADLINE_HEADER
@@ -69,17 +69,41 @@ async def send_all_or_none(
     retry ran the lines that had got out twice."""
     producer = make_producer(f"batch-{batch_id}")
     try:
-        # aiokafka waits for the transaction's coordinator with no limit of its own.
-        async with asyncio.timeout(QUEUE_LIMIT_S):
-            await producer.start()
-            async with producer.transaction():
-                return await send_lines(producer, api_key, batch_id, lines, deadline_ms)
-    except TimeoutError as exc:
-        raise KafkaTimeoutError(f"the batch was not queued within {QUEUE_LIMIT_S} s") from exc
+        try:
+            # aiokafka waits for the transaction's coordinator with no limit of its own.
+            async with asyncio.timeout(QUEUE_LIMIT_S):
+                await producer.start()
+                await producer.begin_transaction()
+                sent = await send_lines(producer, api_key, batch_id, lines, deadline_ms)
+        except BaseException as exc:
+            await _abort(producer)  # bounded: it too waits for the coordinator for ever
+            if isinstance(exc, TimeoutError):
+                raise KafkaTimeoutError(
+                    f"the batch was not queued within {QUEUE_LIMIT_S} s"
+                ) from exc
+            raise
+        # Its own limit: one timed out here may have committed, and is no refusal.
+        try:
+            async with asyncio.timeout(STOP_LIMIT_S):
+                await producer.commit_transaction()
+        except (TimeoutError, KafkaError) as exc:
+            raise CommitUnknown(f"{batch_id}: the commit's outcome is unknown ({exc!r})") from exc
+        return sent
     finally:
         with contextlib.suppress(TimeoutError):  # what it sent is decided by now
             async with asyncio.timeout(STOP_LIMIT_S):
                 await producer.stop()
+
+
+class CommitUnknown(Exception):
+    """The lines were sent and their commit asked for, with no answer: they may run."""
+
+
+async def _abort(producer: AIOKafkaProducer) -> None:
+    """The transaction ended unsent (the broker would, after its timeout, anyway)."""
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(STOP_LIMIT_S):
+            await producer.abort_transaction()
 
 
 class ResultsReader:

@@ -8,10 +8,10 @@ import asyncio
 from typing import Any, cast
 
 import pytest
-from aiokafka.errors import KafkaTimeoutError
+from aiokafka.errors import KafkaConnectionError, KafkaTimeoutError
 from cassandra.cluster import NoHostAvailable
 
-from producers.batch_topic import send_all_or_none
+from producers.batch_topic import CommitUnknown, send_all_or_none
 from producers.gateway.batches.service import BatchService
 
 
@@ -66,3 +66,58 @@ async def test_a_queued_batch_is_marked_so_once_the_store_answers_again(
     await service._mark_queued("b1")  # the create is answered: its lines are in Kafka
     await asyncio.wait_for(asyncio.gather(*service._marking), 5)
     assert store.tries == ["b1", "b1", "b1"]
+
+
+class Transactional:
+    """A producer whose commit or abort, once asked for, never hears back."""
+
+    def __init__(self, hangs: str, send_fails: bool = False) -> None:
+        self.hangs, self.send_fails = hangs, send_fails
+        self.calls: list[str] = []
+
+    async def _step(self, name: str) -> None:
+        self.calls.append(name)
+        if name == self.hangs:
+            await asyncio.Event().wait()
+
+    async def start(self) -> None:
+        await self._step("start")
+
+    async def begin_transaction(self) -> None:
+        await self._step("begin")
+
+    async def send(self, *_: Any, **__: Any) -> asyncio.Future[None]:
+        if self.send_fails:
+            raise KafkaConnectionError("the broker went away")
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        done.set_result(None)
+        return done
+
+    async def commit_transaction(self) -> None:
+        await self._step("commit")
+
+    async def abort_transaction(self) -> None:
+        await self._step("abort")
+
+    async def stop(self) -> None:
+        self.calls.append("stop")
+
+
+async def test_an_abort_that_never_ends_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The send failed, then the abort waited for the coordinator with no limit: the
+    create hung until Kafka came back instead of a 503."""
+    monkeypatch.setattr("producers.batch_topic.STOP_LIMIT_S", 0.05)
+    producer = Transactional(hangs="abort", send_fails=True)
+    with pytest.raises(KafkaConnectionError):
+        await asyncio.wait_for(send_all_or_none(lambda _: producer, "k", "b1", [b"{}"]), 5)
+    assert producer.calls == ["start", "begin", "abort", "stop"]
+
+
+async def test_a_commit_unanswered_is_no_refusal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A commit cut off by the queuing limit was a 503 and a deleted batch whose lines
+    may have been committed (and run, unseen, beside the SDK's retry)."""
+    monkeypatch.setattr("producers.batch_topic.STOP_LIMIT_S", 0.05)
+    producer = Transactional(hangs="commit")
+    with pytest.raises(CommitUnknown):
+        await asyncio.wait_for(send_all_or_none(lambda _: producer, "k", "b1", [b"{}"]), 5)
+    assert producer.calls == ["start", "begin", "commit", "stop"]  # not aborted

@@ -17,7 +17,7 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 from pydantic import BaseModel, ConfigDict, Field
 
-from producers.batch_topic import send_all_or_none
+from producers.batch_topic import CommitUnknown, send_all_or_none
 from producers.gateway.batches.input_file import input_lines
 from producers.gateway.batches.objects import (
     COMPLETION_WINDOW,
@@ -172,6 +172,9 @@ class BatchService:
         except KafkaError as exc:  # no line got out: nothing is kept
             await self.batches.delete(batch)
             raise unavailable("the batch could not be queued (Kafka)") from exc
+        except CommitUnknown:  # kept as queuing: it shows whether its lines run
+            log.warning("%s: sent, its commit unanswered", batch.batch_id, exc_info=True)
+            return batch_object(batch, Answered())
         # No failure from here on: it would answer "nothing was changed" to a batch that
         # runs, and the client's retry would run it twice.
         await self._mark_queued(batch.batch_id)
