@@ -305,6 +305,16 @@ class RequestLedger:
             return set()
         return {rid for rid, ok in zip(held, answers, strict=True) if not int(ok)}
 
+    async def cancelled_by(self, key: str | None) -> bool:
+        """Whether `key` (a batch's cancel) is set; False when Redis cannot say."""
+        if key is None:
+            return False
+        try:
+            return bool(await self._redis.exists(key))
+        except REDIS_DOWN as exc:
+            log.warning("Redis unreachable (%s); %s not checked", exc, key)
+            return False
+
     async def mark_cancelled(self, request_id: str) -> None:
         try:
             await self._redis.set(cancel_key(request_id), 1, ex=CANCEL_TTL_S)

@@ -215,6 +215,10 @@ class RequestRunner:
             if attempt.expired():
                 await self._finish(attempt, "expired", "the deadline passed in the worker's queue")
                 return
+            # Looked at on arrival only, a batch cancelled while its line waited here ran.
+            if await self.ledger.cancelled_by(_batch_cancel(attempt.prompt)):
+                await self._finish(attempt, "cancelled", None)
+                return
             try:
                 reason = await self._stream(attempt, token_ids, max_tokens)
             except RequestFailed as exc:

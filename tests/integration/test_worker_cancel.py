@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -19,6 +20,7 @@ from producers.control import request_cancel
 from producers.prompts import PromptSubmitter
 from schemas.events import PromptRequest
 from tandoor.clients import redis_client
+from tandoor.policies.redis_keys import batch_cancel_key
 from tandoor.settings import Settings
 from tests.integration.pipeline import prompt
 from tests.ops import samples
@@ -115,6 +117,32 @@ async def test_cancel_while_waiting_inside_the_worker(
         # At once: not when the long reply ends and frees the budget it waits for.
         long_id = running.request.request_id
         assert not stream.finals(long_id), "the cancel waited for the long reply"
+    assert final.finish_reason == "cancelled"
+    assert final.usage.completion_tokens == 0 and not stream.tokens(waiting.request_id, 1)
+
+
+async def test_a_batch_cancelled_while_its_line_waits_inside_the_worker_does_not_run_it(
+    worker: WorkerProcess, producer: AIOKafkaProducer, settings: Settings, redis_url: str
+) -> None:
+    """The batch's cancel was looked at when the line arrived only: one taken before the
+    cancel and held for token budget ran once the budget was free, charged, answered 200."""
+    async with long_reply_running(worker, producer, settings) as running:
+        stream = running.stream
+        batch_id = f"batch_{uuid.uuid4().hex}"
+        waiting = prompt(worker.model, "Write a poem.", max_tokens=500, band="batch")
+        waiting = waiting.model_copy(
+            update={"kind": "batch", "batch_id": batch_id, "custom_id": "line-1"}
+        )
+        await running.submitter.submit(waiting)
+        await eventually(  # taken by the worker, held for lack of token budget
+            lambda: samples(worker),
+            lambda found: found["tandoor_worker_requests_waiting"] >= 1,
+            what="the batch line held in the worker",
+        )
+        # What the Batches API's cancel writes; no cancel event names the line.
+        await running.control.set(batch_cancel_key(waiting.user_id, batch_id), 1, ex=600)
+        await request_cancel(producer, running.control, running.request.request_id)
+        final = await stream.final(waiting.request_id)  # once the long reply freed the budget
     assert final.finish_reason == "cancelled"
     assert final.usage.completion_tokens == 0 and not stream.tokens(waiting.request_id, 1)
 
