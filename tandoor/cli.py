@@ -132,7 +132,7 @@ def run() -> None:
         rollups = f"http://{settings.host}:{settings.streams_web_port}/rollups/user/local"
         bearer = f"Authorization: Bearer {settings.analytics_token}"
         typer.echo(f"usage rollups: curl -H '{bearer}' {rollups}")
-        typer.echo('Tandoor is up. Try: tandoor ask "What is the capital of France?"')
+        typer.echo('Tandoor is up. Try: .venv/bin/tandoor ask "What is the capital of France?"')
         typer.echo("Press Ctrl-C to stop everything.")
 
     code = _guard(lambda: run_main_job(stack, roles, _bootstrap, announce, typer.echo))
