@@ -16,6 +16,7 @@ from cassandra import OperationTimedOut
 from infra.process import free_port
 from infra.roles import GatewayProcess
 from producers.gateway.app import create_app
+from producers.gateway.chat.service import MAX_MESSAGES
 from producers.gateway.conversations import service as service_module
 from producers.gateway.conversations.service import ConversationService
 from schemas.events import now_ms
@@ -309,3 +310,33 @@ async def test_resuming_a_reply_that_will_never_come_is_a_404(
         await redis.aclose()
     assert resumed.status_code == 404, resumed.text
     assert "no reply is being generated" in resumed.json()["error"]["message"]
+
+
+async def test_a_full_conversation_takes_no_more_turns_and_says_so(
+    client: httpx.AsyncClient, settings: Settings
+) -> None:
+    """Each turn read all its messages, replaced ones too: a conversation grown without
+    end cost every turn, on the loop every stream of the replica shares, more and more."""
+    auth = await user_key(settings)
+    conversation = (await client.post("/v1/conversations", json={}, headers=auth)).json()["id"]
+    start = dt.datetime(2026, 12, 1)
+    with cassandra_session(settings, settings.keyspace) as session:
+        insert = session.prepare(
+            "INSERT INTO messages_by_conversation (conversation_id, created_at, message_id, "
+            "role, content, status) VALUES (?, ?, ?, ?, 'earlier', 'complete')"
+        )
+        for n in range(MAX_MESSAGES):
+            at = start + dt.timedelta(seconds=n)
+            session.execute(insert, (conversation, at, f"m{n}", ("user", "assistant")[n % 2]))
+    for path, body in (
+        ("messages", {"content": "One more?"}),
+        ("regenerate", {}),
+        ("messages/m0/edit", {"content": "Again?"}),
+    ):
+        refused = await client.post(
+            f"/v1/conversations/{conversation}/{path}", json=body, headers=auth
+        )
+        assert refused.status_code == 409, refused.text
+        assert "start a new conversation" in refused.json()["error"]["message"]
+    opened = await client.get(f"/v1/conversations/{conversation}", headers=auth)
+    assert len(opened.json()["messages"]) == MAX_MESSAGES  # nothing added

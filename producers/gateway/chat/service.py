@@ -61,6 +61,7 @@ from tandoor.policies.redis_keys import ATTEMPT_TTL_S, done_key
 from tandoor.settings import Settings
 
 log = logging.getLogger(__name__)
+MAX_MESSAGES = 2000  # a conversation's, replaced ones included (a turn adds two)
 
 
 @dataclass
@@ -238,6 +239,22 @@ class ChatService:
         return visible(opened), [unstored] if unstored is not None else []
 
     async def _settled(
+        self, caller: Principal, conversation_id: str
+    ) -> tuple[ConversationWithMessages, Message | None]:
+        """The conversation to add a turn to, once its newest reply is stored; a full one
+        is refused: every turn (and every read) takes all its messages, replaced ones
+        too, so one grown without end slowed the replica's loop for everyone on it."""
+        opened, unstored = await self._settled_as_read(caller, conversation_id)
+        if len(opened.messages) >= MAX_MESSAGES:
+            raise ApiError(
+                409,
+                f"this conversation holds {len(opened.messages)} messages, the most one may "
+                "hold: start a new conversation",
+                kind="conflict_error",
+            )
+        return opened, unstored
+
+    async def _settled_as_read(
         self, caller: Principal, conversation_id: str
     ) -> tuple[ConversationWithMessages, Message | None]:
         conversations = self.deps.conversations
