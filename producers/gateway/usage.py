@@ -24,6 +24,8 @@ from tandoor.policies.quota import QuotaUse
 from tandoor.settings import TierPolicy
 
 DAYS = 7
+PAST_DAYS_KEPT = 60_000  # (user, day) sums a replica keeps, about 10 MB
+SETTLE_S = 600.0  # after a day's end, its last replies are stored by then
 # Summed by Cassandra within the day's partition: one row back however busy the day.
 SELECT_DAY = (
     "SELECT count(*) AS requests, sum(CAST(prompt_tokens AS bigint)) AS prompt, "
@@ -59,6 +61,30 @@ class Usage(BaseModel):
     today: DayUsage
     last_7_days: DayUsage  # `day` is the first of the seven
     limits: Limits
+
+
+class PastDays:
+    """Days over (and settled: their last replies stored) are summed once a replica: the
+    page asks every 10 s, and each ask summed all seven days' rows (a busy api-tier user
+    writes close to a million a day)."""
+
+    def __init__(self, size: int = PAST_DAYS_KEPT) -> None:
+        self._sums: dict[tuple[str, dt.date], DayUsage] = {}
+        self._size = size
+
+    async def usage(self, session: Any, user_id: str, day: dt.date, now: float) -> DayUsage:
+        if (kept := self._sums.get((user_id, day))) is not None:
+            return kept
+        summed = await day_usage(session, user_id, day)
+        settled_at = dt.datetime.combine(day + dt.timedelta(days=1), dt.time(), dt.UTC)
+        if now >= settled_at.timestamp() + SETTLE_S:
+            if len(self._sums) >= self._size:
+                del self._sums[next(iter(self._sums))]  # the oldest kept
+            self._sums[(user_id, day)] = summed
+        return summed
+
+
+PAST_DAYS = PastDays()  # this replica's
 
 
 async def day_usage(session: Any, user_id: str, day: dt.date) -> DayUsage:
@@ -102,9 +128,13 @@ async def usage(caller: Caller, deps: Annotated[Services, Depends(services)]) ->
     today = dt.datetime.fromtimestamp(now, dt.UTC).date()
     first = today - dt.timedelta(days=DAYS - 1)
     session = deps.session
+    past = PAST_DAYS
     days, use = await asyncio.gather(
         asyncio.gather(
-            *(day_usage(session, caller.user_id, first + dt.timedelta(days=i)) for i in range(DAYS))
+            *(
+                past.usage(session, caller.user_id, first + dt.timedelta(days=i), now)
+                for i in range(DAYS)
+            )
         ),
         deps.chat.deps.quotas.in_use(caller.user_id, int(now * 1000)),
     )
