@@ -69,6 +69,8 @@ def _hf_config(name: str, model_dir: Path) -> dict[str, Any]:
 
 def _check_length(name: str, max_model_len: int, hf_config: dict[str, Any]) -> None:
     text_config = hf_config.get("text_config") or hf_config  # multimodal models nest it
+    if text_config.get("rope_scaling"):  # longer than its positions, by a factor: vLLM's rule
+        return
     limits = [text_config[k] for k in _LENGTH_KEYS if isinstance(text_config.get(k), int)]
     if limits and max_model_len > min(limits):
         raise ModelError(

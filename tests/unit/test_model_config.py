@@ -143,6 +143,13 @@ def test_a_window_longer_than_the_model_is_refused(folder: Path) -> None:
         engine_options("m", config, folder)
 
 
+def test_a_window_a_rope_scaling_allows_is_left_to_the_engine(folder: Path) -> None:
+    """Refused as longer than the positions, though the scaling makes it fit."""
+    scaled = {"max_position_embeddings": 4096, "rope_scaling": {"type": "linear", "factor": 4}}
+    (folder / "config.json").write_text(json.dumps(scaled))
+    engine_options("m", ModelConfig(source=str(folder), max_model_len=16384), folder)
+
+
 def test_a_broken_chat_template_is_refused_with_its_line(folder: Path) -> None:
     template = folder / "chat.jinja"
     template.write_text("hello\n{% for m in messages %}{{ m.content }\n")
