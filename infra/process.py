@@ -26,14 +26,23 @@ class ServerProcess:
         holds the pid and the process's start time: after a reboot the pid may be another
         program's, which `infra down` would have killed and `infra up` waited on."""
         try:
-            pid, started = (int(field) for field in self.pid_file.read_text().split())
-        except (FileNotFoundError, ValueError):  # missing, or a pid alone (no start time)
-            self.pid_file.unlink(missing_ok=True)
+            pid, *started = (int(field) for field in self.pid_file.read_text().split())
+        except (FileNotFoundError, ValueError):
             return None
-        if _alive(pid) and _start_time(pid) == started:
+        if _alive(pid) and (started == [_start_time(pid)] or self._ours_of_old(pid, started)):
             return pid
         self.pid_file.unlink(missing_ok=True)
         return None
+
+    def _ours_of_old(self, pid: int, started: list[int]) -> bool:
+        """A pid file of an earlier version (a pid alone): the server is taken for ours
+        if it runs in this home's data folder, where every server is started."""
+        if started:
+            return False
+        home = self.pid_file.parent.parent
+        with contextlib.suppress(OSError):
+            return Path(os.readlink(f"/proc/{pid}/cwd")).is_relative_to(home / "data")
+        return False
 
     def launch(self, argv: Sequence[str], cwd: Path, env: dict[str, str] | None = None) -> int:
         self.pid_file.parent.mkdir(parents=True, exist_ok=True)

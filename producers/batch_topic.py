@@ -21,6 +21,7 @@ from tandoor.clients import TRANSACTION_TIMEOUT_MS
 # the transaction (TRANSACTION_TIMEOUT_MS), or none is: a 503.
 QUEUE_LIMIT_S = 0.75 * TRANSACTION_TIMEOUT_MS / 1000
 STOP_LIMIT_S = 10.0
+COMMIT_WAIT_S = 10.0  # then the create answers, and the commit is waited for beside it
 RESULT_PARTITIONS = [
     TopicPartition(topics.BATCH_RESULTS, p) for p in range(topics.BATCH_PARTITIONS)
 ]
@@ -68,6 +69,7 @@ async def send_all_or_none(
     one's transaction is aborted by the broker after its timeout), where a client's
     retry ran the lines that had got out twice."""
     producer = make_producer(f"batch-{batch_id}")
+    handed_on = False  # to the task that learns the commit's outcome: it stops the producer
     try:
         try:
             # aiokafka waits for the transaction's coordinator with no limit of its own.
@@ -82,21 +84,42 @@ async def send_all_or_none(
                     f"the batch was not queued within {QUEUE_LIMIT_S} s"
                 ) from exc
             raise
-        # Its own limit: one timed out here may have committed, and is no refusal.
-        try:
-            async with asyncio.timeout(STOP_LIMIT_S):
-                await producer.commit_transaction()
-        except (TimeoutError, KafkaError) as exc:
-            raise CommitUnknown(f"{batch_id}: the commit's outcome is unknown ({exc!r})") from exc
+        commit = asyncio.ensure_future(producer.commit_transaction())
+        await asyncio.wait({commit}, timeout=COMMIT_WAIT_S)
+        if not commit.done():  # it may yet commit: no refusal, and it is waited for still
+            handed_on = True
+            raise CommitUnknown(batch_id, asyncio.ensure_future(_committed(producer, commit)))
+        commit.result()  # a failed commit: nothing runs (the broker aborts it)
         return sent
     finally:
-        with contextlib.suppress(TimeoutError):  # what it sent is decided by now
-            async with asyncio.timeout(STOP_LIMIT_S):
-                await producer.stop()
+        if not handed_on:
+            await _stop(producer)
 
 
 class CommitUnknown(Exception):
-    """The lines were sent and their commit asked for, with no answer: they may run."""
+    """The lines were sent and their commit asked for, with no answer yet: they may run.
+    `committed` tells, once Kafka has (the broker aborts it after its timeout)."""
+
+    def __init__(self, batch_id: str, committed: asyncio.Future[bool]) -> None:
+        super().__init__(f"{batch_id}: the commit is not answered yet")
+        self.committed = committed
+
+
+async def _committed(producer: AIOKafkaProducer, commit: asyncio.Future[None]) -> bool:
+    try:
+        async with asyncio.timeout(TRANSACTION_TIMEOUT_MS / 1000):
+            await commit
+        return True
+    except (TimeoutError, KafkaError):
+        return False
+    finally:
+        await _stop(producer)
+
+
+async def _stop(producer: AIOKafkaProducer) -> None:
+    with contextlib.suppress(TimeoutError):  # what it sent is decided by now
+        async with asyncio.timeout(STOP_LIMIT_S):
+            await producer.stop()
 
 
 async def _abort(producer: AIOKafkaProducer) -> None:

@@ -30,6 +30,7 @@ from workers.metrics import WorkerMetrics
 from workers.publisher import Publisher
 
 log = logging.getLogger(__name__)
+WAITED_S = 0.05  # a line held this long for token budget may have been cancelled meanwhile
 
 ENGINE_REASONS: dict[str | None, FinishReason] = {
     "stop": "stop",
@@ -205,6 +206,7 @@ class RequestRunner:
         stop_waiting = lambda: tracked.cancelled or tracked.lost or attempt.expired()  # noqa: E731
         deadline = attempt.prompt.deadline_ms
         wake_in_s = None if deadline is None else (deadline - now_ms()) / 1000 + 0.001
+        asked_at = time.monotonic()
         if not await self.capacity.reserve_tokens(budget, stop_waiting, attempt.band, wake_in_s):
             if tracked.cancelled or tracked.lost:
                 await self._finish(attempt, "cancelled", None)
@@ -216,7 +218,8 @@ class RequestRunner:
                 await self._finish(attempt, "expired", "the deadline passed in the worker's queue")
                 return
             # Looked at on arrival only, a batch cancelled while its line waited here ran.
-            if await self.ledger.cancelled_by(_batch_cancel(attempt.prompt)):
+            waited = time.monotonic() - asked_at > WAITED_S
+            if waited and await self.ledger.cancelled_by(_batch_cancel(attempt.prompt)):
                 await self._finish(attempt, "cancelled", None)
                 return
             try:

@@ -203,13 +203,14 @@ async def test_a_file_goes_in_and_comes_out_a_chunk_at_a_time(session: Any) -> N
         uploaded = await service.upload(caller, "in.jsonl", "batch", pieces(content, 64 * 1024))
         _, upload_peak = tracemalloc.get_traced_memory()
         tracemalloc.reset_peak()
-        async for chunk in await service.content(caller, uploaded["id"]):
+        chunks, size = await service.content(caller, uploaded["id"])
+        async for chunk in chunks:
             digest.update(chunk)
             longest = max(longest, len(chunk))
         _, download_peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert uploaded["bytes"] == len(content)
+    assert uploaded["bytes"] == size == len(content)  # its Content-Length
     assert digest.digest() == hashlib.sha256(content).digest()
     assert longest == CHUNK_BYTES
     # A few chunks at a time (the driver's own copies included), not the file.
@@ -221,11 +222,11 @@ async def test_uploads_beyond_what_one_user_may_keep_are_refused(session: Any) -
     caller = Principal(f"u-{uuid.uuid4().hex[:8]}", "batch", "k")
     service = BatchService(session, make_producer=NO_KAFKA, redis=None, max_user_bytes=100)
     kept = await service.upload(caller, "a.jsonl", "batch", b"x" * 60)
-    await service.upload(caller, "b.jsonl", "batch", b"x" * 60)  # 120: over, once
-    with pytest.raises(ApiError) as refused:
-        await service.upload(caller, "c.jsonl", "batch", b"x")
+    with pytest.raises(ApiError) as refused:  # 120 in all
+        await service.upload(caller, "b.jsonl", "batch", pieces(b"x" * 60, 7), size=60)
     assert refused.value.status == 413 and "delete some" in refused.value.message
+    await service.upload(caller, "c.jsonl", "batch", b"x" * 40)  # 100: just fits
     await service.delete_file(caller, kept["id"])
-    await service.upload(caller, "c.jsonl", "batch", b"x")  # room again
+    await service.upload(caller, "d.jsonl", "batch", b"x" * 60)  # room again
     other = Principal(f"u-{uuid.uuid4().hex[:8]}", "batch", "k")
-    await service.upload(other, "d.jsonl", "batch", b"x" * 60)  # each user's own
+    await service.upload(other, "e.jsonl", "batch", b"x" * 100)  # each user's own

@@ -81,3 +81,23 @@ def test_a_pid_file_naming_another_program_is_stale_and_that_program_is_left_alo
     finally:
         stranger.kill()
         stranger.wait()
+
+
+def test_a_server_started_by_an_earlier_version_is_still_ours(tmp_path: Path) -> None:
+    """Its pid file holds a pid alone: taken as stale, the server ran on unstoppable, and
+    the next start found its port taken."""
+    data = tmp_path / "data" / "toy"
+    data.mkdir(parents=True)
+    earlier = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"], cwd=data, start_new_session=True
+    )
+    try:
+        proc = server(tmp_path)
+        proc.pid_file.parent.mkdir(parents=True)
+        proc.pid_file.write_text(str(earlier.pid))
+        assert proc.pid() == earlier.pid
+        assert proc.terminate(grace_s=5) is True
+        assert earlier.wait(timeout=10) is not None
+    finally:
+        earlier.kill()
+        earlier.wait()

@@ -37,7 +37,8 @@ async def upload_file(
     limit = deps.settings.gateway_max_file_bytes
     if file.size is not None and file.size > limit:
         raise ApiError(413, f"the file is {file.size} bytes: at most {limit}", param="file")
-    return await svc.upload(caller, file.filename or "upload.jsonl", purpose, read_in_chunks(file))
+    name = file.filename or "upload.jsonl"
+    return await svc.upload(caller, name, purpose, read_in_chunks(file), file.size)
 
 
 @router.get("/files")
@@ -65,8 +66,9 @@ async def read_in_chunks(file: UploadFile) -> AsyncIterator[bytes]:
 
 @router.get("/files/{file_id}/content")
 async def file_content(file_id: str, caller: Caller, svc: Batches) -> StreamingResponse:
-    content = await svc.content(caller, file_id)
-    return StreamingResponse(content, media_type="application/octet-stream")
+    content, size = await svc.content(caller, file_id)
+    headers = {} if size is None else {"Content-Length": str(size)}
+    return StreamingResponse(content, media_type="application/octet-stream", headers=headers)
 
 
 @router.delete("/files/{file_id}")

@@ -10,7 +10,7 @@ import asyncio
 import dataclasses
 import logging
 import uuid
-from collections.abc import AsyncIterable, AsyncIterator, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Annotated, Any, Literal
 
 from aiokafka import AIOKafkaProducer
@@ -65,6 +65,7 @@ class CreateBatch(BaseModel):
 
 MARK_RETRY_S = (1, 2, 4, 8, 16, 32)  # 63 s in all: within QUEUING_LIMIT
 BATCHES_CREATED_AT_ONCE = 2  # per replica; more wait their turn
+CREATE_WAIT_S = 30.0  # for a turn, then a 503 (the SDK retries it)
 
 
 class BatchService:
@@ -88,18 +89,26 @@ class BatchService:
     # Files.
 
     async def upload(
-        self, caller: Principal, filename: str, purpose: str, data: bytes | AsyncIterable[bytes]
+        self,
+        caller: Principal,
+        filename: str,
+        purpose: str,
+        data: bytes | AsyncIterable[bytes],
+        size: int | None = None,
     ) -> dict[str, Any]:
+        """`size`: of `data` read in pieces, where known (a multipart upload's). What the
+        user holds is looked at before each upload: uploads at once may each pass."""
         if purpose != "batch":
             raise ApiError(400, "only purpose 'batch' is supported", param="purpose")
         if not _is_unicode(filename):  # a multipart charset may decode to half a pair
             raise ApiError(400, "the file's name is not valid Unicode text", param="file")
         held = await self.files.held_by(caller.user_id)
-        if held >= self._max_user_bytes:  # each upload was more storage, without end
+        size = len(data) if isinstance(data, bytes) else size or 0
+        if held + size > self._max_user_bytes:  # each upload was more storage, without end
             raise ApiError(
                 413,
-                f"your files hold {held} bytes, the most one user may keep is "
-                f"{self._max_user_bytes}: delete some first",
+                f"your files hold {held} bytes and this one {size}; the most one user may "
+                f"keep is {self._max_user_bytes}: delete some first",
                 param="file",
             )
         created = utc_now()
@@ -118,12 +127,15 @@ class BatchService:
             return file_object(made)
         return file_object(await self._own_file(caller, file_id))
 
-    async def content(self, caller: Principal, file_id: str) -> AsyncIterator[bytes]:
-        """A file's bytes as they are read (its owner checked first)."""
+    async def content(
+        self, caller: Principal, file_id: str
+    ) -> tuple[AsyncIterator[bytes], int | None]:
+        """A file's bytes as they are read (its owner checked, its first page read), and
+        its size where known before reading it (an upload's)."""
         if file_id.startswith((OUTPUT_PREFIX, ERROR_PREFIX)):
-            return (await self._batch_file(caller, file_id))[1]
-        await self._own_file(caller, file_id)
-        return self.files.chunks(file_id)
+            return (await self._batch_file(caller, file_id))[1], None
+        stored = await self._own_file(caller, file_id)
+        return await _first_read(self.files.chunks(file_id)), stored.bytes
 
     async def delete_file(self, caller: Principal, file_id: str) -> dict[str, Any]:
         await self.files.delete(await self._own_file(caller, file_id))
@@ -143,8 +155,15 @@ class BatchService:
 
     async def create(self, caller: Principal, api_key: str, body: CreateBatch) -> dict[str, Any]:
         source = await self._own_file(caller, body.input_file_id)
-        async with self._creating:  # until its lines are sent: held till then
+        try:
+            async with asyncio.timeout(CREATE_WAIT_S):
+                await self._creating.acquire()
+        except TimeoutError:
+            raise unavailable("other batches are being created: retry shortly") from None
+        try:  # until its lines are sent: held till then
             return await self._create(caller, api_key, body, source)
+        finally:
+            self._creating.release()
 
     async def _create(
         self, caller: Principal, api_key: str, body: CreateBatch, source: StoredFile
@@ -172,13 +191,25 @@ class BatchService:
         except KafkaError as exc:  # no line got out: nothing is kept
             await self.batches.delete(batch)
             raise unavailable("the batch could not be queued (Kafka)") from exc
-        except CommitUnknown:  # kept as queuing: it shows whether its lines run
-            log.warning("%s: sent, its commit unanswered", batch.batch_id, exc_info=True)
+        except CommitUnknown as unknown:  # answered `validating`; marked once Kafka says
+            log.warning("%s: sent, its commit not answered yet", batch.batch_id)
+            self._beside(self._mark_once_committed(batch.batch_id, unknown.committed))
             return batch_object(batch, Answered())
         # No failure from here on: it would answer "nothing was changed" to a batch that
         # runs, and the client's retry would run it twice.
         await self._mark_queued(batch.batch_id)
         return batch_object(dataclasses.replace(batch, queuing=False), Answered())
+
+    async def _mark_once_committed(self, batch_id: str, committed: Awaitable[bool]) -> None:
+        if await committed:
+            await self._mark_queued(batch_id)
+        else:  # aborted: none of its lines runs, and it shows `failed` in time
+            log.error("%s: its lines' commit failed; none of them runs", batch_id)
+
+    def _beside(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(work)
+        self._marking.add(task)
+        task.add_done_callback(self._marking.discard)
 
     async def _mark_queued(self, batch_id: str) -> None:
         """Unmarked, a batch whose lines are in Kafka would show `failed` once
@@ -188,9 +219,7 @@ class BatchService:
             await self.batches.queued(batch_id)
         except CASSANDRA_DOWN as exc:
             log.warning("%s: queued, not yet marked so (%s); trying again", batch_id, exc)
-            task = asyncio.create_task(self._mark_queued_later(batch_id))
-            self._marking.add(task)
-            task.add_done_callback(self._marking.discard)
+            self._beside(self._mark_queued_later(batch_id))
 
     async def _mark_queued_later(self, batch_id: str) -> None:
         for delay_s in MARK_RETRY_S:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import datetime as dt
 from collections import Counter
@@ -69,12 +70,13 @@ class FileStore:
         self._session = session
         self._insert_chunk_statement: Any = None
 
-    def _insert_chunk(self) -> Any:
+    async def _insert_chunk(self) -> Any:
         """Prepared: a blob bound as text (hex in the statement) took four times its size
-        in memory while being sent."""
+        in memory while being sent. Beside the loop: the driver's prepare blocks."""
         if self._insert_chunk_statement is None:
-            self._insert_chunk_statement = self._session.prepare(
-                "INSERT INTO file_chunks (file_id, chunk, data) VALUES (?, ?, ?)"
+            self._insert_chunk_statement = await asyncio.to_thread(
+                self._session.prepare,
+                "INSERT INTO file_chunks (file_id, chunk, data) VALUES (?, ?, ?)",
             )
         return self._insert_chunk_statement
 
@@ -83,8 +85,9 @@ class FileStore:
         upload's chunks are written as they are read: 64 MiB held whole (twice, with its
         chunks) by each of a few uploads at once was a replica out of memory."""
         size, number = 0, 0
+        insert = await self._insert_chunk()
         async for chunk in _chunks_of(content):
-            await cql(self._session, self._insert_chunk(), (stored.file_id, number, chunk), True)
+            await cql(self._session, insert, (stored.file_id, number, chunk), True)
             size, number = size + len(chunk), number + 1
         stored = dataclasses.replace(stored, bytes=size)
         row = (stored.purpose, stored.filename, stored.bytes)
