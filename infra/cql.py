@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
+# A schema change waits for every table's flush and the schema's agreement: on a busy
+# 2-core machine past the driver's 10 s (a test keyspace's migration failed so in CI).
+SCHEMA_TIMEOUT_S = 60.0
 _NAME = re.compile(r"^(\d{4})_([a-z0-9_]+)\.cql$")
 
 
@@ -40,23 +44,24 @@ def migrate(session: Any, keyspace: str, replication_factor: int = 1) -> list[st
     """Apply the migrations this keyspace has not seen; return the names applied now."""
     if not re.fullmatch(r"[a-z][a-z0-9_]{0,47}", keyspace):
         raise ValueError(f"keyspace name {keyspace!r} is not a valid CQL identifier")
-    session.execute(
+    run = partial(session.execute, timeout=SCHEMA_TIMEOUT_S)
+    run(
         f"CREATE KEYSPACE IF NOT EXISTS {keyspace} WITH replication = "
         f"{{'class': 'SimpleStrategy', 'replication_factor': {replication_factor}}}"
     )
     session.set_keyspace(keyspace)
-    session.execute(
+    run(
         "CREATE TABLE IF NOT EXISTS schema_migrations "
         "(version int PRIMARY KEY, name text, applied_at timestamp)"
     )
-    done = {row.version for row in session.execute("SELECT version FROM schema_migrations")}
+    done = {row.version for row in run("SELECT version FROM schema_migrations")}
     applied = []
     for migration in discover():
         if migration.version in done:
             continue
         for statement in migration.statements:
-            session.execute(statement)
-        session.execute(
+            run(statement)
+        run(
             "INSERT INTO schema_migrations (version, name, applied_at) "
             "VALUES (%s, %s, toTimestamp(now()))",
             (migration.version, migration.name),
