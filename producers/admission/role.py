@@ -18,15 +18,15 @@ id, with `authorization: Bearer <key>` (and optionally `batch-id`) headers. This
   (tandoor/partition_reader.py): one hostile producer stopped every batch.
 
 Results of forwarded lines are published by the persistence consumer once stored.
+Reading and checking are here; forwarding is forwarding.py, and the steps both share
+(answering a line without running it, marking it, counting it done) line_steps.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import TypeAlias
 
@@ -36,9 +36,11 @@ from aiokafka.errors import KafkaError
 from aiokafka.structs import ConsumerRecord
 from cassandra.cluster import Cluster
 
-from producers.admission.answers import UNREACHABLE, Answers, Unrun, why_unrun
+from producers.admission import line_steps
+from producers.admission.answers import Answers
 from producers.admission.band_room import BandRoom
 from producers.admission.fairness import FairQueue
+from producers.admission.forwarding import POLL_S, Forwarding
 from producers.admission.headers import (
     BAD,
     batch_deadline_ms,
@@ -49,12 +51,11 @@ from producers.admission.headers import (
 from producers.admission.lines import Refused, parse_line, prompt_for
 from producers.admission.marks import CallerCache, LineMarks
 from producers.admission.metrics import AdmissionMetrics
-from producers.admission.sweep import answer_unrunnable
 from producers.admission.unreadable import UnreadableRecords
 from producers.admission.waiting import Waiting, WaitingLines
 from producers.gateway.chat.checks import ReplyChecks
 from producers.model_load import LoadMonitor
-from producers.prompts import PromptSubmitter, PromptTooLarge
+from producers.prompts import PromptSubmitter
 from schemas import topics
 from schemas.batch import (
     AUTHORIZATION_HEADER,
@@ -63,7 +64,6 @@ from schemas.batch import (
     custom_line_request_id,
     refused_output,
 )
-from schemas.events import now_ms
 from tandoor.clients import (
     cassandra_cluster,
     kafka_producer,
@@ -74,21 +74,17 @@ from tandoor.ops import OpsServer
 from tandoor.partition_reader import PartitionReader
 from tandoor.policies.api_keys import KeyStore
 from tandoor.policies.moderation import DefaultModerator
-from tandoor.policies.quota import QuotaExceeded, Quotas, QuotaUnavailable
+from tandoor.policies.quota import Quotas
 from tandoor.settings import Settings
 
 log = logging.getLogger(__name__)
 
 Record: TypeAlias = ConsumerRecord[bytes, bytes]
-POLL_S = 0.25  # how often the batch band's backlog is measured
 COMMIT_EVERY_S = 1.0
 IDLE_S = 0.1  # nothing to read: look again after this
-RETRY_S = 1.0  # a store failing: try the line again after this
-SWEEP_S = 1.0  # how often waiting lines are looked over for a cancel or a passed deadline
-UNSENT_PER_PASS = 32  # lines of a model answered or held back before the next pass
 
 
-class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
+class Admission(Forwarding, ConsumerRebalanceListener):  # type: ignore[misc]
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.consumer = AIOKafkaConsumer(
@@ -170,7 +166,7 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
                 records = await self.reader.read(max_records=500, idle_s=IDLE_S)
             except KafkaError as exc:
                 log.warning("reading %s failed: %s; retrying", topics.BATCH_REQUESTS, exc)
-                await asyncio.sleep(RETRY_S)
+                await asyncio.sleep(line_steps.RETRY_S)
                 continue
             for index, record in enumerate(records):
                 if self._revokes != read_in:  # a rebalance meanwhile: the rest read again
@@ -254,151 +250,6 @@ class Admission(ConsumerRebalanceListener):  # type: ignore[misc]
         if custom_id is not None and batch_id and refused.kept and owner is not None:
             await self._mark(request_id, where, first_only=True)
         self._done(record.partition, record.offset, "refused")
-
-    async def _answered_unrun(self, waiting: Waiting) -> bool:
-        """A line of a cancelled batch, or one whose batch's window is over: answered
-        so, and never run. False for a line that may still run."""
-        why = await why_unrun(self.marks, waiting.prompt, now_ms())
-        if why is not None:
-            await self._answer_unrun(waiting, why)
-        return why is not None
-
-    async def _answer_unrun(self, waiting: Waiting, why: Unrun) -> None:
-        await self.answers.unrun(waiting.prompt, why)
-        await self._answered(waiting, why)
-
-    async def _key_revoked(self, waiting: Waiting) -> bool:
-        """A line may wait hours (its tenant's quota): a key revoked meanwhile stops it.
-        A key that cannot be looked up now (Cassandra down) was good when it was read:
-        forwarding goes on, as it needs only Redis and Kafka."""
-        try:
-            return await self.callers.resolve(waiting.key) is None
-        except UNREACHABLE as exc:
-            log.warning("key of a waiting line not checked again (%r); taken as good", exc)
-            return False
-
-    async def _answer_revoked(self, waiting: Waiting) -> None:
-        message = "the API key was revoked before this line ran"
-        await self._answer_refused(waiting, 401, message, "authentication_error")
-
-    async def _answer_refused(self, waiting: Waiting, status: int, message: str, kind: str) -> None:
-        prompt = waiting.prompt
-        output = refused_output(prompt.custom_id, prompt.request_id, status, message, kind)
-        await self.answers.send(prompt.user_id, prompt.batch_id, output)
-        await self._answered(waiting, "refused")
-
-    async def _answered(self, waiting: Waiting, outcome: str) -> None:
-        """A waiting line answered without running: marked, and no longer waiting."""
-        await self._mark(waiting.prompt.request_id, waiting.position)
-        self.queued.discard(waiting.prompt.request_id)
-        self._done(waiting.partition, waiting.offset, outcome)
-
-    # Forwarding.
-
-    async def _forward_lines(self) -> None:
-        swept_at = 0.0
-        while not self._stopping.is_set():
-            if time.monotonic() - swept_at >= SWEEP_S:
-                more = await self._answer_unrunnable()
-                swept_at = 0.0 if more else time.monotonic()  # more: after this pass
-            for model, queue in self.queues.items():
-                room, unsent = self.band.room(model), 0
-                # Lines answered instead (cancelled, expired, key revoked) or held by a
-                # quota are bounded per pass too: 50,000 of a cancelled batch, answered
-                # one by one, held up the sweep and every other model for minutes.
-                while room > 0 and unsent < UNSENT_PER_PASS and not self._stopping.is_set():
-                    picked = queue.pop(time.monotonic())
-                    if picked is None:
-                        break
-                    tenant, waiting = picked
-                    if await self._until_done(partial(self._forward, queue, tenant, waiting)):
-                        room -= 1
-                    else:
-                        unsent += 1
-                self.metrics.waiting.labels(model).set(queue.size)
-            self._arrived.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._arrived.wait(), POLL_S)
-
-    async def _answer_unrunnable(self) -> bool:
-        """Waiting lines of a cancelled batch or past their deadline, answered now
-        (sweep.py); True if more are due."""
-        lines = [line for queue in self.queues.values() for line in queue.items()]
-        answered, more = await answer_unrunnable(
-            lines,
-            self.marks,
-            lambda line: self.queued.where(line.prompt.request_id) == line.position,
-            self._answer_unrun,
-        )
-        for queue in self.queues.values():
-            queue.remove(lambda line: line.prompt.request_id in answered)
-        return more
-
-    async def _forward(self, queue: FairQueue[Waiting], tenant: str, waiting: Waiting) -> bool:
-        """Charge, produce, mark; False when the tenant is over its quota (it waits)."""
-        prompt = waiting.prompt
-        if self.queued.where(prompt.request_id) != waiting.position:
-            return False  # its partition was revoked meanwhile: the new owner has it
-        # A line answered counts as served: a tenant whose cancelled batch was answered
-        # line by line kept the lowest counter, and took every turn until it was done.
-        if await self._answered_unrun(waiting):
-            queue.charge(tenant, prompt.charged_tokens)
-            return False
-        if await self._key_revoked(waiting):
-            await self._answer_revoked(waiting)
-            queue.charge(tenant, prompt.charged_tokens)
-            return False
-        policy = self.settings.tiers[prompt.tier]
-        try:
-            admission = await self.quotas.admit(
-                prompt.user_id,
-                policy,
-                prompt.request_id,
-                prompt.charged_tokens,
-                now_ms(),
-                holds_stream=False,
-            )
-        except (QuotaExceeded, QuotaUnavailable) as exc:
-            queue.put_back(tenant, waiting, time.monotonic() + exc.retry_after_s)
-            return False
-        # A retry is charged at its first time: the usage record settles that minute.
-        admitted = prompt.model_copy(update={"created_at_ms": admission.charged_at_ms})
-        try:
-            await self.submitter.submit(admitted)
-        except PromptTooLarge as exc:  # refused on every try: answered, never retried
-            await self.quotas.refund(admission)
-            await self._answer_refused(waiting, 413, f"{exc}; shorten the messages", BAD)
-            queue.charge(tenant, prompt.charged_tokens)
-            return False
-        await self._mark(prompt.request_id, waiting.position)
-        queue.charge(tenant, prompt.charged_tokens)
-        self.metrics.charged_tokens.labels(prompt.user_id).inc(prompt.charged_tokens)
-        self.band.sent(prompt.model)
-        self.queued.discard(prompt.request_id)  # gone already if revoked meanwhile
-        self._done(waiting.partition, waiting.offset, "forwarded")
-        return True
-
-    # Bookkeeping.
-
-    async def _mark(self, request_id: str, position: str, first_only: bool = False) -> None:
-        """After a line's answer or forward went out, only the mark is tried again: the
-        whole step again would send it twice, every second while Redis stays full."""
-        await self._until_done(partial(self.marks.mark, request_id, position, first_only))
-
-    async def _until_done(self, step: Callable[[], Awaitable[object]]) -> bool:
-        """Run `step` until the stores let it finish (a line is never dropped)."""
-        while True:
-            try:
-                return bool(await step())
-            except UNREACHABLE as exc:
-                if self._stopping.is_set():
-                    return False
-                log.warning("batch line step failed (%r); retrying in %.0f s", exc, RETRY_S)
-                await asyncio.sleep(RETRY_S)
-
-    def _done(self, partition: int, offset: int, outcome: str) -> None:
-        self.offsets.finished(topics.BATCH_REQUESTS, partition, offset)
-        self.metrics.lines.labels(outcome).inc()
 
     async def _commit_often(self) -> None:
         while not self._stopping.is_set():

@@ -123,7 +123,7 @@ async def test_a_mark_that_fails_after_the_forward_does_not_forward_the_line_aga
     admission.queued.add(prompt.request_id, "0:3")
     queue = admission.queues[prompt.model]
     try:
-        with patch("producers.admission.role.RETRY_S", 0.01):
+        with patch("producers.admission.line_steps.RETRY_S", 0.01):
             forward = partial(admission._forward, queue, "u", Waiting(0, 3, prompt))
             assert await admission._until_done(forward)
     finally:
@@ -173,7 +173,7 @@ async def forward_once(
     admission._answered_unrun = lambda waiting: _false()  # type: ignore[method-assign]
     admission.queued.add(prompt.request_id, "0:3")
     try:
-        with patch("producers.admission.role.RETRY_S", 0.01):
+        with patch("producers.admission.line_steps.RETRY_S", 0.01):
             forward = partial(
                 admission._forward,
                 admission.queues[prompt.model],
