@@ -16,7 +16,7 @@ from cassandra import OperationTimedOut
 from infra.process import free_port
 from infra.roles import GatewayProcess
 from producers.gateway.app import create_app
-from producers.gateway.chat.service import MAX_MESSAGES
+from producers.gateway.chat.settled import MAX_MESSAGES
 from producers.gateway.conversations import service as service_module
 from producers.gateway.conversations.service import ConversationService
 from schemas.events import now_ms

@@ -1,7 +1,8 @@
 """Asking for a reply (post, regenerate, edit, and the OpenAI API through `reply`): the
 checks, the user message stored, the prompt produced and the reply followed. What a
 reply must pass lives in checks.py, the in-flight record in inflight.py, stopping and
-resuming in control.py, titles and summaries in jobs.py."""
+resuming in control.py, titles and summaries in jobs.py, the conversation a turn is
+added to in settled.py."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
@@ -32,10 +33,10 @@ from producers.gateway.chat.newest import Newest, NewestReply
 from producers.gateway.chat.protocol import PostMessage, ReplyOptions, sampling_for
 from producers.gateway.chat.reply import ApiCall, Reply
 from producers.gateway.chat.routing import Request, routed
+from producers.gateway.chat.settled import SettledHistory
 from producers.gateway.chat.watch import ReplyWatch
 from producers.gateway.conversations.protocol import (
     Conversation,
-    ConversationWithMessages,
     Message,
     provisional_title,
 )
@@ -61,7 +62,6 @@ from tandoor.policies.redis_keys import ATTEMPT_TTL_S, done_key
 from tandoor.settings import Settings
 
 log = logging.getLogger(__name__)
-MAX_MESSAGES = 2000  # a conversation's, replaced ones included (a turn adds two)
 
 
 @dataclass
@@ -104,6 +104,7 @@ class ChatService:
         self.deps = deps
         self.inflight = InFlight(deps.redis)
         self.newest = NewestReply(deps.redis)
+        self.history = SettledHistory(deps.conversations, self.newest)
         self.running = ReplyControl(deps.settings, deps.conversations, deps.producer, self.inflight)
 
     async def moderated(self, content: str, param: str = "content") -> str:
@@ -118,7 +119,7 @@ class ChatService:
         with contextlib.suppress(*REDIS_DOWN):  # then posting goes on, as the claim lets it
             await self.inflight.ensure_idle(conversation_id)
         text = await self.moderated(body.content)  # a refusal needs no history: before the wait
-        opened, _ = await self._settled(caller, conversation_id)  # unstored: left out
+        opened, _ = await self.history.read(caller, conversation_id)  # unstored: left out
         conversation = Conversation(**opened.model_dump(include=set(Conversation.model_fields)))
         title = provisional_title(text)
         names_it = conversation.title is None and not opened.messages and title is not None
@@ -148,7 +149,7 @@ class ChatService:
         """A fresh reply to the last user message; the replies after it are replaced."""
         conversation = await self.deps.conversations.owned(caller.user_id, conversation_id)
         await self.inflight.ensure_idle(conversation_id)
-        shown, unstored = await self._visible(caller, conversation_id)
+        shown, unstored = await self.history.visible(caller, conversation_id)
         # The last message sent: one that failed (Kafka refused it) is replaced, not answered.
         sent = [i for i, m in enumerate(shown) if m.role == "user" and m.status != "failed"]
         if not sent:
@@ -166,7 +167,7 @@ class ChatService:
         conversation = await self.deps.conversations.owned(caller.user_id, conversation_id)
         await self.inflight.ensure_idle(conversation_id)
         text = await self.moderated(body.content)
-        opened, unstored = await self._settled(caller, conversation_id)
+        opened, unstored = await self.history.read(caller, conversation_id)
         shown = visible(opened)
         at = next((i for i, m in enumerate(shown) if m.id == message_id and m.role == "user"), None)
         if at is None:
@@ -229,43 +230,6 @@ class ChatService:
                 names_it,
             )
         )
-
-    async def _visible(
-        self, caller: Principal, conversation_id: str
-    ) -> tuple[list[Message], list[Message]]:
-        """What the conversation shows once its newest reply is stored; that reply's
-        stand-in in the second list if it was not stored within the wait."""
-        opened, unstored = await self._settled(caller, conversation_id)
-        return visible(opened), [unstored] if unstored is not None else []
-
-    async def _settled(
-        self, caller: Principal, conversation_id: str
-    ) -> tuple[ConversationWithMessages, Message | None]:
-        """The conversation to add a turn to, once its newest reply is stored; a full one
-        is refused: every turn (and every read) takes all its messages, replaced ones
-        too, so one grown without end slowed the replica's loop for everyone on it."""
-        opened, unstored = await self._settled_as_read(caller, conversation_id)
-        if len(opened.messages) >= MAX_MESSAGES:
-            raise ApiError(
-                409,
-                f"this conversation holds {len(opened.messages)} messages, the most one may "
-                "hold: start a new conversation",
-                kind="conflict_error",
-            )
-        return opened, unstored
-
-    async def _settled_as_read(
-        self, caller: Principal, conversation_id: str
-    ) -> tuple[ConversationWithMessages, Message | None]:
-        conversations = self.deps.conversations
-
-        def read() -> Awaitable[ConversationWithMessages]:
-            return conversations.get(caller.user_id, conversation_id)
-
-        def stored(newest: Newest) -> Awaitable[bool]:
-            return conversations.has_message(conversation_id, newest.slot, newest.request_id)
-
-        return await self.newest.settled(conversation_id, read, stored)
 
     async def _start(self, p: _Prompt) -> Reply:
         """Claim the conversation, charge the quota, store the user's message (if there
