@@ -39,6 +39,15 @@ class TierPolicy(BaseModel):
     # How long a prompt may wait for a worker (None: queue_timeout_s). A prompt the
     # workers cannot start in time is refused at once: producers/gateway/shedding.py.
     max_wait_s: float | None = Field(default=None, gt=0)
+    # Lines of a user's Batches API batches not yet answered, at most (None: what its
+    # request quota runs in an hour). A tenant held back by its quota waits in
+    # admission's buffer, and one that spread batches over every partition held every
+    # other tenant's batches behind its own: producers/gateway/batches/enqueued.py.
+    max_enqueued_batch_lines: int | None = Field(default=None, ge=1)
+
+    @property
+    def enqueued_batch_lines(self) -> int:
+        return self.max_enqueued_batch_lines or self.requests_per_minute * 60
 
 
 DEFAULT_TIERS = {

@@ -95,6 +95,7 @@ async def open_services(settings: Settings, slots: StreamSlots) -> AsyncIterator
             partial(transactional_producer, settings),
             cache,
             settings.gateway_max_user_file_bytes,
+            settings.tiers,
         )
         yield Services(settings, keys, conversations, chat, cluster, session, load, batches)
 

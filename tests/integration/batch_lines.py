@@ -87,12 +87,16 @@ def batch_on_another_partition(prefix: str, than: str) -> str:
 
 
 async def slow_tenant(
-    settings: Settings, roles_env: dict[str, str]
+    settings: Settings, roles_env: dict[str, str], max_enqueued_batch_lines: int | None = None
 ) -> tuple[dict[str, str], str, str]:
     """The roles' environment with a tier of a request a minute, and a key of that tier
     with its owner."""
     slow = TierPolicy(
-        band="batch", requests_per_minute=1, tokens_per_minute=1_000_000, concurrent_streams=1
+        band="batch",
+        requests_per_minute=1,
+        tokens_per_minute=1_000_000,
+        concurrent_streams=1,
+        max_enqueued_batch_lines=max_enqueued_batch_lines,
     )
     tiers = settings.tiers | {"slow": slow}
     env = roles_env | {

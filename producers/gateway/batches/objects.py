@@ -73,6 +73,14 @@ def is_settled(batch: StoredBatch, answered: Answered) -> bool:
     return done and _status(batch, answered) in ("completed", "cancelled")
 
 
+def lines_waiting(batch: StoredBatch, answered: Answered) -> int:
+    """Its lines that may still run and are not answered: waiting in Kafka, in
+    admission or in a worker."""
+    if _status(batch, answered) in ("completed", "cancelled", "expired", "failed"):
+        return 0
+    return max(0, batch.total - answered.count)
+
+
 def _status(batch: StoredBatch, answered: Answered) -> str:
     if batch.queuing and not answered.count:  # an answer: its lines were committed
         interrupted = utc_now() > batch.created_at + QUEUING_LIMIT  # none of them ran

@@ -10,7 +10,14 @@ import asyncio
 import dataclasses
 import logging
 import uuid
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import (
+    AsyncIterable,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Coroutine,
+    Mapping,
+)
 from typing import Annotated, Any, Literal
 
 from aiokafka import AIOKafkaProducer
@@ -18,6 +25,7 @@ from aiokafka.errors import KafkaError
 from pydantic import BaseModel, ConfigDict, Field
 
 from producers.batch_topic import CommitUnknown, send_all_or_none
+from producers.gateway.batches.enqueued import QueueCap
 from producers.gateway.batches.input_file import input_lines
 from producers.gateway.batches.objects import (
     COMPLETION_WINDOW,
@@ -44,7 +52,7 @@ from producers.gateway.errors import ApiError, not_found, unavailable
 from tandoor.clients import CASSANDRA_DOWN
 from tandoor.policies.api_keys import Principal
 from tandoor.policies.redis_keys import BATCH_LINE_TTL_S, batch_cancel_key
-from tandoor.settings import MAX_USER_FILE_BYTES
+from tandoor.settings import DEFAULT_TIERS, MAX_USER_FILE_BYTES, TierPolicy
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +83,7 @@ class BatchService:
         make_producer: Callable[[str], AIOKafkaProducer],
         redis: Any,
         max_user_bytes: int = MAX_USER_FILE_BYTES,
+        tiers: Mapping[str, TierPolicy] = DEFAULT_TIERS,
     ) -> None:
         self.files = FileStore(session)
         self._max_user_bytes = max_user_bytes
@@ -82,6 +91,7 @@ class BatchService:
         # bytes, then its lines) until its lines are sent; many ran a replica out of it.
         self._creating = asyncio.Semaphore(BATCHES_CREATED_AT_ONCE)
         self.batches = BatchStore(session)
+        self._queue_cap = QueueCap(self.batches, tiers, self._answered)
         self._make_producer = make_producer  # one per batch: its lines are one transaction
         self._redis = redis
         self._marking: set[asyncio.Task[None]] = set()
@@ -184,7 +194,8 @@ class BatchService:
             None,
             queuing=True,
         )
-        await self.batches.create(batch)
+        async with self._queue_cap.room_for(caller, len(lines)):
+            await self.batches.create(batch)
         deadline_ms = 1000 * epoch(batch.created_at + COMPLETION_WINDOW)
         try:
             await send_all_or_none(self._make_producer, api_key, batch.batch_id, lines, deadline_ms)
@@ -259,15 +270,19 @@ class BatchService:
         return dataclasses.replace(batch, cancelled_at=at)
 
     async def _object(self, batch: StoredBatch) -> dict[str, Any]:
+        return batch_object(batch, await self._answered(batch))
+
+    async def _answered(self, batch: StoredBatch) -> Answered:
+        """Its lines' answers so far: counted, and kept on its row once final."""
         if batch.settled is not None:
-            return batch_object(batch, batch.settled)
+            return batch.settled
         answered = await self.batches.answered(batch.user_id, batch.batch_id)
         if is_settled(batch, answered):
             try:
                 await self.batches.settle(batch.batch_id, answered)
             except CASSANDRA_DOWN as exc:  # counted again next time: still right
                 log.warning("%s: counts not kept (%r)", batch.batch_id, exc)
-        return batch_object(batch, answered)
+        return answered
 
     async def _batch_file(
         self, caller: Principal, file_id: str

@@ -284,6 +284,16 @@ class BatchStore:
         )
         return same_ms + older
 
+    async def created_since(self, user_id: str, since: dt.datetime) -> AsyncIterator[list[str]]:
+        """The user's batch ids created after `since`, newest first, a page at a time."""
+        pages = cql_pages(
+            self._session,
+            "SELECT batch_id FROM batches_by_user WHERE user_id = %s AND created_at > %s",
+            (user_id, since),
+        )
+        async for page in pages:
+            yield [row.batch_id for row in page]
+
     async def _listed(
         self, user_id: str, where: str, params: tuple[Any, ...], limit: int
     ) -> list[str]:
