@@ -101,3 +101,10 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return JSONResponse(error_body(str(exc.detail), kind), exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        """A defect: still the JSON body every client parses (the traceback is logged by
+        the server); a bare text 500 broke OpenAI clients' error handling."""
+        message = f"internal error ({type(exc).__name__}); it is logged, please report it"
+        return JSONResponse(error_body(message, "api_error"), 500)

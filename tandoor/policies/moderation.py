@@ -37,6 +37,7 @@ PHONE = re2.compile(rf"(^|[^{WORD}+]|[{_UNSPACED}])(\+?\d[\d ().-]{{7,}}\d)\b")
 # start (then the rest is looked at again), and digits with dots only where every group
 # is short (an address like 192.168.100.200, a version) or one dot splits them (3.14159).
 _ISO_DATE = re2.compile(r"^\d{4}-\d{2}-\d{2}")
+_DATE_CHARS = 10
 _DOTTED = re2.compile(r"^\d+(?:\.\d+)+$")
 _PHONE_DIGITS = range(9, 16)  # E.164 has at most 15; 9 is the shortest national number
 # What a streamed reply may still turn into something to redact is held back. Text
@@ -263,13 +264,37 @@ def _phone_or_not(match: re2._Match[str]) -> str:
 
 
 def _phone_label(number: str) -> str:
-    if date := _ISO_DATE.search(number):  # "2024-01-15 10": the rest may still be one
-        rest = number[date.end() :]
-        return number[: date.end()] + PHONE.sub(_phone_or_not, rest)
-    digits = sum(c in _ASCII_DIGITS for c in number)
-    if digits not in _PHONE_DIGITS or _is_dotted_number(number):
-        return number
-    return "[phone]"
+    """A [phone] match as redacted. One that starts with a date ("2024-01-15 10") keeps
+    the date, and the rest is looked at again, as [phone] would find it there; in a
+    loop, each step a search of a window the size of the step (a call a date, each a
+    search of all the rest, overflowed Python's stack at 180 dates, and took 6 s at
+    5,000 when a loop)."""
+    at = 0
+    while _ISO_DATE.search(number[at : at + _DATE_CHARS]):
+        start = _phone_start(number, at + _DATE_CHARS)
+        if start is None:
+            return number
+        at = start
+    rest = number[at:]
+    digits = sum(c in _ASCII_DIGITS for c in rest)
+    phone = digits in _PHONE_DIGITS and not _is_dotted_number(rest)
+    return number[:at] + ("[phone]" if phone else rest)
+
+
+def _phone_start(number: str, start: int) -> int | None:
+    """Where [phone] first matches in number[start:] (a match's own characters, after a
+    date), searched in a window doubled until it holds one. A match found in a window
+    is the first in all of it: the characters are all a phone's and the number ends in
+    a digit, so any earlier start would match in the same window too. A match runs to
+    the number's end."""
+    window = 64
+    while True:
+        end = min(len(number), start + window)
+        if found := PHONE.search(number[start:end]):
+            return start + found.start(2)
+        if end == len(number):
+            return None
+        window *= 2
 
 
 def _is_dotted_number(number: str) -> bool:

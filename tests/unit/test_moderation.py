@@ -263,3 +263,16 @@ def test_a_long_number_streams_as_it_is_stored() -> None:
     text = "Pi: " + "1" * 4110 + " done."
     for size in (1, 3, 4, 7):
         assert streamed(text, size) == redact_reply(text), size
+
+
+def test_a_long_list_of_dates_is_checked_whole_and_a_phone_after_it_redacted() -> None:
+    """Each date started a call a step deeper, and a search of all the rest: 180 dates
+    in a message or a reply raised RecursionError on every surface (a 500, a stream
+    cut off), and 5,000 took seconds of a replica's loop."""
+    dates = "2024-01-01 " * 20_000
+    assert DefaultModerator().check_input(dates).text == dates
+    assert redact_reply(dates + "or call +1 555 123 4567") == dates + "or call [phone]"
+    streamed = StreamRedactor()
+    reply = "2024-01-01 " * 300 + "+1 555 123 4567."
+    out = "".join(streamed.feed(reply[i : i + 3]) for i in range(0, len(reply), 3))
+    assert out + streamed.flush() == "2024-01-01 " * 300 + "[phone]."

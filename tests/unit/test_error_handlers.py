@@ -1,0 +1,22 @@
+"""A defect in a route still answers the JSON error body every client parses."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from producers.gateway.errors import install_error_handlers
+
+
+def test_an_unexpected_exception_is_a_json_500() -> None:
+    app = FastAPI()
+    install_error_handlers(app)
+
+    @app.get("/broken")
+    async def broken() -> None:
+        raise RecursionError("maximum recursion depth exceeded")
+
+    answer = TestClient(app, raise_server_exceptions=False).get("/broken")
+    assert answer.status_code == 500
+    error = answer.json()["error"]
+    assert error["type"] == "api_error" and "RecursionError" in error["message"]
