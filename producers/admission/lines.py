@@ -99,10 +99,9 @@ async def _prompt(
         raise ApiError(400, "a batch line cannot stream: omit `stream`", param="body.stream")
     if body.user:  # as over HTTP: for abuse tracing
         log.info("batch %s line for end user %r of %s", batch_id, body.user, caller.user_id)
-    messages = [
-        _message(m.role, await checks.moderated(m.content, f"body.messages.{i}.content"))
-        for i, m in enumerate(body.messages)
-    ]
+    checked = [(m.content, f"body.messages.{i}.content") for i, m in enumerate(body.messages)]
+    texts = await checks.all_moderated(checked)
+    messages = [_message(m.role, text) for m, text in zip(body.messages, texts, strict=True)]
     if messages[-1].role != "user":
         raise ApiError(400, "the last message must be from the user", param="body.messages")
     options = ReplyOptions(

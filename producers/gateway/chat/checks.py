@@ -4,13 +4,14 @@ the new message, the reply's length, the context budget, and the caller's quota.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 
 from producers.gateway.chat.protocol import ReplyOptions
 from producers.gateway.errors import ApiError, unavailable
 from schemas.events import ChatMessage
 from tandoor.policies.api_keys import Principal
 from tandoor.policies.context import Context, ContextTooLong, assemble
-from tandoor.policies.moderation import Moderator
+from tandoor.policies.moderation import Moderator, Verdict
 from tandoor.policies.quota import Admission, QuotaExceeded, Quotas, QuotaUnavailable
 from tandoor.settings import Settings
 
@@ -25,16 +26,28 @@ class ReplyChecks:
 
     async def moderated(self, content: str, param: str = "content") -> str:
         """The message as the model may see it (redacted), or a 400 naming a blocked term
-        and `param`, the field of the request that holds it. Long messages are checked in
-        a thread: linear time still means milliseconds per megabyte, which the event
-        loop's other streams should not wait for."""
-        if len(content) > OFF_LOOP_CHARS:
-            verdict = await asyncio.to_thread(self.moderator.check_input, content)
+        and `param`, the field of the request that holds it."""
+        (text,) = await self.all_moderated([(content, param)])
+        return text
+
+    async def all_moderated(self, messages: Sequence[tuple[str, str]]) -> list[str]:
+        """Each message (its content, and the field that holds it) as `moderated` checks
+        one. Long ones are checked in a thread, judged by their total: linear time still
+        means milliseconds per megabyte, which the loop's other streams should not wait
+        for (64 messages just under the limit each, checked on the loop, held it 0.9 s)."""
+        contents = [content for content, _ in messages]
+        if sum(map(len, contents)) > OFF_LOOP_CHARS:
+            verdicts = await asyncio.to_thread(self._checked, contents)
         else:
-            verdict = self.moderator.check_input(content)
-        if not verdict.allowed:
-            raise ApiError(400, verdict.reason or "blocked", kind="moderation_error", param=param)
-        return verdict.text
+            verdicts = self._checked(contents)
+        for verdict, (_, param) in zip(verdicts, messages, strict=True):
+            if not verdict.allowed:
+                reason = verdict.reason or "blocked"
+                raise ApiError(400, reason, kind="moderation_error", param=param)
+        return [verdict.text for verdict in verdicts]
+
+    def _checked(self, contents: list[str]) -> list[Verdict]:
+        return [self.moderator.check_input(content) for content in contents]
 
     def max_tokens(self, caller: Principal, options: ReplyOptions, model: str) -> int:
         """The reply's length: as asked, within the tier's limit; when not asked, the

@@ -45,10 +45,10 @@ async def start_completion(
 ) -> Reply:
     if body.model not in chat.deps.settings.models:
         raise unknown_model(body.model)
-    *history, last = [
-        _message(m.role, await chat.moderated(m.content, f"messages.{i}.content"))
-        for i, m in enumerate(body.messages)
-    ]  # every message, as the chat surface checks each message it is sent
+    # Every message, as the chat surface checks each message it is sent.
+    checked = [(m.content, f"messages.{i}.content") for i, m in enumerate(body.messages)]
+    texts = await chat.deps.checks.all_moderated(checked)
+    *history, last = [_message(m.role, text) for m, text in zip(body.messages, texts, strict=True)]
     if last.role != "user":
         raise ApiError(400, "the last message must be from the user", param="messages")
     if body.user:
