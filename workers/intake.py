@@ -58,7 +58,6 @@ class PromptIntake(ConsumerRebalanceListener):  # type: ignore[misc]
         )
         self.backlog: dict[str, int] = {}
         self._lag_checked = 0.0
-        self._paused = False
         self._outside: set[int] = set()  # partitions past every band, warned of
 
     async def start(self) -> None:
@@ -116,7 +115,6 @@ class PromptIntake(ConsumerRebalanceListener):  # type: ignore[misc]
         returns at once (a poll cancelled midway leaves aiokafka counting it as under
         way, and its check off for good); the backlog is measured within a second."""
         self.consumer.pause(*self.consumer.assignment())
-        self._paused = True
         try:
             batch = await self.consumer.getmany(timeout_ms=0)
         except KafkaError as exc:
@@ -169,7 +167,6 @@ class PromptIntake(ConsumerRebalanceListener):  # type: ignore[misc]
 
     async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
         log.info("assigned %s partitions %s", self.topic, sorted(tp.partition for tp in assigned))
-        self._paused = False
         self._lag_checked = 0.0
 
     def _taken(self, batch: dict[TopicPartition, list[Record]]) -> list[Record]:
@@ -182,9 +179,12 @@ class PromptIntake(ConsumerRebalanceListener):  # type: ignore[misc]
         return records
 
     def _resume(self) -> None:
-        if self._paused:
-            self.consumer.resume(*self.consumer.assignment())
-            self._paused = False
+        """Whatever the consumer holds paused, not what a flag says: aiokafka sets a new
+        assignment, then awaits a task before it calls the listener, and a full worker's
+        poll in between paused the new partitions after the flag was last cleared (the
+        worker took nothing until the next rebalance)."""
+        if paused := self.consumer.paused():
+            self.consumer.resume(*paused)
 
     def _top_band(self) -> list[TopicPartition]:
         return self._assigned_in(self.layout.ranges[0].name)

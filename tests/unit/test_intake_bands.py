@@ -31,6 +31,9 @@ class GrownTopic:
     def resume(self, *_: TopicPartition) -> None:
         pass
 
+    def paused(self) -> set[TopicPartition]:
+        return set()
+
     def pause(self, *_: TopicPartition) -> None:
         pass
 
@@ -97,3 +100,44 @@ async def test_a_full_worker_measuring_its_backlog_is_not_held_up_by_a_slow_brok
     await intake.consumer.stop()
     intake.consumer = cast(Any, SlowBroker(intake.topic, intake.layout.total_partitions - 1))
     await asyncio.wait_for(intake.poll_while_full(), BACKLOG_WHILE_FULL_S + 5)
+
+
+class Pausing(GrownTopic):
+    """Keeps which partitions are paused, as aiokafka does."""
+
+    def __init__(self, topic: str, partitions: int) -> None:
+        super().__init__(topic, partitions)
+        self.held_back: set[TopicPartition] = set()
+
+    def pause(self, *tps: TopicPartition) -> None:
+        self.held_back |= set(tps)
+
+    def resume(self, *tps: TopicPartition) -> None:
+        self.held_back -= set(tps)
+
+    def paused(self) -> set[TopicPartition]:
+        return self.held_back & self.assigned
+
+    async def getmany(
+        self, *tps: TopicPartition, timeout_ms: int = 0, max_records: int | None = None
+    ) -> dict[TopicPartition, list[ConsumerRecord[bytes, bytes]]]:
+        readable = [tp for tp in tps or self.assigned if tp not in self.held_back]
+        self.asked.append(set(readable))
+        return {}
+
+
+async def test_partitions_paused_as_a_rebalance_assigns_them_are_resumed() -> None:
+    """aiokafka sets the new assignment, then awaits a task before it calls the
+    listener: a full worker's poll in between paused the new partitions, and the
+    listener then noted nothing paused. The worker took nothing until the next
+    rebalance, and said it was ready."""
+    settings = Settings()
+    intake = PromptIntake(settings, settings.served_models[0])
+    await intake.consumer.stop()
+    consumer = Pausing(intake.topic, intake.layout.total_partitions - 1)
+    intake.consumer = cast(Any, consumer)
+    await intake.poll_while_full()  # the new assignment, paused by a full worker
+    await intake.on_partitions_assigned(list(consumer.assigned))
+    await intake.take(4)  # a slot freed
+    assert consumer.paused() == set()
+    assert consumer.asked[-1], "no partition was read"
