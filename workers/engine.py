@@ -31,6 +31,7 @@ from jinja2 import TemplateError
 
 from schemas.events import TEMPLATE_REFUSED, ChatMessage, Sampling
 from tandoor.models import Dtype, Executor
+from workers.control_tokens import ControlTokens
 from workers.dtype import resolve_dtype
 from workers.executor import resolve_executor
 
@@ -95,6 +96,7 @@ class Engine:
         # callable" (module globals already cleared).
         self._llm: AsyncLLM | None = llm
         self._tokenizer = tokenizer
+        self._control = ControlTokens(tokenizer)
         self._max_model_len = max_model_len
         self._chat_template = chat_template
 
@@ -127,9 +129,10 @@ class Engine:
         or, given the `partial` reply published so far, ready to continue it."""
         # Text first, then encode without special tokens: the template already writes
         # them, and this gives plain token ids whatever apply_chat_template returns.
-        conversation = [{"role": m.role, "content": m.content} for m in messages]
+        defused = self._control.defused  # a message's text never spells a turn's token
+        conversation = [{"role": m.role, "content": defused(m.content)} for m in messages]
         if partial:
-            conversation.append({"role": "assistant", "content": partial})
+            conversation.append({"role": "assistant", "content": defused(partial)})
         try:
             text = self._tokenizer.apply_chat_template(
                 conversation,

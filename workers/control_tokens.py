@@ -1,0 +1,44 @@
+"""Text in a message that spells one of the model's control tokens ("<|im_start|>",
+"<start_of_turn>") stays text. The chat template's output is encoded with the
+tokenizer's added tokens recognised anywhere in it, so such text became the token
+itself: a user could write a turn of its own into the prompt (a system turn, or the
+assistant's), through any surface, and into the title and summary jobs' prompts too.
+A zero-width space after its first character keeps it from matching; the model reads
+nearly the same characters."""
+
+from __future__ import annotations
+
+from typing import Any
+
+ZERO_WIDTH_SPACE = "\u200b"
+
+
+class ControlTokens:
+    def __init__(self, tokenizer: Any) -> None:
+        added = getattr(tokenizer, "added_tokens_decoder", {})
+        special = {i: t.content for i, t in added.items() if t.special and t.content}
+        self._tokenizer = tokenizer
+        self._ids = set(special) | set(getattr(tokenizer, "all_special_ids", ()))
+        self._texts = sorted(set(special.values()), key=len, reverse=True)
+        self._first_chars = frozenset(text[0] for text in self._texts)
+
+    def defused(self, text: str) -> str:
+        if not any(char in text for char in self._first_chars):
+            return text  # most messages: no '<' at all
+        try:  # where the tokenizer itself finds them: linear, however many it has
+            encoded = self._tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        except (NotImplementedError, ValueError, TypeError):  # a tokenizer without offsets
+            return self._replaced(text)
+        spans = zip(encoded["input_ids"], encoded["offset_mapping"], strict=True)
+        cuts = [start + 1 for token, (start, end) in spans if token in self._ids and end > start]
+        pieces, at = [], 0
+        for cut in cuts:
+            pieces += [text[at:cut], ZERO_WIDTH_SPACE]
+            at = cut
+        return "".join([*pieces, text[at:]])
+
+    def _replaced(self, text: str) -> str:
+        for control in self._texts:
+            if control in text:
+                text = text.replace(control, control[0] + ZERO_WIDTH_SPACE + control[1:])
+        return text
