@@ -43,7 +43,10 @@ def refusal(token: str | None, authorization: str | None) -> str | None:
     if token is None:
         return "rollups over HTTP are off: set TANDOOR_ANALYTICS_TOKEN"
     scheme, _, given = (authorization or "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip(), token):
+    # As bytes: compare_digest refuses str with any non-ASCII character (a TypeError, a
+    # 500 for any client that sent one).
+    given_bytes = given.strip().encode("utf-8", "surrogateescape")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given_bytes, token.encode()):
         return "send 'Authorization: Bearer <TANDOOR_ANALYTICS_TOKEN>'"
     return None
 

@@ -12,7 +12,7 @@ from schemas.codec import encode
 from schemas.events import now_ms
 from streams.app import rollup_tables
 from streams.tables import CLOCK_AHEAD_MS
-from streams.web import metrics_registry
+from streams.web import metrics_registry, refusal
 from tests.unit.test_streams_agents import Sink, count_per_model, short_memory, usage
 
 __all__ = ["short_memory"]  # the fixture, used by name
@@ -98,3 +98,10 @@ async def test_records_it_cannot_read_are_counted_as_passed_over_and_counting_go
     assert rollup_tables(app).passed_over["undecodable"] == 3
     metrics = generate_latest(metrics_registry(app, rollup_tables(app))).decode()
     assert 'tandoor_streams_passed_over{reason="undecodable"} 3.0' in metrics
+
+
+@pytest.mark.parametrize("token", ["analytics", "clé-analytique"])
+def test_a_bearer_token_with_any_characters_is_refused_or_taken_not_a_500(token: str) -> None:
+    """compare_digest raised TypeError on str with non-ASCII characters: a 500."""
+    assert refusal(token, "Bearer été") is not None
+    assert refusal(token, f"Bearer {token}") is None
