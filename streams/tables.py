@@ -36,6 +36,7 @@ from typing import Any, Literal
 import faust
 import orjson
 from faust.streams import current_event
+from faust.types import TP
 
 from schemas import topics
 from schemas.events import now_ms
@@ -68,6 +69,10 @@ class PartitionBook:
     # far ahead of the publish timer): published once more, closed, then forgotten.
     unpublished: dict[bytes, bytes] = field(default_factory=dict)
     housekept_at: float = 0.0
+    # Its partition revoked, and this member not yet told whether it keeps it: not
+    # published meanwhile (its new owner may be counting it, and what this one had
+    # would end a window with fewer than were counted).
+    suspended: bool = False
 
 
 class RollupTables:
@@ -81,6 +86,15 @@ class RollupTables:
         self.passed_over: Counter[str] = Counter()  # records or windows not counted, by why
         for dimension in DIMENSIONS:  # called once every table is recovered
             self._counted[dimension].on_recover(self._on_recovered(app, dimension))
+        app.on_partitions_revoked.connect(self._on_revoked)  # type: ignore[arg-type]
+
+    async def _on_revoked(self, _: faust.App, revoked: set[TP], **__: Any) -> None:
+        """faust's revoke signal (before the tables are recovered, and before the
+        recovery callbacks say which partitions stay: reassigned)."""
+        partitions = {tp.partition for tp in revoked}
+        for (_dimension, partition), book in self._books.items():
+            if partition in partitions:
+                book.suspended = True
 
     def _on_recovered(self, app: faust.App, dimension: str) -> Callable[[], Awaitable[None]]:
         async def recovered() -> None:
@@ -143,6 +157,8 @@ class RollupTables:
         returns how many were published."""
         published = 0
         for (dimension, _), book in list(self._books.items()):
+            if book.suspended:
+                continue
             table = self._tables[dimension]
             closing_ms = max(book.stream_ms, now_ms()) - CLOSE_GRACE_MS
             ended = {name for name, (end, _) in book.windows.items() if end <= closing_ms}
@@ -174,7 +190,9 @@ class RollupTables:
         for key in [k for k in self._books if k[0] == dimension and k[1] not in partitions]:
             del self._books[key]
         for partition in partitions:
-            if (dimension, partition) not in self._books:
+            if (dimension, partition) in self._books:
+                self._books[(dimension, partition)].suspended = False
+            else:
                 book = self._book(dimension, partition)
                 book.dirty.update(book.windows)
 

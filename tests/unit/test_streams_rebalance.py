@@ -78,3 +78,19 @@ async def test_a_partition_another_member_took_is_not_published_here(
     await rebalance(app, {partition + 1})
     assert await rollup_tables(app).publish_changes() == 0
     assert sink.rollups == {}
+
+
+async def test_nothing_is_published_between_a_revoke_and_the_recovery_that_says_what_stays(
+    app_and_sink: tuple[faust.App, Sink],
+) -> None:
+    """Its new owner may count the partition meanwhile: this member's closing publication
+    of a window, with the count it had at the revoke, could land last and end the
+    window with fewer than were counted."""
+    app, sink = app_and_sink
+    minutes_ago, partition = await count_one_record_minutes_ago(app)
+    await app.on_partitions_revoked.send({TP("usage", partition)})
+    assert await rollup_tables(app).publish_changes() == 0
+    assert sink.rollups == {}
+    await rebalance(app, {partition})  # kept after all
+    assert await rollup_tables(app).publish_changes() == 2
+    assert sink.rollups[f"user/ada/1m/{minutes_ago}"]["closed"]
