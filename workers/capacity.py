@@ -8,12 +8,19 @@ from collections.abc import Callable, Sequence
 
 
 class Capacity:
-    def __init__(self, max_seqs: int, max_tokens: int, bands: Sequence[str] = ()) -> None:
-        """`bands`: highest priority first; freed tokens go to a higher band's waiter."""
+    def __init__(
+        self, max_seqs: int, max_tokens: int, bands: Sequence[str] = (), top_share: float = 0.0
+    ) -> None:
+        """`bands`: highest priority first; freed tokens go to a higher band's waiter.
+        `top_share`: of the tokens, what lower bands leave to the top band, as the
+        scheduler leaves it a share of the slots (a flood of long batch lines took every
+        token, and a top-band prompt given a kept slot waited for a batch reply to end)."""
         self.max_seqs = max_seqs
         self.max_tokens = max_tokens
         self.seqs = 0
         self.tokens = 0
+        self.lower_tokens = 0  # held by bands below the top one
+        self._lower_cap = max_tokens - round(max_tokens * top_share)
         self._changed = asyncio.Condition()
         self._rank = {band: rank for rank, band in enumerate(bands)}
         self._waiting: Counter[tuple[int, int]] = Counter()  # token waiters: (rank, count)
@@ -47,7 +54,7 @@ class Capacity:
         looks again then, when no release may come for minutes). A higher band's waiter
         too big for the room holds back nobody: lower bands keep the share of slots
         they are given."""
-        waiter = (self._rank.get(band or "", len(self._rank)), count)
+        waiter = (self._rank_of(band), count)
         timer = None
         if wake_in_s is not None:
             timer = asyncio.get_running_loop().call_later(max(0.0, wake_in_s), self._wake_soon)
@@ -64,7 +71,10 @@ class Capacity:
             self._waiting[waiter] += 1
             try:
                 await self._changed.wait_for(
-                    lambda: give_up() or (self._fits(count) and not self._ahead_of(waiter[0]))
+                    lambda: (
+                        give_up()
+                        or (self._fits(count, waiter[0]) and not self._ahead_of(waiter[0]))
+                    )
                 )
             finally:
                 self._waiting[waiter] -= 1
@@ -74,16 +84,20 @@ class Capacity:
             if give_up():
                 return False
             self.tokens += count
+            if waiter[0] > 0:
+                self.lower_tokens += count
             return True
 
     def _ahead_of(self, rank: int) -> bool:
         return any(
-            waiting > 0 and other < rank and self._fits(count)
+            waiting > 0 and other < rank and self._fits(count, other)
             for (other, count), waiting in self._waiting.items()
         )
 
-    async def release_tokens(self, count: int) -> None:
+    async def release_tokens(self, count: int, band: str | None) -> None:
         self.tokens -= count
+        if self._rank_of(band) > 0:
+            self.lower_tokens -= count
         await self.wake()
 
     async def wake(self) -> None:
@@ -95,5 +109,15 @@ class Capacity:
         self._wakes.add(task)  # held until done: the loop keeps only weak references
         task.add_done_callback(self._wakes.discard)
 
-    def _fits(self, count: int) -> bool:
-        return self.tokens == 0 or self.tokens + count <= self.max_tokens
+    def _rank_of(self, band: str | None) -> int:
+        return self._rank.get(band or "", len(self._rank))
+
+    def _fits(self, count: int, rank: int) -> bool:
+        """Anything fits an idle worker; a lower band's first reservation may pass its
+        share, as the only one of its bands running."""
+        if self.tokens == 0:
+            return True
+        if self.tokens + count > self.max_tokens:
+            return False
+        lower_fits = self.lower_tokens == 0 or self.lower_tokens + count <= self._lower_cap
+        return rank == 0 or lower_fits

@@ -230,7 +230,7 @@ class RequestRunner:
             failed = "the engine failed the request" if reason == "error" else None
             await self._finish(attempt, reason, failed)
         finally:
-            await self.capacity.release_tokens(budget)
+            await self.capacity.release_tokens(budget, attempt.band)
 
     async def _stream(
         self, attempt: Attempt, token_ids: list[int], max_tokens: int

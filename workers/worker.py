@@ -48,7 +48,9 @@ class Worker:
         self.options = options
         self.metrics = WorkerMetrics(model)
         bands = [band.name for band in settings.bands]
-        self.capacity = Capacity(options.max_num_seqs, settings.worker_max_tokens, bands)
+        self.capacity = Capacity(
+            options.max_num_seqs, settings.worker_max_tokens, bands, settings.worker_top_band_share
+        )
         self.intake = PromptIntake(settings, model)
         self.control = ControlListener(settings, self._on_cancel)
         self._redis = redis_client(settings)

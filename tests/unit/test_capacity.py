@@ -17,7 +17,7 @@ async def test_token_budget_waits_until_enough_is_released() -> None:
     waiter = asyncio.create_task(capacity.reserve_tokens(30, give_up=lambda: False))
     await settle()
     assert not waiter.done()
-    await capacity.release_tokens(80)
+    await capacity.release_tokens(80, None)
     assert await asyncio.wait_for(waiter, 1)
     assert capacity.tokens == 30
 
@@ -61,11 +61,11 @@ async def test_freed_tokens_go_to_a_waiter_of_a_higher_band_first() -> None:
     await settle()
     chat = asyncio.create_task(capacity.reserve_tokens(50, lambda: False, band="interactive"))
     await settle()
-    await capacity.release_tokens(60)
+    await capacity.release_tokens(60, "batch")
     assert await asyncio.wait_for(chat, 1)
     await settle()
     assert not batch.done(), "the batch prompt took room with the interactive one waiting"
-    await capacity.release_tokens(50)
+    await capacity.release_tokens(50, "interactive")
     assert await asyncio.wait_for(batch, 1)
 
 
@@ -113,3 +113,25 @@ async def test_nothing_is_kept_for_waiters_that_have_gone() -> None:
     await capacity.wake()
     assert await asyncio.wait_for(asyncio.gather(*waiters), 5) == [False] * 199
     assert not capacity._waiting
+
+
+async def test_lower_bands_leave_the_top_band_its_share_of_the_tokens() -> None:
+    """Slots were kept for the top band, tokens not: batch lines of 2,048 tokens each
+    took 38,912 of 40,000, and a chat prompt given a kept slot waited minutes for a
+    batch reply to end."""
+    bands = ["interactive-paid", "batch"]
+    capacity = Capacity(max_seqs=32, max_tokens=40_000, bands=bands, top_share=0.25)
+    lines = [
+        asyncio.create_task(capacity.reserve_tokens(2048, lambda: False, band="batch"))
+        for _ in range(19)
+    ]
+    await settle()
+    assert sum(line.done() for line in lines) == 14  # 28,672 of the 30,000 left to them
+    chat = capacity.reserve_tokens(1500, lambda: False, band="interactive-paid")
+    assert await asyncio.wait_for(chat, 5)
+    await capacity.release_tokens(1500, "interactive-paid")
+    await capacity.release_tokens(2048, "batch")
+    await settle()
+    assert sum(line.done() for line in lines) == 15, "a batch line takes the room freed"
+    for line in lines:
+        line.cancel()
