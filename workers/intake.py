@@ -100,9 +100,18 @@ class PromptIntake(ConsumerRebalanceListener):  # type: ignore[misc]
         for band, count in plan.items():
             partitions = self._assigned_in(band)
             if partitions:
-                batch = await self.consumer.getmany(
-                    *partitions, timeout_ms=IDLE_WAIT_MS // 10, max_records=count
-                )
+                try:
+                    batch = await self.consumer.getmany(
+                        *partitions, timeout_ms=IDLE_WAIT_MS // 10, max_records=count
+                    )
+                except KafkaError:
+                    if not records:
+                        raise
+                    # Those taken already are counted in flight and hold their
+                    # partitions' commits: dropped, they never ran, and nothing was
+                    # committed past them until a restart.
+                    log.info("fetching band %s failed; running the %d taken", band, len(records))
+                    return records
                 records += self._taken(batch)
         return records
 

@@ -9,6 +9,7 @@ import asyncio
 from typing import Any, cast
 
 from aiokafka import TopicPartition
+from aiokafka.errors import KafkaConnectionError
 from aiokafka.structs import ConsumerRecord
 
 from tandoor.settings import Settings
@@ -141,3 +142,28 @@ async def test_partitions_paused_as_a_rebalance_assigns_them_are_resumed() -> No
     await intake.take(4)  # a slot freed
     assert consumer.paused() == set()
     assert consumer.asked[-1], "no partition was read"
+
+
+class FailingAfterFirst(GrownTopic):
+    """The first band's fetch brings a prompt; the next fails (a broker restarting)."""
+
+    async def getmany(
+        self, *tps: TopicPartition, timeout_ms: int = 0, max_records: int | None = None
+    ) -> dict[TopicPartition, list[ConsumerRecord[bytes, bytes]]]:
+        if self.asked:
+            raise KafkaConnectionError("the broker went away")
+        self.asked.append(set(tps))
+        tp = min(tps, key=lambda t: t.partition)
+        return {tp: [ConsumerRecord(tp.topic, tp.partition, 0, 0, 0, b"k", b"v", None, 1, 1, [])]}
+
+
+async def test_prompts_taken_before_a_later_bands_fetch_fails_are_run() -> None:
+    """They were counted in flight and held their partition's commit, then dropped with
+    the error: never run, and nothing committed past them until a restart."""
+    settings = Settings()
+    intake = PromptIntake(settings, settings.served_models[0])
+    await intake.consumer.stop()
+    intake.consumer = cast(Any, FailingAfterFirst(intake.topic, intake.layout.total_partitions - 1))
+    taken = await intake.take(30)  # every band has prompts waiting: three fetches
+    assert [(r.partition, r.offset) for r in taken] == [(0, 0)]
+    assert sum(intake.held.values()) == 1
