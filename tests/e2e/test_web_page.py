@@ -4,6 +4,7 @@ chat in the sidebar. Screenshots go to test-artifacts/screenshots/."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 
 import httpx
@@ -98,6 +99,27 @@ async def test_replies_are_rendered_as_escaped_markdown(stack: Stack, page: Page
     assert "<img" not in html and "&lt;img src=x onerror=alert(1)&gt;" in html
     assert "<strong>bold</strong>" in html and "<code>&lt;b&gt;</code>" in html
     assert '<pre><code class="language-py">print(&quot;&lt;hi&gt;&quot;)</code></pre>' in html
+
+
+async def test_a_reply_of_brackets_renders_in_linear_time(stack: Stack, page: Page) -> None:
+    """From every "[" of a line, the link pattern scanned to the line's end: a reply of
+    16,000 "[" took 227 ms a render, at each token, and froze the page for most of a
+    minute. 200,000 (42 s a render before) are given a minute, a thousandth of it now."""
+    await page.goto(stack.url)
+    rendered = page.evaluate(
+        """async () => {
+          const { renderMarkdown } = await import('/web/markdown.js');
+          const brackets = renderMarkdown('['.repeat(200000));
+          const links = renderMarkdown('[a](http://x'.repeat(50000));
+          return [brackets.length, links.length, renderMarkdown('see [[docs](https://d.io/a)')];
+        }"""
+    )
+    brackets, links, nested = await asyncio.wait_for(rendered, 60)
+    assert brackets == len("<p></p>") + 200_000 and links > 600_000
+    assert nested == (
+        '<p>see [<a href="https://d.io/a" rel="noopener noreferrer nofollow" '
+        'target="_blank">docs</a></p>'
+    )
 
 
 async def test_the_model_picker_sends_to_the_model_chosen(stack: Stack, page: Page) -> None:
