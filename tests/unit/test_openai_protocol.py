@@ -21,6 +21,8 @@ def test_content_as_text_parts_is_the_same_request_as_a_string() -> None:
     parts = [{"type": "text", "text": "Name three"}, {"type": "text", "text": "rivers."}]
     assert request(parts).messages[0].content == "Name three\nrivers."
     assert request("Name three\nrivers.").messages == request(parts).messages
+    cached = [{"type": "text", "text": "Name three", "cache_control": {"type": "ephemeral"}}]
+    assert request(cached).messages[0].content == "Name three"  # LiteLLM's, as vLLM takes it
 
 
 @pytest.mark.parametrize(

@@ -25,13 +25,15 @@ class InputMessage(BaseModel):
     @classmethod
     def _text_parts(cls, content: object) -> object:
         """`[{"type": "text", "text": ...}, ...]`, as the SDK's types, LangChain and
-        LiteLLM send it; any other kind of part (an image, audio) is refused by name."""
+        LiteLLM send it, other keys of a text part ignored as vLLM does (LiteLLM's
+        `cache_control` got "part 0 is 'text': only text parts are supported"); any
+        other kind of part (an image, audio) is refused by name."""
         if not isinstance(content, list):
             return content
         texts = []
         for i, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind != "text" or not isinstance(part.get("text"), str) or len(part) != 2:
+            if kind != "text" or not isinstance(part.get("text"), str):
                 shown = repr(kind) if isinstance(kind, str) else "not a text part"
                 raise ValueError(f"part {i} is {shown[:40]}: only text parts are supported")
             texts.append(part["text"])
