@@ -16,13 +16,17 @@ def shortened(text: str, limit: int) -> str:
     return text if len(text) <= limit else f"{text[: limit - 1]}…"
 
 
-def error_body(message: str, kind: str, param: str | None = None) -> dict[str, Any]:
+def error_body(
+    message: str, kind: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    """`code` as OpenAI's where one applies (model_not_found, invalid_api_key,
+    rate_limit_exceeded, context_length_exceeded): clients branch on it."""
     bounded_param = None if param is None else shortened(param, MAX_PARAM_CHARS)
     return {
         "error": {
             "message": shortened(message, MAX_MESSAGE_CHARS),
             "type": kind,
             "param": bounded_param,
-            "code": None,
+            "code": code,
         }
     }

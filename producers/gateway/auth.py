@@ -23,11 +23,16 @@ async def current_principal(
             "missing API key: send 'Authorization: Bearer <key>'",
             kind="authentication_error",
             headers=UNAUTHORIZED,
+            code="invalid_api_key",
         )
     principal = await deps.keys.resolve(key.strip())
     if principal is None:
         raise ApiError(
-            401, "invalid or revoked API key", kind="authentication_error", headers=UNAUTHORIZED
+            401,
+            "invalid or revoked API key",
+            kind="authentication_error",
+            headers=UNAUTHORIZED,
+            code="invalid_api_key",
         )
     return principal
 

@@ -26,6 +26,7 @@ class ApiError(Exception):
         kind: str = "invalid_request_error",
         param: str | None = None,
         headers: dict[str, str] | None = None,
+        code: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -33,6 +34,7 @@ class ApiError(Exception):
         self.kind = kind
         self.param = param
         self.headers = headers or {}
+        self.code = code
 
 
 def unavailable(what: str, retry_after_s: int = UNREACHABLE_RETRY_S) -> ApiError:
@@ -53,7 +55,9 @@ def kafka_unreachable(message: str) -> ApiError:
 def unknown_model(model: str, param: str = "model") -> ApiError:
     """OpenAI's answer for a model it does not serve, on every surface (chat, OpenAI
     API, batch line)."""
-    return ApiError(404, f"model {model!r} does not exist; see /v1/models", param=param)
+    return ApiError(
+        404, f"model {model!r} does not exist; see /v1/models", param=param, code="model_not_found"
+    )
 
 
 def not_found(what: str) -> ApiError:
@@ -74,7 +78,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        body = error_body(exc.message, exc.kind, exc.param)
+        body = error_body(exc.message, exc.kind, exc.param, exc.code)
         return JSONResponse(body, status_code=exc.status, headers=exc.headers)
 
     async def _unreachable(request: Request, exc: Exception) -> JSONResponse:

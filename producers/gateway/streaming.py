@@ -82,6 +82,7 @@ class StreamSlots:
                 "already; close one first",
                 kind="rate_limit_error",
                 headers={"Retry-After": "2"},
+                code="rate_limit_exceeded",
             )
         self.open += 1
         if resumed_by is not None:

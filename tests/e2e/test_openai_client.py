@@ -114,12 +114,14 @@ async def test_errors_come_back_as_openai_errors(stack: Stack) -> None:
 
 
 async def openai_errors(api: openai.AsyncOpenAI, wrong: openai.AsyncOpenAI, stack: Stack) -> None:
-    with pytest.raises(openai.NotFoundError, match="does not exist"):
+    with pytest.raises(openai.NotFoundError, match="does not exist") as missing:
         await api.chat.completions.create(
             model="gpt-9", messages=[{"role": "user", "content": "hi"}]
         )
-    with pytest.raises(openai.AuthenticationError):
+    assert missing.value.code == "model_not_found"  # what clients branch on, as OpenAI's
+    with pytest.raises(openai.AuthenticationError) as unknown:
         await wrong.models.list()
+    assert unknown.value.code == "invalid_api_key"
     with pytest.raises(openai.BadRequestError):
         await api.chat.completions.create(model=stack.settings.served_models[0], messages=[])
     # A context that does not fit is refused, not cut short behind the client's back.

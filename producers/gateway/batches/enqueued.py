@@ -62,6 +62,7 @@ class QueueCap:
                     kind="rate_limit_error",
                     param=PARAM,
                     headers={"Retry-After": str(RETRY_S)},
+                    code="rate_limit_exceeded",
                 )
             yield
 

@@ -87,6 +87,7 @@ class ReplyChecks:
             f"than the model's {window}-token context; send fewer messages or a smaller "
             "max_tokens",
             param="messages",
+            code="context_length_exceeded",
         )
         try:
             context = assemble(system, asked, window, max_tokens)
@@ -129,4 +130,5 @@ class ReplyChecks:
                 kind="rate_limit_error",
                 param=exc.limit,
                 headers={"Retry-After": str(exc.retry_after_s)},
+                code="rate_limit_exceeded",
             ) from exc

@@ -139,7 +139,7 @@ async def completion_chunks(
         if rest := redactor.feed(event.text[len(raw) :]) + redactor.flush():
             yield _content(base, rest)
         if (refused := _refusal(event)) is not None:  # as the same request unstreamed
-            yield _data(error_body(refused.message, refused.kind, refused.param))
+            yield _data(error_body(refused.message, refused.kind, refused.param, refused.code))
             break
         yield _data(
             {
@@ -214,7 +214,12 @@ def _refusal(final: FinalEvent) -> ApiError | None:
             headers={"Retry-After": "5"},
         )
     if final.failed_with(TOO_LONG_FOR_ENGINE):
-        return ApiError(400, f"context_length_exceeded: {final.error}", param="messages")
+        return ApiError(
+            400,
+            f"context_length_exceeded: {final.error}",
+            param="messages",
+            code="context_length_exceeded",
+        )
     if final.failed_with(TEMPLATE_REFUSED):
         return ApiError(400, final.error or "", param="messages")
     if final.finish_reason not in FINISH:  # not the request's fault: an SDK retries a 5xx
