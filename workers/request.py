@@ -347,6 +347,7 @@ class RequestRunner:
         ):
             raise LeaseLost(prompt.request_id)
         await self.publisher.final(final, prompt.reply_partition)
+        attempt.tracked.delivered = True
         await self.publisher.usage(usage_record(prompt, final))
         if attempt.tracked.leased:
             await self.ledger.delivered(prompt.request_id)

@@ -175,7 +175,10 @@ class Worker:
                     self.intake.copy_of_running(record)
                     await self.capacity.release_seq()
                     await original.done.wait()
-                await self._run(prompt, self.intake.band_of(record))
+                # Answered here: known without asking Redis (down, the copy ran the whole
+                # reply again and published a second, different final).
+                if original is None or not original.delivered:
+                    await self._run(prompt, self.intake.band_of(record))
             # Not reached when handed back (cancelled).
             self.intake.finished(record, held=slot_held)
         except Exception as exc:

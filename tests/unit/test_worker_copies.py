@@ -76,3 +76,40 @@ async def test_a_prompt_fetched_again_while_it_runs_gives_its_slot_back() -> Non
         await worker.intake.consumer.stop()
         await worker.control.stop()
         await worker._redis.aclose()
+
+
+class AnsweringRunner(HeldRunner):
+    """Publishes the first run's final, as the real runner marks it."""
+
+    async def run(self, prompt: PromptRequest, tracked: Tracked, band: str) -> None:
+        await super().run(prompt, tracked, band)
+        tracked.delivered = True
+
+
+async def test_a_copy_of_a_prompt_answered_here_is_not_run_again() -> None:
+    """With Redis down the copy could not learn that the reply was delivered: it ran
+    the whole reply again and published a second, different final."""
+    worker = Worker(Settings(), MODEL, EngineOptions(model_dir=Path(".")))
+    runner = AnsweringRunner()
+    worker._runner = runner  # type: ignore[assignment]
+    free = worker.capacity.free_seqs
+    handled = []
+    for _ in range(2):
+        worker.capacity.take_seq()
+        worker.intake.held["interactive-paid"] += 1
+        handled.append(asyncio.create_task(worker._handle(prompt_record(5))))
+    try:
+        await until(lambda: runner.runs, what="the original running", idle_s=10, poll_s=0.01)
+        runner.finish.set()
+        await asyncio.wait_for(asyncio.gather(*handled), 10)
+        assert runner.runs == ["r_1"]
+        assert worker.capacity.free_seqs == free
+        assert dict(worker.intake.held) == {"interactive-paid": 0}
+        assert worker._failure is None
+    finally:
+        runner.finish.set()
+        await asyncio.gather(*handled, return_exceptions=True)
+        await worker._producer.stop()
+        await worker.intake.consumer.stop()
+        await worker.control.stop()
+        await worker._redis.aclose()
