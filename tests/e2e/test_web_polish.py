@@ -13,13 +13,14 @@ from typing import Any
 
 import httpx
 import pytest
-from playwright.async_api import Page, expect
+from playwright.async_api import Page, Route, expect
 
 from producers.gateway.conversations.protocol import provisional_title
 from producers.gateway.conversations.service import ConversationService
 from schemas.events import now_ms
 from tandoor.clients import cassandra_session
 from tests.e2e.browser import ask, replies, replies_over, shot, sign_in
+from tests.e2e.helpers import new_conversation, stored_reply
 from tests.e2e.stack import Stack
 from tests.waiting import eventually
 
@@ -242,3 +243,46 @@ async def test_a_chat_whose_reply_never_came_asks_for_it_once(stack: Stack, page
     assert await opened_times() == 6, asked
     assert sum(url.endswith("/stream") for url in asked) == 1, asked
     await expect(page.get_by_role("button", name="Send")).to_be_visible()
+
+
+async def test_a_running_reply_opened_through_a_proxys_502_is_shown_whole(
+    stack: Stack, page: Page
+) -> None:
+    """Opening a chat whose reply runs asked for its stream once: a proxy's 502 in a
+    rolling restart (or a dropped connection) left no reply shown, and Escape then
+    posted a Stop that answered 404. A saved key is kept through a failed sign-in."""
+    headers = await sign_in(page, stack)
+    async with httpx.AsyncClient(base_url=stack.url, timeout=120) as http:
+        conversation = await new_conversation(http, headers)
+        body = {"content": "Count from one to twenty in words.", "max_tokens": 64}
+        path = f"/v1/conversations/{conversation}/messages"
+        async with http.stream("POST", path, json=body, headers=headers) as started:
+            assert started.status_code == 200
+            await anext(started.aiter_lines())  # queued: closing is not stop
+        failed: list[str] = []
+
+        async def first_fails(route: Route) -> None:
+            if failed:
+                await route.continue_()
+                return
+            failed.append(route.request.url)
+            await route.fulfill(status=502, body="Bad Gateway")
+
+        await page.route("**/v1/models", first_fails)  # the sign-in the reload does
+        await page.reload()
+        await expect(page.locator("#signin-error")).to_contain_text("Bad Gateway")
+        await page.unroute("**/v1/models")
+        await page.get_by_role("button", name="Sign in").click()  # the key was kept
+        await expect(page.locator("#app")).to_be_visible()
+        failed.clear()
+        await page.route("**/stream", first_fails)
+        chat = page.locator(f'#conversation-list button[data-id="{conversation}"]')
+        await chat.click()
+        await replies_over(page, 1)
+        assert failed, "the stream was never asked for"
+        await stored_reply(http, headers, conversation)
+    shown = await page.locator(".message.assistant .body").inner_text()
+    await page.reload()  # the stored reply, as the page shows it
+    await chat.click()
+    await expect(page.locator(".message.assistant .body")).to_have_text(shown)
+    assert shown.strip()

@@ -258,20 +258,14 @@ async function send(text) {
 async function streamReply(open, userMessage = null) {
   hideNotice();
   setBusy(true);
-  const reply = { element: null, text: "", attempt: 0, lastEventId: null, done: false };
+  const reply = newReply();
   state.reply = reply;
   try {
     await follow(reply, await open(), userMessage);
-    for (let tries = 0; !reply.done && tries < RESUME_TRIES; tries++) {
-      await sleep(500 * 2 ** tries); // the connection dropped: resume where it stopped
-      await resumeFrom(reply);
-    }
-    if (!reply.done) {
-      endUnfinished(reply);
-      notify(new Error("the connection dropped; reopen the chat to see the reply"));
-    }
+    await resumeUntilDone(reply);
   } catch (error) {
     if (userMessage && error instanceof ApiError) userMessage.remove();
+    endUnfinished(reply); // else it kept blinking, half written
     notify(error);
   } finally {
     if (state.reply === reply) state.reply = null;
@@ -281,14 +275,41 @@ async function streamReply(open, userMessage = null) {
   return reply;
 }
 
+function newReply() {
+  return { element: null, text: "", attempt: 0, lastEventId: null, done: false };
+}
+
+// A chat opened while its reply runs: followed as a sent message's reply is, with the
+// same tries (it was tried once: a dropped connection or a proxy's 502 left no reply,
+// and a Stop that answered 404).
 async function resumeReply() {
-  const reply = { element: null, text: "", attempt: 0, lastEventId: null, done: false };
+  const reply = newReply();
   state.reply = reply;
   setBusy(true);
   try {
     await resumeFrom(reply);
+    await resumeUntilDone(reply);
+  } catch (error) {
+    endUnfinished(reply);
+    notify(error);
   } finally {
+    if (state.reply === reply) state.reply = null;
     setBusy(false);
+  }
+}
+
+// The connection dropped: resume where it stopped, with every try again after a resume
+// that brought events (a long reply may drop more than RESUME_TRIES times).
+async function resumeUntilDone(reply) {
+  for (let tries = 0; !reply.done && tries < RESUME_TRIES; tries++) {
+    const seen = reply.lastEventId;
+    await sleep(500 * 2 ** tries);
+    await resumeFrom(reply);
+    if (reply.lastEventId !== seen) tries = -1;
+  }
+  if (!reply.done) {
+    endUnfinished(reply);
+    notify(new Error("the connection dropped; reopen the chat to see the reply"));
   }
 }
 
@@ -303,9 +324,11 @@ async function resumeFrom(reply) {
       await showWhenStored(state.conversation.id);
       return;
     }
-    // Dropped (0), too many resumes open (429: old ones not yet seen closed) or a
-    // replica draining (503): the caller's loop tries again after a pause.
-    if (error instanceof ApiError && ![0, 429, 503].includes(error.status)) throw error;
+    // Dropped (0), too many resumes open (429: old ones not yet seen closed), a replica
+    // draining (503) or a proxy's 502 or 504 in a rolling restart: the caller's loop
+    // tries again after a pause.
+    const passing = [0, 429].includes(error.status) || error.status >= 500;
+    if (error instanceof ApiError && !passing) throw error;
   }
 }
 
@@ -576,7 +599,15 @@ function wire() {
 wire();
 const saved = sessionStorage.getItem(KEY_STORAGE);
 if (saved) {
-  signIn(saved).catch(() => signOut());
+  signIn(saved).catch((error) => {
+    // Only a key refused is forgotten: a gateway restarting (503) or a dropped
+    // connection signed the user out, the key gone with it.
+    if (error instanceof ApiError && error.status === 401) return signOut();
+    $("app").hidden = true;
+    $("signin").hidden = false;
+    $("api-key").value = saved;
+    $("signin-error").textContent = explain(error);
+  });
 } else {
   $("signin").hidden = false;
   $("api-key").focus();
