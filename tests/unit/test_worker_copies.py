@@ -41,16 +41,30 @@ def prompt_record(offset: int) -> ConsumerRecord[bytes, bytes]:
     return ConsumerRecord(prompts_topic(MODEL), 0, offset, 0, 0, b"k", value, None, 1, 0, [])
 
 
-async def test_a_prompt_fetched_again_while_it_runs_gives_its_slot_back() -> None:
-    worker = Worker(Settings(), MODEL, EngineOptions(model_dir=Path(".")))
-    runner = HeldRunner()
+def taken_twice(worker: Worker, runner: HeldRunner) -> list[asyncio.Task[None]]:
+    """The prompt taken, then fetched again after a rebalance, each handled."""
     worker._runner = runner  # type: ignore[assignment]
-    free = worker.capacity.free_seqs
     handled = []
-    for _ in range(2):  # taken, then fetched again after a rebalance
+    for _ in range(2):
         worker.capacity.take_seq()
         worker.intake.held["interactive-paid"] += 1  # as intake counts what it takes
         handled.append(asyncio.create_task(worker._handle(prompt_record(5))))
+    return handled
+
+
+async def stopped(worker: Worker, runner: HeldRunner, handled: list[asyncio.Task[None]]) -> None:
+    runner.finish.set()
+    await asyncio.gather(*handled, return_exceptions=True)
+    await worker._producer.stop()
+    await worker.intake.consumer.stop()
+    await worker.control.stop()
+    await worker._redis.aclose()
+
+
+async def test_a_prompt_fetched_again_while_it_runs_gives_its_slot_back() -> None:
+    worker, runner = Worker(Settings(), MODEL, EngineOptions(model_dir=Path("."))), HeldRunner()
+    free = worker.capacity.free_seqs
+    handled = taken_twice(worker, runner)
     try:
         await until(
             lambda: worker.capacity.free_seqs,
@@ -70,12 +84,7 @@ async def test_a_prompt_fetched_again_while_it_runs_gives_its_slot_back() -> Non
         assert dict(worker.intake.held) == {"interactive-paid": 0}
         assert worker._failure is None
     finally:
-        runner.finish.set()
-        await asyncio.gather(*handled, return_exceptions=True)
-        await worker._producer.stop()
-        await worker.intake.consumer.stop()
-        await worker.control.stop()
-        await worker._redis.aclose()
+        await stopped(worker, runner, handled)
 
 
 class AnsweringRunner(HeldRunner):
@@ -91,13 +100,8 @@ async def test_a_copy_of_a_prompt_answered_here_is_not_run_again() -> None:
     the whole reply again and published a second, different final."""
     worker = Worker(Settings(), MODEL, EngineOptions(model_dir=Path(".")))
     runner = AnsweringRunner()
-    worker._runner = runner  # type: ignore[assignment]
     free = worker.capacity.free_seqs
-    handled = []
-    for _ in range(2):
-        worker.capacity.take_seq()
-        worker.intake.held["interactive-paid"] += 1
-        handled.append(asyncio.create_task(worker._handle(prompt_record(5))))
+    handled = taken_twice(worker, runner)
     try:
         await until(lambda: runner.runs, what="the original running", idle_s=10, poll_s=0.01)
         runner.finish.set()
@@ -107,9 +111,4 @@ async def test_a_copy_of_a_prompt_answered_here_is_not_run_again() -> None:
         assert dict(worker.intake.held) == {"interactive-paid": 0}
         assert worker._failure is None
     finally:
-        runner.finish.set()
-        await asyncio.gather(*handled, return_exceptions=True)
-        await worker._producer.stop()
-        await worker.intake.consumer.stop()
-        await worker.control.stop()
-        await worker._redis.aclose()
+        await stopped(worker, runner, handled)
