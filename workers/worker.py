@@ -213,16 +213,17 @@ class Worker:
         self.metrics.finished("error")
 
     async def _on_cancel(self, event: ControlEvent) -> None:
-        await self.ledger.mark_cancelled(event.request_id)
+        """Stopped here first, then noted for a copy yet to arrive: a slow Redis held each
+        Stop up to its timeout, one after the other, while the replies ran on."""
         tracked = self._tracked.get(event.request_id)
-        if tracked is None:
-            return
-        tracked.cancelled = True
-        if tracked.in_engine and self._engine is not None:
-            await self._engine.abort(event.request_id)
-        else:
-            await self.capacity.wake()
-        log.info("cancelled %s (%s)", event.request_id, event.reason or "no reason given")
+        if tracked is not None:
+            tracked.cancelled = True
+            if tracked.in_engine and self._engine is not None:
+                await self._engine.abort(event.request_id)
+            else:
+                await self.capacity.wake()
+            log.info("cancelled %s (%s)", event.request_id, event.reason or "no reason given")
+        await self.ledger.mark_cancelled(event.request_id)
 
     async def _commit_loop(self) -> None:
         while True:

@@ -55,6 +55,11 @@ def taken_twice(worker: Worker, runner: HeldRunner) -> list[asyncio.Task[None]]:
 async def stopped(worker: Worker, runner: HeldRunner, handled: list[asyncio.Task[None]]) -> None:
     runner.finish.set()
     await asyncio.gather(*handled, return_exceptions=True)
+    await closed(worker)
+
+
+async def closed(worker: Worker) -> None:
+    """The clients a Worker makes on creation, never started here."""
     await worker._producer.stop()
     await worker.intake.consumer.stop()
     await worker.control.stop()

@@ -1,0 +1,52 @@
+"""A Stop reaches the engine before Redis hears of it (pure logic: the worker's own
+handling, stand-ins for the ledger and the engine)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from schemas.events import ControlEvent
+from tandoor.settings import Settings
+from tests.unit.test_worker_copies import MODEL, closed
+from tests.waiting import until
+from workers.attempt import Tracked
+from workers.engine import EngineOptions
+from workers.worker import Worker
+
+
+class StalledRedis:
+    """A ledger whose write of the cancel never comes back (Redis stalled)."""
+
+    def __init__(self) -> None:
+        self.marked: list[str] = []
+
+    async def mark_cancelled(self, request_id: str) -> None:
+        self.marked.append(request_id)
+        await asyncio.Event().wait()
+
+
+class Engine:
+    def __init__(self) -> None:
+        self.aborted: list[str] = []
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+
+async def test_a_stop_aborts_the_reply_before_it_is_noted_in_redis() -> None:
+    """Each Stop waited for the Redis write first (up to its 2 s timeout, one Stop
+    after the other), while the reply ran on and its tokens were charged."""
+    worker = Worker(Settings(), MODEL, EngineOptions(model_dir=Path(".")))
+    ledger, engine = StalledRedis(), Engine()
+    worker.ledger, worker._engine = ledger, engine  # type: ignore[assignment]
+    worker._tracked["r_1"] = Tracked("r_1", in_engine=True)
+    cancel = ControlEvent(command="cancel", request_id="r_1", issued_at_ms=1)
+    stopping = asyncio.create_task(worker._on_cancel(cancel))
+    try:
+        await until(lambda: engine.aborted, what="the engine's abort", idle_s=10, poll_s=0.01)
+        assert worker._tracked["r_1"].cancelled and engine.aborted == ["r_1"]
+        await until(lambda: ledger.marked, what="the cancel noted", idle_s=10, poll_s=0.01)
+    finally:
+        stopping.cancel()
+        await closed(worker)
