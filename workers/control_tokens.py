@@ -16,10 +16,11 @@ ZERO_WIDTH_SPACE = "\u200b"
 class ControlTokens:
     def __init__(self, tokenizer: Any) -> None:
         added = getattr(tokenizer, "added_tokens_decoder", {})
-        special = {i: t.content for i, t in added.items() if t.special and t.content}
         self._tokenizer = tokenizer
-        self._ids = set(special) | set(getattr(tokenizer, "all_special_ids", ()))
-        self._texts = sorted(set(special.values()), key=len, reverse=True)
+        # id: text of each special added token (an unknown word's id is not one: <unk>
+        # stands for text that is not its own).
+        self._special = {i: t.content for i, t in added.items() if t.special and t.content}
+        self._texts = sorted(set(self._special.values()), key=len, reverse=True)
         self._first_chars = frozenset(text[0] for text in self._texts)
 
     def defused(self, text: str) -> str:
@@ -30,7 +31,14 @@ class ControlTokens:
         except (NotImplementedError, ValueError, TypeError):  # a tokenizer without offsets
             return self._replaced(text)
         spans = zip(encoded["input_ids"], encoded["offset_mapping"], strict=True)
-        cuts = [start + 1 for token, (start, end) in spans if token in self._ids and end > start]
+        # Where the token's own text starts in its span: a token that strips the space
+        # before it (lstrip) has a span that starts at that space.
+        found = [
+            text.find(self._special[token], start, end)
+            for token, (start, end) in spans
+            if token in self._special
+        ]
+        cuts = [at + 1 for at in found if at >= 0]
         pieces, at = [], 0
         for cut in cuts:
             pieces += [text[at:cut], ZERO_WIDTH_SPACE]
