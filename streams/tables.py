@@ -167,9 +167,15 @@ class RollupTables:
             dirty, book.dirty = book.dirty, set()
             expired, book.unpublished = book.unpublished, {}
             for name, stored in sorted(expired.items()):
+                if book.suspended:  # revoked during a send: kept for when it is known
+                    book.unpublished[name] = stored
+                    continue
                 await self._publish(name, _summary(stored, closed=True))
                 published += 1
             for name in sorted(dirty | (ended - book.closed)):
+                if book.suspended:
+                    book.dirty.add(name)
+                    continue
                 stored = table.get(name)
                 if stored is None:
                     continue  # expired meanwhile

@@ -46,7 +46,9 @@ def refusal(token: str | None, authorization: str | None) -> str | None:
     # As bytes: compare_digest refuses str with any non-ASCII character (a TypeError, a
     # 500 for any client that sent one).
     given_bytes = given.strip().encode("utf-8", "surrogateescape")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given_bytes, token.encode()):
+    if scheme.lower() != "bearer" or not hmac.compare_digest(
+        given_bytes, token.encode("utf-8", "surrogateescape")
+    ):
         return "send 'Authorization: Bearer <TANDOOR_ANALYTICS_TOKEN>'"
     return None
 

@@ -5,6 +5,7 @@ not a record arrives after; a partition another member took is left to it."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 from unittest import mock
 
 import faust
@@ -93,4 +94,31 @@ async def test_nothing_is_published_between_a_revoke_and_the_recovery_that_says_
     assert sink.rollups == {}
     await rebalance(app, {partition})  # kept after all
     assert await rollup_tables(app).publish_changes() == 2
+    assert sink.rollups[f"user/ada/1m/{minutes_ago}"]["closed"]
+
+
+class RevokedAtFirstSend(dict[str, Any]):
+    """Rollups as published, the partition revoked while the first send waited."""
+
+    def __init__(self, app: faust.App) -> None:
+        super().__init__()
+        self.app = app
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        super().__setitem__(name, value)
+        for book in rollup_tables(self.app)._books.values():
+            book.suspended = True  # as the revoke signal does
+
+
+async def test_a_revoke_during_a_publication_stops_it_before_the_next_window(
+    app_and_sink: tuple[faust.App, Sink],
+) -> None:
+    """The suspension was looked at once a partition: a publication under way when the
+    revoke came sent the rest of that partition's windows."""
+    app, sink = app_and_sink
+    minutes_ago, partition = await count_one_record_minutes_ago(app)
+    sink.rollups = RevokedAtFirstSend(app)
+    assert await rollup_tables(app).publish_changes() == 1  # the minute or its hour
+    await rebalance(app, {partition})
+    assert await rollup_tables(app).publish_changes() == 1  # the other, once kept
     assert sink.rollups[f"user/ada/1m/{minutes_ago}"]["closed"]
