@@ -54,12 +54,17 @@ class Batches:
     async def get(self, batch_id: str) -> StoredBatch | None:
         return self.found[batch_id][0]
 
-    async def answered(self, batch: StoredBatch) -> Answered:
-        return Answered(succeeded=self.found[batch.batch_id][1])
+    async def answered_count(self, user_id: str, batch_id: str) -> int:
+        return self.found[batch_id][1]
 
 
 def cap(batches: Batches) -> QueueCap:
-    return QueueCap(cast(Any, batches), TIERS, batches.answered)
+    return QueueCap(cast(Any, batches), TIERS)
+
+
+async def room_for(queue_cap: QueueCap, caller: Principal, lines: int) -> None:
+    async with queue_cap.room(caller) as room:
+        room.take(lines)
 
 
 async def test_only_lines_not_yet_answered_of_batches_that_may_still_run_count() -> None:
@@ -72,32 +77,38 @@ async def test_only_lines_not_yet_answered_of_batches_that_may_still_run_count()
         (batch("cancelling", 8, cancelled_at=utc_now()), 6),  # 2
         (batch("expired", 7, COMPLETION_WINDOW + dt.timedelta(minutes=1)), 0),
         (batch("interrupted", 5, dt.timedelta(hours=1), queuing=True), 0),
+        (batch("queuing", 4, queuing=True), 0),  # 4: its lines may still be committed
     )
-    assert await cap(batches).waiting("u1") == 9
+    assert await cap(batches).waiting("u1") == 13
 
 
 async def test_a_batch_past_the_room_left_is_a_429_and_one_past_the_cap_a_400() -> None:
     batches = Batches((batch("running", 5), 2))  # 3 of 10 waiting
-    async with cap(batches).room_for(CALLER, 7):
-        pass
+    await room_for(cap(batches), CALLER, 7)
     with pytest.raises(ApiError) as later:
-        async with cap(batches).room_for(CALLER, 8):
-            pass
+        await room_for(cap(batches), CALLER, 8)
     assert later.value.status == 429 and later.value.headers["Retry-After"]
     assert "3 lines of your batches" in later.value.message and "1 more" in later.value.message
     with pytest.raises(ApiError) as never:
-        async with cap(batches).room_for(CALLER, 11):
-            pass
+        await room_for(cap(batches), CALLER, 11)
     assert never.value.status == 400 and "split it" in never.value.message
+
+
+async def test_a_user_with_no_room_left_is_told_before_its_file_is_read() -> None:
+    """Counted only after its file was parsed, while holding one of the replica's two
+    create turns: a client retrying its 429s kept other users' creates waiting."""
+    full = Batches((batch("running", 10), 0))
+    with pytest.raises(ApiError) as refused:
+        async with cap(full).room(CALLER):
+            raise AssertionError("a create went on with no room")
+    assert refused.value.status == 429 and "10 lines" in refused.value.message
 
 
 async def test_without_a_cap_a_tier_may_queue_what_its_request_quota_runs_in_an_hour() -> None:
     by_quota = Principal("u1", "by-quota", "k")
-    async with cap(Batches()).room_for(by_quota, 7 * 60):
-        pass
+    await room_for(cap(Batches()), by_quota, 7 * 60)
     with pytest.raises(ApiError):
-        async with cap(Batches()).room_for(by_quota, 7 * 60 + 1):
-            pass
+        await room_for(cap(Batches()), by_quota, 7 * 60 + 1)
 
 
 async def test_two_creates_for_one_user_are_counted_one_after_the_other() -> None:
@@ -106,8 +117,9 @@ async def test_two_creates_for_one_user_are_counted_one_after_the_other() -> Non
     queue_cap = cap(batches)
 
     async def create(name: str) -> str:
-        async with queue_cap.room_for(CALLER, 6):
-            await asyncio.sleep(0)  # the batch's row is written meanwhile
+        async with queue_cap.room(CALLER) as room:
+            await asyncio.sleep(0)  # its file is read meanwhile
+            room.take(6)
             batches.found[name] = (batch(name, 6), 0)
         return name
 

@@ -73,12 +73,14 @@ def is_settled(batch: StoredBatch, answered: Answered) -> bool:
     return done and _status(batch, answered) in ("completed", "cancelled")
 
 
-def lines_waiting(batch: StoredBatch, answered: Answered) -> int:
-    """Its lines that may still run and are not answered: waiting in Kafka, in
-    admission or in a worker."""
-    if _status(batch, answered) in ("completed", "cancelled", "expired", "failed"):
+def lines_waiting(batch: StoredBatch, answered: int) -> int:
+    """A batch's lines not yet answered (waiting in Kafka, in admission or in a
+    worker), given how many are: within its completion window, a batch's unanswered
+    lines are all still to be answered (a cancel's quickly), unless its lines never
+    reached Kafka (`failed`)."""
+    if batch.queuing and not answered and utc_now() > batch.created_at + QUEUING_LIMIT:
         return 0
-    return max(0, batch.total - answered.count)
+    return max(0, batch.total - answered)
 
 
 def _status(batch: StoredBatch, answered: Answered) -> str:

@@ -25,7 +25,7 @@ from aiokafka.errors import KafkaError
 from pydantic import BaseModel, ConfigDict, Field
 
 from producers.batch_topic import CommitUnknown, send_all_or_none
-from producers.gateway.batches.enqueued import QueueCap
+from producers.gateway.batches.enqueued import QueueCap, Room
 from producers.gateway.batches.input_file import input_lines
 from producers.gateway.batches.objects import (
     COMPLETION_WINDOW,
@@ -91,7 +91,7 @@ class BatchService:
         # bytes, then its lines) until its lines are sent; many ran a replica out of it.
         self._creating = asyncio.Semaphore(BATCHES_CREATED_AT_ONCE)
         self.batches = BatchStore(session)
-        self._queue_cap = QueueCap(self.batches, tiers, self._answered)
+        self._queue_cap = QueueCap(self.batches, tiers)
         self._make_producer = make_producer  # one per batch: its lines are one transaction
         self._redis = redis
         self._marking: set[asyncio.Task[None]] = set()
@@ -165,18 +165,19 @@ class BatchService:
 
     async def create(self, caller: Principal, api_key: str, body: CreateBatch) -> dict[str, Any]:
         source = await self._own_file(caller, body.input_file_id)
-        try:
-            async with asyncio.timeout(CREATE_WAIT_S):
-                await self._creating.acquire()
-        except TimeoutError:
-            raise unavailable("other batches are being created: retry shortly") from None
-        try:  # until its lines are sent: held till then
-            return await self._create(caller, api_key, body, source)
-        finally:
-            self._creating.release()
+        async with self._queue_cap.room(caller) as room:  # a user with none: told now
+            try:
+                async with asyncio.timeout(CREATE_WAIT_S):
+                    await self._creating.acquire()
+            except TimeoutError:
+                raise unavailable("other batches are being created: retry shortly") from None
+            try:  # until its lines are sent: held till then
+                return await self._create(caller, api_key, body, source, room)
+            finally:
+                self._creating.release()
 
     async def _create(
-        self, caller: Principal, api_key: str, body: CreateBatch, source: StoredFile
+        self, caller: Principal, api_key: str, body: CreateBatch, source: StoredFile, room: Room
     ) -> dict[str, Any]:
         content = await self.files.content(source.file_id)
         # Up to 64 MB of JSON: parsed beside the loop, whose streams go on meanwhile.
@@ -194,8 +195,8 @@ class BatchService:
             None,
             queuing=True,
         )
-        async with self._queue_cap.room_for(caller, len(lines)):
-            await self.batches.create(batch)
+        room.take(len(lines))
+        await self.batches.create(batch)
         deadline_ms = 1000 * epoch(batch.created_at + COMPLETION_WINDOW)
         try:
             await send_all_or_none(self._make_producer, api_key, batch.batch_id, lines, deadline_ms)

@@ -327,6 +327,15 @@ class BatchStore:
         last = dt.datetime.fromtimestamp(last_us / 1e6, dt.UTC) if last_us else None
         return Answered.of(codes, last)
 
+    async def answered_count(self, user_id: str, batch_id: str) -> int:
+        """How many of its lines are answered, counted by Cassandra (one partition)."""
+        rows = await cql(
+            self._session,
+            "SELECT COUNT(*) AS answered FROM batch_outputs WHERE user_id = %s AND batch_id = %s",
+            (user_id, batch_id),
+        )
+        return int(rows[0].answered)
+
     async def settle(self, batch_id: str, answered: Answered) -> None:
         """Keep a finished batch's counts on its row: every later read of it is one row,
         not every line's answer again (the list reads each batch on its page)."""
