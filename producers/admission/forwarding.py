@@ -100,7 +100,11 @@ class Forwarding(LineSteps):
             queue.put_back(tenant, waiting, time.monotonic() + exc.retry_after_s)
             return False
         # A retry is charged at its first time: the usage record settles that minute.
-        admitted = prompt.model_copy(update={"created_at_ms": admission.charged_at_ms})
+        # Admitted uncounted (Redis refused the charge): nothing there to settle, as the
+        # gateway's prompts (settled, its estimate lowered a minute never charged).
+        charged = prompt.charged_tokens if admission.counted else 0
+        update = {"created_at_ms": admission.charged_at_ms, "charged_tokens": charged}
+        admitted = prompt.model_copy(update=update)
         try:
             await self.submitter.submit(admitted)
         except PromptTooLarge as exc:  # refused on every try: answered, never retried

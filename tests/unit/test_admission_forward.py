@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable
+from dataclasses import replace
 from functools import partial
 from typing import Any, cast
 from unittest.mock import patch
@@ -95,9 +96,11 @@ class MarkFailsOnce:
 class Counting:
     def __init__(self) -> None:
         self.sent: list[str] = []
+        self.prompts: list[PromptRequest] = []
 
     async def submit(self, prompt: PromptRequest) -> None:
         self.sent.append(prompt.request_id)
+        self.prompts.append(prompt)
 
 
 class AdmitsAll:
@@ -161,15 +164,16 @@ class Answers:
 
 
 async def forward_once(
-    callers: object, marks: object | None = None, submitter: Any = None
+    callers: object, marks: object | None = None, submitter: Any = None, quotas: Any = None
 ) -> tuple[Any, Answers, PromptRequest, Admission]:
-    """One waiting line's turn to be forwarded, with these keys, marks and submitter."""
+    """One waiting line's turn to be forwarded, with these keys, marks, submitter and
+    quotas."""
     admission = Admission(Settings())
-    prompt = batch_prompt(admission)
+    prompt = batch_prompt(admission).model_copy(update={"charged_tokens": 40})
     submitter, answers = submitter or Counting(), Answers()
     admission.marks = cast(Any, marks or StandInMarks())
     admission.submitter, admission.answers = cast(Any, submitter), cast(Any, answers)
-    admission.quotas, admission.callers = cast(Any, AdmitsAll()), cast(Any, callers)
+    admission.quotas, admission.callers = cast(Any, quotas or AdmitsAll()), cast(Any, callers)
     admission._answered_unrun = lambda waiting: _false()  # type: ignore[method-assign]
     admission.queued.add(prompt.request_id, "0:3")
     try:
@@ -316,3 +320,20 @@ async def test_a_cancelled_batch_answered_line_by_line_does_not_hold_up_other_te
         await admission.producer.stop()
     before_b = recorded.events[: recorded.events.index(("forwarded", "b"))]
     assert len(before_b) <= 300, f"{len(before_b)} of A's lines answered before B's first"
+
+
+class AdmitsUncounted(AdmitsAll):
+    """Redis refuses the charge; the tier is served uncounted then."""
+
+    async def admit(self, user_id: str, policy: Any, request_id: str, *_: Any, **__: Any) -> Any:
+        return replace(charged(user_id, request_id, 40, 0), counted=False)
+
+
+async def test_a_line_admitted_uncounted_carries_nothing_to_settle() -> None:
+    """It carried its estimate: once Redis answered again, the usage stream settled the
+    difference against a minute never charged, and the user's count went down."""
+    submitter, _, _, _ = await forward_once(Valid(), quotas=AdmitsUncounted())
+    (sent,) = submitter.prompts
+    assert sent.charged_tokens == 0
+    submitter, _, _, _ = await forward_once(Valid())
+    assert submitter.prompts[0].charged_tokens == 40  # counted: its estimate, to settle
