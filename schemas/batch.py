@@ -54,9 +54,10 @@ def refused_output(
     message: str,
     kind: str = "invalid_request_error",
     param: str | None = None,
+    code: str | None = None,
 ) -> dict[str, Any]:
     """A line refused before it reached a model: the 4xx the same request gets over HTTP."""
-    body = error_body(message, kind, param)
+    body = error_body(message, kind, param, code)
     return batch_output(
         custom_id, request_id, {"status_code": status_code, "request_id": request_id, "body": body}
     )
@@ -96,7 +97,14 @@ def final_output(final: FinalEvent, text: str) -> dict[str, Any]:
         # Past admission's estimate but not the engine's count: the request's fault, a 400
         # as over HTTP, not a 500 that invites a retry.
         message = f"context_length_exceeded: {final.error}"
-        return refused_output(custom_id, request_id, 400, message, param="body.messages")
+        return refused_output(
+            custom_id,
+            request_id,
+            400,
+            message,
+            param="body.messages",
+            code="context_length_exceeded",
+        )
     if final.failed_with(TEMPLATE_REFUSED):
         return refused_output(custom_id, request_id, 400, final.error or "", param="body.messages")
     if final.finish_reason not in ANSWERED:

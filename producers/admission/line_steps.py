@@ -59,11 +59,15 @@ class LineSteps:
 
     async def _answer_revoked(self, waiting: Waiting) -> None:
         message = "the API key was revoked before this line ran"
-        await self._answer_refused(waiting, 401, message, "authentication_error")
+        await self._answer_refused(waiting, 401, message, "authentication_error", "invalid_api_key")
 
-    async def _answer_refused(self, waiting: Waiting, status: int, message: str, kind: str) -> None:
+    async def _answer_refused(
+        self, waiting: Waiting, status: int, message: str, kind: str, code: str | None = None
+    ) -> None:
         prompt = waiting.prompt
-        output = refused_output(prompt.custom_id, prompt.request_id, status, message, kind)
+        output = refused_output(
+            prompt.custom_id, prompt.request_id, status, message, kind, code=code
+        )
         await self.answers.send(prompt.user_id, prompt.batch_id, output)
         await self._answered(waiting, "refused")
 

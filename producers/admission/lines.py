@@ -40,12 +40,19 @@ class Refused(Exception):
     """A line that is answered with a 4xx result and never forwarded."""
 
     def __init__(
-        self, status: int, message: str, kind: str, param: str | None = None, kept: bool = True
+        self,
+        status: int,
+        message: str,
+        kind: str,
+        param: str | None = None,
+        kept: bool = True,
+        code: str | None = None,
     ) -> None:
         message = shortened(message, MAX_MESSAGE_CHARS)  # logged, and quoting the line
         super().__init__(message)
         self.status, self.message, self.kind, self.param = status, message, kind, param
         self.kept = kept  # False: on `batch.results` only (a row would replace another's)
+        self.code = code  # OpenAI's, as over HTTP
 
 
 @dataclass(frozen=True)
@@ -68,8 +75,9 @@ def parse_line(raw: bytes | None) -> Parsed:
         return Parsed(custom_id, BatchInputLine.model_validate(data), None)
     except ValidationError as exc:
         first = exc.errors()[0]
-        where = ".".join(str(p) for p in first.get("loc", ())) or "line"
-        problem = Refused(400, f"{where}: {first.get('msg', 'invalid')}", "invalid_request_error")
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        message = f"{where or 'line'}: {first.get('msg', 'invalid')}"
+        problem = Refused(400, message, "invalid_request_error", where or None)
         return Parsed(custom_id, None, problem)
 
 
@@ -84,8 +92,10 @@ async def prompt_for(
     A worker that reaches it only after `deadline_ms` answers it as expired."""
     try:
         prompt = await _prompt(checks, caller, batch_id, line)
-    except ApiError as exc:
-        raise Refused(exc.status, exc.message, exc.kind, exc.param) from exc
+    except ApiError as exc:  # its field named as in the line: under `body`
+        param = None if exc.param is None else exc.param.removeprefix("body.")
+        where = None if param is None else f"body.{param}"
+        raise Refused(exc.status, exc.message, exc.kind, where, code=exc.code) from exc
     return prompt.model_copy(update={"deadline_ms": deadline_ms})
 
 

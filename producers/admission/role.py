@@ -193,7 +193,12 @@ class Admission(Forwarding, ConsumerRebalanceListener):  # type: ignore[misc]
         try:
             whole_id = check_batch_id(batch_id)
             if caller is None:
-                raise Refused(401, "invalid or revoked API key", "authentication_error")
+                raise Refused(
+                    401,
+                    "invalid or revoked API key",
+                    "authentication_error",
+                    code="invalid_api_key",
+                )
             if parsed.line is None:
                 raise parsed.problem or Refused(400, "invalid line", BAD)
             deadline_ms = batch_deadline_ms(headers.get(DEADLINE_HEADER))
@@ -240,7 +245,13 @@ class Admission(Forwarding, ConsumerRebalanceListener):  # type: ignore[misc]
         where = f"{record.partition}:{record.offset}"
         log.info("refusing line %s of batch %.80s: %s", where, batch_id, refused)
         output = refused_output(
-            custom_id, request_id, refused.status, refused.message, refused.kind, refused.param
+            custom_id,
+            request_id,
+            refused.status,
+            refused.message,
+            refused.kind,
+            refused.param,
+            refused.code,
         )
         await self.answers.send(owner, batch_id, output)
         # A repeat is not marked: its mark would be taken, read again after a restart,

@@ -129,8 +129,7 @@ async def test_a_control_token_that_takes_the_space_before_it_is_defused_too(
 ) -> None:
     """An added token with lstrip has a span that starts at the space before it: the
     zero-width space went after the space, and the token still matched."""
-    from tokenizers import AddedToken
-    from transformers import AutoTokenizer
+    from transformers import AddedToken, AutoTokenizer
 
     folder = await asyncio.to_thread(resolve_model_dir, "smollm2", settings)
     tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, folder)

@@ -188,3 +188,30 @@ async def test_a_lines_end_user_is_logged_as_over_http(caplog: pytest.LogCapture
     with caplog.at_level(logging.INFO, logger="producers.admission.lines"):
         await prompt_for(checks, Principal("u", "batch", "k"), "b1", parsed.line)
     assert any("end-user-7" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_lines_refusal_names_its_field_under_body_with_openais_code() -> None:
+    """Refused lines had `code: null` where HTTP says model_not_found or
+    context_length_exceeded, and named `messages` or no field at all, not where the
+    line holds it."""
+    settings = Settings()
+    checks = ReplyChecks(settings, DefaultModerator(), cast(Quotas, None))
+    caller = Principal("u", "batch", "k")
+    model = next(iter(settings.models))
+
+    async def refusal(body: dict[str, object]) -> Refused:
+        parsed = parse_line(line(body=body))
+        assert parsed.line is not None
+        with pytest.raises(Refused) as refused:
+            await prompt_for(checks, caller, "b1", parsed.line)
+        return refused.value
+
+    unknown = await refusal({"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]})
+    assert (unknown.status, unknown.code, unknown.param) == (404, "model_not_found", "body.model")
+    long = [{"role": "user", "content": "word " * 3000}]
+    too_long = await refusal({"model": model, "messages": long})
+    assert too_long.code == "context_length_exceeded" and too_long.param == "body.messages"
+    invalid = parse_line(line(body={"model": model, "messages": [], "temperature": 9}))
+    assert invalid.problem is not None and invalid.problem.param == "body.temperature"
+    out = refused_output("q-1", "bl_1", 404, "no model", param="body.model", code="model_not_found")
+    assert out["response"]["body"]["error"]["code"] == "model_not_found"
