@@ -81,6 +81,12 @@ async def test_kafka_down_is_a_503_and_the_message_is_kept_as_failed(
             started = time.monotonic()
             stopped = await http.post(f"/v1/conversations/{waiting}/stop", headers=headers)
             stop_took = time.monotonic() - started
+            asked = {
+                "model": cassandra.served_models[0],
+                "messages": [{"role": "user", "content": "Hi"}],
+            }
+            completion = await http.post("/v1/chat/completions", json=asked, headers=headers)
+            listed = (await http.get("/v1/conversations", headers=headers)).json()["data"]
             await restart_stack()
     assert response.status_code == 503 and elapsed < 10, (response.status_code, elapsed)
     assert response.json()["error"]["type"] == "service_unavailable"
@@ -90,3 +96,7 @@ async def test_kafka_down_is_a_503_and_the_message_is_kept_as_failed(
     assert regenerated.status_code == 409, regenerated.text
     assert stopped.status_code == 503 and stop_took < 10, (stopped.text, stop_took)
     assert "Retry-After" in stopped.headers
+    # An API call's conversation, opened for it alone, is not left behind (each of the
+    # SDK's retries left one, titled with the prompt, holding a failed message).
+    assert completion.status_code == 503 and "nothing was kept" in completion.text
+    assert sorted(c["id"] for c in listed) == sorted([conversation, waiting])

@@ -300,16 +300,31 @@ class ChatService:
         try:
             await asyncio.wait_for(d.submitter.submit(prompt), d.settings.kafka_send_timeout_s)
         except PromptTooLarge as exc:
-            if user_message_id is not None:
-                await d.conversations.mark_failed(conversation.id, user_message_id, p.now)
+            await self._unqueued(p, conversation, user_message_id)
             raise ApiError(413, f"{exc}; shorten the conversation", param="messages") from exc
         except (KafkaError, TimeoutError) as exc:
             await self._withdraw(p.request_id)
-            if user_message_id is not None:
-                await d.conversations.mark_failed(conversation.id, user_message_id, p.now)
+            kept = await self._unqueued(p, conversation, user_message_id)
+            said = "your message is saved as failed" if kept else "nothing was kept"
             raise kafka_unreachable(
-                "the prompt queue is unreachable; your message is saved as failed, please retry"
+                f"the prompt queue is unreachable; {said}, please retry"
             ) from exc
+
+    async def _unqueued(
+        self, p: _Prompt, conversation: Conversation, user_message_id: str | None
+    ) -> bool:
+        """The stored message of a prompt Kafka did not take: kept as failed in a chat,
+        where it is retried; gone with its conversation for an API call, opened for it
+        alone (each SDK retry left one more behind, titled with the prompt). True if
+        kept."""
+        if user_message_id is None:
+            return False
+        conversations = self.deps.conversations
+        if isinstance(p.conversation, ApiCall):
+            await conversations.delete(p.caller.user_id, conversation.id)
+            return False
+        await conversations.mark_failed(conversation.id, user_message_id, p.now)
+        return True
 
     async def _hide_replaced(self, conversation_id: str, replaced: list[MessageKey]) -> None:
         """Once the new reply is queued: a refusal or a failed queueing before it leaves
