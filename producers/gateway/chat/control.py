@@ -23,6 +23,7 @@ from schemas.codec import encode
 from schemas.events import FinalEvent
 from tandoor.clients import REDIS_DOWN
 from tandoor.policies.api_keys import Principal
+from tandoor.policies.quota import Admission, Quotas
 from tandoor.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -35,11 +36,13 @@ class ReplyControl:
         conversations: ConversationService,
         producer: AIOKafkaProducer,
         inflight: InFlight,
+        quotas: Quotas,
     ) -> None:
         self.settings = settings
         self.conversations = conversations
         self.producer = producer
         self.inflight = inflight
+        self.quotas = quotas
         self._left: set[asyncio.Task[None]] = set()  # stops of replies their clients left
 
     async def stop(self, caller: Principal, conversation_id: str) -> str:
@@ -110,14 +113,22 @@ class ReplyControl:
         events = read_request(
             self.settings, record["request_id"], record["partition"], record["offset"]
         )
-        cleared = self._clearing_when_final(conversation_id, record["request_id"], events)
+        cleared = self._clearing_when_final(caller, conversation_id, record["request_id"], events)
         return with_keepalives(cleared, KEEPALIVE_S, self.settings.silence_limit_s(caller.tier))
 
     async def _clearing_when_final(
-        self, conversation_id: str, request_id: str, events: AsyncIterator[Delivered]
+        self,
+        caller: Principal,
+        conversation_id: str,
+        request_id: str,
+        events: AsyncIterator[Delivered],
     ) -> AsyncIterator[Delivered]:
-        """A resumed reply whose gateway died: nobody else will mark it finished."""
+        """A resumed reply whose gateway died: nobody else will mark it finished, nor
+        free its concurrent-stream slot before the client hears the end (the streams app
+        frees it once the usage record comes, after the final: a post right after the
+        end was a 429 for a user of one stream)."""
         async for item in events:
             if isinstance(item.event, FinalEvent):  # before the client may close the stream
                 await self.inflight.release(conversation_id, request_id)
+                await self.quotas.release(Admission(caller.user_id, request_id, 0, 0))
             yield item

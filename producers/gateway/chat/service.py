@@ -105,7 +105,9 @@ class ChatService:
         self.inflight = InFlight(deps.redis)
         self.newest = NewestReply(deps.redis)
         self.history = SettledHistory(deps.conversations, self.newest)
-        self.running = ReplyControl(deps.settings, deps.conversations, deps.producer, self.inflight)
+        self.running = ReplyControl(
+            deps.settings, deps.conversations, deps.producer, self.inflight, deps.quotas
+        )
 
     async def moderated(self, content: str, param: str = "content") -> str:
         return await self.deps.checks.moderated(content, param)

@@ -1,0 +1,41 @@
+"""A resumed reply frees its concurrent-stream slot before the client hears its end
+(stand-ins for the in-flight record and the quotas)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any, cast
+
+from consumers.fanout import Delivered
+from producers.gateway.chat.control import ReplyControl
+from tandoor.policies.api_keys import Principal
+from tandoor.policies.quota import Admission
+from tandoor.settings import Settings
+from tests.unit.test_persist_retries import final
+
+
+class Released:
+    def __init__(self) -> None:
+        self.done: list[str] = []
+
+    async def release(self, *args: Any) -> None:  # (conversation, request) or (admission)
+        found = args[0].request_id if isinstance(args[0], Admission) else args[1]
+        self.done.append(found)
+
+
+async def test_a_resumed_replys_slot_is_free_before_its_end_is_sent() -> None:
+    """Freed only once the usage record reached the streams app, after the final: a
+    user of one stream who posted right after the end got a 429."""
+    inflight, quotas = Released(), Released()
+    stand_ins = cast(Any, None), cast(Any, None), cast(Any, inflight), cast(Any, quotas)
+    control = ReplyControl(Settings(), *stand_ins)
+
+    async def events() -> AsyncIterator[Delivered]:
+        yield Delivered(0, 7, final("r_1"))
+
+    caller = Principal("u1", "free", "k")
+    sent = []
+    async for item in control._clearing_when_final(caller, "c_1", "r_1", events()):
+        assert quotas.done == ["r_1"] and inflight.done == ["r_1"]  # as the end goes out
+        sent.append(item)
+    assert len(sent) == 1
