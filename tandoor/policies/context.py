@@ -56,11 +56,14 @@ def assemble(
     context_window: int,
     reply_tokens: int,
     count: Counter = count_tokens,
+    most_tokens: int | None = None,
 ) -> Context:
-    """`history` runs oldest to newest and ends with the new user message."""
+    """`history` runs oldest to newest and ends with the new user message. The prompt
+    and the reply take at most `most_tokens` (a tier's minute of tokens) if given."""
     if not history:
         raise ValueError("history must end with the new message")
-    budget = int(context_window * SAFETY_MARGIN) - reply_tokens
+    room = int(context_window * SAFETY_MARGIN)
+    budget = min(room, most_tokens if most_tokens is not None else room) - reply_tokens
     system = [ChatMessage(role="system", content=system_prompt)] if system_prompt else []
     used = sum(_cost(m, count) for m in [*system, history[-1]])
     if used > budget:

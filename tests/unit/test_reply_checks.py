@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import threading
+from typing import Any, cast
 
 import pytest
 
 from producers.gateway.chat.checks import ReplyChecks
 from producers.gateway.chat.protocol import ReplyOptions
+from producers.gateway.chat.routing import Request, routed
 from producers.gateway.errors import ApiError
 from schemas.events import ChatMessage
 from tandoor.models import ModelConfig
@@ -65,3 +67,34 @@ async def test_many_messages_long_together_are_moderated_off_the_loop() -> None:
     with pytest.raises(ApiError) as blocked:
         await reply_checks.all_moderated([("fine", "messages.0.content"), ("forbidden", "x.1")])
     assert blocked.value.param == "x.1"
+
+
+class Serves:
+    def served(self, model: str) -> None:
+        pass
+
+    def answering(self, model: str, tier: str, takes: object) -> str:
+        return model
+
+
+def test_a_long_chat_on_a_wide_model_drops_its_oldest_turns_within_the_tiers_minute() -> None:
+    """Cut only to the model's window: past the tier's minute of tokens every turn was
+    a 413 ("send a shorter context"), which a chat page user cannot, and nothing was
+    dropped, so nothing was summarized. Stuck for good."""
+    model = ModelConfig(source="/models/wide", max_model_len=32_768)
+    settings = Settings(models={"wide": model})
+    reply_checks = ReplyChecks(settings, DefaultModerator(), None)  # type: ignore[arg-type]
+    turn = "word " * 1000
+    asked = [
+        ChatMessage(role="user" if i % 2 == 0 else "assistant", content=turn) for i in range(25)
+    ]
+    request = Request("free", "wide", asked, 512, client_context=False, summary=None)
+    chosen, context = routed(cast(Any, Serves()), reply_checks, request)
+    assert chosen == "wide" and context.dropped > 0
+    assert context.prompt_tokens + 512 <= settings.tiers["free"].tokens_per_minute
+    assert context.messages[-1].content == turn  # the new message kept
+    alone = Request(
+        "free", "wide", [ChatMessage(role="user", content="word " * 25_000)], 512, False, None
+    )
+    with pytest.raises(ApiError, match="allows 20000 a minute"):
+        routed(cast(Any, Serves()), reply_checks, alone)

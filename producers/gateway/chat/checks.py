@@ -73,10 +73,13 @@ class ReplyChecks:
         max_tokens: int,
         client_context: bool,
         summary: str | None = None,
+        tier: str | None = None,
     ) -> Context:
         """The chat page's history is trimmed to fit, oldest first, under the configured
-        system prompt. An API client sends the whole context itself, system prompt
-        included: if it does not fit, it is refused, never silently cut."""
+        system prompt, within the model's window and the tier's minute of tokens (a chat
+        past the minute was a 413 at every turn, and nothing was cut to summarize). An
+        API client sends the whole context itself, system prompt included: if it does
+        not fit, it is refused, never silently cut."""
         system = None if client_context else self.settings.system_prompt
         if summary and not client_context:
             system = f"{system or ''}\n\nSummary of the earlier conversation: {summary}".strip()
@@ -89,10 +92,16 @@ class ReplyChecks:
             param="messages",
             code="context_length_exceeded",
         )
+        per_minute = None if tier is None else self.settings.tiers[tier].tokens_per_minute
+        most = None if client_context else per_minute
         try:
-            context = assemble(system, asked, window, max_tokens)
+            context = assemble(system, asked, window, max_tokens, most_tokens=most)
         except ContextTooLong as exc:
-            raise too_long if client_context else ApiError(413, str(exc), param="content") from exc
+            if client_context:
+                raise too_long from exc
+            if tier is not None:  # past the tier's minute, not the window: said so
+                self.affordable(tier, exc.needed + max_tokens)
+            raise ApiError(413, str(exc), param="content") from exc
         if client_context and context.dropped:
             raise too_long
         return context

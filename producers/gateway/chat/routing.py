@@ -31,7 +31,12 @@ def routed(router: ModelRouter, checks: ReplyChecks, request: Request) -> tuple[
     def context_on(model: str) -> Context:
         if model not in contexts:
             contexts[model] = checks.context(
-                model, request.asked, request.max_tokens, request.client_context, request.summary
+                model,
+                request.asked,
+                request.max_tokens,
+                request.client_context,
+                request.summary,
+                request.tier,
             )
         return contexts[model]
 
