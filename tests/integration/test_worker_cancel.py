@@ -24,7 +24,7 @@ from tandoor.policies.redis_keys import batch_cancel_key
 from tandoor.settings import Settings
 from tests.integration.pipeline import prompt
 from tests.ops import samples
-from tests.waiting import eventually
+from tests.waiting import eventually, until
 
 pytestmark = pytest.mark.integration
 
@@ -99,6 +99,25 @@ async def long_reply_running(
         await client.aclose()
 
 
+async def held_for_budget(
+    worker: WorkerProcess, running: LongReply, waiting: PromptRequest
+) -> None:
+    """Taken by the worker and held for token budget: counted waiting, and the long reply
+    goes on for three more events while it has none (it is counted waiting from when it
+    is taken, before it reaches the budget: a cancel then raced its arrival's checks)."""
+    await eventually(
+        lambda: samples(worker),
+        lambda found: found["tandoor_worker_requests_waiting"] >= 1,
+        what="the prompt taken by the worker",
+    )
+    stream, long_id = running.stream, running.request.request_id
+    seen = len(stream.tokens(long_id, 1))
+    await until(
+        lambda: len(stream.tokens(long_id, 1)), lambda n: n >= seen + 3, what="the long reply"
+    )
+    assert not stream.tokens(waiting.request_id, 1), "it was not held"
+
+
 async def test_cancel_while_waiting_inside_the_worker(
     worker: WorkerProcess, producer: AIOKafkaProducer, settings: Settings, redis_url: str
 ) -> None:
@@ -134,11 +153,7 @@ async def test_a_batch_cancelled_while_its_line_waits_inside_the_worker_does_not
             update={"kind": "batch", "batch_id": batch_id, "custom_id": "line-1"}
         )
         await running.submitter.submit(waiting)
-        await eventually(  # taken by the worker, held for lack of token budget
-            lambda: samples(worker),
-            lambda found: found["tandoor_worker_requests_waiting"] >= 1,
-            what="the batch line held in the worker",
-        )
+        await held_for_budget(worker, running, waiting)
         # What the Batches API's cancel writes; no cancel event names the line.
         await running.control.set(batch_cancel_key(waiting.user_id, batch_id), 1, ex=600)
         await request_cancel(producer, running.control, running.request.request_id)
