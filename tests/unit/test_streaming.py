@@ -98,3 +98,29 @@ async def test_frames_of_waiting_events_go_out_in_one_write() -> None:
         b"data: 4\n\ndata: 5\n\n",
         b"",
     ]
+
+
+async def test_events_that_make_no_frame_still_send_keepalives(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Text the redaction holds (a count to 400: 1,490 of 1,497 characters) comes as
+    empty chunks: nothing was written, and no keep-alive either (they were sent only
+    when no event came), so a proxy's idle limit cut the stream."""
+    monkeypatch.setattr("producers.gateway.streaming.KEEPALIVE_S", 0.05)
+
+    async def held() -> AsyncIterator[str]:
+        for _ in range(30):  # an event every 10 ms, each held back
+            yield ""
+            await asyncio.sleep(0.01)
+        yield "data: 1 2 3\n\n"
+
+    bodies: list[bytes] = []
+
+    async def record(message: Message) -> None:
+        if message["type"] == "http.response.body":
+            bodies.append(message["body"])
+
+    stream = ReplyStream(held(), StreamSlots(1).take(), 5, {}, resumable=False)
+    await stream(SCOPE, never_disconnects, record)
+    keepalives = [body for body in bodies if body.startswith(b":")]
+    assert len(keepalives) >= 2 and bodies[-2:] == [b"data: 1 2 3\n\n", b""]
