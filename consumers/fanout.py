@@ -143,7 +143,10 @@ class TokenFanout(ConsumerRebalanceListener):  # type: ignore[misc]
         return sub
 
     def unsubscribe(self, sub: Subscription) -> None:
-        self._subs.pop(sub.request_id, None)
+        """Only `sub` itself: a later subscription to the same id (a job's, whose ids
+        are made from what it covers) was removed by the earlier one's end."""
+        if self._subs.get(sub.request_id) is sub:
+            del self._subs[sub.request_id]
 
     # ConsumerRebalanceListener
     async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:

@@ -215,3 +215,21 @@ async def test_a_record_keyed_with_bytes_that_are_not_utf8_is_passed_over(
             await asyncio.gather(*carried)
         assert offsets(rig.sub.queue) == [13]
         assert not rig.dispatch.done()
+
+
+async def test_an_earlier_subscriptions_end_leaves_a_later_one_to_the_same_id() -> None:
+    """A summary job's id is made from the turns it covers: a second job for the same
+    turns subscribed under it, and the first one's end removed the second's (its
+    events were dropped, its summary lost)."""
+    fanout = TokenFanout(Settings())
+    try:
+        first = Subscription(REQUEST, PARTITION, next_offset=0)
+        second = Subscription(REQUEST, PARTITION + 1, next_offset=0)
+        fanout._subs[REQUEST] = first
+        fanout._subs[REQUEST] = second  # as subscribe() does
+        fanout.unsubscribe(first)
+        assert fanout._subs[REQUEST] is second
+        fanout.unsubscribe(second)
+        assert REQUEST not in fanout._subs
+    finally:
+        await fanout._consumer.stop()
