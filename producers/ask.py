@@ -3,6 +3,7 @@ A smoke test of the running stack before any HTTP client exists."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import uuid
 from collections.abc import Callable
@@ -26,20 +27,42 @@ async def ask(settings: Settings, text: str, model: str, band: str, max_tokens: 
         sampling=Sampling(max_tokens=max_tokens, temperature=0.0),
         created_at_ms=now_ms(),
     )
-    async with kafka_producer(settings, "ask") as producer, TokenCollector(settings) as stream:
+    async with contextlib.AsyncExitStack() as stack:
+        producer = kafka_producer(settings, "ask")
+        stack.push_async_callback(producer.stop)  # a start that fails leaves it open too
+        await producer.start()
+        stream = await stack.enter_async_context(TokenCollector(settings))
         await PromptSubmitter(settings, producer).submit(request)
-        printed = 0
+        printed, shown = 0, Shown()
         events = stream.events[request.request_id]
         while True:
             await stream.wait_for(_grown_past(events, printed), request.request_id, 300)
             for event in events[printed:]:
                 printed += 1
                 if isinstance(event, TokenEvent):
-                    sys.stdout.write(event.delta)
+                    sys.stdout.write(shown.text_of(event))
                     sys.stdout.flush()
                 else:
                     sys.stdout.write("\n")
                     return event
+
+
+class Shown:
+    """What the terminal shows of a reply's token events: each (attempt, seq) once (a
+    worker that takes a reply over sends again what was sent: it printed twice), and a
+    restart said (both attempts' text ran together)."""
+
+    def __init__(self) -> None:
+        self._seen: set[tuple[int, int]] = set()
+        self._attempt: int | None = None
+
+    def text_of(self, event: TokenEvent) -> str:
+        if (event.attempt, event.seq) in self._seen:
+            return ""
+        self._seen.add((event.attempt, event.seq))
+        restarted = self._attempt is not None and event.attempt != self._attempt
+        self._attempt = event.attempt
+        return ("\n[the reply restarted]\n" if restarted else "") + event.delta
 
 
 def _grown_past(events: list[TokenEvent | FinalEvent], count: int) -> Callable[[], bool]:

@@ -4,6 +4,7 @@ client of the gateway's Batches API (TANDOOR_API_URL, default the local gateway)
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
@@ -44,6 +45,9 @@ def collect(
     api_key: str = API_KEY,
 ) -> None:
     """Write results in input order, with usage, and an error for each failed line."""
+    if not out.resolve().parent.is_dir():  # told now, not after the whole wait
+        typer.secho(f"error: no folder {out.resolve().parent} to write {out.name} in", err=True)
+        raise typer.Exit(2)
     done = _run(api_key, "answered", lambda c, p: c.collect(batch_id, out, wait, p))
     typer.echo(f"{out}: {done.answered} of {done.lines} lines answered, {done.failed} failed")
     if done.answered < done.lines:
@@ -60,7 +64,8 @@ def _run(
 
     async def main() -> T:
         async with BatchClient(api_url, api_key) as client:
-            with typer.progressbar(length=1, label=label) as bar:
+            # On stderr: stdout is the batch id alone (`ID=$(tandoor batch submit ...)`).
+            with typer.progressbar(length=1, label=label, file=sys.stderr) as bar:
 
                 def progress(done: int, total: int) -> None:
                     bar.length = total
@@ -70,6 +75,6 @@ def _run(
 
     try:
         return asyncio.run(main())
-    except (BatchError, httpx.HTTPError) as exc:
+    except (BatchError, httpx.HTTPError, OSError) as exc:
         typer.secho(f"error: {exc}", err=True, fg=typer.colors.RED)
         raise typer.Exit(2) from exc

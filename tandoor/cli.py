@@ -161,12 +161,14 @@ def ask(
     text: str,
     model: str = typer.Option("smollm2"),
     band: str = typer.Option("interactive-paid"),
-    max_tokens: int = typer.Option(256),
+    max_tokens: int = typer.Option(256, min=1),
 ) -> None:
     """Send one prompt through Kafka and a worker; print the reply as it streams."""
     from producers.ask import ask as ask_once
 
-    final = asyncio.run(ask_once(get_settings(), text, model, band, max_tokens))
+    final = _stack_guard(
+        lambda: asyncio.run(ask_once(get_settings(), text, model, band, max_tokens))
+    )
     usage = final.usage
     typer.echo(
         f"[{final.finish_reason}] {usage.prompt_tokens} prompt + {usage.completion_tokens} "
@@ -223,7 +225,7 @@ def keys_create(
     from tandoor.policies.api_keys import create_key
 
     try:
-        key, principal = asyncio.run(create_key(get_settings(), user, tier))
+        key, principal = _stack_guard(lambda: asyncio.run(create_key(get_settings(), user, tier)))
     except ValueError as exc:
         typer.secho(f"error: {exc}", err=True, fg=typer.colors.RED)
         raise typer.Exit(2) from exc
@@ -246,7 +248,7 @@ def cancel(
     """Cancel a request, whether it is generating, queued, or not yet taken."""
     from producers.control import cancel_request
 
-    asyncio.run(cancel_request(get_settings(), request_id, reason or None))
+    _stack_guard(lambda: asyncio.run(cancel_request(get_settings(), request_id, reason or None)))
     typer.echo(f"cancel sent for {request_id}")
 
 
@@ -271,6 +273,32 @@ def _guard(action: Callable[[], T]) -> T:
         return action()
     except InfraError as exc:
         typer.secho(f"error: {exc}", err=True, fg=typer.colors.RED)
+        raise typer.Exit(2) from exc
+
+
+def _stack_guard(action: Callable[[], T]) -> T:
+    """A command that needs Kafka, Cassandra or Redis: one line when they are not
+    there, not a traceback of a hundred (`tandoor ask` is README's first command)."""
+    from aiokafka.errors import KafkaError
+
+    from tandoor.clients import CASSANDRA_DOWN, REDIS_DOWN
+
+    try:
+        return action()
+    except (KafkaError, *CASSANDRA_DOWN, *REDIS_DOWN) as exc:
+        typer.secho(
+            f"error: {type(exc).__name__}: {exc}; is the stack up? (scripts/run.sh, or "
+            "`tandoor infra up` for the servers alone)",
+            err=True,
+            fg=typer.colors.RED,
+        )
+        raise typer.Exit(2) from exc
+    except TimeoutError as exc:
+        typer.secho(
+            "error: nothing came back in time; is a worker running for this model?",
+            err=True,
+            fg=typer.colors.RED,
+        )
         raise typer.Exit(2) from exc
 
 

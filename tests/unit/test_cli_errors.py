@@ -1,0 +1,42 @@
+"""The command line with nothing to talk to: one line saying what to do, exit 2, no
+traceback (README's first commands printed a hundred lines of one)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from infra.process import free_port
+from tandoor.cli import app
+from tandoor.settings import get_settings
+
+
+@pytest.fixture
+def nothing_listening(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setenv("TANDOOR_KAFKA_PORT", str(free_port()))
+    get_settings.cache_clear()
+    yield
+    get_settings.cache_clear()
+
+
+def test_ask_with_no_kafka_says_to_start_the_stack(nothing_listening: None) -> None:
+    result = CliRunner().invoke(app, ["ask", "hi"])
+    assert result.exit_code == 2, result.output
+    assert "is the stack up?" in result.output and "Traceback" not in result.output
+
+
+def test_a_reply_length_below_one_is_refused_by_the_command_line() -> None:
+    result = CliRunner().invoke(app, ["ask", "hi", "--max-tokens", "0"])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+
+
+def test_collect_into_a_folder_that_is_not_there_is_refused_before_waiting(
+    tmp_path: Path,
+) -> None:
+    """It followed the batch to its end, hours maybe, then raised FileNotFoundError."""
+    out = tmp_path / "missing" / "out.jsonl"
+    result = CliRunner().invoke(app, ["batch", "collect", "b1", str(out), "--api-key", "k"])
+    assert result.exit_code == 2 and "no folder" in result.output, result.output
