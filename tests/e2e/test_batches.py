@@ -116,8 +116,8 @@ async def test_tandoor_batch_is_a_client_of_the_api(stack: Stack, tmp_path: Path
     prompts.write_bytes(jsonl(rows))
     env = {**os.environ, "TANDOOR_API_URL": f"{stack.url}/v1", "TANDOOR_API_KEY": key}
     submitted = await run_cli(env, "submit", str(prompts), "--model", stack.model)
-    batch_id = submitted.stdout.strip().splitlines()[-1]
-    assert batch_id.startswith("batch_"), submitted.stdout
+    batch_id = submitted.stdout.strip()  # the id alone: ID=$(tandoor batch submit ...)
+    assert batch_id.startswith("batch_") and "\n" not in batch_id, submitted.stdout
     collected = await run_cli(env, "collect", batch_id, str(results))
     assert "12 of 12 lines answered, 1 failed" in collected.stdout, collected.stdout
     out = [orjson.loads(line) for line in results.read_bytes().splitlines()]
