@@ -78,14 +78,19 @@ def lines_waiting(batch: StoredBatch, answered: int) -> int:
     worker), given how many are: within its completion window, a batch's unanswered
     lines are all still to be answered (a cancel's quickly), unless its lines never
     reached Kafka (`failed`)."""
-    if batch.queuing and not answered and utc_now() > batch.created_at + QUEUING_LIMIT:
+    if batch.queuing and not answered and _never_queued(batch):
         return 0
     return max(0, batch.total - answered)
 
 
+def _never_queued(batch: StoredBatch) -> bool:
+    """Still marked queuing past QUEUING_LIMIT (to be asked with no line answered)."""
+    return utc_now() > batch.created_at + QUEUING_LIMIT
+
+
 def _status(batch: StoredBatch, answered: Answered) -> str:
     if batch.queuing and not answered.count:  # an answer: its lines were committed
-        interrupted = utc_now() > batch.created_at + QUEUING_LIMIT  # none of them ran
+        interrupted = _never_queued(batch)  # none of them ran
         if batch.cancelled_at is not None:
             return "cancelled" if interrupted else "cancelling"
         return "failed" if interrupted else "validating"

@@ -271,19 +271,15 @@ class BatchService:
         return dataclasses.replace(batch, cancelled_at=at)
 
     async def _object(self, batch: StoredBatch) -> dict[str, Any]:
-        return batch_object(batch, await self._answered(batch))
-
-    async def _answered(self, batch: StoredBatch) -> Answered:
-        """Its lines' answers so far: counted, and kept on its row once final."""
         if batch.settled is not None:
-            return batch.settled
+            return batch_object(batch, batch.settled)
         answered = await self.batches.answered(batch.user_id, batch.batch_id)
         if is_settled(batch, answered):
             try:
                 await self.batches.settle(batch.batch_id, answered)
             except CASSANDRA_DOWN as exc:  # counted again next time: still right
                 log.warning("%s: counts not kept (%r)", batch.batch_id, exc)
-        return answered
+        return batch_object(batch, answered)
 
     async def _batch_file(
         self, caller: Principal, file_id: str
