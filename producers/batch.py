@@ -2,10 +2,10 @@
 
 Each input line is `{"messages": [...]}` or `{"prompt": "..."}`, with optional
 `max_tokens` and `temperature`; every line is checked before anything is sent. Submit
-turns the file into OpenAI batch-input lines (custom_id `line-<n>`), uploads it
-(`POST /v1/files`) and creates a batch (`POST /v1/batches`); collect follows the batch
-(`GET /v1/batches/<id>`) and writes one result per input line, in input order, from
-its output and error files. Nothing here needs Kafka or Cassandra: only the gateway
+turns the file into OpenAI batch-input lines (custom_id `line-<n>`, n the line's number
+in the file, as an editor counts), uploads it (`POST /v1/files`) and creates a batch
+(`POST /v1/batches`); collect follows the batch (`GET /v1/batches/<id>`) and writes one
+result per input line, in input order, from its input, output and error files. Nothing here needs Kafka or Cassandra: only the gateway
 and a key.
 """
 
@@ -64,14 +64,15 @@ class BatchError(Exception):
     """A problem the caller must fix: a bad line, an unknown batch, a refused request."""
 
 
-def read_batch(path: Path) -> list[BatchLine]:
-    """The file's lines, every one checked before anything is sent."""
+def read_batch(path: Path) -> list[tuple[int, BatchLine]]:
+    """The file's prompts with their line numbers (blank lines skipped), every one
+    checked before anything is sent."""
     lines = []
     for number, raw in enumerate(path.read_bytes().splitlines(), start=1):
         if not raw.strip():
             continue
         try:
-            lines.append(BatchLine.model_validate(orjson.loads(raw)))
+            lines.append((number, BatchLine.model_validate(orjson.loads(raw))))
         except (orjson.JSONDecodeError, ValidationError) as exc:
             raise BatchError(f"{path}:{number}: {_first_error(exc)}") from exc
     if not lines:
@@ -82,19 +83,28 @@ def read_batch(path: Path) -> list[BatchLine]:
 @dataclass(frozen=True)
 class Collected:
     batch_id: str
+    status: str
     lines: int
     answered: int
     failed: int
+
+    @property
+    def complete(self) -> bool:
+        """Every line has its reply."""
+        return self.answered == self.lines and not self.failed
 
 
 class BatchClient:
     """The Batches API for one key, at `api_url` (e.g. http://127.0.0.1:8000/v1)."""
 
-    def __init__(self, api_url: str, api_key: str) -> None:
+    def __init__(
+        self, api_url: str, api_key: str, transport: httpx.AsyncBaseTransport | None = None
+    ) -> None:
         self._http = httpx.AsyncClient(
             base_url=api_url.rstrip("/"),
             headers={"Authorization": f"Bearer {api_key}"},
             timeout=httpx.Timeout(300, connect=10),
+            transport=transport,
         )
 
     async def __aenter__(self) -> BatchClient:
@@ -105,15 +115,17 @@ class BatchClient:
 
     async def submit(self, path: Path, model: str, progress: Progress | None = None) -> str:
         lines = read_batch(path)
-        content = b"".join(
-            orjson.dumps(line.request(n, model)) + b"\n" for n, line in enumerate(lines)
-        )
+        content = b"".join(orjson.dumps(line.request(n, model)) + b"\n" for n, line in lines)
         files = {"file": (path.name, content, "application/jsonl")}
         uploaded = await self._call("POST", "/files", data={"purpose": "batch"}, files=files)
         if progress:
             progress(1, 2)
         body = {"input_file_id": uploaded["id"], "endpoint": CHAT, "completion_window": "24h"}
-        batch = await self._call("POST", "/batches", json=body)
+        try:
+            batch = await self._call("POST", "/batches", json=body)
+        except BatchError:  # refused (a quota, the queue cap): no file left behind
+            await self._http.delete(f"/files/{uploaded['id']}")
+            raise
         if progress:
             progress(2, 2)
         return str(batch["id"])
@@ -138,22 +150,24 @@ class BatchClient:
                 break
             await asyncio.sleep(POLL_S)
         outputs = await self._outputs(batch_id)
-        total = counts["total"]
-        results = [_result(n, outputs.get(f"line-{n}")) for n in range(total)]
+        missing = _unanswered_reason(batch)
+        ids = [line["custom_id"] for line in await self._file(batch["input_file_id"])]
+        results = [_result(n, cid, outputs.get(cid), missing) for n, cid in enumerate(ids, 1)]
         _write_atomically(out, results)
-        failed = sum("error" in r for r in results)
-        return Collected(batch_id, total, len(outputs), failed)
+        failed = sum("error" in r for r, cid in zip(results, ids, strict=True) if cid in outputs)
+        return Collected(batch_id, batch["status"], len(ids), len(outputs), failed)
 
     async def _outputs(self, batch_id: str) -> dict[str, dict[str, Any]]:
         """Every output line so far, by custom_id (the output and error files)."""
         found = {}
         for prefix in ("file-out-", "file-err-"):
-            response = await self._http.get(f"/files/{prefix}{batch_id}/content")
-            _raise_for(response)
-            for raw in response.content.splitlines():
-                line = orjson.loads(raw)
-                found[line["custom_id"]] = line
+            found |= {line["custom_id"]: line for line in await self._file(prefix + batch_id)}
         return found
+
+    async def _file(self, file_id: str) -> list[dict[str, Any]]:
+        response = await self._http.get(f"/files/{file_id}/content")
+        _raise_for(response)
+        return [orjson.loads(raw) for raw in response.content.splitlines() if raw.strip()]
 
     async def _call(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
         response = await self._http.request(method, path, **kwargs)
@@ -176,9 +190,26 @@ def _raise_for(response: httpx.Response) -> None:
     raise BatchError(f"{response.status_code}: {message}")
 
 
-def _result(number: int, output: dict[str, Any] | None) -> dict[str, Any]:
+def _unanswered_reason(batch: dict[str, Any]) -> str:
+    """What a line with no answer is told, as the batch stands."""
+    status = batch["status"]
+    if status not in FINAL:
+        return "not answered yet: collect again later"
+    if status == "failed":
+        reasons = [e.get("message") for e in (batch.get("errors") or {}).get("data") or []]
+        return "the batch failed: " + ("; ".join(r for r in reasons if r) or "no reason given")
+    return f"the batch was {status} before this line ran"
+
+
+def _result(
+    position: int, custom_id: str, output: dict[str, Any] | None, missing: str
+) -> dict[str, Any]:
+    """`line`: the input file's line number (`line-<n>`, as submit names them), else the
+    line's position among the batch's lines."""
+    digits = custom_id.removeprefix("line-")
+    number = int(digits) if digits != custom_id and _short_ascii_number(digits) else position
     if output is None:
-        return {"line": number, "error": "not answered yet: collect again later"}
+        return {"line": number, "error": missing}
     response = output.get("response") or {}
     result: dict[str, Any] = {"line": number, "request_id": response.get("request_id")}
     body = response.get("body") or {}
@@ -198,6 +229,10 @@ def _result(number: int, output: dict[str, Any] | None) -> dict[str, Any]:
         error = output.get("error") or {}
         result["error"] = error.get("message") or error.get("code") or "failed"
     return result
+
+
+def _short_ascii_number(text: str) -> bool:
+    return 0 < len(text) <= 9 and text.isascii() and text.isdigit()
 
 
 def _write_atomically(out: Path, results: list[dict[str, Any]]) -> None:

@@ -44,13 +44,17 @@ def collect(
     ),
     api_key: str = API_KEY,
 ) -> None:
-    """Write results in input order, with usage, and an error for each failed line."""
+    """Write results in input order, with usage, and an error for each failed line.
+    Exits 3 unless every line has its reply."""
     if not out.resolve().parent.is_dir():  # told now, not after the whole wait
         typer.secho(f"error: no folder {out.resolve().parent} to write {out.name} in", err=True)
         raise typer.Exit(2)
     done = _run(api_key, "answered", lambda c, p: c.collect(batch_id, out, wait, p))
-    typer.echo(f"{out}: {done.answered} of {done.lines} lines answered, {done.failed} failed")
-    if done.answered < done.lines:
+    typer.echo(
+        f"{out}: {done.answered} of {done.lines} lines answered, {done.failed} failed "
+        f"(batch {done.status})"
+    )
+    if not done.complete:
         raise typer.Exit(3)
 
 

@@ -15,8 +15,8 @@ def test_lines_take_a_prompt_or_messages(tmp_path: Path) -> None:
         '{"prompt": "Hi"}\n\n{"messages": [{"role": "user", "content": "Yo"}], "max_tokens": 9}\n'
     )
     lines = read_batch(path)
-    assert [line.chat()[0].content for line in lines] == ["Hi", "Yo"]
-    assert lines[1].max_tokens == 9
+    assert [(n, line.chat()[0].content) for n, line in lines] == [(1, "Hi"), (3, "Yo")]
+    assert lines[1][1].max_tokens == 9
 
 
 @pytest.mark.parametrize(
@@ -39,7 +39,7 @@ def test_a_bad_line_is_named(tmp_path: Path, text: str, problem: str) -> None:
 def test_lines_become_openai_batch_input_named_by_their_number(tmp_path: Path) -> None:
     path = tmp_path / "in.jsonl"
     path.write_text('{"prompt": "Hi", "temperature": 0.5}\n')
-    (line,) = read_batch(path)
+    ((_, line),) = read_batch(path)
     request = line.request(7, "smollm2")
     assert request["custom_id"] == "line-7" and request["url"] == "/v1/chat/completions"
     assert request["body"] == {
