@@ -5,8 +5,8 @@ Each input line is `{"messages": [...]}` or `{"prompt": "..."}`, with optional
 turns the file into OpenAI batch-input lines (custom_id `line-<n>`, n the line's number
 in the file, as an editor counts), uploads it (`POST /v1/files`) and creates a batch
 (`POST /v1/batches`); collect follows the batch (`GET /v1/batches/<id>`) and writes one
-result per input line, in input order, from its input, output and error files. Nothing here needs Kafka or Cassandra: only the gateway
-and a key.
+result per input line, in input order, from its input, output and error files. Nothing
+here needs Kafka or Cassandra: only the gateway and a key.
 """
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ class BatchClient:
 
     async def _outputs(self, batch_id: str) -> dict[str, dict[str, Any]]:
         """Every output line so far, by custom_id (the output and error files)."""
-        found = {}
+        found: dict[str, dict[str, Any]] = {}
         for prefix in ("file-out-", "file-err-"):
             found |= {line["custom_id"]: line for line in await self._file(prefix + batch_id)}
         return found
