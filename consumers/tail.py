@@ -30,6 +30,17 @@ def describe(topic: str, event: dict[str, object]) -> str:
     return "{request_id}#{attempt} final {finish_reason}: {text!r}".format(**event)
 
 
+def line_of(topic: str, value: bytes | None) -> str | None:
+    """The line shown for a record; None for a tombstone (any client can write one).
+    A record of another shape is shown raw, not the end of the tail."""
+    if value is None:
+        return None
+    try:
+        return describe(topic, json.loads(value))
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
+        return f"(not a {topic} event: {exc!r}) {value[:200]!r}"
+
+
 async def tail(bootstrap: str, topic: str, from_beginning: bool, limit: int | None) -> None:
     consumer = AIOKafkaConsumer(
         topic,
@@ -42,7 +53,10 @@ async def tail(bootstrap: str, topic: str, from_beginning: bool, limit: int | No
         seen = 0
         async for message in consumer:
             # Flushed per line: piped into another program, a tail must not sit on its output.
-            print(describe(topic, json.loads(message.value)), flush=True)
+            line = line_of(topic, message.value)
+            if line is None:
+                continue
+            print(line, flush=True)
             seen += 1
             if limit is not None and seen >= limit:
                 return

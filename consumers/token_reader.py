@@ -6,7 +6,7 @@ import asyncio
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from aiokafka import AIOKafkaConsumer
 
@@ -22,10 +22,13 @@ IDLE_S = 120.0  # a wait fails after this long without any event on `tokens`
 
 
 class TokenCollector:
-    """Reads `tokens` from now on and keeps every event by request id: for batch
-    collection, tests and benchmarks (a bounded set of requests, not a live feed)."""
+    """Reads `tokens` from now on and keeps every event by request id: for tests and
+    benchmarks (a bounded set of requests, not a live feed). Given `only`, the events of
+    those requests alone are kept, and only theirs count as progress: `tandoor ask`
+    against a live stack kept everyone's traffic, and never gave up while others'
+    replies flowed."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, only: Collection[str] | None = None) -> None:
         self._consumer = AIOKafkaConsumer(
             bootstrap_servers=settings.kafka_bootstrap,
             group_id=None,
@@ -36,6 +39,7 @@ class TokenCollector:
         self._seen: dict[int, float] = {}  # id(event) -> perf_counter when it arrived
         self._last_read = time.monotonic()  # progress: when any event last arrived
         self._task: asyncio.Task[None] | None = None
+        self._only = only
 
     async def __aenter__(self) -> TokenCollector:
         await self._consumer.start()
@@ -55,6 +59,8 @@ class TokenCollector:
                 event = decode_token_stream(record.value)
             except SchemaError as exc:  # someone else's record: a tombstone, a newer schema
                 log.warning("passed over tokens %s@%s: %s", record.partition, record.offset, exc)
+                continue
+            if self._only is not None and event.request_id not in self._only:
                 continue
             self._seen[id(event)] = time.perf_counter()
             self._last_read = time.monotonic()
@@ -79,14 +85,20 @@ class TokenCollector:
         return self.finals(request_id)[-1]
 
     async def first_token(self, request_id: str, idle_s: float = IDLE_S) -> TokenEvent:
-        await self.wait_for(lambda: bool(self.tokens(request_id, 1)), request_id, idle_s)
-        return self.tokens(request_id, 1)[0]
+        """Of whichever attempt: a worker that died before its first token carried
+        nothing over, and the next attempt's events have a higher number."""
+        await self.wait_for(lambda: bool(self._all_tokens(request_id)), request_id, idle_s)
+        return self._all_tokens(request_id)[0]
+
+    def _all_tokens(self, request_id: str) -> list[TokenEvent]:
+        return [e for e in self.events[request_id] if isinstance(e, TokenEvent)]
 
     async def wait_for(
         self, condition: Callable[[], bool], what: str, idle_s: float = IDLE_S
     ) -> None:
-        """Until `condition` holds; gives up only once `tokens` has been quiet for
-        `idle_s`, so a slow engine that keeps producing is waited for, a stalled one not."""
+        """Until `condition` holds; gives up only once `tokens` (the followed requests'
+        events, given `only`) has been quiet for `idle_s`, so a slow engine that keeps
+        producing is waited for, a stalled one not."""
         started = time.monotonic()
         while not condition():
             if self._task is not None and self._task.done():

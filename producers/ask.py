@@ -31,7 +31,8 @@ async def ask(settings: Settings, text: str, model: str, band: str, max_tokens: 
         producer = kafka_producer(settings, "ask")
         stack.push_async_callback(producer.stop)  # a start that fails leaves it open too
         await producer.start()
-        stream = await stack.enter_async_context(TokenCollector(settings))
+        collector = TokenCollector(settings, only={request.request_id})
+        stream = await stack.enter_async_context(collector)
         await PromptSubmitter(settings, producer).submit(request)
         printed, shown = 0, Shown()
         events = stream.events[request.request_id]
