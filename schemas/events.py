@@ -137,6 +137,10 @@ class Usage(BaseModel):
     ttft_ms: float | None = Field(default=None, ge=0)
     decode_ms: float = Field(ge=0)
 
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
 
 class FinalEvent(Event):
     """The last event of one attempt: how it ended, its whole text and its usage."""

@@ -10,6 +10,8 @@ import pytest
 
 from infra.process import free_port
 from infra.roles import GatewayProcess, running
+from tandoor.clients import redis_client
+from tandoor.policies.redis_keys import cancel_key
 from tests.e2e.helpers import auth, new_conversation, sse
 from tests.e2e.stack import Stack
 
@@ -38,7 +40,8 @@ async def test_streams_beyond_the_cap_are_refused_until_one_ends(stack: Stack) -
         async with http.stream("POST", path, json=body, headers=headers) as open_stream:
             assert open_stream.status_code == 200
             events = sse(open_stream)
-            assert (await anext(events))[1]["type"] == "start"
+            started = (await anext(events))[1]
+            assert started["type"] == "start"
 
             refused = await http.post(path, json=body, headers=headers)
             assert refused.status_code == 503 and refused.headers["Retry-After"]
@@ -52,6 +55,13 @@ async def test_streams_beyond_the_cap_are_refused_until_one_ends(stack: Stack) -
             rest = [data async for _, data in events]
         assert rest[-2]["type"] == "error" and "no worker answered" in rest[-2]["error"]
         assert rest[-1] == "[DONE]"
+        # Given up on, it is stopped: a worker that takes it late drops it, not runs it
+        # uncharged (settled at zero, its real usage found it settled).
+        redis = redis_client(stack.settings)
+        try:
+            assert await redis.exists(cancel_key(started["request_id"]))
+        finally:
+            await redis.aclose()
 
         whole = await http.post("/v1/chat/completions", json=completion, headers=headers)
         assert whole.status_code == 200, whole.text

@@ -78,6 +78,21 @@ class ReplyControl:
         except (KafkaError, TimeoutError, *REDIS_DOWN) as exc:
             log.warning("%s: not stopped when its client went (%r)", request_id, exc)
 
+    async def stop_given_up(self, request_id: str) -> None:
+        """A reply silent past the tier's limit (its client told no worker answered) may
+        still run, in a worker that took it over late or behind a stalled read: it is
+        stopped, and its follower settles nothing. Settled at zero, it ran on uncharged
+        (its real usage found the request settled) and holding no stream slot; whatever
+        does run sends a usage record, which settles it."""
+        try:
+            reason = "the gateway gave up waiting for the reply"
+            await asyncio.wait_for(
+                request_cancel(self.producer, self.inflight.redis, request_id, reason),
+                self.settings.kafka_send_timeout_s,
+            )
+        except (KafkaError, TimeoutError, *REDIS_DOWN) as exc:
+            log.warning("%s: given up on, not stopped (%r)", request_id, exc)
+
     async def _stop(self, record: dict[str, Any], caller: Principal) -> None:
         request_id = str(record["request_id"])
         await request_cancel(self.producer, self.inflight.redis, request_id, "stop button")

@@ -382,9 +382,11 @@ class ChatService:
 
         async def finished(final: FinalEvent | None) -> None:
             d.fanout.unsubscribe(sub)
+            if final is None:  # silent past the tier's limit: see stop_given_up
+                await self.running.stop_given_up(p.request_id)
             await self.inflight.release(conversation.id, p.request_id)
-            used = final.usage.prompt_tokens + final.usage.completion_tokens if final else 0
-            await d.quotas.settle(admission, used)
+            if final is not None:
+                await d.quotas.settle(admission, final.usage.total_tokens)
             await d.quotas.release(admission)
             if final and final.finish_reason in ANSWERED and asks_jobs and p.text is not None:
                 await d.jobs.after_reply(p.caller.user_id, conversation, p.text, final.text)

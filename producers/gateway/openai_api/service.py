@@ -234,11 +234,10 @@ def _refusal(final: FinalEvent) -> ApiError | None:
 
 def _usage(final: FinalEvent) -> dict[str, Any]:
     usage = final.usage
-    total = usage.prompt_tokens + usage.completion_tokens
     return {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
-        "total_tokens": total,
+        "total_tokens": usage.total_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
     }
 
