@@ -53,8 +53,10 @@ def run_main_job(
         return 0
     finally:
         ignore_stop_signals()  # a second Ctrl-C must not cut the teardown short
-        asyncio.run(terminate_all(roles))
-        servers.down(started_only=True)
+        try:
+            asyncio.run(terminate_all(roles))
+        finally:  # whatever a role did, the servers this job started are stopped
+            servers.down(started_only=True)
 
 
 def stop_on_signals() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import re
 import signal
@@ -21,6 +22,8 @@ from infra.idle_worker import READY as IDLE_READY
 from infra.topics import TopicSpec, batch_request_partitions, ensure_topics, start_group_at_end
 from schemas.topics import prompts_topic
 from tandoor.settings import Settings
+
+log = logging.getLogger(__name__)
 
 # The longest silence of a start-up is an import of torch and vLLM (tens of seconds; a
 # worker's engine does it in three processes, one after the other).
@@ -60,12 +63,16 @@ class RoleProcess:
         size, grew_at = -1, loop.time()
         while self.ready_line not in self.log():
             if self.proc is None or self.proc.poll() is not None:
-                raise StartError(f"{self.name} exited during start-up:\n{self.log()[-4000:]}")
+                raise StartError(
+                    f"{self.name} exited during start-up (log {self.log_file}):\n"
+                    f"{self.log()[-4000:]}"
+                )
             if self.log_size() != size:
                 size, grew_at = self.log_size(), loop.time()
             elif loop.time() - grew_at > idle_s:
                 raise StartError(
-                    f"{self.name} not ready, its log silent for {idle_s:.0f} s:\n"
+                    f"{self.name} not ready, its log silent for {idle_s:.0f} s "
+                    f"(log {self.log_file}):\n"
                     f"{self.log()[-4000:]}"
                 )
             await asyncio.sleep(0.25)
@@ -107,10 +114,20 @@ class RoleProcess:
             self.proc.send_signal(signal.SIGTERM)
         try:
             return self.proc.wait(timeout=timeout_s)
-        finally:
+        except subprocess.TimeoutExpired:  # killed: the teardown after it goes on
+            log.warning(
+                "%s did not stop in %.0f s: killed (log %s)", self.name, timeout_s, self.log_file
+            )
+            return self._kill_tree()
+        finally:  # interrupted (a second Ctrl-C): nothing left running either
             if self.proc.poll() is None:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+                self._kill_tree()
+
+    def _kill_tree(self) -> int:
+        assert self.proc is not None
+        with contextlib.suppress(ProcessLookupError):  # already gone
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        return self.proc.wait()
 
 
 OPS_ADDRESS = re.compile(r"metrics on http://[\d.]+:(\d+)/metrics")

@@ -112,7 +112,9 @@ class Settings(BaseSettings):
     cassandra_port: int = 9042
     cassandra_storage_port: int = 7000
     cassandra_heap: str = "1G"  # -Xms is 256M: G1 grows only as needed
-    redis_port: int = 6379
+    # Not 6379: Debian's redis-server package (bootstrap installs it) starts a service
+    # there, and a taken port stops the stack.
+    redis_port: int = 6380
     start_timeout_s: float = 180.0
 
     keyspace: str = Field(default="tandoor", pattern=r"^[a-z][a-z0-9_]{0,47}$")  # CQL's rule

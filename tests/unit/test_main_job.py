@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from infra.errors import StartError
 from infra.main_job import STOP_SIGNALS, run_main_job
 from infra.roles import RoleProcess
 
@@ -96,3 +97,35 @@ def test_a_role_that_dies_ends_the_job_loudly_and_stops_the_rest(toys: Path) -> 
     assert code == 1
     assert not roles[0].alive
     assert any(line.startswith("error: short-lived exited (code 0)") for line in said)
+
+
+STUBBORN = """
+import signal, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+print("toy ready", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_role_that_ignores_sigterm_is_killed_and_the_teardown_goes_on(toys: Path) -> None:
+    """It raised TimeoutExpired out of the teardown, and the servers the job started
+    were left running."""
+    (toys / "stubborn_role.py").write_text(STUBBORN)
+    role = ToyRole(toys, "stubborn", 0)
+    role.module = "stubborn_role"
+    role.start()
+    while "toy ready" not in role.log():
+        threading.Event().wait(0.05)
+    assert role.terminate(timeout_s=0.5) == -signal.SIGKILL
+    assert not role.alive
+
+
+async def test_a_role_that_fails_to_start_names_its_log(toys: Path) -> None:
+    (toys / "broken_role.py").write_text("raise SystemExit('no config')\n")
+    role = ToyRole(toys, "broken", 0)
+    role.module = "broken_role"
+    role.start()
+    with pytest.raises(
+        StartError, match=f"broken exited during start-up \\(log {role.log_file}\\)"
+    ):
+        await role.wait_ready()
