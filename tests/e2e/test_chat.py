@@ -134,6 +134,29 @@ async def test_stop_mid_answer_keeps_the_partial_reply(
     assert messages[-1]["status"] == "stopped" and messages[-1]["content"] == reply_text(events)
 
 
+async def test_deleting_a_chat_mid_answer_stops_its_reply_and_frees_the_stream(
+    stack: Stack, http: httpx.AsyncClient
+) -> None:
+    """Left running, nobody could stop it (stop and resume answer 404 once the chat is
+    gone): it ran to max_tokens, charged, holding a free user's only stream slot."""
+    headers = await auth(stack, "free")
+    conversation = await new_conversation(http, headers)
+    body = {"content": "Write a very long story about a dragon.", "max_tokens": 600}
+    path = f"/v1/conversations/{conversation}/messages"
+    events: list[Any] = []
+    async with http.stream("POST", path, json=body, headers=headers) as response:
+        async for _, data in sse(response):
+            events.append(data)
+            if isinstance(data, dict) and data["type"] == "token" and len(events) == 3:
+                gone = await http.delete(f"/v1/conversations/{conversation}", headers=headers)
+                assert gone.status_code == 204
+    assert events[-2]["type"] == "final" and events[-2]["finish_reason"] == "cancelled"
+    assert events[-2]["usage"]["completion_tokens"] < 600
+    next_chat = await new_conversation(http, headers)
+    reply = await chat(http, headers, next_chat, "Say hi.", max_tokens=4)
+    assert reply_text(reply), "the slot was freed"
+
+
 async def test_stop_before_a_worker_takes_the_prompt_ends_the_reply_at_once(
     stack: Stack, http: httpx.AsyncClient
 ) -> None:

@@ -58,6 +58,18 @@ class ReplyControl:
             ) from exc
         return str(record["request_id"])
 
+    async def stop_if_running(self, caller: Principal, conversation_id: str) -> None:
+        """Before a conversation is deleted: its running reply is stopped. Left running,
+        nobody could stop it (stop and resume answer 404 once the chat is gone), and it
+        held the caller's stream slot, a free user's only one, until it ended."""
+        try:
+            await self.stop(caller, conversation_id)
+        except ApiError as exc:  # none running (409); not the caller's (404: delete says so)
+            if exc.status >= 500:  # the cancel is in Redis: a worker taking it drops it
+                log.warning("%s: its reply's stop reached no worker (Kafka)", conversation_id)
+        except REDIS_DOWN as exc:
+            log.warning("%s: deleted without stopping its reply (%r)", conversation_id, exc)
+
     def stop_left(self, caller: Principal, conversation_id: str, request_id: str) -> None:
         """A client that cannot resume (the OpenAI API) went before its reply ended: the
         reply is stopped as by the stop button, in the background (it would run on to

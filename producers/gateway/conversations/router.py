@@ -7,6 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Query, Response
 
 from producers.gateway.auth import Caller
+from producers.gateway.chat.router import Chat
 from producers.gateway.conversations.protocol import (
     Conversation,
     ConversationPage,
@@ -56,6 +57,7 @@ async def rename(
 
 
 @router.delete("/{conversation_id}", status_code=204)
-async def delete(conversation_id: str, caller: Caller, svc: Conversations) -> Response:
+async def delete(conversation_id: str, caller: Caller, svc: Conversations, chat: Chat) -> Response:
+    await chat.running.stop_if_running(caller, conversation_id)
     await svc.delete(caller.user_id, conversation_id)
     return Response(status_code=204)
