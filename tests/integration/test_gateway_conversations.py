@@ -260,6 +260,10 @@ async def test_bad_input_gets_a_4xx_that_names_the_problem(
     assert extra.status_code == 400 and "modle" in extra.json()["error"]["message"]
     long_title = await client.post("/v1/conversations", json={"title": "t" * 500}, headers=auth)
     assert long_title.status_code == 400 and long_title.json()["error"]["param"] == "title"
+    # An empty title (as a rename refuses) left the chat "Untitled" for good: the first
+    # message names only a chat with no title, and the title job then never ran.
+    empty_title = await client.post("/v1/conversations", json={"title": ""}, headers=auth)
+    assert empty_title.status_code == 400 and empty_title.json()["error"]["param"] == "title"
     bad_limit = await client.get("/v1/conversations", params={"limit": 0}, headers=auth)
     assert bad_limit.status_code == 400 and bad_limit.json()["error"]["param"] == "limit"
     not_json = await client.post("/v1/conversations", content=b"{", headers=auth)

@@ -21,7 +21,7 @@ class CreateConversation(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = Field(default=None, description="Defaults to the first served model.")
-    title: str | None = Field(default=None, max_length=TITLE_MAX)
+    title: str | None = Field(default=None, min_length=1, max_length=TITLE_MAX)
 
 
 class RenameConversation(BaseModel):
