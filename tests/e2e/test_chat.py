@@ -7,7 +7,7 @@ import contextlib
 import functools
 import re
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import httpx
@@ -114,11 +114,14 @@ async def test_regenerate_as_the_reply_ends_replaces_it_though_stored_after(
     ]
 
 
-async def test_stop_mid_answer_keeps_the_partial_reply(
-    stack: Stack, http: httpx.AsyncClient
-) -> None:
-    headers = await auth(stack)
-    conversation = await new_conversation(http, headers)
+async def long_story_until(
+    http: httpx.AsyncClient,
+    headers: dict[str, str],
+    conversation: str,
+    midway: Callable[[], Awaitable[httpx.Response]],
+    status: int,
+) -> list[Any]:
+    """A long reply's events; `midway` is sent at its second token and answers `status`."""
     body = {"content": "Write a very long story about a dragon.", "max_tokens": 600}
     path = f"/v1/conversations/{conversation}/messages"
     events: list[Any] = []
@@ -126,10 +129,19 @@ async def test_stop_mid_answer_keeps_the_partial_reply(
         async for _, data in sse(response):
             events.append(data)
             if isinstance(data, dict) and data["type"] == "token" and len(events) == 3:
-                stop = await http.post(f"/v1/conversations/{conversation}/stop", headers=headers)
-                assert stop.status_code == 202
+                assert (await midway()).status_code == status
     assert events[-2]["type"] == "final" and events[-2]["finish_reason"] == "cancelled"
     assert 0 < events[-2]["usage"]["completion_tokens"] < 600
+    return events
+
+
+async def test_stop_mid_answer_keeps_the_partial_reply(
+    stack: Stack, http: httpx.AsyncClient
+) -> None:
+    headers = await auth(stack)
+    conversation = await new_conversation(http, headers)
+    stop = functools.partial(http.post, f"/v1/conversations/{conversation}/stop", headers=headers)
+    events = await long_story_until(http, headers, conversation, stop, 202)
     messages = await stored_reply(http, headers, conversation)
     assert messages[-1]["status"] == "stopped" and messages[-1]["content"] == reply_text(events)
 
@@ -141,17 +153,8 @@ async def test_deleting_a_chat_mid_answer_stops_its_reply_and_frees_the_stream(
     gone): it ran to max_tokens, charged, holding a free user's only stream slot."""
     headers = await auth(stack, "free")
     conversation = await new_conversation(http, headers)
-    body = {"content": "Write a very long story about a dragon.", "max_tokens": 600}
-    path = f"/v1/conversations/{conversation}/messages"
-    events: list[Any] = []
-    async with http.stream("POST", path, json=body, headers=headers) as response:
-        async for _, data in sse(response):
-            events.append(data)
-            if isinstance(data, dict) and data["type"] == "token" and len(events) == 3:
-                gone = await http.delete(f"/v1/conversations/{conversation}", headers=headers)
-                assert gone.status_code == 204
-    assert events[-2]["type"] == "final" and events[-2]["finish_reason"] == "cancelled"
-    assert events[-2]["usage"]["completion_tokens"] < 600
+    delete = functools.partial(http.delete, f"/v1/conversations/{conversation}", headers=headers)
+    await long_story_until(http, headers, conversation, delete, 204)
     next_chat = await new_conversation(http, headers)
     reply = await chat(http, headers, next_chat, "Say hi.", max_tokens=4)
     assert reply_text(reply), "the slot was freed"
