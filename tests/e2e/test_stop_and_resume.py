@@ -1,0 +1,125 @@
+"""Stopping a reply, deleting its chat mid-answer, and closing the tab (which is not
+stop), over HTTP against the whole stack (see conftest.py)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.e2e.helpers import auth, chat, new_conversation, reply_text, sse, stored_reply
+from tests.e2e.stack import Stack
+
+pytestmark = pytest.mark.integration
+
+
+async def long_story_until(
+    http: httpx.AsyncClient,
+    headers: dict[str, str],
+    conversation: str,
+    midway: Callable[[], Awaitable[httpx.Response]],
+    status: int,
+) -> list[Any]:
+    """A long reply's events; `midway` is sent at its second token and answers `status`."""
+    body = {"content": "Write a very long story about a dragon.", "max_tokens": 600}
+    path = f"/v1/conversations/{conversation}/messages"
+    events: list[Any] = []
+    async with http.stream("POST", path, json=body, headers=headers) as response:
+        async for _, data in sse(response):
+            events.append(data)
+            if isinstance(data, dict) and data["type"] == "token" and len(events) == 3:
+                assert (await midway()).status_code == status
+    assert events[-2]["type"] == "final" and events[-2]["finish_reason"] == "cancelled"
+    assert 0 < events[-2]["usage"]["completion_tokens"] < 600
+    return events
+
+
+async def test_stop_mid_answer_keeps_the_partial_reply(
+    stack: Stack, http: httpx.AsyncClient
+) -> None:
+    headers = await auth(stack)
+    conversation = await new_conversation(http, headers)
+    stop = functools.partial(http.post, f"/v1/conversations/{conversation}/stop", headers=headers)
+    events = await long_story_until(http, headers, conversation, stop, 202)
+    messages = await stored_reply(http, headers, conversation)
+    assert messages[-1]["status"] == "stopped" and messages[-1]["content"] == reply_text(events)
+
+
+async def test_deleting_a_chat_mid_answer_stops_its_reply_and_frees_the_stream(
+    stack: Stack, http: httpx.AsyncClient
+) -> None:
+    """Left running, nobody could stop it (stop and resume answer 404 once the chat is
+    gone): it ran to max_tokens, charged, holding a free user's only stream slot."""
+    headers = await auth(stack, "free")
+    conversation = await new_conversation(http, headers)
+    delete = functools.partial(http.delete, f"/v1/conversations/{conversation}", headers=headers)
+    await long_story_until(http, headers, conversation, delete, 204)
+    next_chat = await new_conversation(http, headers)
+    reply = await chat(http, headers, next_chat, "Say hi.", max_tokens=4)
+    assert reply_text(reply), "the slot was freed"
+
+
+async def test_stop_before_a_worker_takes_the_prompt_ends_the_reply_at_once(
+    stack: Stack, http: httpx.AsyncClient
+) -> None:
+    """`big`'s worker takes nothing: the prompt waits in Kafka. Stop answers it as
+    cancelled there and then: the stream ends, the reply is stored as stopped, and the
+    conversation takes a new message. It waited for a worker to reach the prompt (the
+    queue's wait budget and more), refusing new messages meanwhile."""
+    headers = await auth(stack)
+    conversation = await new_conversation(http, headers, stack.big)
+    path = f"/v1/conversations/{conversation}/messages"
+    for attempt in range(2):  # the second: the conversation took a new message
+        events: list[Any] = []
+        body = {"content": f"Name a colour ({attempt}).", "max_tokens": 8}
+        async with http.stream("POST", path, json=body, headers=headers) as response:
+            assert response.status_code == 200, await response.aread()
+            async for _, data in sse(response):
+                events.append(data)
+                if isinstance(data, dict) and data["type"] == "start":
+                    stop = await http.post(
+                        f"/v1/conversations/{conversation}/stop", headers=headers
+                    )
+                    assert stop.status_code == 202, stop.text
+        final = events[-2]
+        assert final["type"] == "final" and final["finish_reason"] == "cancelled", events
+        assert reply_text(events) == ""
+    stored = await stored_reply(http, headers, conversation, count=2)
+    assert [(m["role"], m["status"], m["content"]) for m in stored][1::2] == [
+        ("assistant", "stopped", ""),
+        ("assistant", "stopped", ""),
+    ]
+
+
+async def test_closing_the_tab_does_not_stop_generation_and_resume_works(
+    stack: Stack, http: httpx.AsyncClient
+) -> None:
+    headers = await auth(stack)
+    conversation = await new_conversation(http, headers)
+    body = {"content": "Write a long story about the sea.", "max_tokens": 160, "temperature": 0}
+    path = f"/v1/conversations/{conversation}/messages"
+    seen: list[Any] = []
+    last_id = None
+    async with http.stream("POST", path, json=body, headers=headers) as response:
+        async for event_id, data in sse(response):
+            seen.append(data)
+            last_id = event_id or last_id
+            if len(seen) == 4:
+                break  # the tab closes
+    resume_headers = {**headers, "Last-Event-ID": str(last_id)}
+    other_replica = f"http://127.0.0.1:{stack.gateways[1].port}"  # the reconnect lands there
+    async with (
+        httpx.AsyncClient(base_url=other_replica, timeout=120) as other,
+        other.stream(
+            "GET", f"/v1/conversations/{conversation}/stream", headers=resume_headers
+        ) as response,
+    ):
+        assert response.status_code == 200
+        rest = [data async for _, data in sse(response)]
+    assert rest[-1] == "[DONE]" and rest[-2]["type"] == "final"
+    messages = await stored_reply(http, headers, conversation)
+    assert messages[-1]["status"] == "complete"
+    assert reply_text(seen) + reply_text(rest) == messages[-1]["content"]
