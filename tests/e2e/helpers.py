@@ -83,3 +83,12 @@ async def stored_reply(
         lambda stored: sum(m["role"] == "assistant" for m in stored) >= count,
         what=f"{count} stored replies in {conversation}",
     )
+
+
+async def streamed(
+    http: httpx.AsyncClient, headers: dict[str, str], path: str, body: dict[str, Any]
+) -> list[Any]:
+    """A POST's whole event stream (a regenerate's, an edit's)."""
+    async with http.stream("POST", path, json=body, headers=headers) as response:
+        assert response.status_code == 200, await response.aread()
+        return [data async for _, data in sse(response)]

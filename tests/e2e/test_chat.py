@@ -8,7 +8,6 @@ import functools
 import re
 import signal
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import httpx
 import pytest
@@ -18,7 +17,15 @@ from producers.gateway.conversations.protocol import provisional_title
 from schemas.events import ANSWERED
 from tandoor.clients import redis_client
 from tandoor.policies.redis_keys import titled_key
-from tests.e2e.helpers import auth, chat, new_conversation, reply_text, sse, stored_reply
+from tests.e2e.helpers import (
+    auth,
+    chat,
+    new_conversation,
+    reply_text,
+    sse,
+    stored_reply,
+    streamed,
+)
 from tests.e2e.stack import Stack
 from tests.waiting import eventually, until
 
@@ -112,14 +119,6 @@ async def test_regenerate_as_the_reply_ends_replaces_it_though_stored_after(
         ("assistant", "replaced", reply_text(first)),
         ("assistant", "complete", reply_text(again)),
     ]
-
-
-async def streamed(
-    http: httpx.AsyncClient, headers: dict[str, str], path: str, body: dict[str, Any]
-) -> list[Any]:
-    async with http.stream("POST", path, json=body, headers=headers) as response:
-        assert response.status_code == 200, await response.aread()
-        return [data async for _, data in sse(response)]
 
 
 async def test_regenerate_replaces_the_last_reply(stack: Stack, http: httpx.AsyncClient) -> None:
@@ -290,8 +289,11 @@ async def test_a_new_conversation_gets_a_title_from_the_model(
         opened = await http.get(f"/v1/conversations/{conversation}", headers=headers)
         return opened.json()["title"]  # type: ignore[no-any-return]
 
-    # A background job in the batch band.
-    title = await eventually(title_of_conversation, what=f"a title for {conversation}")
+    # A background job in the batch band, in place of the first message's opening words.
+    provisional = provisional_title("How do volcanoes form?")
+    title = await eventually(
+        title_of_conversation, lambda t: t != provisional, what=f"a title for {conversation}"
+    )
     assert title and len(title) <= 60 and "\n" not in title
     sidebar = (await http.get("/v1/conversations", headers=headers)).json()["data"]
     assert {c["id"]: c["title"] for c in sidebar}[conversation] == title

@@ -10,10 +10,22 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.helpers import auth, chat, new_conversation, reply_text, sse, stored_reply
+from producers.gateway.conversations.protocol import provisional_title
+from tests.e2e.helpers import (
+    auth,
+    chat,
+    new_conversation,
+    reply_text,
+    sse,
+    stored_reply,
+    streamed,
+)
 from tests.e2e.stack import Stack
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.integration
+
+LONG_STORY = "Write a very long story about a dragon."
 
 
 async def long_story_until(
@@ -24,7 +36,7 @@ async def long_story_until(
     status: int,
 ) -> list[Any]:
     """A long reply's events; `midway` is sent at its second token and answers `status`."""
-    body = {"content": "Write a very long story about a dragon.", "max_tokens": 600}
+    body = {"content": LONG_STORY, "max_tokens": 600}
     path = f"/v1/conversations/{conversation}/messages"
     events: list[Any] = []
     async with http.stream("POST", path, json=body, headers=headers) as response:
@@ -46,6 +58,37 @@ async def test_stop_mid_answer_keeps_the_partial_reply(
     events = await long_story_until(http, headers, conversation, stop, 202)
     messages = await stored_reply(http, headers, conversation)
     assert messages[-1]["status"] == "stopped" and messages[-1]["content"] == reply_text(events)
+
+
+async def test_a_chat_whose_first_reply_was_stopped_is_titled_by_the_next_reply(
+    stack: Stack, http: httpx.AsyncClient
+) -> None:
+    """The title job ran only after an answered first reply: one stopped, then answered
+    again by a regenerate or by the next message, left the chat named by its first
+    message's opening words for good."""
+    headers = await auth(stack)
+
+    async def stopped_first_reply() -> str:
+        conversation = await new_conversation(http, headers)
+        stop = functools.partial(
+            http.post, f"/v1/conversations/{conversation}/stop", headers=headers
+        )
+        await long_story_until(http, headers, conversation, stop, 202)
+        return conversation
+
+    regenerated, followed = await stopped_first_reply(), await stopped_first_reply()
+    path = f"/v1/conversations/{regenerated}/regenerate"
+    assert reply_text(await streamed(http, headers, path, {"max_tokens": 8}))
+    assert reply_text(await chat(http, headers, followed, "Say hi.", max_tokens=8))
+    provisional = provisional_title(LONG_STORY)
+    for conversation in (regenerated, followed):
+
+        async def title(conversation: str = conversation) -> str:
+            opened = await http.get(f"/v1/conversations/{conversation}", headers=headers)
+            return str(opened.json()["title"])
+
+        given = await eventually(title, lambda t: t != provisional, what="the model's title")
+        assert given.strip() and len(given) <= 60
 
 
 async def test_deleting_a_chat_mid_answer_stops_its_reply_and_frees_the_stream(

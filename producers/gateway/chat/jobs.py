@@ -99,14 +99,28 @@ class ConversationJobs:
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def after_reply(
-        self, user_id: str, conversation: Conversation, question: str, answer: str
+        self, user_id: str, conversation: Conversation, question: str | None, answer: str
     ) -> None:
-        """A reply ran to its end: a conversation without a chosen title (none yet, or
-        its first message's opening words) gets one from the model, once."""
-        if conversation.title not in (None, provisional_title(question)):
-            return
-        if await self.redis.set(titled_key(conversation.id), 1, nx=True, ex=TITLED_TTL_S):
-            self._spawn(self._title(user_id, conversation, question, answer))
+        """A reply (to `question`; None: a regenerate) ran to its end: a conversation
+        without a chosen title (none yet, or its first message's opening words) gets one
+        from the model, once. Not only after the first reply: one stopped or failed
+        left the chat named by its opening words for good."""
+        if conversation.title is not None and conversation.title != provisional_title(
+            question or ""
+        ):  # a later reply's, a regenerate's, or a chosen title: asked once to look
+            if not await self._claim_title(conversation):
+                return
+            first = await self.conversations.first_question(conversation.id)
+            if first is None or conversation.title != provisional_title(first):
+                return
+            self._spawn(self._title(user_id, conversation, [first, question], answer))
+        elif await self._claim_title(conversation):
+            self._spawn(self._title(user_id, conversation, [question], answer))
+
+    async def _claim_title(self, conversation: Conversation) -> bool:
+        """Whether this reply is the one to look for a title (once per conversation)."""
+        claimed = await self.redis.set(titled_key(conversation.id), 1, nx=True, ex=TITLED_TTL_S)
+        return bool(claimed)
 
     def after_context_cut(
         self,
@@ -138,9 +152,10 @@ class ConversationJobs:
         task.add_done_callback(self._tasks.discard)
 
     async def _title(
-        self, user_id: str, conversation: Conversation, question: str, answer: str
+        self, user_id: str, conversation: Conversation, questions: list[str | None], answer: str
     ) -> None:
-        exchange = transcript([("user", question), ("assistant", answer)])
+        asked = list(dict.fromkeys(q for q in questions if q))  # the first and this reply's
+        exchange = transcript([*(("user", q) for q in asked), ("assistant", answer)])
         job = PromptJob("title", f"title_{conversation.id}", TITLE_INSTRUCTION, exchange, 16)
         text = await self._ask(job, conversation, user_id)
         title = clean_title(text or "")

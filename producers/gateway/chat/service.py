@@ -378,7 +378,7 @@ class ChatService:
         """When the reply ends: its in-flight record goes, its quota is settled, and the
         conversation's jobs hear of it (a title after its first reply)."""
         d = self.deps
-        asks_jobs = p.text is not None and not isinstance(p.conversation, ApiCall)
+        asks_jobs = not isinstance(p.conversation, ApiCall)
 
         async def finished(final: FinalEvent | None) -> None:
             d.fanout.unsubscribe(sub)
@@ -388,7 +388,7 @@ class ChatService:
             if final is not None:
                 await d.quotas.settle(admission, final.usage.total_tokens)
             await d.quotas.release(admission)
-            if final and final.finish_reason in ANSWERED and asks_jobs and p.text is not None:
+            if final and final.finish_reason in ANSWERED and asks_jobs:
                 await d.jobs.after_reply(p.caller.user_id, conversation, p.text, final.text)
 
         # The worker answers an expired prompt itself; silence past that means no worker.

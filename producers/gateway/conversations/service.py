@@ -226,6 +226,17 @@ class ConversationService:
         )
         return bool(rows) and rows[0].role is not None
 
+    async def first_question(self, conversation_id: str) -> str | None:
+        """The conversation's first message (the user's, as redacted): its provisional
+        title came from it."""
+        rows = await cql(
+            self._session,
+            "SELECT role, content FROM messages_by_conversation WHERE conversation_id = %s "
+            "LIMIT 4",  # replies follow it; a replace mark alone has no role
+            (conversation_id,),
+        )
+        return next((r.content for r in rows if r.role == "user"), None)
+
     async def owned(self, user_id: str, conversation_id: str) -> Conversation:
         return await self._owned(user_id, conversation_id)
 
