@@ -37,6 +37,9 @@ from tandoor.clients import CASSANDRA_DOWN, cql, cql_together
 # A message up to this size goes in one batch with its conversation's rows; Cassandra
 # warns of batches over 5 KiB and refuses them over 50 KiB (a message may be 128 KB).
 BATCHED_MESSAGE_BYTES = 4096
+# Gateways' clocks differ: a message's time (its sidebar row's) may read a little
+# earlier than the conversation's creation on another replica.
+CLOCK_SKEW = dt.timedelta(minutes=5)
 
 
 class ConversationService:
@@ -191,12 +194,16 @@ class ConversationService:
     async def delete(self, user_id: str, conversation_id: str) -> None:
         """Its messages, every sidebar row (the left-behind ones too) and the conversation,
         in one batch: a delete cut short by a dying gateway left messages that no retry
-        could reach (the conversation, gone first, answered 404)."""
-        await self._owned(user_id, conversation_id)
+        could reach (the conversation, gone first, answered 404). Its sidebar rows are
+        no older than the conversation: only that part of the user's partition is read
+        (reading all of it, each failed API call read every call's conversation)."""
+        conversation = await self._owned(user_id, conversation_id)
+        since = min(conversation.created_at, conversation.updated_at) - CLOCK_SKEW
         sidebar = await cql(
             self._session,
-            "SELECT updated_at, conversation_id FROM conversations_by_user WHERE user_id = %s",
-            (user_id,),
+            "SELECT updated_at, conversation_id FROM conversations_by_user WHERE user_id = %s "
+            "AND updated_at >= %s",
+            (user_id, since),
         )
         await cql_together(
             self._session,
