@@ -11,8 +11,10 @@ from pathlib import Path
 import httpx
 import orjson
 import pytest
+from aiokafka.errors import KafkaConnectionError
 from cassandra import OperationTimedOut
 
+from infra.idle_worker import idle_worker
 from infra.process import free_port
 from infra.roles import GatewayProcess
 from producers.gateway.app import create_app
@@ -24,6 +26,7 @@ from tandoor.clients import cassandra_session, cql_together, redis_client
 from tandoor.policies.api_keys import create_key
 from tandoor.policies.redis_keys import inflight_key
 from tandoor.settings import Settings
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.integration
 
@@ -344,3 +347,37 @@ async def test_a_full_conversation_takes_no_more_turns_and_says_so(
         assert "start a new conversation" in refused.json()["error"]["message"]
     opened = await client.get(f"/v1/conversations/{conversation}", headers=auth)
     assert len(opened.json()["messages"]) == MAX_MESSAGES  # nothing added
+
+
+async def test_kafka_then_cassandra_failing_says_the_message_may_be_kept(
+    client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch, settings: Settings
+) -> None:
+    """Kafka refused the prompt, then Cassandra the mark that shows its message failed:
+    the 503 said "nothing was changed" of a message stored as sent, so the user sent it
+    again, and both went into the next turn's context."""
+    auth = await user_key(settings)
+    conversation = (await client.post("/v1/conversations", json={}, headers=auth)).json()["id"]
+    services = client._transport.app.state.services  # type: ignore[attr-defined]
+
+    async def refused(*_: object) -> None:
+        raise KafkaConnectionError()
+
+    async def timed_out(*_: object) -> None:
+        raise OperationTimedOut("the mark timed out")
+
+    monkeypatch.setattr(services.chat.deps.submitter, "submit", refused)
+    monkeypatch.setattr(services.chat.deps.conversations, "mark_failed", timed_out)
+    path = f"/v1/conversations/{conversation}/messages"
+    model = settings.served_models[0]
+    async with idle_worker(settings, model):  # the model is served, once the gateway sees it
+
+        async def served() -> int:
+            return getattr(services.load.load(model), "workers", 0)
+
+        await eventually(served, what="the gateway to see a worker")
+        posted = await client.post(path, json={"content": "Hello there"}, headers=auth)
+    assert posted.status_code == 503, posted.text
+    said = posted.json()["error"]["message"]
+    assert "nothing was" not in said and "regenerate" in said, said
+    opened = (await client.get(f"/v1/conversations/{conversation}", headers=auth)).json()
+    assert [(m["content"], m["status"]) for m in opened["messages"]] == [("Hello there", "sent")]

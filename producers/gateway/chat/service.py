@@ -35,25 +35,14 @@ from producers.gateway.chat.reply import ApiCall, Reply
 from producers.gateway.chat.routing import Request, routed
 from producers.gateway.chat.settled import SettledHistory
 from producers.gateway.chat.watch import ReplyWatch
-from producers.gateway.conversations.protocol import (
-    Conversation,
-    Message,
-    provisional_title,
-)
+from producers.gateway.conversations.protocol import Conversation, Message, provisional_title
 from producers.gateway.conversations.rows import from_ms, message_key
 from producers.gateway.conversations.service import ConversationService
 from producers.gateway.errors import ApiError, kafka_unreachable, not_found
 from producers.gateway.shedding import ModelRouter
 from producers.gateway.streaming import StreamSlots
 from producers.prompts import PromptSubmitter, PromptTooLarge
-from schemas.events import (
-    ANSWERED,
-    ChatMessage,
-    FinalEvent,
-    MessageKey,
-    PromptRequest,
-    now_ms,
-)
+from schemas.events import ANSWERED, ChatMessage, FinalEvent, MessageKey, PromptRequest, now_ms
 from tandoor.clients import CASSANDRA_DOWN, REDIS_DOWN
 from tandoor.policies.api_keys import Principal
 from tandoor.policies.moderation import OutputFilter
@@ -306,8 +295,11 @@ class ChatService:
             raise ApiError(413, f"{exc}; shorten the conversation", param="messages") from exc
         except (KafkaError, TimeoutError) as exc:
             await self._withdraw(p.request_id)
-            kept = await self._unqueued(p, conversation, user_message_id)
-            said = "your message is saved as failed" if kept else "nothing was kept"
+            try:
+                kept = await self._unqueued(p, conversation, user_message_id)
+                said = "your message is saved as failed" if kept else "nothing was kept"
+            except CASSANDRA_DOWN:  # stored as sent: sending it again would send it twice
+                said = "so is storage: your message may be saved without a reply (regenerate)"
             raise kafka_unreachable(
                 f"the prompt queue is unreachable; {said}, please retry"
             ) from exc
