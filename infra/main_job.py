@@ -1,5 +1,6 @@
 """The main job's life: servers, then roles, then a watch that ends on a stop signal or
-on a role that dies; and a teardown that stops exactly what it started, whatever ends it."""
+on a role or server that dies; and a teardown that stops exactly what it started,
+whatever ends it."""
 
 from __future__ import annotations
 
@@ -25,6 +26,9 @@ class Servers(Protocol):
 
     def down(self, started_only: bool = False) -> None: ...
 
+    def gone(self) -> str | None:
+        """What says a server has exited (its name and log), if one has."""
+
 
 def run_main_job(
     servers: Servers,
@@ -34,7 +38,7 @@ def run_main_job(
     say: Callable[[str], None],
     poll_s: float = 1.0,
 ) -> int:
-    """0 once stopped by a signal, 1 if a role died. Servers someone else had running
+    """0 once stopped by a signal, 1 if a role or a server died. Servers someone else had running
     are left running: only those this job started are stopped."""
     stop_on_signals()
     try:
@@ -45,8 +49,7 @@ def run_main_job(
             say(f"{role.name} starting (log {role.log_file})")
         asyncio.run(_all_ready(roles, say))
         announce()
-        dead = until_one_exits(roles, poll_s)
-        say(f"error: {dead.name} exited (code {dead.exit_code}); log {dead.log_file}")
+        say(f"error: {until_one_exits(roles, servers, poll_s)}")
         return 1
     except Stopped as stop:
         say(f"{stop}: stopping…")
@@ -75,12 +78,15 @@ def ignore_stop_signals() -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
-def until_one_exits(roles: Sequence[RoleProcess], poll_s: float) -> RoleProcess:
-    """The first role found exited (a worker out of memory, its engine dead)."""
+def until_one_exits(roles: Sequence[RoleProcess], servers: Servers, poll_s: float) -> str:
+    """What exited first: a role (a worker out of memory, its engine dead) or a server
+    (Kafka killed: every role then only retried, and the job looked up)."""
     while True:
         for role in roles:
             if not role.alive:
-                return role
+                return f"{role.name} exited (code {role.exit_code}); log {role.log_file}"
+        if gone := servers.gone():
+            return gone
         time.sleep(poll_s)
 
 

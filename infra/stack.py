@@ -49,6 +49,13 @@ class Stack:
             if server.stop():
                 log.info("%s: stopped", server.name)
 
+    def gone(self) -> str | None:
+        """A server that has exited since up(), named with its log."""
+        for server in self.servers:
+            if server.process.pid() is None:
+                return f"{server.name} exited; log {server.process.log_file}"
+        return None
+
     def status(self) -> list[ServerStatus]:
         return [server.status() for server in self.servers]
 

@@ -34,12 +34,16 @@ class ToyRole(RoleProcess):
 class Servers:
     def __init__(self) -> None:
         self.downs: list[bool] = []
+        self.died: str | None = None
 
     def up(self) -> None:
         pass
 
     def down(self, started_only: bool = False) -> None:
         self.downs.append(started_only)
+
+    def gone(self) -> str | None:
+        return self.died
 
 
 @pytest.fixture
@@ -97,6 +101,24 @@ def test_a_role_that_dies_ends_the_job_loudly_and_stops_the_rest(toys: Path) -> 
     assert code == 1
     assert not roles[0].alive
     assert any(line.startswith("error: short-lived exited (code 0)") for line in said)
+
+
+def test_a_server_that_dies_ends_the_job_loudly_and_stops_the_roles(toys: Path) -> None:
+    """Kafka killed under a running job: the roles only retried, and the job looked up."""
+    roles = [ToyRole(toys, "steady", 600)]
+    servers = Servers()
+    said: list[str] = []
+
+    def kafka_dies() -> None:
+        while "toy ready" not in roles[0].log():
+            threading.Event().wait(0.05)
+        servers.died = "kafka exited; log kafka.log"
+
+    threading.Thread(target=kafka_dies, daemon=True).start()
+    code = run_main_job(servers, roles, lambda: None, lambda: None, said.append, 0.05)
+    assert code == 1
+    assert not roles[0].alive and servers.downs == [True]
+    assert "error: kafka exited; log kafka.log" in said
 
 
 STUBBORN = """
