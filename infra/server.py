@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,7 +59,16 @@ class LocalServer(ABC):
     def is_ready(self) -> bool: ...
 
     def launch(self) -> bool:
-        """Start the server unless it runs already. True if it was started now."""
+        """Start the server unless it runs already. True if it was started now. One
+        launch at a time: two `infra up` at once both found no pid file and both started
+        one, and `infra down` then stopped only the one its pid file named."""
+        lock_file = self.process.pid_file.with_suffix(".lock")
+        lock_file.parent.mkdir(parents=True, exist_ok=True)
+        with lock_file.open("w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            return self._launch_unless_running()
+
+    def _launch_unless_running(self) -> bool:
         if self.process.pid() is not None:
             return False
         if port_open(self.settings.host, self.port):

@@ -1,0 +1,53 @@
+"""LocalServer's launch against real child processes (a sleeping Python stands in for a
+server): two `infra up` at once."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from pathlib import Path
+
+from infra.process import free_port
+from infra.server import LocalServer
+from tandoor.settings import Settings
+
+
+class ToyServer(LocalServer):
+    name = "toy"
+
+    def __init__(self, settings: Settings, port: int) -> None:
+        super().__init__(settings)
+        self._port = port
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    def fetch(self) -> None:
+        time.sleep(0.3)  # checking the cache: the other `up` reads the pid file meanwhile
+
+    def prepare(self) -> list[str]:
+        return [sys.executable, "-c", "import time; time.sleep(60)"]
+
+    def is_ready(self) -> bool:
+        return True
+
+
+def test_two_ups_at_once_start_one_server(tmp_path: Path) -> None:
+    """Both saw no pid file and both launched: two servers on one data folder, the pid
+    file naming one of them, and `infra down` blind to the other."""
+    settings = Settings(home=tmp_path)
+    port = free_port()
+    servers = [ToyServer(settings, port), ToyServer(settings, port)]
+    launched: list[bool] = []
+    ups = [threading.Thread(target=lambda s=s: launched.append(s.launch())) for s in servers]
+    for up in ups:
+        up.start()
+    for up in ups:
+        up.join()
+    try:
+        assert sorted(launched) == [False, True]
+    finally:
+        for server in servers:
+            server.stop()
