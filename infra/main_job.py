@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from infra.role_pids import RolePids
 from infra.roles import RoleProcess, terminate_all
 
 # Ctrl-C, a closed terminal or SSH session, `kill`: without a handler SIGHUP ended the
@@ -37,15 +38,21 @@ def run_main_job(
     announce: Callable[[], None],
     say: Callable[[str], None],
     poll_s: float = 1.0,
+    pids: RolePids | None = None,
 ) -> int:
-    """0 once stopped by a signal, 1 if a role or a server died. Servers someone else had running
-    are left running: only those this job started are stopped."""
+    """0 once stopped by a signal, 1 if a role or a server died. Servers someone else
+    had running are left running: only those this job started are stopped. With `pids`, each role's
+    pid is noted on disk, and roles a killed job left running are stopped first."""
     stop_on_signals()
     try:
+        for orphan in pids.stop_orphans() if pids else []:
+            say(f"stopped {orphan}: left running by a job that was killed")
         servers.up()
         prepare()
         for role in roles:
             role.start()
+            if pids:
+                pids.note(role)
             say(f"{role.name} starting (log {role.log_file})")
         asyncio.run(_all_ready(roles, say))
         announce()
@@ -58,6 +65,9 @@ def run_main_job(
         ignore_stop_signals()  # a second Ctrl-C must not cut the teardown short
         try:
             asyncio.run(terminate_all(roles))
+            if pids:
+                for role in roles:
+                    pids.forget(role)
         finally:  # whatever a role did, the servers this job started are stopped
             servers.down(started_only=True)
 

@@ -29,7 +29,7 @@ class ServerProcess:
             pid, *started = (int(field) for field in self.pid_file.read_text().split())
         except (FileNotFoundError, ValueError):
             return None
-        if _alive(pid) and (started == [_start_time(pid)] or self._ours_of_old(pid, started)):
+        if process_alive(pid) and (started == [start_time(pid)] or self._ours_of_old(pid, started)):
             return pid
         self.pid_file.unlink(missing_ok=True)
         return None
@@ -59,7 +59,7 @@ class ServerProcess:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # outlives the CLI; Ctrl-C is ours to forward
             )
-        self.pid_file.write_text(f"{proc.pid} {_start_time(proc.pid)}")
+        self.pid_file.write_text(f"{proc.pid} {start_time(proc.pid)}")
         self._child = proc
         return proc.pid
 
@@ -68,10 +68,7 @@ class ServerProcess:
         pid = self.pid()
         if pid is None:
             return False
-        _signal_group(pid, signal.SIGTERM)
-        if not _wait_until(lambda: not _alive(pid), grace_s):
-            _signal_group(pid, signal.SIGKILL)
-            _wait_until(lambda: not _alive(pid), 10.0)
+        stop_group(pid, grace_s)
         if self._child is not None:
             self._child.wait()  # reap our own child
             self._child = None
@@ -123,7 +120,7 @@ def log_contains(path: Path, needle: str) -> bool:
         return False
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -137,13 +134,21 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _start_time(pid: int) -> int | None:
+def start_time(pid: int) -> int | None:
     """When the process started, in clock ticks since boot (/proc/PID/stat, field 22)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except (FileNotFoundError, ProcessLookupError):
         return None
     return int(stat.rsplit(")", 1)[1].split()[19])  # fields from the 3rd on, after the name
+
+
+def stop_group(pid: int, grace_s: float) -> None:
+    """SIGTERM the process group `pid` leads, then SIGKILL after `grace_s`."""
+    _signal_group(pid, signal.SIGTERM)
+    if not _wait_until(lambda: not process_alive(pid), grace_s):
+        _signal_group(pid, signal.SIGKILL)
+        _wait_until(lambda: not process_alive(pid), 10.0)
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:

@@ -79,8 +79,14 @@ def infra_up(
 
 @infra_app.command("down")
 def infra_down() -> None:
-    """Stop every server this project started (safe to run twice)."""
-    _stack().down()
+    """Stop every server this project started, and roles a killed `tandoor run` left
+    running (safe to run twice)."""
+    from infra.role_pids import RolePids
+
+    stack = _stack()
+    for orphan in RolePids(stack.settings.home / "run").stop_orphans():
+        typer.echo(f"stopped {orphan}: left running by a job that was killed")
+    stack.down()
 
 
 @infra_app.command("status")
@@ -101,6 +107,7 @@ def run() -> None:
     """The main job: servers, a worker per model, persistence, batch admission, streams,
     gateway; Ctrl-C stops all."""
     from infra.main_job import run_main_job
+    from infra.role_pids import RolePids
     from infra.roles import (
         AdmissionProcess,
         GatewayProcess,
@@ -135,7 +142,9 @@ def run() -> None:
         typer.echo('Tandoor is up. Try: .venv/bin/tandoor ask "What is the capital of France?"')
         typer.echo("Press Ctrl-C to stop everything.")
 
-    code = _guard(lambda: run_main_job(stack, roles, _bootstrap, announce, typer.echo))
+    pids = RolePids(settings.home / "run")
+    job = lambda: run_main_job(stack, roles, _bootstrap, announce, typer.echo, pids=pids)  # noqa: E731
+    code = _guard(job)
     raise typer.Exit(code)
 
 

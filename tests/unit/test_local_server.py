@@ -40,14 +40,17 @@ def test_two_ups_at_once_start_one_server(tmp_path: Path) -> None:
     settings = Settings(home=tmp_path)
     port = free_port()
     servers = [ToyServer(settings, port), ToyServer(settings, port)]
-    launched: list[bool] = []
-    ups = [threading.Thread(target=lambda s=s: launched.append(s.launch())) for s in servers]
+    launched: dict[int, bool] = {}
+    ups = [
+        threading.Thread(target=lambda n=n: launched.update({n: servers[n].launch()}))
+        for n in range(2)
+    ]
     for up in ups:
         up.start()
     for up in ups:
         up.join()
     try:
-        assert sorted(launched) == [False, True]
-    finally:
-        for server in servers:
-            server.stop()
+        assert sorted(launched.values()) == [False, True]
+    finally:  # the one that launched reaps its child
+        for n in sorted(launched, key=lambda n: not launched[n]):
+            servers[n].stop()

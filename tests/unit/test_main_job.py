@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +15,8 @@ import pytest
 
 from infra.errors import StartError
 from infra.main_job import STOP_SIGNALS, run_main_job
+from infra.process import process_alive
+from infra.role_pids import RolePids
 from infra.roles import RoleProcess
 
 TOY = """
@@ -151,3 +155,52 @@ async def test_a_role_that_fails_to_start_names_its_log(toys: Path) -> None:
         StartError, match=f"broken exited during start-up \\(log {role.log_file}\\)"
     ):
         await role.wait_ready()
+
+
+KILLED_JOB = """
+import sys
+from pathlib import Path
+from infra.main_job import run_main_job
+from infra.role_pids import RolePids
+from infra.roles import RoleProcess
+
+toys = Path(sys.argv[1])
+
+
+class Toy(RoleProcess):
+    module = "toy_role"
+
+
+class NoServers:
+    def up(self): pass
+    def down(self, started_only=False): pass
+    def gone(self): return None
+
+
+role = Toy("orphan", ["600"], "toy ready", toys, {"PYTHONPATH": str(toys)})
+announce = lambda: print("job up", flush=True)
+run_main_job(NoServers(), [role], lambda: None, announce, print, 0.05, RolePids(toys / "run"))
+"""
+
+
+def test_roles_of_a_killed_job_are_stopped_by_the_next_one(toys: Path) -> None:
+    """kill -9 of `tandoor run` left its roles running unseen (each in its own session):
+    the gateway's port taken, a worker's GBs held, and `infra down` knew of none."""
+    (toys / "killed_job.py").write_text(KILLED_JOB)
+    job = subprocess.Popen(
+        [sys.executable, str(toys / "killed_job.py"), str(toys)],
+        stdout=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])},
+    )
+    assert job.stdout is not None
+    while b"job up" not in job.stdout.readline():
+        assert job.poll() is None, "the job ended before its roles were up"
+    pids = RolePids(toys / "run")
+    (noted,) = pids.noted()
+    assert pids.stop_orphans() == [], "the job runs: its roles are its own"
+    job.kill()
+    job.wait()
+    job.stdout.close()
+    assert process_alive(noted.pid), "the role outlived its job"
+    assert pids.stop_orphans() == [noted.name]
+    assert not process_alive(noted.pid) and pids.noted() == []
