@@ -6,19 +6,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
+from collections.abc import Awaitable, Callable
 from functools import partial
 
+from producers.admission.answers import UNREACHABLE
 from producers.admission.band_room import BandRoom
 from producers.admission.fairness import FairQueue
 from producers.admission.headers import BAD
-from producers.admission.line_steps import LineSteps
+from producers.admission.line_steps import RETRY_S, LineSteps
 from producers.admission.sweep import answer_unrunnable
 from producers.admission.waiting import Waiting
 from producers.prompts import PromptSubmitter, PromptTooLarge
 from schemas.events import now_ms
-from tandoor.policies.quota import QuotaExceeded, Quotas, QuotaUnavailable
+from tandoor.policies.quota import Admission, QuotaExceeded, Quotas, QuotaUnavailable
 from tandoor.settings import Settings
+
+log = logging.getLogger(__name__)
 
 POLL_S = 0.25  # how often the batch band's backlog is measured
 SWEEP_S = 1.0  # how often waiting lines are looked over for a cancel or a passed deadline
@@ -32,6 +37,8 @@ class Forwarding(LineSteps):
     quotas: Quotas
     submitter: PromptSubmitter
     _arrived: asyncio.Event
+    _charged: dict[str, Admission]  # by request id: lines charged, not yet out
+    _too_large: dict[str, str]  # by request id: Kafka refused it, its 413 not yet out
 
     async def _forward_lines(self) -> None:
         swept_at = 0.0
@@ -73,18 +80,14 @@ class Forwarding(LineSteps):
         return more
 
     async def _forward(self, queue: FairQueue[Waiting], tenant: str, waiting: Waiting) -> bool:
-        """Charge, produce, mark; False when the tenant is over its quota (it waits)."""
+        """Charge, produce, mark; False when the tenant is over its quota (it waits), or
+        the line was answered instead."""
         prompt = waiting.prompt
         if self.queued.where(prompt.request_id) != waiting.position:
+            self._charged.pop(prompt.request_id, None)  # the new owner charges it once
+            self._too_large.pop(prompt.request_id, None)
             return False  # its partition was revoked meanwhile: the new owner has it
-        # A line answered counts as served: a tenant whose cancelled batch was answered
-        # line by line kept the lowest counter, and took every turn until it was done.
-        if await self._answered_unrun(waiting):
-            queue.charge(tenant, prompt.charged_tokens)
-            return False
-        if await self._key_revoked(waiting):
-            await self._answer_revoked(waiting)
-            queue.charge(tenant, prompt.charged_tokens)
+        if await self._answer_instead(queue, tenant, waiting):
             return False
         policy = self.settings.tiers[prompt.tier]
         try:
@@ -99,6 +102,7 @@ class Forwarding(LineSteps):
         except (QuotaExceeded, QuotaUnavailable) as exc:
             queue.put_back(tenant, waiting, time.monotonic() + exc.retry_after_s)
             return False
+        self._charged[prompt.request_id] = admission  # refunded if answered instead
         # A retry is charged at its first time: the usage record settles that minute.
         # Admitted uncounted (Redis refused the charge): nothing there to settle, as the
         # gateway's prompts (settled, its estimate lowered a minute never charged).
@@ -108,14 +112,50 @@ class Forwarding(LineSteps):
         try:
             await self.submitter.submit(admitted)
         except PromptTooLarge as exc:  # refused on every try: answered, never retried
-            await self.quotas.refund(admission)
-            await self._answer_refused(waiting, 413, f"{exc}; shorten the messages", BAD)
-            queue.charge(tenant, prompt.charged_tokens)
+            self._too_large[prompt.request_id] = f"{exc}; shorten the messages"
+            await self._answer_instead(queue, tenant, waiting)  # refunded
             return False
+        self._charged.pop(prompt.request_id, None)
         await self._mark(prompt.request_id, waiting.position)
         queue.charge(tenant, prompt.charged_tokens)
         self.metrics.charged_tokens.labels(prompt.user_id).inc(prompt.charged_tokens)
         self.band.sent(prompt.model)
         self.queued.discard(prompt.request_id)  # gone already if revoked meanwhile
         self._done(waiting.partition, waiting.offset, "forwarded")
+        return True
+
+    async def _answer_instead(
+        self, queue: FairQueue[Waiting], tenant: str, waiting: Waiting
+    ) -> bool:
+        """True if the line is not to run: answered, or put back until it can be."""
+        try:
+            answered = await self._answered_instead(waiting)
+        except UNREACHABLE as exc:  # Cassandra: this answer waits, the others' lines go on
+            log.warning("%s: not answered yet (%r)", waiting.prompt.request_id, exc)
+            queue.put_back(tenant, waiting, time.monotonic() + RETRY_S)
+            return True
+        if answered:
+            # A line answered counts as served: a tenant whose cancelled batch was answered
+            # line by line kept the lowest counter, and took every turn until it was done.
+            queue.charge(tenant, waiting.prompt.charged_tokens)
+        return answered
+
+    async def _answered_instead(self, waiting: Waiting) -> bool:
+        """A line of a cancelled batch, past its window, whose key was revoked, or too
+        large for Kafka: answered so, never run, and a charge of an earlier try refunded
+        (charged, then Kafka away, then cancelled: it held its tenant back)."""
+        request_id = waiting.prompt.request_id
+        answer: Callable[[], Awaitable[None]]
+        if (why := await self._why_unrun(waiting)) is not None:
+            answer = partial(self._answer_unrun, waiting, why)
+        elif (too_large := self._too_large.get(request_id)) is not None:
+            answer = partial(self._answer_refused, waiting, 413, too_large, BAD)
+        elif await self._key_revoked(waiting):
+            answer = partial(self._answer_revoked, waiting)
+        else:
+            return False
+        if (charged := self._charged.pop(request_id, None)) is not None:
+            await self.quotas.refund(charged)
+        await answer()
+        self._too_large.pop(request_id, None)
         return True

@@ -38,10 +38,13 @@ class LineSteps:
     async def _answered_unrun(self, waiting: Waiting) -> bool:
         """A line of a cancelled batch, or one whose batch's window is over: answered
         so, and never run. False for a line that may still run."""
-        why = await why_unrun(self.marks, waiting.prompt, now_ms())
+        why = await self._why_unrun(waiting)
         if why is not None:
             await self._answer_unrun(waiting, why)
         return why is not None
+
+    async def _why_unrun(self, waiting: Waiting) -> Unrun | None:
+        return await why_unrun(self.marks, waiting.prompt, now_ms())
 
     async def _answer_unrun(self, waiting: Waiting, why: Unrun) -> None:
         await self.answers.unrun(waiting.prompt, why)

@@ -74,6 +74,7 @@ from tandoor.ops import OpsServer
 from tandoor.partition_reader import PartitionReader
 from tandoor.policies.api_keys import KeyStore
 from tandoor.policies.moderation import DefaultModerator
+from tandoor.policies.quota import Admission as QuotaAdmission
 from tandoor.policies.quota import Quotas
 from tandoor.settings import Settings
 
@@ -110,6 +111,8 @@ class Admission(Forwarding, ConsumerRebalanceListener):  # type: ignore[misc]
         self.ops = OpsServer("admission", self.metrics.registry, self._readiness)
         self.band = BandRoom(settings, self.load)
         self._arrived = asyncio.Event()
+        self._charged: dict[str, QuotaAdmission] = {}
+        self._too_large: dict[str, str] = {}
         self._revokes = 0  # a record read before the latest revoke is its new owner's
         self._stopping = asyncio.Event()
         self._cluster: Cluster | None = None

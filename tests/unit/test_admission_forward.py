@@ -105,9 +105,11 @@ class Counting:
 
 class AdmitsAll:
     def __init__(self) -> None:
+        self.admitted: list[str] = []
         self.refunded: list[str] = []
 
     async def admit(self, user_id: str, policy: Any, request_id: str, *_: Any, **__: Any) -> Any:
+        self.admitted.append(request_id)
         return charged(user_id, request_id, 1, 0)
 
     async def refund(self, admission: Any) -> None:
@@ -122,7 +124,7 @@ async def test_a_mark_that_fails_after_the_forward_does_not_forward_the_line_aga
     marks, submitter = MarkFailsOnce(), Counting()
     admission.marks, admission.submitter = cast(Any, marks), cast(Any, submitter)
     admission.quotas, admission.callers = cast(Any, AdmitsAll()), cast(Any, Valid())
-    admission._answered_unrun = lambda waiting: _false()  # type: ignore[method-assign]
+    admission._why_unrun = lambda waiting: _none()  # type: ignore[method-assign]
     admission.queued.add(prompt.request_id, "0:3")
     queue = admission.queues[prompt.model]
     try:
@@ -136,8 +138,8 @@ async def test_a_mark_that_fails_after_the_forward_does_not_forward_the_line_aga
     assert marks.marked == ["failed", "0:3"], "the mark was not written in the end"
 
 
-async def _false() -> bool:
-    return False
+async def _none() -> None:
+    return None
 
 
 class Valid:
@@ -174,7 +176,7 @@ async def forward_once(
     admission.marks = cast(Any, marks or StandInMarks())
     admission.submitter, admission.answers = cast(Any, submitter), cast(Any, answers)
     admission.quotas, admission.callers = cast(Any, quotas or AdmitsAll()), cast(Any, callers)
-    admission._answered_unrun = lambda waiting: _false()  # type: ignore[method-assign]
+    admission._why_unrun = lambda waiting: _none()  # type: ignore[method-assign]
     admission.queued.add(prompt.request_id, "0:3")
     try:
         with patch("producers.admission.line_steps.RETRY_S", 0.01):
