@@ -146,7 +146,8 @@ class ResultsReader:
         await self._consumer.stop()
 
     async def poll(self) -> int:
-        """Read what has arrived; returns how many results are known in all."""
+        """Read what has arrived; returns how many results are known in all (copies
+        included)."""
         batch = await self._consumer.getmany(timeout_ms=200, max_records=5000)
         for record in [r for chunk in batch.values() for r in chunk]:
             key = (record.key or b"").decode()
@@ -154,4 +155,13 @@ class ResultsReader:
         return sum(len(r) for r in self.results.values())
 
     def of(self, batch_id: str) -> list[dict[str, Any]]:
+        """The batch's results, one per `id`: after a crash a result may come twice, and
+        a client counting copies stopped waiting before its last lines were answered."""
+        first: dict[object, dict[str, Any]] = {}
+        for n, result in enumerate(self.copies(batch_id)):
+            first.setdefault(result.get("id") or n, result)
+        return list(first.values())
+
+    def copies(self, batch_id: str) -> list[dict[str, Any]]:
+        """Every result of the batch as it arrived, a repeated one as often as it came."""
         return self.results.get(batch_id, [])
