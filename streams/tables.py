@@ -65,9 +65,6 @@ class PartitionBook:
     counted: deque[tuple[int, bytes]] = field(default_factory=deque)  # (at_ms, id), in order
     dirty: set[bytes] = field(default_factory=set)
     closed: set[bytes] = field(default_factory=set)  # published as closed
-    # Expired before their last change was published (a catch-up: stream time runs
-    # far ahead of the publish timer): published once more, closed, then forgotten.
-    unpublished: dict[bytes, bytes] = field(default_factory=dict)
     housekept_at: float = 0.0
     # Its partition revoked, and this member not yet told whether it keeps it: not
     # published meanwhile (its new owner may be counting it, and what this one had
@@ -165,13 +162,6 @@ class RollupTables:
             # Swapped out before the sends: the agent counts on while they wait, and
             # what it marks meanwhile is for the next call, not cleared with these.
             dirty, book.dirty = book.dirty, set()
-            expired, book.unpublished = book.unpublished, {}
-            for name, stored in sorted(expired.items()):
-                if book.suspended:  # revoked during a send: kept for when it is known
-                    book.unpublished[name] = stored
-                    continue
-                await self._publish(name, _summary(stored, closed=True))
-                published += 1
             for name in sorted(dirty | (ended - book.closed)):
                 if book.suspended:
                     book.dirty.add(name)
@@ -254,7 +244,10 @@ class RollupTables:
         return book
 
     def _housekeep(self, dimension: str, book: PartitionBook) -> None:
-        """Drop what stream time has passed (inside the stream: tables change only there)."""
+        """Drop what stream time has passed (inside the stream: tables change only there).
+        A window expired before its last change was published closed (a catch-up: stream
+        time runs far ahead of the publish timer) stays until it is: kept in memory
+        only, its final figures were lost to a rebalance or a restart."""
         if time.monotonic() - book.housekept_at < HOUSEKEEP_EVERY_S:
             return
         book.housekept_at = time.monotonic()
@@ -263,11 +256,10 @@ class RollupTables:
         while book.counted and book.counted[0][0] < horizon:
             counted.pop(book.counted.popleft()[1], None)
         for name in [n for n, (_, expiry) in book.windows.items() if expiry < book.stream_ms]:
-            stored = table.pop(name, None)
+            if name in book.dirty or name not in book.closed:
+                continue  # published closed first
+            table.pop(name, None)
             del book.windows[name]
-            if stored is not None and (name in book.dirty or name not in book.closed):
-                book.unpublished[name] = stored
-            book.dirty.discard(name)
             book.closed.discard(name)
 
 

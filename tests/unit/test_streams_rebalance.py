@@ -122,3 +122,24 @@ async def test_a_revoke_during_a_publication_stops_it_before_the_next_window(
     await rebalance(app, {partition})
     assert await rollup_tables(app).publish_changes() == 1  # the other, once kept
     assert sink.rollups[f"user/ada/1m/{minutes_ago}"]["closed"]
+
+
+async def test_windows_that_expired_unpublished_are_published_after_their_partition_moves(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A catch-up (usage hours old) expires minutes faster than the publish timer runs:
+    their final figures were kept only in memory, and a rebalance (or a restart) before
+    the next tick lost them: those minutes were never published."""
+    monkeypatch.setattr("streams.tables.HOUSEKEEP_EVERY_S", 0.0)
+    with unit_app(streams_retention_windows=2) as (app, sink):
+        old = (now_ms() // 3_600_000 - 3) * 3_600_000
+        async with app.agents["rollups-by-user"].test_context() as agent:
+            for minute in range(10):
+                await agent.put(encode(usage(f"r{minute}", at=old + minute * 60_000)))
+        (_, partition), *_ = rollup_tables(app)._books
+        await rebalance(app, set())  # taken by another member...
+        await rebalance(app, {partition})  # ...which recovers the table (here: this one)
+        await rollup_tables(app).publish_changes()
+    minutes = [r for key, r in sink.rollups.items() if "/1m/" in key]
+    assert len(minutes) == 10, minutes
+    assert all(m["requests"] == 1 and m["closed"] for m in minutes), minutes
