@@ -51,11 +51,20 @@ class FairQueue(Generic[T]):
             for name, state in self._tenants.items()
             if state.queue and state.held_until <= now
         ]
+        self._forget_idle(min(ready)[0] if ready else self._last_counter)
         if not ready:
             return None
         _, name = min(ready)
         self.size -= 1
         return name, self._tenants[name].queue.popleft()
+
+    def _forget_idle(self, floor: float) -> None:
+        """Tenants with nothing queued and served no more than those waiting: one back
+        later is lifted to at least `floor` anyway, so forgetting it changes nothing.
+        Kept, every tenant ever seen made each line cost more (13 ms at 100,000)."""
+        idle = [n for n, t in self._tenants.items() if not t.queue and t.counter <= floor]
+        for name in idle:
+            del self._tenants[name]
 
     def _lift(self, state: _Tenant[T], now: float) -> None:
         """To the lowest counter of the others that could be served meanwhile: one held
@@ -70,7 +79,7 @@ class FairQueue(Generic[T]):
 
     def put_back(self, tenant: str, item: T, held_until: float = 0.0) -> None:
         """Undo a pop (the line could not go yet), first in its tenant's line again."""
-        state = self._tenants[tenant]
+        state = self._tenants.setdefault(tenant, _Tenant(counter=self._last_counter))
         state.queue.appendleft(item)
         state.held_until = held_until
         self.size += 1

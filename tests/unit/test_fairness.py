@@ -106,3 +106,25 @@ def test_a_tenant_held_by_its_quota_sets_no_floor_and_earns_no_credit() -> None:
         served.append(tenant)
     assert served[:20].count("steady") >= 9, served[:20]  # shared with the newcomer
     assert served[20:].count("steady") >= 9, served[20:]  # and then with the held one too
+
+
+def test_tenants_served_and_gone_are_forgotten_without_earning_credit() -> None:
+    """Every tenant ever seen was kept, and each line looked at all of them: after weeks
+    of one-off batches, 100,000 tenants made each line cost 13 ms. One forgotten comes
+    back lifted to the others' level, as if remembered; one served ahead is remembered."""
+    queue: FairQueue[int] = FairQueue()
+    for n in range(10_000):  # one line each, and gone
+        queue.push(f"once-{n}", n, float(n))
+        tenant, _ = queue.pop(float(n)) or ("", 0)
+        queue.charge(tenant, 10)
+    assert len(queue.counters()) < 10, len(queue.counters())
+    queue.push("big", 0, 0.0)
+    for n in range(5):
+        queue.push("small", n, 0.0)
+    assert queue.pop(0.0) == ("big", 0)
+    queue.charge("big", 1_000)  # served far ahead of the one still waiting
+    assert queue.pop(0.0) == ("small", 0)
+    queue.charge("small", 10)
+    queue.push("big", 1, 0.0)  # back: the small tenant's lines go first, as remembered
+    served = [queue.pop(0.0) for _ in range(5)]
+    assert served == [("small", n) for n in range(1, 5)] + [("big", 1)], served
