@@ -22,7 +22,7 @@ from schemas.codec import encode
 from schemas.events import FinalEvent, FinishReason, Usage, UsageRecord, now_ms
 from tandoor.clients import kafka_producer, redis_client
 from tandoor.policies.quota import Quotas
-from tandoor.policies.redis_keys import streams_key, tokens_window_key
+from tandoor.policies.redis_keys import settled_key, streams_key, tokens_window_key
 from tandoor.settings import Settings, TierPolicy
 from tests.waiting import eventually, while_progressing
 
@@ -204,6 +204,10 @@ async def test_rollups_match_by_hand_and_survive_a_kill_9(
 
         # The charged record comes after the ones above.
         assert await eventually(charged, lambda n: n != 500, what="the settlement") == 60
+        # Redis expires both keys a minute or two after the (pretend) charge time, in real
+        # time: a slow restart below must not outlast them.
+        for key in (tpm, settled_key(used.request_id)):
+            assert await cache.pexpire(key, HOUR_MS), key
         # And its stream slot freed before that: nobody followed the reply to free it.
         assert await cache.zscore(streams_key(user), used.request_id) is None
         app.kill()
