@@ -24,6 +24,8 @@ class PartitionOffsets:
         self._next = max(self._next, offset + 1)
 
     def finished(self, offset: int) -> None:
+        if offset not in self._pending:  # a second copy's (a rebalance fetched it twice)
+            return  # kept, it would later pass for the same offset taken again, running
         self._finished.add(offset)
         while self._pending and self._pending[0] in self._finished:
             self._finished.discard(heapq.heappop(self._pending))

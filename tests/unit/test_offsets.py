@@ -91,3 +91,18 @@ async def test_a_partition_no_longer_assigned_does_not_stop_the_others_commits()
     await commit_finished(cast(AIOKafkaConsumer, consumer), tracker)
     assert consumer.commits == [{TopicPartition("t", 0): 6}, {TopicPartition("t", 0): 7}]
     assert tracker.to_commit() == {}
+
+
+def test_an_offset_finished_twice_does_not_pass_a_later_copy_of_it_still_running() -> None:
+    """A rebalance fetched offset 5 again while it ran: both copies finish. Fetched a
+    third time (another rebalance) and running, it must still hold the commit."""
+    offsets = PartitionOffsets()
+    offsets.taken(5)
+    offsets.finished(5)
+    offsets.finished(5)  # the copy, which waited for the original
+    offsets.taken(5)
+    offsets.taken(6)
+    offsets.finished(6)
+    assert offsets.committable() == 5
+    offsets.finished(5)
+    assert offsets.committable() == 7 and offsets.in_flight == 0
