@@ -38,8 +38,10 @@ class Attempt:
     number: int
     epoch: int  # the attempt whose text the events carry: a continuation keeps it
     carried: tuple[Recorded, ...] = ()  # published by the attempt this one continues
+    begun: bool = False  # earlier attempts published part of the reply (carried or not)
     recording: bool = False  # each token event goes to the transcript first
     stale_transcript: bool = False  # a record failed: drop it as soon as Redis answers
+    lease_asked: float = float("-inf")  # taken unleased: when it last asked (monotonic)
     band: str = ""  # the priority band it came from, for the latency metrics
     submitted_ms: float = 0.0
     first_token_ms: float | None = None
@@ -54,7 +56,7 @@ class Attempt:
     def expired(self) -> bool:
         """Past the deadline to start; a reply already under way continues."""
         deadline = self.prompt.deadline_ms
-        return not self.carried and deadline is not None and now_ms() > deadline
+        return not self.begun and deadline is not None and now_ms() > deadline
 
 
 def token_event(request_id: str, entry: Recorded) -> TokenEvent:

@@ -18,11 +18,12 @@ over continues the reply from them (workers/request.py) instead of starting over
 
 Redis unreachable: the worker keeps serving (the gateway admitted the prompt under
 its tier's Redis-down policy, see tandoor/policies/quota.py). The prompt is taken as a
-first attempt without a lease; records that cannot be written stop the transcript
-(the next attempt restarts the reply instead of continuing it). What is lost
-meanwhile: a prompt redelivered after a worker crash during the outage runs again as
-attempt 1 (clients skip what they already have by sequence number), and a cancel
-reaches only the worker running the request (the control topic still works).
+first attempt without a lease, which it takes as soon as Redis answers again (so a
+redelivery waits for it, and its end is recorded); records that cannot be written stop
+the transcript (the next attempt restarts the reply instead of continuing it). What is
+lost while Redis stays away: a prompt redelivered after a worker crash or a rebalance
+runs again as attempt 1 (clients skip what they already have by sequence number), and
+a cancel reaches only the worker running the request (the control topic still works).
 """
 
 from __future__ import annotations
@@ -120,6 +121,17 @@ return 1
 """
 )
 
+# A first attempt taken while Redis did not answer, once it does. KEYS: lease, done,
+# attempt. ARGV: owner, 1, lease ms, attempt ttl s.
+LATE = (
+    HELD
+    + """
+if not held() then return 0 end
+redis.call('SET', KEYS[3], ARGV[2], 'NX', 'EX', ARGV[4])
+return 1
+"""
+)
+
 # KEYS: lease. ARGV: owner.
 RELEASE = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
@@ -172,6 +184,7 @@ class Busy:
     wait_ms: int
 
 
+UNKNOWN_TEXT = Recorded(epoch=0, seq=-1, delta="", tokens=0)  # a transcript's only entry
 UNLEASED = Arrival(attempt=1, cancelled=False, leased=False)
 
 
@@ -184,6 +197,7 @@ class RequestLedger:
         self._record = BatchedScript(client, client.register_script(RECORD))
         self._finish = client.register_script(FINISH)
         self._renew = client.register_script(RENEW)
+        self._late = client.register_script(LATE)
         self._release = client.register_script(RELEASE)
         # A renewal takes a lapsed lease back: one under way when a lease is given back
         # must not take it again (the next worker would wait out the lease).
@@ -218,6 +232,17 @@ class RequestLedger:
         transcript = tuple(Recorded.decode(raw) for raw in entries)
         return Arrival(attempt, cancelled, leased=True, transcript=transcript)
 
+    async def lease_late(self, request_id: str) -> Literal["ok", "lost", "down"]:
+        """Lease a request taken while Redis did not answer (UNLEASED), unless another
+        worker took it meanwhile ("lost") or it is done."""
+        args: list[str | int] = [self.owner, UNLEASED.attempt, self._lease_ms, ATTEMPT_TTL_S]
+        try:
+            taken = int(await self._late(keys=_held_keys(request_id), args=args))
+        except REDIS_DOWN as exc:
+            log.warning("%s: still not leased, Redis unreachable (%s)", request_id, exc)
+            return "down"
+        return "ok" if taken else "lost"
+
     async def record(self, request_id: str, attempt: int, entry: Recorded) -> Recording:
         """Add a token event to the transcript, before it is sent, if the lease is
         still ours (which renews it)."""
@@ -237,11 +262,20 @@ class RequestLedger:
             return "down"
         return {1: "ok", -1: "lost"}.get(result, "gap")  # type: ignore[return-value]
 
-    async def forget_transcript(self, request_id: str) -> bool:
+    async def forget_transcript(self, request_id: str, begun: bool = False) -> bool:
         """The transcript no longer matches what was published: the next attempt
-        restarts the reply rather than continue from it. False if Redis is unreachable."""
+        restarts the reply rather than continue from it. `begun`: some of it went out,
+        which the transcript goes on saying (UNKNOWN_TEXT), so that the next attempt
+        does not answer "expired" to a reader who has part of it. False if Redis is
+        unreachable."""
+        key = reply_key(request_id)
         try:
-            await self._redis.delete(reply_key(request_id))
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.delete(key)
+                if begun:
+                    pipe.rpush(key, UNKNOWN_TEXT.encode())
+                    pipe.expire(key, REPLY_TTL_S)
+                await pipe.execute()
         except REDIS_DOWN as exc:
             log.warning("%s: transcript not dropped, Redis unreachable (%s)", request_id, exc)
             return False

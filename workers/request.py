@@ -30,6 +30,7 @@ from workers.metrics import WorkerMetrics
 from workers.publisher import Publisher
 
 log = logging.getLogger(__name__)
+LEASE_ASK_S = 1.0  # a prompt taken unleased asks for its lease again at most this often
 WAITED_S = 0.05  # a line held this long for token budget may have been cancelled meanwhile
 
 ENGINE_REASONS: dict[str | None, FinishReason] = {
@@ -127,7 +128,15 @@ class RequestRunner:
                 epoch,
                 len(carried),
             )
-        return Attempt(prompt, tracked, arrival.attempt, epoch, carried, recording=arrival.leased)
+        return Attempt(
+            prompt,
+            tracked,
+            arrival.attempt,
+            epoch,
+            carried,
+            begun=bool(arrival.transcript),
+            recording=arrival.leased,
+        )
 
     async def _deliver_recorded(self, prompt: PromptRequest, raw: bytes) -> None:
         """Publish a final that its worker recorded but may not have delivered."""
@@ -299,8 +308,9 @@ class RequestRunner:
         at the next event again while Redis does not answer (the next attempt then
         restarts the reply)."""
         request_id = attempt.prompt.request_id
+        await self._lease_late(attempt, throttled=True)
         if attempt.stale_transcript:
-            attempt.stale_transcript = not await self.ledger.forget_transcript(request_id)
+            attempt.stale_transcript = not await self.ledger.forget_transcript(request_id, True)
         if not attempt.recording:
             return
         outcome = await self.ledger.record(request_id, attempt.number, entry)
@@ -309,7 +319,22 @@ class RequestRunner:
             raise LeaseLost(request_id)
         if outcome != "ok":
             attempt.recording = False
-            attempt.stale_transcript = not await self.ledger.forget_transcript(request_id)
+            attempt.stale_transcript = not await self.ledger.forget_transcript(request_id, True)
+
+    async def _lease_late(self, attempt: Attempt, throttled: bool) -> None:
+        """Taken while Redis did not answer: lease it once Redis does (asked at most
+        once a second while it does not), so that a worker the prompt is delivered to
+        again waits for this one instead of running it too."""
+        now = time.monotonic()
+        if attempt.tracked.leased or (throttled and now - attempt.lease_asked < LEASE_ASK_S):
+            return
+        attempt.lease_asked = now
+        taken = await self.ledger.lease_late(attempt.prompt.request_id)
+        if taken == "lost":
+            attempt.tracked.lost = True
+            raise LeaseLost(attempt.prompt.request_id)
+        if taken == "ok":  # its records fail as a gap if some events went out unrecorded
+            attempt.tracked.leased = attempt.recording = True
 
     async def _undelivered(self, attempt: Attempt) -> str | None:
         """Why some token event never reached Kafka, or None when all did."""
@@ -342,6 +367,7 @@ class RequestRunner:
             store=prompt.store,
             replaces=prompt.replaces,
         )
+        await self._lease_late(attempt, throttled=False)
         if attempt.tracked.leased and not await self.ledger.finish(
             prompt.request_id, attempt.number, encode(final)
         ):

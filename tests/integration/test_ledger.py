@@ -15,7 +15,7 @@ from infra.process import free_port
 from tandoor.clients import redis_client
 from tandoor.policies.redis_keys import attempt_key, batch_cancel_key, lease_key, reply_key
 from tandoor.settings import Settings
-from workers.ledger import Arrival, Busy, Finished, Recorded, RequestLedger
+from workers.ledger import UNKNOWN_TEXT, Arrival, Busy, Finished, Recorded, RequestLedger
 
 pytestmark = pytest.mark.integration
 
@@ -132,6 +132,49 @@ async def test_a_final_is_kept_until_delivered_and_then_the_request_is_skipped(
     assert await next_worker.arrive(rid) == Finished(b"the final")
     await next_worker.delivered(rid)
     assert await next_worker.arrive(rid) == Finished(None)
+
+
+async def test_a_request_taken_while_redis_stalled_is_leased_once_it_answers(
+    client: aioredis.Redis, settings: Settings
+) -> None:
+    """Its arrival timed out (UNLEASED): once Redis answers, it leases the request, so a
+    redelivery (a rebalance) waits for it rather than running it again, and its end is
+    recorded; unless another worker took it or finished it meanwhile."""
+    stalled, redelivered, rid = ledger(client, "w1"), ledger(client, "w2"), request()
+    assert await stalled.lease_late(rid) == "ok"
+    assert isinstance(await redelivered.arrive(rid), Busy)
+    assert await stalled.finish(rid, 1, b"the final")
+    await stalled.delivered(rid)
+    assert await redelivered.arrive(rid) == Finished(None), "done: not run again"
+
+    ran_stalled = ledger(client, "w1")  # its arrival did run, then its answer was lost
+    rid = request()
+    assert isinstance(await ran_stalled.arrive(rid), Arrival)
+    assert await ran_stalled.lease_late(rid) == "ok"
+
+    rid, done = request(), request()
+    for taken in (rid, done):
+        assert isinstance(await redelivered.arrive(taken), Arrival)
+    assert await redelivered.finish(done, 1, b"final of w2")
+    await redelivered.delivered(done)
+    for taken in (rid, done):
+        assert await stalled.lease_late(taken) == "lost"
+    assert await client.get(lease_key(rid)) == b"w2"
+    down = redis_client(settings.model_copy(update={"redis_port": free_port()}))
+    assert await ledger(down, "w1").lease_late(request()) == "down", "while Redis is away"
+    await down.aclose()
+
+
+async def test_a_transcript_dropped_mid_reply_still_says_the_reply_began(
+    client: aioredis.Redis,
+) -> None:
+    worker, rid = ledger(client, "w1"), request()
+    assert isinstance(await worker.arrive(rid), Arrival)
+    assert await worker.record(rid, 1, Recorded(1, 0, "Once", 1)) == "ok"
+    assert await worker.forget_transcript(rid, begun=True)
+    await worker.release(rid)
+    taken = await ledger(client, "w2").arrive(rid)
+    assert isinstance(taken, Arrival) and taken.transcript == (UNKNOWN_TEXT,)
 
 
 async def test_a_lease_given_back_is_taken_at_once(client: aioredis.Redis) -> None:

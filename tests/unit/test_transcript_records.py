@@ -24,7 +24,7 @@ class RedisAway:
         self.records += 1
         return "down"
 
-    async def forget_transcript(self, request_id: str) -> bool:
+    async def forget_transcript(self, request_id: str, begun: bool = False) -> bool:
         self.deletes.append(self._answers.pop(0))
         return self.deletes[-1]
 

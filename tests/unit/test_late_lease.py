@@ -1,0 +1,90 @@
+"""A prompt taken while Redis did not answer (no lease) takes its lease as soon as
+Redis answers, records from then on if nothing went out unrecorded, and stops if
+another worker took the request meanwhile (workers/request.py)."""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import pytest
+
+from schemas.events import now_ms
+from tests.unit.test_transcript_records import prompt
+from workers import request as request_module
+from workers.attempt import Attempt, LeaseLost, Tracked
+from workers.ledger import UNKNOWN_TEXT, Arrival, Recorded, Recording, RequestLedger
+from workers.request import RequestRunner, RunnerConfig
+
+
+class LateRedis:
+    """Answers lease_late from `answers`; records like Redis: no gap allowed."""
+
+    def __init__(self, *answers: str) -> None:
+        self.answers = list(answers)
+        self.asked = 0
+        self.transcript: list[int] = []
+
+    async def lease_late(self, request_id: str) -> str:
+        self.asked += 1
+        return self.answers.pop(0)
+
+    async def record(self, request_id: str, attempt: int, entry: Recorded) -> Recording:
+        if entry.seq != len(self.transcript):
+            return "gap"
+        self.transcript.append(entry.seq)
+        return "ok"
+
+    async def forget_transcript(self, request_id: str, begun: bool = False) -> bool:
+        self.transcript = [UNKNOWN_TEXT.seq] if begun else []
+        return True
+
+
+def runner(ledger: LateRedis) -> RequestRunner:
+    unused = cast(Any, None)  # _record needs only the ledger
+    config = RunnerConfig("m", 0.05, 16)
+    return RequestRunner(config, unused, unused, cast(RequestLedger, ledger), unused, unused)
+
+
+def unleased() -> Attempt:
+    return Attempt(prompt(), Tracked("r_1"), 1, 1, recording=False)
+
+
+@pytest.fixture(autouse=True)
+def ask_every_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(request_module, "LEASE_ASK_S", 0.0)
+
+
+async def test_leased_before_its_first_event_it_records_them_all() -> None:
+    ledger, attempt = LateRedis("ok"), unleased()
+    for seq in range(4):
+        await runner(ledger)._record(attempt, Recorded(1, seq, "x", 1))
+    assert attempt.tracked.leased and attempt.recording
+    assert ledger.transcript == [0, 1, 2, 3] and ledger.asked == 1
+
+
+async def test_leased_after_events_went_out_unrecorded_it_leaves_no_partial_transcript() -> None:
+    ledger, attempt = LateRedis("down", "ok"), unleased()
+    for seq in range(4):
+        await runner(ledger)._record(attempt, Recorded(1, seq, "x", 1))
+    assert attempt.tracked.leased, "renewed from now on, a redelivery waits for it"
+    assert ledger.asked == 2 and not attempt.recording
+    assert ledger.transcript == [UNKNOWN_TEXT.seq], "no partial transcript, but begun"
+
+
+async def test_taken_by_another_worker_meanwhile_it_stops() -> None:
+    ledger, attempt = LateRedis("down", "lost"), unleased()
+    await runner(ledger)._record(attempt, Recorded(1, 0, "x", 1))
+    with pytest.raises(LeaseLost):
+        await runner(ledger)._record(attempt, Recorded(1, 1, "x", 1))
+    assert attempt.tracked.lost and not attempt.tracked.leased
+
+
+async def test_a_reply_begun_whose_text_is_unknown_restarts_past_its_deadline() -> None:
+    """Its transcript was dropped mid-reply: the next attempt restarts the reply for the
+    reader who has part of it, rather than answer "expired"."""
+    late = prompt().model_copy(update={"deadline_ms": now_ms() - 1})
+    for transcript, expired in (((UNKNOWN_TEXT,), False), ((), True)):
+        arrival = Arrival(attempt=2, cancelled=False, leased=True, transcript=transcript)
+        attempt = await runner(LateRedis())._attempt(late, Tracked("r_1"), arrival)
+        assert not attempt.carried and attempt.epoch == 2
+        assert attempt.expired() is expired, transcript
