@@ -147,6 +147,10 @@ class PromptIntake(ConsumerRebalanceListener):  # type: ignore[misc]
         twice, or its band's count keeps lower bands from free slots until it ends."""
         self.held[self.band_of(record)] -= 1
 
+    def running_again(self, record: Record) -> None:
+        """The copy runs after all (its original did not answer): in flight again."""
+        self.held[self.band_of(record)] += 1
+
     async def commit(self) -> None:
         await commit_finished(self.consumer, self.offsets)
 

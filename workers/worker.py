@@ -175,6 +175,11 @@ class Worker:
                     self.intake.copy_of_running(record)
                     await self.capacity.release_seq()
                     await original.done.wait()
+                    if not original.delivered:  # it runs here again: in a slot, as any
+                        await self.capacity.wait_for_free_seq()
+                        self.capacity.take_seq()
+                        self.intake.running_again(record)
+                        slot_held = True
                 # Answered here: known without asking Redis (down, the copy ran the whole
                 # reply again and published a second, different final).
                 if original is None or not original.delivered:

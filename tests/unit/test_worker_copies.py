@@ -18,6 +18,7 @@ from tandoor.settings import Settings
 from tests.unit.test_transcript_records import prompt
 from tests.waiting import until
 from workers.attempt import Tracked
+from workers.capacity import Capacity
 from workers.engine import EngineOptions
 from workers.worker import Worker
 
@@ -30,9 +31,13 @@ class HeldRunner:
     def __init__(self) -> None:
         self.runs: list[str] = []
         self.finish = asyncio.Event()
+        self.capacity: Capacity | None = None
+        self.slots_taken: list[int] = []  # at the start of each run
 
     async def run(self, prompt: PromptRequest, tracked: Tracked, band: str) -> None:
         self.runs.append(prompt.request_id)
+        if self.capacity is not None:
+            self.slots_taken.append(self.capacity.seqs)
         await self.finish.wait()
 
 
@@ -44,6 +49,7 @@ def prompt_record(offset: int) -> ConsumerRecord[bytes, bytes]:
 def taken_twice(worker: Worker, runner: HeldRunner) -> list[asyncio.Task[None]]:
     """The prompt taken, then fetched again after a rebalance, each handled."""
     worker._runner = runner  # type: ignore[assignment]
+    runner.capacity = worker.capacity
     handled = []
     for _ in range(2):
         worker.capacity.take_seq()
@@ -85,6 +91,7 @@ async def test_a_prompt_fetched_again_while_it_runs_gives_its_slot_back() -> Non
         runner.finish.set()
         await asyncio.wait_for(asyncio.gather(*handled), 10)
         assert runner.runs == ["r_1"] * 2  # then runs, and finds it answered
+        assert runner.slots_taken == [2, 1], "the copy runs in a slot, as any prompt"
         assert worker.capacity.free_seqs == free
         assert dict(worker.intake.held) == {"interactive-paid": 0}
         assert worker._failure is None
