@@ -124,6 +124,11 @@ class Engine:
     def max_model_len(self) -> int:
         return self._max_model_len
 
+    async def prompt_tokens(self, messages: Sequence[ChatMessage], partial: str = "") -> list[int]:
+        """render_prompt off the event loop: a long conversation takes the template and
+        the tokenizer tens of milliseconds, which every reply streaming here waited."""
+        return await asyncio.to_thread(self.render_prompt, messages, partial)
+
     def render_prompt(self, messages: Sequence[ChatMessage], partial: str = "") -> list[int]:
         """Token ids of `messages` through the model's chat template, ready for a reply,
         or, given the `partial` reply published so far, ready to continue it."""

@@ -159,8 +159,10 @@ class RequestRunner:
         messages = attempt.prompt.messages
         partial = "".join(attempt.text)
         try:
-            prompt_ids = self.engine.render_prompt(messages)
-            token_ids = self.engine.render_prompt(messages, partial) if partial else prompt_ids
+            prompt_ids = await self.engine.prompt_tokens(messages)
+            token_ids = (
+                await self.engine.prompt_tokens(messages, partial) if partial else prompt_ids
+            )
         except RequestFailed as exc:
             await self._finish(attempt, "error", str(exc))
             return

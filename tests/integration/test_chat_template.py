@@ -37,6 +37,35 @@ async def test_the_override_replaces_the_tokenizers_template(settings: Settings)
     assert continued == "[user] Hello there\n[assistant] General Ken"
 
 
+async def test_a_long_conversation_renders_while_the_event_loop_goes_on(
+    settings: Settings,
+) -> None:
+    """Other replies stream from the same event loop while a long prompt is rendered."""
+    from transformers import AutoTokenizer
+
+    folder = await asyncio.to_thread(resolve_model_dir, "smollm2", settings)
+    tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, folder)
+    engine = Engine(cast(Any, None), tokenizer, 2048)
+    long = [ChatMessage(role="user", content="lorem ipsum dolor sit amet " * 20_000)]
+    turns = 0
+
+    async def streaming_meanwhile() -> None:
+        nonlocal turns
+        while True:
+            turns += 1
+            await asyncio.sleep(0)
+
+    other = asyncio.create_task(streaming_meanwhile())
+    await asyncio.sleep(0)
+    turns = 0
+    try:
+        ids = await engine.prompt_tokens(long)
+    finally:
+        other.cancel()
+    assert len(ids) > 100_000 and ids == engine.render_prompt(long)
+    assert turns > 1, "the event loop stood still while the prompt rendered"
+
+
 async def test_the_bundled_gemma_renders_its_turns_and_stops_at_their_end(
     settings: Settings,
 ) -> None:
