@@ -55,3 +55,17 @@ def test_a_stop_string_is_taken_alike_on_every_surface(stop: object) -> None:
     assert [options.stop for options in parsed] == [["\n"]] * len(parsed)
     with pytest.raises(ValidationError, match="stop sequences"):
         PostMessage.model_validate({"content": "hi", "stop": ""})
+
+
+def test_options_clients_send_unset_or_by_default_are_taken() -> None:
+    """`stream: null` (an unset option, as some clients send it) and OpenAI's newer
+    `stream_options.include_obfuscation` were 400s."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    assert ChatCompletionRequest.model_validate({**body, "stream": None}).stream is False
+    options = {"include_usage": True, "include_obfuscation": False}
+    streamed = ChatCompletionRequest.model_validate(
+        {**body, "stream": True, "stream_options": options}
+    )
+    assert streamed.stream_options is not None and streamed.stream_options.include_usage
+    with pytest.raises(ValidationError, match="valid boolean"):
+        ChatCompletionRequest.model_validate({**body, "stream": "sometimes"})

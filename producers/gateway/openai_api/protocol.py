@@ -44,6 +44,9 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     include_usage: bool = False
+    include_obfuscation: bool = Field(
+        default=True, description="Taken; the stream carries no obfuscation padding."
+    )
 
 
 class ResponseFormat(BaseModel):
@@ -70,6 +73,12 @@ class ChatCompletionRequest(SamplingOptions):
     user: str | None = Field(default=None, max_length=256, description="Logged with the request.")
     store: bool | None = Field(default=None, description="false: no conversation is kept.")
     ignore_eos: bool = False  # vLLM's extension, for load tests
+
+    @field_validator("stream", mode="before")
+    @classmethod
+    def _null_is_not_streamed(cls, stream: object) -> object:
+        """null, as clients send an unset option (OpenAI's server takes it as false)."""
+        return False if stream is None else stream
 
     @field_validator("stream_options")
     @classmethod
