@@ -19,6 +19,7 @@ from producers.admission.waiting import Waiting
 from schemas.events import PromptRequest
 from tandoor.settings import Settings
 from tests.unit.test_admission_forward import AdmitsAll, ByBatch, Counting, Valid, batch_prompt
+from tests.waiting import until
 
 
 class CancelledBatches(ByBatch):
@@ -77,10 +78,8 @@ async def test_a_cancelled_line_cassandra_cannot_answer_holds_up_no_other_line(
     admission.queues[other.prompt.model].charge("v", 100)
     forwarding = asyncio.create_task(admission._forward_lines())
     try:
-        for _ in range(100):
-            if submitter.sent:
-                break
-            await asyncio.sleep(0.05)
+        # Held up, nothing is ever sent: what stalls is what the wait fails on.
+        await until(lambda: submitter.sent, what="the other line sent", idle_s=30, poll_s=0.05)
     finally:
         admission._stopping.set()
         await asyncio.wait_for(forwarding, 10)
