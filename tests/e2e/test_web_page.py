@@ -87,6 +87,9 @@ async def test_over_quota_says_when_to_retry(stack: Stack, page: Page) -> None:
     assert re.fullmatch(r"Too many requests: [^.]+\. Try again in \d+ seconds?\.", said), said
     assert said.lower().count("again") == 1 and "retry" not in said.lower(), said
     await expect(page.locator(".message.assistant")).to_have_count(0)
+    # Not sent: the message leaves the chat and goes back to the composer, not lost.
+    await expect(page.locator(".message.user")).to_have_count(0)
+    await expect(page.get_by_label("Message", exact=True)).to_have_value("Say hello again.")
     await shot(page, "06-over-quota")
 
 
@@ -104,18 +107,24 @@ async def test_replies_are_rendered_as_escaped_markdown(stack: Stack, page: Page
 async def test_a_reply_of_brackets_renders_in_linear_time(stack: Stack, page: Page) -> None:
     """From every "[" of a line, the link pattern scanned to the line's end: a reply of
     16,000 "[" took 227 ms a render, at each token, and froze the page for most of a
-    minute. 200,000 (42 s a render before) are given a minute, a thousandth of it now."""
+    minute. 200,000 (42 s a render before) are given a minute, a thousandth of it now.
+    The code fence's pattern was quadratic too, in spaces."""
     await page.goto(stack.url)
     rendered = page.evaluate(
         """async () => {
           const { renderMarkdown } = await import('/web/markdown.js');
           const brackets = renderMarkdown('['.repeat(200000));
           const links = renderMarkdown('[a](http://x'.repeat(50000));
-          return [brackets.length, links.length, renderMarkdown('see [[docs](https://d.io/a)')];
+          // Spaces between a fence and a language that never comes: 0.7 s at 30,000.
+          const fence = renderMarkdown('```' + ' '.repeat(200000) + 'x y');
+          return [brackets.length, links.length, renderMarkdown('see [[docs](https://d.io/a)'),
+                  fence.length, renderMarkdown('## Title\\r\\n- one\\r\\n- two\\r\\n')];
         }"""
     )
-    brackets, links, nested = await asyncio.wait_for(rendered, 60)
+    brackets, links, nested, fence, windows = await asyncio.wait_for(rendered, 60)
     assert brackets == len("<p></p>") + 200_000 and links > 600_000
+    assert fence == len("<p></p>") + 200_006
+    assert windows == "<h4>Title</h4><ul><li>one</li><li>two</li></ul>", "Windows line ends"
     assert nested == (
         '<p>see [<a href="https://d.io/a" rel="noopener noreferrer nofollow" '
         'target="_blank">docs</a></p>'

@@ -14,7 +14,7 @@ export class Api {
     this.key = key;
   }
 
-  async request(method, path, body, extraHeaders = {}) {
+  async request(method, path, body, extraHeaders = {}, signal = undefined) {
     const headers = { Authorization: `Bearer ${this.key}`, ...extraHeaders };
     if (body !== undefined) headers["Content-Type"] = "application/json";
     let response;
@@ -23,8 +23,10 @@ export class Api {
         method,
         headers,
         body: body === undefined ? undefined : JSON.stringify(body),
+        signal,
       });
-    } catch {
+    } catch (error) {
+      if (signal?.aborted) throw error; // the page left it: no error to show
       throw new ApiError(0, "The gateway cannot be reached. Check your connection and retry.");
     }
     if (!response.ok) throw await apiError(response);

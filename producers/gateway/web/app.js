@@ -29,7 +29,7 @@ const state = {
   api: null,
   cursor: null,
   conversation: null, // {id, title, model, messages}
-  reply: null, // the reply streaming now: {element, text, attempt, lastEventId, done}
+  reply: null, // the open chat's reply streaming now (newReply)
   busy: false, // sending or streaming: the composer waits
   following: true, // the list is scrolled to its end: a streaming reply keeps it there
   pinnedAt: 0, // the scrollTop the page last set: below it, the reader has scrolled up
@@ -145,6 +145,10 @@ async function showWhenStored(id) {
 
 function showConversation(conversation) {
   closeUsage();
+  // Another chat: its reply runs on at the gateway (reopened, the chat resumes it), but
+  // stops streaming here, and the composer, Stop and Escape belong to this chat.
+  const leaving = state.reply && state.reply.conversationId !== conversation?.id;
+  if (leaving) leaveReply(state.reply);
   state.conversation = conversation;
   state.reply = null;
   $("chat-title").textContent = conversation ? conversation.title || "New chat" : "New chat";
@@ -153,7 +157,7 @@ function showConversation(conversation) {
   $("messages").replaceChildren();
   hideNotice();
   for (const message of visible(conversation)) $("messages").append(messageElement(message));
-  setBusy(state.busy); // only the buttons: a message being sent keeps the composer busy
+  setBusy(!leaving && state.busy); // a message being sent to this chat keeps it busy
   markCurrent();
   scrollToEnd(true);
 }
@@ -178,7 +182,8 @@ function messageElement(message) {
   if (message.role === "user" && message.id && message.status !== "failed") {
     const edit = document.createElement("button");
     edit.type = "button";
-    edit.className = "quiet";
+    edit.className = "quiet edit";
+    edit.hidden = state.busy; // an edit reruns from it: not while a reply runs
     edit.textContent = "Edit";
     edit.setAttribute("aria-label", "Edit this message and rerun from it");
     edit.addEventListener("click", () => startEdit(item, message));
@@ -228,6 +233,17 @@ function setBody(body, role, text) {
 
 // ---- sending, streaming, resuming ---------------------------------------------------
 
+function leaveReply(reply) {
+  reply.left = true;
+  reply.controller.abort();
+}
+
+// A message refused, or not sent: its text goes back to the composer, unless another
+// was typed meanwhile.
+function restoreDraft(text) {
+  if (!$("prompt").value.trim()) $("prompt").value = text;
+}
+
 async function send(text) {
   let created = null;
   if (!state.conversation) {
@@ -238,12 +254,20 @@ async function send(text) {
   }
   const path = `/v1/conversations/${state.conversation.id}/messages`;
   const userMessage = messageElement({ role: "user", content: text });
-  userMessage.dataset.content = text;
   $("messages").append(userMessage);
   scrollToEnd(true);
   const reply = await streamReply(
     () => state.api.request("POST", path, { content: text }),
-    userMessage,
+    (event) => {
+      // Now it has an id: shown again, with its Edit button.
+      if (!event.user_message_id) return;
+      userMessage.replaceWith(messageElement({ role: "user", id: event.user_message_id, content: text }));
+    },
+    () => {
+      if (!userMessage.isConnected) return; // started: sent, whatever came after
+      userMessage.remove();
+      restoreDraft(text);
+    },
   );
   // Only an answered first reply gets a title job (producers/gateway/chat/jobs.py).
   if (created && ANSWERED.has(reply.finishReason)) {
@@ -255,28 +279,42 @@ async function send(text) {
   }
 }
 
-async function streamReply(open, userMessage = null) {
+// `started(event)` when the gateway took the message; `refused()` on an API error.
+async function streamReply(open, started = () => {}, refused = () => {}) {
   hideNotice();
   setBusy(true);
-  const reply = newReply();
+  const reply = newReply(started);
   state.reply = reply;
   try {
-    await follow(reply, await open(), userMessage);
+    await follow(reply, await open());
     await resumeUntilDone(reply);
   } catch (error) {
-    if (userMessage && error instanceof ApiError) userMessage.remove();
+    if (reply.left) return reply;
+    if (error instanceof ApiError) refused();
     endUnfinished(reply); // else it kept blinking, half written
     notify(error);
   } finally {
-    if (state.reply === reply) state.reply = null;
-    setBusy(false);
+    if (!reply.left) {
+      state.reply = null;
+      setBusy(false);
+    }
     loadConversations(true).catch(() => {});
   }
   return reply;
 }
 
-function newReply() {
-  return { element: null, text: "", attempt: 0, lastEventId: null, done: false };
+function newReply(started = () => {}) {
+  return {
+    conversationId: state.conversation.id,
+    controller: new AbortController(), // aborted when the page leaves its chat
+    left: false,
+    started,
+    element: null,
+    text: "",
+    attempt: 0,
+    lastEventId: null,
+    done: false,
+  };
 }
 
 // A chat opened while its reply runs: followed as a sent message's reply is, with the
@@ -290,24 +328,28 @@ async function resumeReply() {
     await resumeFrom(reply);
     await resumeUntilDone(reply);
   } catch (error) {
-    endUnfinished(reply);
-    notify(error);
+    if (!reply.left) {
+      endUnfinished(reply);
+      notify(error);
+    }
   } finally {
-    if (state.reply === reply) state.reply = null;
-    setBusy(false);
+    if (!reply.left) {
+      state.reply = null;
+      setBusy(false);
+    }
   }
 }
 
 // The connection dropped: resume where it stopped, with every try again after a resume
 // that brought events (a long reply may drop more than RESUME_TRIES times).
 async function resumeUntilDone(reply) {
-  for (let tries = 0; !reply.done && tries < RESUME_TRIES; tries++) {
+  for (let tries = 0; !reply.done && !reply.left && tries < RESUME_TRIES; tries++) {
     const seen = reply.lastEventId;
     await sleep(500 * 2 ** tries);
     await resumeFrom(reply);
     if (reply.lastEventId !== seen) tries = -1;
   }
-  if (!reply.done) {
+  if (!reply.done && !reply.left) {
     endUnfinished(reply);
     notify(new Error("the connection dropped; reopen the chat to see the reply"));
   }
@@ -315,13 +357,15 @@ async function resumeUntilDone(reply) {
 
 async function resumeFrom(reply) {
   const headers = reply.lastEventId ? { "Last-Event-ID": reply.lastEventId } : {};
-  const path = `/v1/conversations/${state.conversation.id}/stream`;
+  const path = `/v1/conversations/${reply.conversationId}/stream`;
   try {
-    await follow(reply, await state.api.request("GET", path, undefined, headers));
+    const signal = reply.controller.signal;
+    await follow(reply, await state.api.request("GET", path, undefined, headers, signal));
   } catch (error) {
+    if (reply.left) return;
     if (error instanceof ApiError && error.status === 404) {
       reply.done = true; // it finished meanwhile, or never started
-      await showWhenStored(state.conversation.id);
+      await showWhenStored(reply.conversationId);
       return;
     }
     // Dropped (0), too many resumes open (429: old ones not yet seen closed), a replica
@@ -332,15 +376,16 @@ async function resumeFrom(reply) {
   }
 }
 
-async function follow(reply, response, userMessage = null) {
+async function follow(reply, response) {
   try {
-    for await (const { id, data } of readEvents(response)) {
+    for await (const { id, data } of readEvents(response, reply.controller.signal)) {
+      if (reply.left) return;
       if (id) reply.lastEventId = id;
       if (data === "[DONE]") {
         reply.done = true;
         return;
       }
-      handle(reply, data, userMessage);
+      handle(reply, data);
     }
   } catch (error) {
     if (error instanceof SyntaxError) throw error;
@@ -348,23 +393,22 @@ async function follow(reply, response, userMessage = null) {
   }
 }
 
-function handle(reply, event, userMessage) {
+function handle(reply, event) {
   if (event.type === "start") {
-    if (userMessage && event.user_message_id) {
-      // Now it has an id: shown again, with its Edit button.
-      const content = userMessage.dataset.content;
-      userMessage.replaceWith(messageElement({ role: "user", id: event.user_message_id, content }));
-    }
+    reply.started(event);
     ensureReplyElement(reply, event.model);
   } else if (event.type === "restart") {
     reply.text = ""; // a worker restarted the reply: drop the partial text
     reply.attempt = event.attempt;
-    addMetaNote(ensureReplyElement(reply), " · restarted");
+    const element = ensureReplyElement(reply);
+    setBody(element.querySelector(".body"), "assistant", ""); // not left showing till its next token
+    addMetaNote(element, " · restarted");
   } else if (event.type === "token") {
     reply.text += event.delta;
     setBody(ensureReplyElement(reply).querySelector(".body"), "assistant", reply.text);
     scrollToEnd();
   } else if (event.type === "final") {
+    if (reply.finishReason) return; // again, in a resumed stream: noted once
     const element = ensureReplyElement(reply, event.model);
     element.classList.remove("streaming");
     reply.finishReason = event.finish_reason;
@@ -405,7 +449,8 @@ function ensureReplyElement(reply, model) {
 // ---- stop, regenerate, edit, rename, delete -------------------------------------------
 
 async function stop() {
-  await state.api.json("POST", `/v1/conversations/${state.conversation.id}/stop`);
+  const id = state.reply?.conversationId ?? state.conversation.id;
+  await state.api.json("POST", `/v1/conversations/${id}/stop`);
 }
 
 async function regenerate() {
@@ -436,18 +481,26 @@ function startEdit(item, message) {
   cancel.addEventListener("click", restore);
   save.addEventListener("click", async () => {
     const text = editor.value.trim();
-    if (!text) return;
+    if (!text || state.busy) return;
     const id = item.dataset.id || message.id;
     const path = `/v1/conversations/${state.conversation.id}/messages/${id}/edit`;
     restore();
-    await streamReply(async () => {
-      const response = await state.api.request("POST", path, { content: text });
-      while (item.nextSibling) item.nextSibling.remove();
-      setBody(body, "user", text);
-      return response;
-    });
+    await streamReply(
+      async () => {
+        const response = await state.api.request("POST", path, { content: text });
+        while (item.nextSibling) item.nextSibling.remove();
+        setBody(body, "user", text);
+        return response;
+      },
+      // The edit is stored as a new message: a second edit names that one.
+      (event) => event.user_message_id && (item.dataset.id = event.user_message_id),
+    );
   });
-  editor.addEventListener("keydown", (e) => e.key === "Escape" && restore());
+  editor.addEventListener("keydown", (e) => {
+    if (e.key !== "Escape") return;
+    e.stopPropagation(); // closes the editor; it does not stop the reply too
+    restore();
+  });
   body.hidden = true;
   item.append(editor, save, cancel);
   editor.focus();
@@ -478,6 +531,7 @@ function setBusy(busy) {
   $("stop").hidden = !busy;
   const hasReply = $("messages").querySelector(".message.assistant") !== null;
   $("regenerate").hidden = busy || !hasReply;
+  for (const edit of $("messages").querySelectorAll("button.edit")) edit.hidden = busy;
 }
 
 function notify(error) {
@@ -569,7 +623,12 @@ function wire() {
     if (!text || state.busy) return;
     $("prompt").value = "";
     setBusy(true); // at once: a second Enter must not send twice
-    send(text).catch(notify).finally(() => setBusy(Boolean(state.reply)));
+    send(text)
+      .catch((error) => {
+        restoreDraft(text); // the chat could not be created: nothing was sent
+        notify(error);
+      })
+      .finally(() => setBusy(Boolean(state.reply)));
   });
   $("prompt").addEventListener("keydown", (e) => {
     if (e.key === "Enter" && !e.shiftKey) {

@@ -44,8 +44,11 @@ export function renderMarkdown(source) {
   let ordered = false;
   let code = null; // lines of an open fenced block (it may still be streaming)
   let language = "";
-  for (const line of escapeHtml(source).split("\n")) {
-    const fence = line.match(/^\s*```\s*([\w+-]*)\s*$/);
+  // Windows line ends too: a "\r" left at a line's end kept it from being a heading.
+  for (const line of escapeHtml(source).split(/\r\n?|\n/)) {
+    // Trimmed first: with a space class on both sides of the language, a line of
+    // spaces after "```" took quadratic time (30,000 spaces, 0.7 s a render).
+    const fence = line.trim().match(/^```\s*([\w+-]*)$/);
     if (code !== null) {
       if (fence) {
         out.push(codeBlock(code, language));

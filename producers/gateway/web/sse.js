@@ -1,8 +1,12 @@
 // Server-sent events over fetch (EventSource cannot POST or send an Authorization
 // header): yields {id, data} for each event, data parsed from JSON or "[DONE]".
 
-export async function* readEvents(response) {
+// `signal` aborted: the stream ends, its connection closed.
+export async function* readEvents(response, signal = undefined) {
   const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
+  const cancel = () => reader.cancel().catch(() => {});
+  if (signal?.aborted) return cancel();
+  signal?.addEventListener("abort", cancel, { once: true });
   let buffer = "";
   let id = null;
   let data = [];
