@@ -72,6 +72,10 @@ HANDOVER_POLL_MS = 1000  # how soon a hand-over reader sees its last stream gone
 HANDOVER_RETRY_S = 1.0  # a hand-over reader failing (Kafka unreachable): again after this
 
 
+class NotRouting(KafkaError):
+    """The fan-out owns no tokens partition (a rebalance under way): Kafka's to settle."""
+
+
 class TokenFanout(ConsumerRebalanceListener):  # type: ignore[misc]
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -134,8 +138,14 @@ class TokenFanout(ConsumerRebalanceListener):  # type: ignore[misc]
         return len(self._subs)
 
     async def subscribe(self, request_id: str) -> Subscription:
-        """Register before the prompt is produced, so no event can slip past."""
-        await self._ready.wait()
+        """Register before the prompt is produced, so no event can slip past. NotRouting
+        while this replica owns no tokens partition past kafka_send_timeout_s (its group
+        re-forming): each post waited, headerless and holding its stream slot."""
+        try:
+            async with asyncio.timeout(self.settings.kafka_send_timeout_s):
+                await self._ready.wait()
+        except TimeoutError:
+            raise NotRouting("replies cannot be routed to this replica right now") from None
         partition = self._usable[next(self._next) % len(self._usable)]
         position = await self._consumer.position(TopicPartition(topics.TOKENS, partition))
         sub = Subscription(request_id, partition, position)

@@ -21,6 +21,7 @@ from producers.gateway.app import create_app
 from producers.gateway.chat.settled import MAX_MESSAGES
 from producers.gateway.conversations import service as service_module
 from producers.gateway.conversations.service import ConversationService
+from producers.prompts import PromptTooLarge
 from schemas.events import now_ms
 from tandoor.clients import cassandra_session, cql_together, redis_client
 from tandoor.policies.api_keys import create_key
@@ -349,18 +350,26 @@ async def test_a_full_conversation_takes_no_more_turns_and_says_so(
     assert len(opened.json()["messages"]) == MAX_MESSAGES  # nothing added
 
 
+@pytest.mark.parametrize(
+    ("refusal", "status"), [(KafkaConnectionError(), 503), (PromptTooLarge(2_000_000), 413)]
+)
 async def test_kafka_then_cassandra_failing_says_the_message_may_be_kept(
-    client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch, settings: Settings
+    client: httpx.AsyncClient,
+    monkeypatch: pytest.MonkeyPatch,
+    settings: Settings,
+    refusal: Exception,
+    status: int,
 ) -> None:
-    """Kafka refused the prompt, then Cassandra the mark that shows its message failed:
-    the 503 said "nothing was changed" of a message stored as sent, so the user sent it
-    again, and both went into the next turn's context."""
+    """Kafka refused the prompt (unreachable, or too large a record), then Cassandra the
+    mark that shows its message failed: the 503 said "nothing was changed" (the 413 was
+    a 503 so) of a message stored as sent, so the user sent it again, and both went into
+    the next turn's context."""
     auth = await user_key(settings)
     conversation = (await client.post("/v1/conversations", json={}, headers=auth)).json()["id"]
     services = client._transport.app.state.services  # type: ignore[attr-defined]
 
     async def refused(*_: object) -> None:
-        raise KafkaConnectionError()
+        raise refusal
 
     async def timed_out(*_: object) -> None:
         raise OperationTimedOut("the mark timed out")
@@ -376,7 +385,7 @@ async def test_kafka_then_cassandra_failing_says_the_message_may_be_kept(
 
         await eventually(served, what="the gateway to see a worker")
         posted = await client.post(path, json={"content": "Hello there"}, headers=auth)
-    assert posted.status_code == 503, posted.text
+    assert posted.status_code == status, posted.text
     said = posted.json()["error"]["message"]
     assert "nothing was" not in said and "regenerate" in said, said
     opened = (await client.get(f"/v1/conversations/{conversation}", headers=auth)).json()

@@ -13,7 +13,7 @@ from consumers.fanout import Subscription
 from producers.gateway.chat.inflight import InFlight, Queued
 from schemas.codec import decode
 from schemas.events import FinalEvent, MessageKey, now_ms
-from tandoor.policies.redis_keys import attempt_key, final_key
+from tandoor.policies.redis_keys import attempt_key, done_key, final_key
 
 pytestmark = pytest.mark.integration
 
@@ -24,11 +24,15 @@ OLD_REPLIES = [
 
 
 async def claimed(
-    redis: aioredis.Redis, replaces: list[MessageKey], queued: bool = True, store: bool = True
+    redis: aioredis.Redis,
+    replaces: list[MessageKey],
+    queued: bool = True,
+    store: bool = True,
+    prompt_at_ms: int | None = None,
 ) -> tuple[InFlight, str]:
     inflight, conversation_id = InFlight(redis), f"c_{uuid.uuid4().hex}"
     sub = Subscription(request_id=f"r_{uuid.uuid4().hex}", partition=3, next_offset=7)
-    prompt = Queued("smollm2-135m", now_ms(), replaces, store=store)
+    prompt = Queued("smollm2-135m", prompt_at_ms or now_ms(), replaces, store=store)
     assert await inflight.claim(conversation_id, sub, now_ms() + 60_000, prompt)
     if queued:  # the gateway produced the prompt
         await inflight.mark_queued(conversation_id, sub.request_id)
@@ -96,3 +100,31 @@ async def test_a_stop_after_a_worker_took_the_prompt_leaves_the_final_to_it(
     await redis.set(attempt_key(record["request_id"]), 1, ex=60)
     assert await inflight.end_untaken(record, "u_1", "free") is None
     assert await redis.get(final_key(record["request_id"])) is None
+
+
+async def test_a_stop_on_a_gateway_whose_clock_is_behind_ends_the_queued_prompt(
+    redis: aioredis.Redis,
+) -> None:
+    """The prompt was queued by a gateway a minute ahead: the final's queue time came
+    out negative, its validation failed, and Stop (and DELETE) answered 500."""
+    inflight, conversation_id = await claimed(redis, [], prompt_at_ms=now_ms() + 60_000)
+    record = await inflight.running(conversation_id, 409)
+    final = await inflight.end_untaken(record, "u_1", "free")
+    assert final is not None and final.finish_reason == "cancelled"
+    assert final.usage.queue_ms == 0 and final.created_at_ms >= record["prompt_at_ms"]
+
+
+async def test_a_reply_ending_releases_only_its_own_record(redis: aioredis.Redis) -> None:
+    """Its end released the record after the next reply had claimed it (it judged the
+    ended one stale): the next reply then ran unrecorded, unstoppable, and a third post
+    was let in beside it. Read and deleted in one step now."""
+    inflight, conversation_id = await claimed(redis, [])
+    ended = await inflight.running(conversation_id, 409)
+    await redis.set(done_key(ended["request_id"]), 1, ex=60)  # its worker finished it
+    following = Subscription(request_id=f"r_{uuid.uuid4().hex}", partition=3, next_offset=9)
+    prompt = Queued("smollm2-135m", now_ms())
+    assert await inflight.claim(conversation_id, following, now_ms() + 60_000, prompt)
+    await inflight.release(conversation_id, ended["request_id"])
+    assert (await inflight.running(conversation_id, 409))["request_id"] == following.request_id
+    await inflight.release(conversation_id, following.request_id)
+    assert await inflight.current(conversation_id) is None

@@ -69,11 +69,23 @@ return 0
 """
 
 
+# Drop the record only if it is ARGV[1]'s: read then deleted in two steps, a record
+# claimed in between (its reply ended, the next post claimed at once) was deleted.
+RELEASE = """
+local held = redis.call('GET', KEYS[1])
+if held and cjson.decode(held)['request_id'] == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
+
 class InFlight:
     def __init__(self, redis: aioredis.Redis) -> None:
         self.redis = redis
         self._replace = redis.register_script(REPLACE)
         self._end_untaken = redis.register_script(END_UNTAKEN)
+        self._release = redis.register_script(RELEASE)
 
     async def claim(
         self, conversation_id: str, sub: Subscription, start_by_ms: int, prompt: Queued
@@ -149,9 +161,7 @@ class InFlight:
     async def release(self, conversation_id: str, request_id: str) -> None:
         """Drop the record if it is still `request_id`'s (another reply's stays)."""
         with contextlib.suppress(*REDIS_DOWN):  # then the record expires by itself
-            current = await self.current(conversation_id)
-            if current is not None and current["request_id"] == request_id:
-                await self.redis.delete(inflight_key(conversation_id))
+            await self._release(keys=[inflight_key(conversation_id)], args=[request_id])
 
     async def current(self, conversation_id: str) -> dict[str, Any] | None:
         """{"request_id", "partition", "offset"} of the running reply, or None."""
@@ -178,7 +188,9 @@ class InFlight:
 
 def _cancelled_in_queue(record: dict[str, Any], user_id: str, tier: str) -> FinalEvent:
     """The final a worker would publish for a prompt cancelled before it started."""
-    at, prompt_at = now_ms(), int(record["prompt_at_ms"])
+    # Another gateway's clock may be behind the one that queued it.
+    prompt_at = int(record["prompt_at_ms"])
+    at = max(now_ms(), prompt_at)
     return FinalEvent(
         request_id=record["request_id"],
         attempt=1,

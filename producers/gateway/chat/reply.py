@@ -1,12 +1,15 @@
 """What a caller asks for a reply with, beyond a conversation of its own (an OpenAI API
-call), and what it gets back: the reply to follow."""
+call), the prompt planned for it, and what it gets back: the reply to follow."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from producers.gateway.chat.protocol import ReplyOptions
 from producers.gateway.chat.watch import ReplyWatch
 from producers.gateway.conversations.protocol import Conversation
+from schemas.events import ChatMessage, MessageKey
+from tandoor.policies.api_keys import Principal
 
 
 @dataclass
@@ -29,3 +32,23 @@ class ApiCall:
     model: str
     title: str | None
     store: bool = True
+
+
+@dataclass
+class PlannedPrompt:
+    """Everything decided before the prompt is produced."""
+
+    caller: Principal
+    conversation: Conversation | ApiCall  # an ApiCall's is opened when it is produced
+    model: str
+    text: str | None
+    messages: list[ChatMessage]
+    options: ReplyOptions
+    max_tokens: int
+    request_id: str
+    now: int
+    tokens: int  # charged: the prompt's estimate and max_tokens
+    dropped: int
+    summarized: bool
+    replaces: list[MessageKey]  # hidden once the reply is queued
+    names_it: bool  # the conversation's title (its first message's) goes with the message

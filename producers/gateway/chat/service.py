@@ -17,7 +17,7 @@ import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
-from consumers.fanout import Subscription, TokenFanout
+from consumers.fanout import NotRouting, Subscription, TokenFanout
 from producers.gateway.chat.checks import ReplyChecks
 from producers.gateway.chat.control import ReplyControl
 from producers.gateway.chat.history import (
@@ -31,7 +31,7 @@ from producers.gateway.chat.inflight import InFlight, Queued
 from producers.gateway.chat.jobs import ConversationJobs
 from producers.gateway.chat.newest import Newest, NewestReply
 from producers.gateway.chat.protocol import PostMessage, ReplyOptions, sampling_for
-from producers.gateway.chat.reply import ApiCall, Reply
+from producers.gateway.chat.reply import ApiCall, PlannedPrompt, Reply
 from producers.gateway.chat.routing import Request, routed
 from producers.gateway.chat.settled import SettledHistory
 from producers.gateway.chat.watch import ReplyWatch
@@ -51,26 +51,6 @@ from tandoor.policies.redis_keys import ATTEMPT_TTL_S, done_key
 from tandoor.settings import Settings
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Prompt:
-    """Everything decided before the prompt is produced."""
-
-    caller: Principal
-    conversation: Conversation | ApiCall  # an ApiCall's is opened when it is produced
-    model: str
-    text: str | None
-    messages: list[ChatMessage]
-    options: ReplyOptions
-    max_tokens: int
-    request_id: str
-    now: int
-    tokens: int  # charged: the prompt's estimate and max_tokens
-    dropped: int
-    summarized: bool
-    replaces: list[MessageKey]  # hidden once the reply is queued
-    names_it: bool  # the conversation's title (its first message's) goes with the message
 
 
 @dataclass
@@ -204,7 +184,7 @@ class ChatService:
             Request(caller.tier, conversation.model, asked, max_tokens, client_context, summary),
         )
         return await self._start(
-            _Prompt(
+            PlannedPrompt(
                 caller,
                 conversation,
                 model,
@@ -222,14 +202,17 @@ class ChatService:
             )
         )
 
-    async def _start(self, p: _Prompt) -> Reply:
+    async def _start(self, p: PlannedPrompt) -> Reply:
         """Claim the conversation, charge the quota, store the user's message (if there
         is a new one), produce the prompt, follow it. The claim comes first: a second
         post racing this one is a 409 before it is charged anything."""
         d = self.deps
         store = not isinstance(p.conversation, ApiCall) or p.conversation.store
         conversation = self._opened(p)  # p's stays an ApiCall
-        sub = await d.fanout.subscribe(p.request_id)
+        try:
+            sub = await d.fanout.subscribe(p.request_id)
+        except NotRouting as exc:
+            raise kafka_unreachable(f"{exc}; nothing was changed, please retry") from exc
         start_by = p.now + int(d.settings.silence_limit_s(p.caller.tier) * 1000)
         queued = Queued(p.model, p.now, p.replaces, store)
         if not await self.inflight.claim(conversation.id, sub, start_by, queued):  # one at a time
@@ -261,7 +244,7 @@ class ChatService:
 
     async def _produce(
         self,
-        p: _Prompt,
+        p: PlannedPrompt,
         admission: Admission,
         conversation: Conversation,
         sub: Subscription,
@@ -291,21 +274,31 @@ class ChatService:
         try:
             await asyncio.wait_for(d.submitter.submit(prompt), d.settings.kafka_send_timeout_s)
         except PromptTooLarge as exc:
-            await self._unqueued(p, conversation, user_message_id)
-            raise ApiError(413, f"{exc}; shorten the conversation", param="messages") from exc
+            said = await self._unqueued_said(p, conversation, user_message_id)
+            raise ApiError(
+                413, f"{exc}; {said}; shorten the conversation", param="messages"
+            ) from exc
         except (KafkaError, TimeoutError) as exc:
             await self._withdraw(p.request_id)
-            try:
-                kept = await self._unqueued(p, conversation, user_message_id)
-                said = "your message is saved as failed" if kept else "nothing was kept"
-            except CASSANDRA_DOWN:  # stored as sent: sending it again would send it twice
-                said = "so is storage: your message may be saved without a reply (regenerate)"
+            said = await self._unqueued_said(p, conversation, user_message_id)
             raise kafka_unreachable(
                 f"the prompt queue is unreachable; {said}, please retry"
             ) from exc
 
+    async def _unqueued_said(
+        self, p: PlannedPrompt, conversation: Conversation, user_message_id: str | None
+    ) -> str:
+        """_unqueued, and what became of the message, in words for the client."""
+        try:
+            kept = await self._unqueued(p, conversation, user_message_id)
+        except CASSANDRA_DOWN:  # stored as sent: sending it again would send it twice
+            return (
+                "storage is unreachable too: the message may be saved without a reply (regenerate)"
+            )
+        return "your message is saved as failed" if kept else "nothing was kept"
+
     async def _unqueued(
-        self, p: _Prompt, conversation: Conversation, user_message_id: str | None
+        self, p: PlannedPrompt, conversation: Conversation, user_message_id: str | None
     ) -> bool:
         """The stored message of a prompt Kafka did not take: kept as failed in a chat,
         where it is retried; gone with its conversation for an API call, opened for it
@@ -332,7 +325,7 @@ class ChatService:
             log.warning("%s: superseded messages still shown (%s)", conversation_id, exc)
 
     async def _store_user_message(
-        self, p: _Prompt, conversation: Conversation, message_id: str, text: str
+        self, p: PlannedPrompt, conversation: Conversation, message_id: str, text: str
     ) -> None:
         conversations, user_id = self.deps.conversations, p.caller.user_id
         if isinstance(p.conversation, ApiCall):  # its conversation is new: stored with it
@@ -343,7 +336,7 @@ class ChatService:
             )
 
     @staticmethod
-    def _opened(p: _Prompt) -> Conversation:
+    def _opened(p: PlannedPrompt) -> Conversation:
         """The conversation to answer in: an API call's is made here, and stored with its
         message (unless told not to be: then it exists only in the prompt's id)."""
         if not isinstance(p.conversation, ApiCall):
@@ -365,7 +358,7 @@ class ChatService:
             await self.deps.redis.set(done_key(request_id), 0, ex=ATTEMPT_TTL_S)
 
     def _follow(
-        self, p: _Prompt, admission: Admission, conversation: Conversation, sub: Subscription
+        self, p: PlannedPrompt, admission: Admission, conversation: Conversation, sub: Subscription
     ) -> ReplyWatch:
         """When the reply ends: its in-flight record goes, its quota is settled, and the
         conversation's jobs hear of it (a title after its first reply)."""

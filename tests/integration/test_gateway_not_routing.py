@@ -1,0 +1,42 @@
+"""A replica whose token fan-out owns no partition (its consumer group re-forming after
+a rebalance) cannot route a reply: a post is a 503 with Retry-After within the Kafka
+timeout, nothing stored, where it waited without headers, holding its stream slot."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from infra.idle_worker import idle_worker
+from tandoor.settings import Settings
+from tests.integration.test_gateway_conversations import client, user_key
+from tests.waiting import eventually
+
+pytestmark = pytest.mark.integration
+
+__all__ = ["client"]  # the gateway in-process, shared with the conversations tests
+
+
+async def test_a_post_while_no_partition_routes_replies_is_a_503(
+    client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch, settings: Settings
+) -> None:
+    auth = await user_key(settings)
+    conversation = (await client.post("/v1/conversations", json={}, headers=auth)).json()["id"]
+    services = client._transport.app.state.services  # type: ignore[attr-defined]
+    monkeypatch.setattr(services.chat.deps.fanout, "_ready", asyncio.Event())  # revoked
+    model = settings.served_models[0]
+    async with idle_worker(settings, model):
+
+        async def served() -> int:
+            return getattr(services.load.load(model), "workers", 0)
+
+        await eventually(served, what="the gateway to see a worker")
+        path = f"/v1/conversations/{conversation}/messages"
+        async with asyncio.timeout(120):  # it waited for ever: fail, not hang
+            posted = await client.post(path, json={"content": "Hello there"}, headers=auth)
+    assert posted.status_code == 503, posted.text
+    assert posted.headers["Retry-After"] and "routed" in posted.json()["error"]["message"]
+    opened = (await client.get(f"/v1/conversations/{conversation}", headers=auth)).json()
+    assert opened["messages"] == []
