@@ -72,7 +72,7 @@ HANDOVER_POLL_MS = 1000  # how soon a hand-over reader sees its last stream gone
 HANDOVER_RETRY_S = 1.0  # a hand-over reader failing (Kafka unreachable): again after this
 
 
-class NotRouting(KafkaError):
+class NotRouting(KafkaError):  # type: ignore[misc]
     """The fan-out owns no tokens partition (a rebalance under way): Kafka's to settle."""
 
 
