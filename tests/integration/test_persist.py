@@ -209,3 +209,18 @@ async def test_a_replayed_batch_answer_keeps_its_write_time(
     await publish(producer, answer)  # the replay: through Kafka, so later by milliseconds
     await settled_rows(settings, keyspace, producer, f"{conversation}-flush", 0)
     assert [r.at for r in await asyncio.to_thread(written)] == [first[0].at]
+
+
+async def test_the_first_question_of_a_chat_is_the_one_its_edit_left(session: Any) -> None:
+    """A chat's title job asked the model with its first message as first sent, edited
+    away since, beside the edit: the title named text the user had taken back."""
+    conversations = ConversationService(session, ["smollm2"])
+    opened = await conversations.create("alice", "smollm2", "Where is Paris?")
+    asked_at = now_ms() - 2000
+    await conversations.add_user_message("alice", opened, "m_first", "Where is Paris?", asked_at)
+    assert await conversations.first_questions(opened.id) == ("Where is Paris?",) * 2
+    await conversations.add_user_message("alice", opened, "m_edit", "Where is Rome?", asked_at + 1)
+    await conversations.mark_replaced(
+        opened.id, [MessageKey(created_at_ms=asked_at, message_id="m_first")]
+    )
+    assert await conversations.first_questions(opened.id) == ("Where is Paris?", "Where is Rome?")

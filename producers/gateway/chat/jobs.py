@@ -110,10 +110,11 @@ class ConversationJobs:
         ):  # a later reply's, a regenerate's, or a chosen title: asked once to look
             if not await self._claim_title(conversation):
                 return
-            first = await self.conversations.first_question(conversation.id)
+            first, live = await self.conversations.first_questions(conversation.id)
             if first is None or conversation.title != provisional_title(first):
                 return
-            self._spawn(self._title(user_id, conversation, [first, question], answer))
+            # Its first message as it stands: an edit took the one that named it out.
+            self._spawn(self._title(user_id, conversation, [live, question], answer))
         elif await self._claim_title(conversation):
             self._spawn(self._title(user_id, conversation, [question], answer))
 

@@ -233,16 +233,18 @@ class ConversationService:
         )
         return bool(rows) and rows[0].role is not None
 
-    async def first_question(self, conversation_id: str) -> str | None:
-        """The conversation's first message (the user's, as redacted): its provisional
-        title came from it."""
+    async def first_questions(self, conversation_id: str) -> tuple[str | None, str | None]:
+        """The conversation's first message (the user's, as redacted), whose opening
+        words titled it, and its first one still in it: not edited away, not failed."""
         rows = await cql(
             self._session,
-            "SELECT role, content FROM messages_by_conversation WHERE conversation_id = %s "
-            "LIMIT 4",  # replies follow it; a replace mark alone has no role
+            "SELECT role, content, status FROM messages_by_conversation "
+            "WHERE conversation_id = %s LIMIT 20",  # edits of the first one, their replies
             (conversation_id,),
         )
-        return next((r.content for r in rows if r.role == "user"), None)
+        asked = [r for r in rows if r.role == "user"]  # a replace mark alone has no role
+        live = (r.content for r in asked if r.status not in ("replaced", "failed"))
+        return (asked[0].content if asked else None), next(live, None)
 
     async def owned(self, user_id: str, conversation_id: str) -> Conversation:
         return await self._owned(user_id, conversation_id)
