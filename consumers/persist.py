@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 
 import orjson
 from aiokafka import AIOKafkaConsumer
-from aiokafka.errors import KafkaError, MessageSizeTooLargeError
+from aiokafka.errors import IllegalStateError, KafkaError, MessageSizeTooLargeError
 from aiokafka.structs import ConsumerRecord
 from cassandra.cluster import Cluster
 from cassandra.connection import ConnectionException
@@ -41,6 +41,7 @@ POISON_TRIES = 3
 # commit on the broker for every token at low load. A replay of skipped deltas costs
 # nothing, so they are committed at most this often; a batch with finals at once.
 DELTAS_COMMIT_S = 1.0
+LAG_WAIT_S = 0.5  # the lag metric waits no longer for a partition's position
 SEND_RETRY_S = 1.0  # dead letters and batch results: Kafka refused, try again after
 # Cassandra unreachable or overloaded: wait, whatever it takes, rather than drop.
 UNAVAILABLE = (*CASSANDRA_DOWN, ConnectionException)
@@ -113,12 +114,19 @@ class Persister:
             log.warning("commit failed (%s); the next owner replays those replies", exc)
 
     async def _lag(self) -> int:
-        """Records behind the newest, over the partitions fetched from so far."""
+        """Records behind the newest, over the partitions fetched from so far. A metric:
+        it never waits for a position (a partition just assigned has none until its
+        committed offset is fetched, 40 s a try without a coordinator) and never raises
+        (a partition revoked meanwhile: it stopped persist mid-rebalance)."""
         consumer, behind = self._consumer, 0
         for tp in consumer.assignment():
-            highwater = consumer.highwater(tp)
-            if highwater is not None:
-                behind += max(0, highwater - await consumer.position(tp))
+            try:
+                highwater = consumer.highwater(tp)
+                if highwater is not None:
+                    async with asyncio.timeout(LAG_WAIT_S):
+                        behind += max(0, highwater - await consumer.position(tp))
+            except (IllegalStateError, AssertionError, TimeoutError):
+                continue  # not ours any more, or not positioned yet: counted next time
         return behind
 
     async def _readiness(self) -> dict[str, bool]:

@@ -253,3 +253,34 @@ async def test_persistence_held_up_by_kafka_shows_on_its_metrics(
         await asyncio.gather(running, return_exceptions=True)
         await real_producer.stop()
         await real_consumer.stop()
+
+
+class Rebalancing:
+    """A consumer mid-rebalance: partition 0 revoked, 1 not positioned yet, 2 fine."""
+
+    def assignment(self) -> set[Any]:
+        return {("tokens", 0), ("tokens", 1), ("tokens", 2)}
+
+    def highwater(self, tp: Any) -> int:
+        return 50
+
+    async def position(self, tp: Any) -> int:
+        if tp[1] == 0:
+            from aiokafka.errors import IllegalStateError
+
+            raise IllegalStateError("No current assignment for partition")
+        if tp[1] == 1:
+            await asyncio.Event().wait()  # its committed offset never comes
+        return 20
+
+
+async def test_the_lag_metric_mid_rebalance_neither_raises_nor_waits() -> None:
+    """It awaited every partition's position: a revoked one raised out of the loop and
+    persist exited; one without a position held the whole loop for a metric."""
+    persister = Persister(Settings())
+    await persister._consumer.stop()  # never started: closed, swapped for the stand-in
+    persister._consumer = Rebalancing()
+    try:
+        assert await asyncio.wait_for(persister._lag(), 30) == 30
+    finally:
+        await persister._producer.stop()
