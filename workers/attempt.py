@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from schemas.events import FinalEvent, PromptRequest, TokenEvent, Usage, UsageRecord, now_ms
+from tandoor.policies.redis_keys import batch_cancel_key
 from workers.ledger import Recorded
 
 
@@ -109,3 +110,16 @@ def usage_record(prompt: PromptRequest, final: FinalEvent) -> UsageRecord:
         charged_tokens=prompt.charged_tokens,
         charged_at_ms=prompt.created_at_ms,
     )
+
+
+def since_created(prompt: PromptRequest, ms: float) -> float:
+    """Seconds from the prompt's creation (clocks of two hosts: never negative)."""
+    return max(0.0, ms - prompt.created_at_ms) / 1000
+
+
+def batch_cancel_of(prompt: PromptRequest) -> str | None:
+    """A batch line is cancelled with its batch too: one forwarded before the cancel
+    and not started yet is not run."""
+    if prompt.kind != "batch" or not prompt.batch_id:
+        return None
+    return batch_cancel_key(prompt.user_id, prompt.batch_id)

@@ -359,3 +359,10 @@ class RequestLedger:
 def _held_keys(request_id: str) -> list[str]:
     """The keys HELD reads: lease, done, attempt."""
     return [lease_key(request_id), done_key(request_id), attempt_key(request_id)]
+
+
+def continuable(transcript: tuple[Recorded, ...]) -> tuple[Recorded, ...]:
+    """The transcript if it is one attempt's events from seq 0 without a gap, else ()."""
+    epochs = {entry.epoch for entry in transcript}
+    in_order = all(entry.seq == i for i, entry in enumerate(transcript))
+    return transcript if len(epochs) == 1 and in_order else ()

@@ -20,12 +20,20 @@ from dataclasses import dataclass
 
 from schemas.codec import SchemaError, decode, encode
 from schemas.events import TOO_LONG_FOR_ENGINE, FinalEvent, FinishReason, PromptRequest, now_ms
-from tandoor.policies.redis_keys import batch_cancel_key
-from workers.attempt import Attempt, LeaseLost, Tracked, token_event, usage_of, usage_record
+from workers.attempt import (
+    Attempt,
+    LeaseLost,
+    Tracked,
+    batch_cancel_of,
+    since_created,
+    token_event,
+    usage_of,
+    usage_record,
+)
 from workers.capacity import Capacity
 from workers.coalesce import Coalescer
 from workers.engine import Engine, RequestFailed
-from workers.ledger import Arrival, Busy, Finished, Recorded, RequestLedger
+from workers.ledger import Arrival, Busy, Finished, Recorded, RequestLedger, continuable
 from workers.metrics import WorkerMetrics
 from workers.publisher import Publisher
 
@@ -98,7 +106,7 @@ class RequestRunner:
         """The request's lease, once no other worker holds it; None if it is done."""
         waited = False
         while True:
-            outcome = await self.ledger.arrive(prompt.request_id, _batch_cancel(prompt))
+            outcome = await self.ledger.arrive(prompt.request_id, batch_cancel_of(prompt))
             if isinstance(outcome, Finished):
                 if outcome.final is not None:  # its worker died before it was delivered
                     await self._deliver_recorded(prompt, outcome.final)
@@ -113,7 +121,7 @@ class RequestRunner:
             await asyncio.sleep(min(max(outcome.wait_ms, 100), 1000) / 1000)
 
     async def _attempt(self, prompt: PromptRequest, tracked: Tracked, arrival: Arrival) -> Attempt:
-        carried = _continuable(arrival.transcript)
+        carried = continuable(arrival.transcript)
         if arrival.transcript and not carried:
             log.warning(
                 "%s: the published text is not all known; restarting the reply", prompt.request_id
@@ -128,15 +136,8 @@ class RequestRunner:
                 epoch,
                 len(carried),
             )
-        return Attempt(
-            prompt,
-            tracked,
-            arrival.attempt,
-            epoch,
-            carried,
-            begun=bool(arrival.transcript),
-            recording=arrival.leased,
-        )
+        number, begun, leased = arrival.attempt, bool(arrival.transcript), arrival.leased
+        return Attempt(prompt, tracked, number, epoch, carried, begun=begun, recording=leased)
 
     async def _deliver_recorded(self, prompt: PromptRequest, raw: bytes) -> None:
         """Publish a final that its worker recorded but may not have delivered."""
@@ -230,7 +231,7 @@ class RequestRunner:
                 return
             # Looked at on arrival only, a batch cancelled while its line waited here ran.
             waited = time.monotonic() - asked_at > WAITED_S
-            if waited and await self.ledger.cancelled_by(_batch_cancel(attempt.prompt)):
+            if waited and await self.ledger.cancelled_by(batch_cancel_of(attempt.prompt)):
                 await self._finish(attempt, "cancelled", None)
                 return
             try:
@@ -274,7 +275,7 @@ class RequestRunner:
     def _submitted(self, attempt: Attempt) -> None:
         attempt.submitted_ms = time.time() * 1000
         if not attempt.carried:  # else it includes the earlier attempt's whole run
-            self.metrics.queued(attempt.band, _since(attempt.prompt, attempt.submitted_ms))
+            self.metrics.queued(attempt.band, since_created(attempt.prompt, attempt.submitted_ms))
 
     def _count(self, attempt: Attempt, new_tokens: int, cached_tokens: int) -> None:
         attempt.cached_tokens = cached_tokens
@@ -286,7 +287,7 @@ class RequestRunner:
             self.metrics.waiting.dec()
             self.metrics.running.inc()
             if not attempt.carried:  # else the user's first token was the earlier attempt's
-                self.metrics.first_token(attempt.band, _since(attempt.prompt, now))
+                self.metrics.first_token(attempt.band, since_created(attempt.prompt, now))
         attempt.last_token_ms = now
         attempt.completion_tokens += new_tokens
 
@@ -393,23 +394,3 @@ class RequestRunner:
             "-" if usage.ttft_ms is None else f"{usage.ttft_ms:.0f}",
             f": {error}" if error else "",
         )
-
-
-def _since(prompt: PromptRequest, ms: float) -> float:
-    """Seconds from the prompt's creation (clocks of two hosts: never negative)."""
-    return max(0.0, ms - prompt.created_at_ms) / 1000
-
-
-def _continuable(transcript: tuple[Recorded, ...]) -> tuple[Recorded, ...]:
-    """The transcript if it is one attempt's events from seq 0 without a gap, else ()."""
-    epochs = {entry.epoch for entry in transcript}
-    in_order = all(entry.seq == i for i, entry in enumerate(transcript))
-    return transcript if len(epochs) == 1 and in_order else ()
-
-
-def _batch_cancel(prompt: PromptRequest) -> str | None:
-    """A batch line is cancelled with its batch too: one forwarded before the cancel
-    and not started yet is not run."""
-    if prompt.kind != "batch" or not prompt.batch_id:
-        return None
-    return batch_cancel_key(prompt.user_id, prompt.batch_id)
