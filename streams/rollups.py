@@ -45,11 +45,15 @@ def window_start_ms(at_ms: int, size_s: int) -> int:
 class Histogram:
     bounds: list[float]
     counts: list[int] = field(default_factory=list)
+    # The last bucket has no upper bound (a batch line's TTFT counts its hours queued):
+    # a quantile there is the largest value seen, not the last bound.
+    highest: float = 0.0
 
     def add(self, value: float) -> None:
         if not self.counts:
             self.counts = [0] * (len(self.bounds) + 1)
         self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.highest = max(self.highest, value)
 
     def percentile(self, q: float) -> float | None:
         """The upper bound of the bucket holding the q-th quantile (within 25%)."""
@@ -60,8 +64,10 @@ class Histogram:
         for index, count in enumerate(self.counts):
             seen += count
             if seen >= rank and count:
-                return self.bounds[min(index, len(self.bounds) - 1)]
-        return self.bounds[-1]
+                break
+        if index < len(self.bounds):
+            return self.bounds[index]
+        return max(self.highest, self.bounds[-1])  # a rollup stored before `highest`
 
 
 @dataclass
@@ -132,6 +138,8 @@ class Rollup:
             **{name: getattr(self, name) for name in STATE_FIELDS},
             "ttft": self.ttft.counts,
             "speed": self.speed.counts,
+            "ttft_highest": self.ttft.highest,
+            "speed_highest": self.speed.highest,
         }
 
     @classmethod
@@ -141,6 +149,8 @@ class Rollup:
             setattr(rollup, name, data.get(name, getattr(rollup, name)))
         rollup.ttft.counts = list(data["ttft"])
         rollup.speed.counts = list(data["speed"])
+        rollup.ttft.highest = data.get("ttft_highest", 0.0)
+        rollup.speed.highest = data.get("speed_highest", 0.0)
         return rollup
 
 

@@ -111,3 +111,14 @@ def final_event(request_id: str, attempt: int) -> FinalEvent:
         conversation_id="c",
         created_at_ms=30_000,
     )
+
+
+def test_a_quantile_past_the_last_bucket_is_the_largest_value_seen() -> None:
+    # A batch line queued for two hours: its TTFT is not "about 180 s".
+    rollup = Rollup("1h", 0, "model", "smollm2")
+    rollup.add(usage("quick", ttft=100, duration=1100))
+    rollup.add(usage("queued", ttft=7_200_000, duration=7_201_000))
+    again = Rollup.load(orjson.loads(orjson.dumps(rollup.dump())))
+    s = again.summary()
+    assert s["ttft_ms"]["p99"] == 7_200_000
+    assert 100 <= s["ttft_ms"]["p50"] <= 125
