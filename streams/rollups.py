@@ -60,14 +60,18 @@ class Histogram:
         total = sum(self.counts)
         if not total:
             return None
-        rank, seen = q * total, 0
-        for index, count in enumerate(self.counts):
-            seen += count
-            if seen >= rank and count:
-                break
+        index = self._bucket_of(q * total)
         if index < len(self.bounds):
             return self.bounds[index]
         return max(self.highest, self.bounds[-1])  # a rollup stored before `highest`
+
+    def _bucket_of(self, rank: float) -> int:
+        seen = 0
+        for index, count in enumerate(self.counts):
+            seen += count
+            if seen >= rank and count:
+                return index
+        return len(self.counts) - 1
 
 
 @dataclass
