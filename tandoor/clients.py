@@ -20,11 +20,13 @@ from cassandra.policies import (
     TokenAwarePolicy,
 )
 from cassandra.query import BatchStatement, BatchType
+from redis._parsers.base import BaseParser as RedisReplyParser
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import OutOfMemoryError as RedisOutOfMemoryError
 from redis.exceptions import ReadOnlyError as RedisReadOnlyError
+from redis.exceptions import ResponseError as RedisResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from schemas import topics
@@ -77,7 +79,22 @@ def cassandra_session(settings: Settings, keyspace: str | None = None) -> Iterat
 # What a call to an unreachable or unanswering Redis raises (after redis_client's short
 # retries), a replica answers while a failover promotes another, or a full one answers a
 # write: in each the state Redis holds cannot be kept, so the same policy applies.
-REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, RedisReadOnlyError, RedisOutOfMemoryError)
+
+
+class RedisCannotPersist(RedisResponseError):
+    """MISCONF: a Redis that saves snapshots refuses every write once one failed (a full
+    disk), until one succeeds. redis-py raises a bare ResponseError for it, which
+    callers cannot tell from a script's bug; registered here, it reads as Redis down."""
+
+
+RedisReplyParser.EXCEPTION_CLASSES["MISCONF"] = RedisCannotPersist
+REDIS_DOWN = (
+    RedisConnectionError,
+    RedisTimeoutError,
+    RedisReadOnlyError,
+    RedisOutOfMemoryError,
+    RedisCannotPersist,
+)
 # Cassandra unreachable or overloaded (timeouts, too few replicas): worth a retry, unlike
 # a statement it refuses.
 CASSANDRA_DOWN = (NoHostAvailable, OperationTimedOut, RequestExecutionException)

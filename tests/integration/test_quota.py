@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
 
-from tandoor.policies.quota import STREAM_LEASE_MS, Admission, QuotaExceeded, Quotas
+from tandoor.policies.quota import (
+    STREAM_LEASE_MS,
+    Admission,
+    QuotaExceeded,
+    Quotas,
+    QuotaUnavailable,
+)
 from tandoor.policies.redis_keys import tokens_window_key
 from tandoor.settings import TierPolicy
 
@@ -147,3 +155,55 @@ async def test_admission_is_atomic_under_concurrent_callers(
 
     results = await asyncio.gather(*(try_once(i) for i in range(60)))
     assert sum(r is not None for r in results) == 20
+
+
+async def bgsave_status(client: aioredis.Redis) -> str:
+    """The last snapshot's outcome, once none is running."""
+    while True:
+        info = await client.info("persistence")
+        if not info["rdb_bgsave_in_progress"]:
+            return str(info["rdb_last_bgsave_status"])
+        await asyncio.sleep(0.05)
+
+
+@contextlib.asynccontextmanager
+async def refusing_writes(client: aioredis.Redis) -> AsyncIterator[None]:
+    """This Redis as after a snapshot failed on a full disk: MISCONF on every write.
+    Its snapshot file is made a folder, so the snapshot cannot be renamed into place."""
+    directory = (await client.config_get("dir"))["dir"]
+    snapshot = Path(directory) / (await client.config_get("dbfilename"))["dbfilename"]
+    snapshot.unlink(missing_ok=True)
+    snapshot.mkdir()
+    saves = (await client.config_get("save"))["save"]
+    try:
+        await client.config_set("save", "3600 1")  # refused writes need snapshots on
+        await client.bgsave()
+        assert await bgsave_status(client) == "err"
+        yield
+    finally:
+        snapshot.rmdir()
+        await client.bgsave()
+        assert await bgsave_status(client) == "ok"
+        await client.config_set("save", saves)
+        snapshot.unlink(missing_ok=True)
+
+
+async def test_a_redis_that_cannot_persist_is_redis_down_not_a_crash(
+    redis_url: str, unique: str, t0: int
+) -> None:
+    """MISCONF (a snapshot or an AOF write failed: a full disk) came as a bare
+    ResponseError, which no Redis-down policy caught: the gateway answered 500 and the
+    batch admission role stopped."""
+    client = aioredis.Redis.from_url(redis_url, decode_responses=True)
+    writer = aioredis.Redis.from_url(redis_url)
+    quotas = Quotas(writer)
+    fail_open = policy().model_copy(update={"redis_down": "open"})
+    fail_closed = policy().model_copy(update={"redis_down": "closed"})
+    async with refusing_writes(client):
+        admitted = await quotas.admit(unique, fail_open, "r1", 10, t0)
+        with pytest.raises(QuotaUnavailable):
+            await quotas.admit(unique, fail_closed, "r2", 10, t0)
+    assert not admitted.counted
+    counted = await quotas.admit(unique, fail_closed, "r3", 10, t0)  # writable again
+    assert counted.counted
+    await asyncio.gather(client.aclose(), writer.aclose())
