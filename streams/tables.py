@@ -27,6 +27,7 @@ ends (by stream time, or by the clock when its partition goes quiet).
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable
@@ -49,6 +50,7 @@ RollupKey = tuple[str, int, str, str]  # (window, start_ms, dimension, key)
 Counting = Literal["counted", "seen", "replayed"]  # what `count` made of a record
 CLOSE_GRACE_MS = 10_000  # records finishing this late still land before "closed"
 HOUSEKEEP_EVERY_S = 1.0
+REBUILD_SLICE = 2_000  # table entries read between yields to the event loop
 # Stream time runs at most this far ahead of this clock: one record stamped by a clock
 # gone wrong would otherwise expire every window and counted id of its partition.
 CLOCK_AHEAD_MS = 10_000
@@ -97,7 +99,8 @@ class RollupTables:
         async def recovered() -> None:
             changelog = self._tables[dimension].changelog_topic.get_topic_name()
             actives = app.assignor.assigned_actives()
-            self.reassigned(dimension, {tp.partition for tp in actives if tp.topic == changelog})
+            owned = {tp.partition for tp in actives if tp.topic == changelog}
+            await self.reassigned(dimension, owned)
 
         return recovered
 
@@ -176,21 +179,34 @@ class RollupTables:
                 published += 1
         return published
 
-    def reassigned(self, dimension: str, partitions: set[int]) -> None:
+    async def reassigned(self, dimension: str, partitions: set[int]) -> None:
         """After a rebalance, once the tables are recovered: the partitions of
         `dimension` this member owns now. A book of a partition kept stays as it is (what
         changed is still to publish, what closed is not published again); one another
-        member took is dropped (that member publishes it). A partition new here gets its
-        book at once, quiet or not, so its windows close by the clock, with every window
-        to publish once more: what its last owner had not published yet is unknown."""
+        member took is dropped with its entries (that member publishes them). A partition
+        new here gets its book at once, quiet or not, so its windows close by the clock,
+        with every window to publish once more: what its last owner had not published
+        yet is unknown."""
         for key in [k for k in self._books if k[0] == dimension and k[1] not in partitions]:
-            del self._books[key]
-        for partition in partitions:
-            if (dimension, partition) in self._books:
-                self._books[(dimension, partition)].suspended = False
-            else:
-                book = self._book(dimension, partition)
-                book.dirty.update(book.windows)
+            self._forget(dimension, key[1], self._books.pop(key))
+        for partition in partitions & {p for d, p in self._books if d == dimension}:
+            self._books[(dimension, partition)].suspended = False
+        new = partitions - {p for d, p in self._books if d == dimension}
+        for partition, book in (await self._books_from_tables(dimension, new)).items():
+            book.dirty.update(book.windows)
+            self._books[(dimension, partition)] = book
+
+    def _forget(self, dimension: str, partition: int, book: PartitionBook) -> None:
+        """Drop a partition another member took from this one's memory, and only from
+        it: its changelog is the new owner's now (a delete there would erase its data).
+        faust's memory store forgets only the entries it recovered, not those written
+        here, which stayed (and were served) until the process ended."""
+        rollups, counted = self._tables[dimension].data, self._counted[dimension].data
+        for name in book.windows:
+            rollups.pop(name, None)
+        for _, record_id in book.counted:
+            counted.pop(record_id, None)
+        counted.pop(_skipped_key(partition), None)
 
     def summaries(self, dimension: str, key: str) -> list[dict[str, Any]] | None:
         """Every window of one user or model, newest first; None for an unknown dimension."""
@@ -219,29 +235,60 @@ class RollupTables:
         return rollup.end_ms + self._retention_windows * WINDOWS_S[rollup.window] * 1000
 
     def _book(self, dimension: str, partition: int) -> PartitionBook:
-        """The partition's book; made from the tables after a start or a rebalance, so
-        entries recovered from the changelog expire like the others."""
+        """The partition's book (made by `reassigned`; made here for a record read
+        before any rebalance said what this member owns)."""
         book = self._books.get((dimension, partition))
-        if book is not None:
-            return book
-        book = self._books[(dimension, partition)] = PartitionBook()
-        for name, value in self._tables[dimension].items():
-            rollup = Rollup.load(orjson.loads(value))
-            if rollup.partition == partition:
-                book.windows[name] = (rollup.end_ms, self._expiry(rollup))
-                _advance(book, rollup.start_ms)
-        recovered = []
-        for record_id, value in self._counted[dimension].items():
-            if record_id == _skipped_key(partition):
-                book.skipped_to = int(value)
-                continue
-            if record_id.startswith(SKIPPED_PREFIX):
-                continue
-            owner, _, at = value.decode().partition(":")
-            if int(owner) == partition:
-                recovered.append((int(at), record_id))
-        book.counted.extend(sorted(recovered))
+        if book is None:
+            book = PartitionBook()
+            self._fill_books(dimension, {partition: book}, self._entries(dimension))
+            book.counted = deque(sorted(book.counted))
+            self._books[(dimension, partition)] = book
         return book
+
+    async def _books_from_tables(
+        self, dimension: str, partitions: set[int]
+    ) -> dict[int, PartitionBook]:
+        """The books of `partitions`, made from the tables after a start or a rebalance
+        so entries recovered from the changelog expire like the others: one walk for
+        them all, in slices, so a large table does not hold the event loop."""
+        books = {partition: PartitionBook() for partition in partitions}
+        if not books:
+            return books
+        entries = self._entries(dimension)
+        for start in range(0, len(entries), REBUILD_SLICE):
+            self._fill_books(dimension, books, entries[start : start + REBUILD_SLICE])
+            await asyncio.sleep(0)
+        for book in books.values():
+            book.counted = deque(sorted(book.counted))
+        return books
+
+    def _entries(self, dimension: str) -> list[tuple[bool, bytes, bytes]]:
+        """(is a rollup, key, value) of both tables of `dimension`, taken at once."""
+        return [(True, k, v) for k, v in self._tables[dimension].items()] + [
+            (False, k, v) for k, v in self._counted[dimension].items()
+        ]
+
+    def _fill_books(
+        self,
+        dimension: str,
+        books: dict[int, PartitionBook],
+        entries: list[tuple[bool, bytes, bytes]],
+    ) -> None:
+        for is_rollup, key, value in entries:
+            if is_rollup:
+                rollup = Rollup.load(orjson.loads(value))
+                book = books.get(rollup.partition)
+                if book is not None:
+                    book.windows[key] = (rollup.end_ms, self._expiry(rollup))
+                    _advance(book, rollup.start_ms)
+            elif key.startswith(SKIPPED_PREFIX):
+                partition = int(key[len(SKIPPED_PREFIX) :])
+                if partition in books:
+                    books[partition].skipped_to = int(value)
+            else:
+                owner, _, at = value.decode().partition(":")
+                if int(owner) in books:
+                    books[int(owner)].counted.append((int(at), key))
 
     def _housekeep(self, dimension: str, book: PartitionBook) -> None:
         """Drop what stream time has passed (inside the stream: tables change only there).

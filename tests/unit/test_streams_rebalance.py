@@ -38,6 +38,18 @@ async def rebalance(app: faust.App, partitions: set[int]) -> None:
             await table.call_recover_callbacks()
 
 
+def table_contents(app: faust.App) -> dict[str, dict[Any, Any]]:
+    """What each table's changelog holds (here: what the table held when it was read)."""
+    return {name: dict(table.data.items()) for name, table in app.tables.items()}
+
+
+def recover(app: faust.App, changelog: dict[str, dict[Any, Any]]) -> None:
+    """What faust's recovery does on a member that gets a partition: read the changelog
+    into the table's store (no changelog written)."""
+    for name, entries in changelog.items():
+        app.tables[name].data.update(entries)
+
+
 async def count_one_record_minutes_ago(app: faust.App) -> tuple[int, int]:
     """A record of ada's in a minute that ended 4 minutes ago: (its minute, its partition)."""
     minutes_ago = (now_ms() // 60_000 - 5) * 60_000
@@ -137,9 +149,48 @@ async def test_windows_that_expired_unpublished_are_published_after_their_partit
             for minute in range(10):
                 await agent.put(encode(usage(f"r{minute}", at=old + minute * 60_000)))
         (_, partition), *_ = rollup_tables(app)._books
+        changelog = table_contents(app)
         await rebalance(app, set())  # taken by another member...
-        await rebalance(app, {partition})  # ...which recovers the table (here: this one)
+        recover(app, changelog)  # ...which recovers the table (here: this one)
+        await rebalance(app, {partition})
         await rollup_tables(app).publish_changes()
     minutes = [r for key, r in sink.rollups.items() if "/1m/" in key]
     assert len(minutes) == 10, minutes
     assert all(m["requests"] == 1 and m["closed"] for m in minutes), minutes
+
+
+async def test_a_partition_another_member_took_leaves_nothing_here(
+    app_and_sink: tuple[faust.App, Sink],
+) -> None:
+    """faust's memory store forgets, on a rebalance, the entries it recovered, not those
+    written here: they stayed, served by /rollups as if current, and held memory until
+    the process ended; dropping them must not erase them from the changelog."""
+    app, _ = app_and_sink
+    await count_one_record_minutes_ago(app)
+    tables = rollup_tables(app)
+    assert len(tables.summaries("user", "ada") or []) == 2  # the minute and the hour
+    assert (tables.sizes()["rollups-by-user"], tables.sizes()["counted-by-user"]) == (2, 1)
+    with mock.patch.object(faust.Table, "send_changelog") as sent:
+        await rebalance(app, set())
+    assert tables.summaries("user", "ada") == []
+    assert tables.sizes() == {name: 0 for name in tables.sizes()}
+    sent.assert_not_called()
+
+
+async def test_a_partition_taken_and_given_back_is_rebuilt_from_its_changelog(
+    app_and_sink: tuple[faust.App, Sink],
+) -> None:
+    """The books of every partition this member gets are made in one walk of the
+    tables; each holds that partition's windows and counted ids, not another's."""
+    app, sink = app_and_sink
+    minutes_ago, partition = await count_one_record_minutes_ago(app)
+    changelog = table_contents(app)
+    await rebalance(app, set())
+    recover(app, changelog)
+    await rebalance(app, {partition, partition + 1})
+    tables = rollup_tables(app)
+    book, other = tables._books[("user", partition)], tables._books[("user", partition + 1)]
+    assert len(book.windows) == 2 and [i for _, i in book.counted] == [b"a"]
+    assert not other.windows and not other.counted
+    await tables.publish_changes()
+    assert sink.rollups[f"user/ada/1m/{minutes_ago}"]["requests"] == 1
