@@ -170,11 +170,11 @@ async def bgsave_status(client: aioredis.Redis) -> str:
 async def refusing_writes(client: aioredis.Redis) -> AsyncIterator[None]:
     """This Redis as after a snapshot failed on a full disk: MISCONF on every write.
     Its snapshot file is made a folder, so the snapshot cannot be renamed into place."""
-    directory = (await client.config_get("dir"))["dir"]
-    snapshot = Path(directory) / (await client.config_get("dbfilename"))["dbfilename"]
+    settings = {name: str((await client.config_get(name))[name]) for name in ("dir", "dbfilename")}
+    snapshot = Path(settings["dir"]) / settings["dbfilename"]
     snapshot.unlink(missing_ok=True)
     snapshot.mkdir()
-    saves = (await client.config_get("save"))["save"]
+    saves = str((await client.config_get("save"))["save"])
     try:
         await client.config_set("save", "3600 1")  # refused writes need snapshots on
         await client.bgsave()
