@@ -40,14 +40,16 @@ async def rebalance(app: faust.App, partitions: set[int]) -> None:
 
 def table_contents(app: faust.App) -> dict[str, dict[Any, Any]]:
     """What each table's changelog holds (here: what the table held when it was read)."""
-    return {name: dict(table.data.items()) for name, table in app.tables.items()}
+    tables: dict[str, Any] = dict(app.tables.items())  # faust's types hide `data`
+    return {name: dict(table.data.items()) for name, table in tables.items()}
 
 
 def recover(app: faust.App, changelog: dict[str, dict[Any, Any]]) -> None:
     """What faust's recovery does on a member that gets a partition: read the changelog
     into the table's store (no changelog written)."""
     for name, entries in changelog.items():
-        app.tables[name].data.update(entries)
+        table: Any = app.tables[name]
+        table.data.update(entries)
 
 
 async def count_one_record_minutes_ago(app: faust.App) -> tuple[int, int]:
