@@ -78,7 +78,8 @@ def usage_of(attempt: Attempt) -> Usage:
     return Usage(
         # Only a prompt given to the engine counts: one stopped, expired or refused
         # before is settled at nothing against its quota, as if never taken.
-        prompt_tokens=attempt.prompt_tokens if attempt.submitted_ms else 0,
+        # A continuation's prompt was given to the engine of the attempt it continues.
+        prompt_tokens=attempt.prompt_tokens if attempt.submitted_ms or attempt.carried else 0,
         completion_tokens=attempt.completion_tokens,
         cached_tokens=attempt.cached_tokens,
         queue_ms=max(0.0, started - created),

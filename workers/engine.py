@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from jinja2 import TemplateError
 
-from schemas.events import TEMPLATE_REFUSED, ChatMessage, Sampling
+from schemas.events import TEMPLATE_REFUSED, ChatMessage, FinishReason, Sampling
 from tandoor.models import Dtype, Executor
 from workers.control_tokens import ControlTokens
 from workers.dtype import resolve_dtype
@@ -43,6 +43,20 @@ if TYPE_CHECKING:  # vLLM imports torch: loaded only when an engine starts
     from vllm.v1.engine.async_llm import AsyncLLM
 
 log = logging.getLogger(__name__)
+
+ENGINE_REASONS: dict[str | None, FinishReason] = {
+    "stop": "stop",
+    "length": "length",
+    "abort": "cancelled",
+    "repetition": "stop",  # vLLM's hallucination guard ended it: shown, as complete
+    None: "stop",  # finished without a reason given: as before
+}
+
+
+def finish_reason_of(engine_reason: str | None) -> FinishReason:
+    """Anything else ("error": a request-level failure in the engine) is an error: read
+    as "stop", a cut reply was stored as complete and the OpenAI API answered 200."""
+    return ENGINE_REASONS.get(engine_reason, "error")
 
 
 class RequestFailed(RuntimeError):

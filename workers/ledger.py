@@ -59,7 +59,11 @@ RELEASED_S = 60.0  # a lease given back is not renewed again for this long
 # cancel again). ARGV: owner, lease ms, attempt ttl s.
 ARRIVE = """
 if redis.call('EXISTS', KEYS[1]) == 1 then
-  return {'done', redis.call('GET', KEYS[6])}
+  local final = redis.call('GET', KEYS[6])
+  if final and redis.call('EXISTS', KEYS[2]) == 1 then  -- its worker is delivering it
+    return {'busy', redis.call('PTTL', KEYS[2])}
+  end
+  return {'done', final}
 end
 if redis.call('EXISTS', KEYS[2]) == 1 then  -- its own earlier task too: one at a time
   return {'busy', redis.call('PTTL', KEYS[2])}
@@ -85,12 +89,18 @@ local function held()
 end
 """
 
-# KEYS: lease, done, attempt, reply. ARGV: owner, attempt, lease ms, seq, entry, reply ttl s.
+# KEYS: lease, done, attempt, reply. ARGV: owner, attempt, lease ms, seq, entry, reply ttl
+# s, the unknown-text marker (a restart's first entry replaces it: it has begun too).
 RECORD = (
     HELD
     + """
 if not held() then return -1 end
-if redis.call('LLEN', KEYS[4]) ~= tonumber(ARGV[4]) then return -2 end
+local length = redis.call('LLEN', KEYS[4])
+if tonumber(ARGV[4]) == 0 and length == 1 and redis.call('LINDEX', KEYS[4], 0) == ARGV[7] then
+  redis.call('DEL', KEYS[4])
+  length = 0
+end
+if length ~= tonumber(ARGV[4]) then return -2 end
 redis.call('RPUSH', KEYS[4], ARGV[5])
 redis.call('EXPIRE', KEYS[4], ARGV[6])
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
@@ -254,6 +264,7 @@ class RequestLedger:
             entry.seq,
             entry.encode(),
             REPLY_TTL_S,
+            UNKNOWN_TEXT.encode(),
         ]
         try:
             result = int(await self._record(keys=keys, args=args))

@@ -13,6 +13,7 @@ readers show a restart.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from contextlib import aclosing
@@ -32,28 +33,16 @@ from workers.attempt import (
 )
 from workers.capacity import Capacity
 from workers.coalesce import Coalescer
-from workers.engine import Engine, RequestFailed
+from workers.engine import Engine, RequestFailed, finish_reason_of
 from workers.ledger import Arrival, Busy, Finished, Recorded, RequestLedger, continuable
 from workers.metrics import WorkerMetrics
 from workers.publisher import Publisher
+from workers.slot import NoSlot, Waiter
 
 log = logging.getLogger(__name__)
 LEASE_ASK_S = 1.0  # a prompt taken unleased asks for its lease again at most this often
 WAITED_S = 0.05  # a line held this long for token budget may have been cancelled meanwhile
-
-ENGINE_REASONS: dict[str | None, FinishReason] = {
-    "stop": "stop",
-    "length": "length",
-    "abort": "cancelled",
-    "repetition": "stop",  # vLLM's hallucination guard ended it: shown, as complete
-    None: "stop",  # finished without a reason given: as before
-}
-
-
-def finish_reason_of(engine_reason: str | None) -> FinishReason:
-    """Anything else ("error": a request-level failure in the engine) is an error: read
-    as "stop", a cut reply was stored as complete and the OpenAI API answered 200."""
-    return ENGINE_REASONS.get(engine_reason, "error")
+NO_SLOT = NoSlot()
 
 
 @dataclass(frozen=True)
@@ -80,9 +69,12 @@ class RequestRunner:
         self.capacity = capacity
         self.metrics = metrics
 
-    async def run(self, prompt: PromptRequest, tracked: Tracked, band: str) -> None:
-        """`band`: the priority band of the partition the prompt came from."""
-        arrival = await self._arrival(prompt)
+    async def run(
+        self, prompt: PromptRequest, tracked: Tracked, band: str, slot: Waiter = NO_SLOT
+    ) -> None:
+        """`band`: the priority band of the partition the prompt came from; `slot`: the
+        engine slot its task holds, given back while another worker has the request."""
+        arrival = await self._arrival(prompt, slot)
         if arrival is None:
             return
         tracked.leased, tracked.attempt = arrival.leased, arrival.attempt
@@ -91,6 +83,7 @@ class RequestRunner:
         attempt.band = band
         self.metrics.waiting.inc()
         try:
+            await slot.take_again()  # leased (renewed) meanwhile: released if handed back
             await self._run(attempt)
         except LeaseLost:
             log.warning(
@@ -102,7 +95,7 @@ class RequestRunner:
             if tracked.leased:
                 await self.ledger.release(prompt.request_id)
 
-    async def _arrival(self, prompt: PromptRequest) -> Arrival | None:
+    async def _arrival(self, prompt: PromptRequest, slot: Waiter) -> Arrival | None:
         """The request's lease, once no other worker holds it; None if it is done."""
         waited = False
         while True:
@@ -117,6 +110,7 @@ class RequestRunner:
                 return outcome
             if not waited:
                 log.info("%s is in another worker's hands; waiting for it", prompt.request_id)
+                await slot.give_back()
                 waited = True
             await asyncio.sleep(min(max(outcome.wait_ms, 100), 1000) / 1000)
 
@@ -126,7 +120,9 @@ class RequestRunner:
             log.warning(
                 "%s: the published text is not all known; restarting the reply", prompt.request_id
             )
-            await self.ledger.forget_transcript(prompt.request_id)
+            # Its text went out: the marker says so to an attempt after this one (which
+            # would else answer "expired" past the deadline) until this one records.
+            await self.ledger.forget_transcript(prompt.request_id, begun=True)
         epoch = carried[0].epoch if carried else arrival.attempt
         if carried:
             log.info(
@@ -197,6 +193,9 @@ class RequestRunner:
             attempt.text.append(entry.delta)
             attempt.completion_tokens += entry.tokens
         attempt.seq = len(attempt.carried)
+        if attempt.carried:  # its engine read the prompt: counted however this one ends
+            with contextlib.suppress(RequestFailed):
+                attempt.prompt_tokens = len(await self.engine.prompt_tokens(prompt.messages))
 
     async def _refusal(self, attempt: Attempt) -> tuple[FinishReason, str | None] | None:
         """A reason to answer without the engine, or None."""

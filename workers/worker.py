@@ -29,6 +29,7 @@ from workers.ledger import RequestLedger
 from workers.metrics import WorkerMetrics
 from workers.publisher import Publisher
 from workers.request import RequestRunner, RunnerConfig
+from workers.slot import Slot
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +161,7 @@ class Worker:
                 task.add_done_callback(self._tasks.discard)
 
     async def _handle(self, record: Record) -> None:
-        slot_held = True
+        slot = Slot(self.capacity, self.intake, record)
         try:
             try:
                 prompt = answerable(decode(PromptRequest, record.value))
@@ -171,34 +172,27 @@ class Worker:
                 if (original := self._tracked.get(prompt.request_id)) is not None:
                     # Fetched again while it runs here (a rebalance restarts even a kept
                     # partition from its oldest running prompt): no slot while it waits.
-                    slot_held = False
-                    self.intake.copy_of_running(record)
-                    await self.capacity.release_seq()
+                    await slot.give_back()
                     await original.done.wait()
-                    if not original.delivered:  # it runs here again: in a slot, as any
-                        await self.capacity.wait_for_free_seq()
-                        self.capacity.take_seq()
-                        self.intake.running_again(record)
-                        slot_held = True
                 # Answered here: known without asking Redis (down, the copy ran the whole
                 # reply again and published a second, different final).
                 if original is None or not original.delivered:
-                    await self._run(prompt, self.intake.band_of(record))
+                    await self._run(prompt, self.intake.band_of(record), slot)
             # Not reached when handed back (cancelled).
-            self.intake.finished(record, held=slot_held)
+            self.intake.finished(record, held=slot.held)
         except Exception as exc:
             log.exception("worker failure while handling offset %s", record.offset)
             self._failure = exc
             self._stopping.set()
         finally:
-            if slot_held:
+            if slot.held:
                 await self.capacity.release_seq()
 
-    async def _run(self, prompt: PromptRequest, band: str) -> None:
+    async def _run(self, prompt: PromptRequest, band: str, slot: Slot) -> None:
         assert self._runner is not None
         tracked = self._tracked.setdefault(prompt.request_id, Tracked(prompt.request_id))
         try:
-            await self._runner.run(prompt, tracked, band)
+            await self._runner.run(prompt, tracked, band, slot)
         finally:
             if self._tracked.get(prompt.request_id) is tracked:
                 del self._tracked[prompt.request_id]

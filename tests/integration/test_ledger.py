@@ -15,7 +15,10 @@ from infra.process import free_port
 from tandoor.clients import redis_client
 from tandoor.policies.redis_keys import attempt_key, batch_cancel_key, lease_key, reply_key
 from tandoor.settings import Settings
+from tests.unit.test_transcript_records import prompt
+from workers.attempt import Tracked
 from workers.ledger import UNKNOWN_TEXT, Arrival, Busy, Finished, Recorded, RequestLedger
+from workers.request import RequestRunner, RunnerConfig
 
 pytestmark = pytest.mark.integration
 
@@ -232,3 +235,46 @@ async def test_records_made_together_while_redis_is_unreachable_each_say_so(
     finally:
         await down.aclose()
     assert outcomes == ["down"] * 8
+
+
+async def test_a_final_its_live_worker_is_delivering_is_not_delivered_again(
+    client: aioredis.Redis,
+) -> None:
+    """Between recording its final and delivering it, the owner holds its lease: a
+    worker waiting on the request (a moved partition) took the final as one whose
+    worker died and published it a second time (a second batch output line)."""
+    owner, waiting, rid = ledger(client, "w1"), ledger(client, "w2"), request()
+    assert isinstance(await owner.arrive(rid), Arrival)
+    assert await owner.finish(rid, 1, b"the final")
+    assert isinstance(await waiting.arrive(rid), Busy)
+    await owner.delivered(rid)
+    assert await waiting.arrive(rid) == Finished(None)
+
+
+async def test_a_restart_handed_back_before_it_records_still_says_the_reply_began(
+    client: aioredis.Redis,
+) -> None:
+    """Attempt 2 restarts a reply whose text is not all known, and is handed back before
+    its first event: attempt 3 found an empty transcript and, past the deadline,
+    answered "expired" to a reader who had part of the reply."""
+    rid = request()
+    first, second, third = (ledger(client, f"w{i}") for i in (1, 2, 3))
+    assert isinstance(await first.arrive(rid), Arrival)
+    assert await first.record(rid, 1, Recorded(1, 0, "Once", 1)) == "ok"
+    assert await first.forget_transcript(rid, begun=True)  # a record failed after
+    await first.release(rid)
+    arrival = await second.arrive(rid)
+    assert isinstance(arrival, Arrival) and arrival.transcript == (UNKNOWN_TEXT,)
+    runner = RequestRunner(RunnerConfig("m", 0.1, 16), None, None, second, None, None)  # type: ignore[arg-type]
+    restart = await runner._attempt(
+        prompt().model_copy(update={"request_id": rid}), Tracked(rid), arrival
+    )
+    assert restart.begun and not restart.carried
+    await second.release(rid)  # handed back (SIGTERM) before its first event
+    arrival = await third.arrive(rid)
+    assert isinstance(arrival, Arrival) and arrival.transcript == (UNKNOWN_TEXT,)
+    # The restart's first event takes the marker's place: the next can continue it.
+    assert await third.record(rid, 3, Recorded(3, 0, "Hello", 1)) == "ok"
+    await third.release(rid)
+    arrival = await ledger(client, "w4").arrive(rid)
+    assert isinstance(arrival, Arrival) and arrival.transcript == (Recorded(3, 0, "Hello", 1),)

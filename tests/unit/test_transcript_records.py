@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any, cast
 
 from schemas.events import ChatMessage, PromptRequest, now_ms
-from workers.attempt import Attempt, Tracked
+from workers.attempt import Attempt, Tracked, usage_of
 from workers.ledger import Recorded, Recording, RequestLedger
 from workers.request import RequestRunner, RunnerConfig
 
@@ -57,3 +57,29 @@ async def test_a_failed_record_drops_the_transcript_once_redis_answers() -> None
     assert ledger.records == 1, "no record after the first failure"
     assert ledger.deletes == [False, False, True], "deleted until Redis answered, then no more"
     assert not current.recording and not current.stale_transcript
+
+
+class PromptOf20Tokens:
+    max_model_len = 2048
+
+    async def prompt_tokens(self, messages: object, partial: str | None = None) -> list[int]:
+        return list(range(20))
+
+
+class Accepting:
+    async def token(self, event: object, key: str, partition: int | None) -> Any:
+        return None
+
+
+async def test_a_continued_reply_that_ends_before_its_engine_counts_its_prompt() -> None:
+    """A continuation that used up the reply's budget (or was stopped) ends before its
+    engine: the prompt, read by the engine of the attempt it continues, was counted as
+    0 tokens, and the quota settled gave its charge back."""
+    config, unused = RunnerConfig("m", 0.05, 16), cast(Any, None)
+    engine, publisher = cast(Any, PromptOf20Tokens()), cast(Any, Accepting())
+    runner = RequestRunner(config, engine, publisher, unused, unused, unused)
+    carried = tuple(Recorded(1, seq, "x", 1) for seq in range(5))
+    continuing = Attempt(prompt(), Tracked("r_1", leased=True), 2, 1, carried)
+    await runner._republish(continuing)
+    usage = usage_of(continuing)
+    assert (usage.prompt_tokens, usage.completion_tokens) == (20, 5)

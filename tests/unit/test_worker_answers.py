@@ -12,8 +12,8 @@ from schemas.events import MessageKey, PromptRequest, now_ms
 from tests.unit.test_persist_retries import TakingProducer
 from tests.unit.test_transcript_records import attempt, prompt
 from workers.attempt import usage_of
+from workers.engine import finish_reason_of
 from workers.publisher import Publisher
-from workers.request import finish_reason_of
 from workers.worker import addressee_of, answerable
 
 SAMPLE_PROMPT = prompt().model_copy(update={"reply_partition": 0})

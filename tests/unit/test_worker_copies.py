@@ -20,6 +20,9 @@ from tests.waiting import until
 from workers.attempt import Tracked
 from workers.capacity import Capacity
 from workers.engine import EngineOptions
+from workers.ledger import Arrival, Busy, Finished
+from workers.request import NO_SLOT, RequestRunner, RunnerConfig
+from workers.slot import Waiter
 from workers.worker import Worker
 
 MODEL = "smollm2"
@@ -34,8 +37,11 @@ class HeldRunner:
         self.capacity: Capacity | None = None
         self.slots_taken: list[int] = []  # at the start of each run
 
-    async def run(self, prompt: PromptRequest, tracked: Tracked, band: str) -> None:
+    async def run(
+        self, prompt: PromptRequest, tracked: Tracked, band: str, slot: Waiter = NO_SLOT
+    ) -> None:
         self.runs.append(prompt.request_id)
+        await slot.take_again()  # as the runner does once it has the lease
         if self.capacity is not None:
             self.slots_taken.append(self.capacity.seqs)
         await self.finish.wait()
@@ -102,8 +108,10 @@ async def test_a_prompt_fetched_again_while_it_runs_gives_its_slot_back() -> Non
 class AnsweringRunner(HeldRunner):
     """Publishes the first run's final, as the real runner marks it."""
 
-    async def run(self, prompt: PromptRequest, tracked: Tracked, band: str) -> None:
-        await super().run(prompt, tracked, band)
+    async def run(
+        self, prompt: PromptRequest, tracked: Tracked, band: str, slot: Waiter = NO_SLOT
+    ) -> None:
+        await super().run(prompt, tracked, band, slot)
         tracked.delivered = True
 
 
@@ -124,3 +132,81 @@ async def test_a_copy_of_a_prompt_answered_here_is_not_run_again() -> None:
         assert worker._failure is None
     finally:
         await stopped(worker, runner, handled)
+
+
+class OtherWorkersRequest:
+    """A ledger whose request another worker holds until the test lets it go: then
+    delivered (`done`), or handed back (`leased` to this one)."""
+
+    def __init__(self) -> None:
+        self.let_go = asyncio.Event()
+        self.outcome: Finished | Arrival = Finished(None)
+
+    async def arrive(self, request_id: str, batch_cancel: str | None) -> object:
+        return self.outcome if self.let_go.is_set() else Busy(50)
+
+    async def release(self, request_id: str) -> None:
+        return None
+
+
+class SlotsAtRun(RequestRunner):
+    """The real runner up to the engine: notes the slots taken when it would start."""
+
+    slots_taken: list[int]
+
+    async def _run(self, attempt: object) -> None:
+        self.slots_taken.append(self.capacity.seqs)
+
+
+def waiting_on_another_worker(worker: Worker, ledger: OtherWorkersRequest) -> SlotsAtRun:
+    config = RunnerConfig(MODEL, 0.1, 16)
+    runner = SlotsAtRun(config, None, None, ledger, worker.capacity, worker.metrics)  # type: ignore[arg-type]
+    runner.slots_taken = []
+    worker._runner = runner
+    worker.capacity.take_seq()
+    worker.intake.held["interactive-paid"] += 1  # as intake counts what it takes
+    return runner
+
+
+async def test_a_prompt_another_worker_runs_waits_without_a_slot() -> None:
+    """A rebalance hands every running prompt's partition to a new owner, which fetches
+    them all again: each held a slot while it waited for the old owner's reply to end,
+    so a worker added to take load started nothing for as long as the longest reply."""
+    worker = Worker(Settings(), MODEL, EngineOptions(model_dir=Path(".")))
+    ledger, free = OtherWorkersRequest(), worker.capacity.free_seqs
+    runner = waiting_on_another_worker(worker, ledger)
+    handled = asyncio.create_task(worker._handle(prompt_record(5)))
+    try:
+        await until(
+            lambda: worker.capacity.free_seqs, lambda f: f == free, what="the slot back", idle_s=10
+        )
+        assert dict(worker.intake.held) == {"interactive-paid": 0}
+        ledger.let_go.set()  # delivered by the other worker: nothing runs here
+        await asyncio.wait_for(handled, 10)
+        assert runner.slots_taken == [] and worker.capacity.free_seqs == free
+        assert dict(worker.intake.held) == {"interactive-paid": 0}
+        assert worker._failure is None
+    finally:
+        handled.cancel()
+        await closed(worker)
+
+
+async def test_a_prompt_handed_back_by_another_worker_runs_in_a_slot() -> None:
+    worker = Worker(Settings(), MODEL, EngineOptions(model_dir=Path(".")))
+    ledger, free = OtherWorkersRequest(), worker.capacity.free_seqs
+    ledger.outcome = Arrival(attempt=2, cancelled=False, leased=True)
+    runner = waiting_on_another_worker(worker, ledger)
+    handled = asyncio.create_task(worker._handle(prompt_record(5)))
+    try:
+        await until(
+            lambda: worker.capacity.free_seqs, lambda f: f == free, what="the slot back", idle_s=10
+        )
+        ledger.let_go.set()
+        await asyncio.wait_for(handled, 10)
+        assert runner.slots_taken == [1], "it runs in a slot again, as any prompt"
+        assert worker.capacity.free_seqs == free
+        assert dict(worker.intake.held) == {"interactive-paid": 0}
+        assert worker._failure is None
+    finally:
+        handled.cancel()
+        await closed(worker)

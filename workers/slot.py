@@ -1,0 +1,53 @@
+"""The engine slot a prompt's task holds from the moment its record is taken."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from workers.capacity import Capacity
+from workers.intake import PromptIntake, Record
+
+
+class Waiter(Protocol):
+    """What a prompt waiting on another worker (or on its own copy) does with its slot."""
+
+    async def give_back(self) -> None: ...
+
+    async def take_again(self) -> None: ...
+
+
+@dataclass
+class Slot:
+    """Given back while the prompt waits for a reply that runs elsewhere (a rebalance
+    hands every running prompt's partition on, and the new owner fetches them all): held,
+    such waits filled a fresh worker's slots until the longest reply ended, and the
+    prompts queued behind them expired. Counted in its band meanwhile neither."""
+
+    capacity: Capacity
+    intake: PromptIntake
+    record: Record
+    held: bool = True
+
+    async def give_back(self) -> None:
+        if self.held:
+            self.held = False
+            self.intake.copy_of_running(self.record)
+            await self.capacity.release_seq()
+
+    async def take_again(self) -> None:
+        if not self.held:
+            await self.capacity.wait_for_free_seq()
+            self.capacity.take_seq()
+            self.intake.running_again(self.record)
+            self.held = True
+
+
+class NoSlot:
+    """For a prompt run outside the intake (tests): nothing to give back."""
+
+    async def give_back(self) -> None:
+        return None
+
+    async def take_again(self) -> None:
+        return None
