@@ -12,12 +12,12 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from producers.gateway.chat.checks import ReplyChecks
-from producers.gateway.chat.protocol import ReplyOptions, SamplingOptions, sampling_for
+from producers.gateway.chat.protocol import sampling_for
 from producers.gateway.errors import ApiError, unknown_model
 from producers.gateway.openai_api.protocol import ChatCompletionRequest
 from schemas.batch import MAX_CUSTOM_ID_CHARS, custom_line_request_id
 from schemas.errors import MAX_MESSAGE_CHARS, shortened
-from schemas.events import ChatMessage, PromptRequest, now_ms
+from schemas.events import PromptRequest, now_ms
 from tandoor.policies.api_keys import Principal
 
 log = logging.getLogger(__name__)
@@ -111,14 +111,10 @@ async def _prompt(
         log.info("batch %s line for end user %r of %s", batch_id, body.user, caller.user_id)
     checked = [(m.content, f"body.messages.{i}.content") for i, m in enumerate(body.messages)]
     texts = await checks.all_moderated(checked)
-    messages = [_message(m.role, text) for m, text in zip(body.messages, texts, strict=True)]
+    messages = body.chat_messages(texts)
     if messages[-1].role != "user":
         raise ApiError(400, "the last message must be from the user", param="body.messages")
-    options = ReplyOptions(
-        **body.model_dump(include=set(SamplingOptions.model_fields)),
-        max_tokens=body.reply_tokens,
-        ignore_eos=body.ignore_eos,
-    )
+    options = body.reply_options()
     max_tokens = checks.max_tokens(caller, options, body.model)
     context = checks.context(body.model, messages, max_tokens, client_context=True)
     checks.affordable(caller.tier, context.prompt_tokens + max_tokens)  # else held for good
@@ -140,7 +136,3 @@ async def _prompt(
         charged_tokens=context.prompt_tokens + max_tokens,
         store=False,  # a batch line is no conversation; its result and usage are kept
     )
-
-
-def _message(role: str, content: str) -> ChatMessage:
-    return ChatMessage(role="system" if role == "developer" else role, content=content)  # type: ignore[arg-type]

@@ -6,7 +6,12 @@ import pytest
 from pydantic import ValidationError
 
 from producers.admission.lines import BatchInputLine
-from producers.gateway.chat.protocol import CONTENT_MAX_CHARS, PostMessage, ReplyOptions
+from producers.gateway.chat.protocol import (
+    CONTENT_MAX_CHARS,
+    PostMessage,
+    ReplyOptions,
+    sampling_for,
+)
 from producers.gateway.openai_api.protocol import ChatCompletionRequest
 
 
@@ -69,3 +74,51 @@ def test_options_clients_send_unset_or_by_default_are_taken() -> None:
     assert streamed.stream_options is not None and streamed.stream_options.include_usage
     with pytest.raises(ValidationError, match="valid boolean"):
         ChatCompletionRequest.model_validate({**body, "stream": "sometimes"})
+
+
+def test_a_completion_that_leaves_temperature_out_samples_at_openais_default() -> None:
+    """Left out (as every unchanged SDK call does), it was the chat API's 0.7: less
+    varied than on OpenAI or vLLM's server, and nowhere said."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    for sent in ({}, {"temperature": None}):
+        options = ChatCompletionRequest.model_validate({**body, **sent}).reply_options()
+        assert sampling_for(options, 16).temperature == 1.0
+    greedy = ChatCompletionRequest.model_validate({**body, "temperature": 0}).reply_options()
+    assert sampling_for(greedy, 16).temperature == 0.0
+    assert sampling_for(ReplyOptions(), 16).temperature == 0.7  # the chat API's own
+
+
+def test_message_keys_are_taken_or_refused_by_name_never_dropped() -> None:
+    """Every key but role and content was dropped unsaid: a tool call sent back reached
+    the model as an empty assistant turn. An SDK's own response message sent back as
+    history (`model_dump()`, its unused keys null) is still taken."""
+    echoed: dict[str, object] = {"role": "assistant", "content": "Hi.", "refusal": None}
+    echoed |= {"tool_calls": None}
+    echoed |= {"annotations": [], "audio": None, "function_call": None}
+    said = {"role": "user", "content": "hi", "name": "ada"}
+    body = {"model": "m", "messages": [said, echoed, {"role": "user", "content": "and?"}]}
+    taken = ChatCompletionRequest.model_validate(body)
+    assert [m.content for m in taken.messages] == ["hi", "Hi.", "and?"]
+    for key, value in (("tool_calls", [{"id": "call_1"}]), ("refusal", "no"), ("weight", 1)):
+        sent = {"model": "m", "messages": [{**echoed, key: value}]}
+        with pytest.raises(ValidationError) as refused:
+            ChatCompletionRequest.model_validate(sent)
+        assert refused.value.errors()[0]["loc"] == ("messages", 0, key)
+
+
+@pytest.mark.parametrize("stop", [5, ["a", 5], {"a": 1}])
+def test_a_stop_of_the_wrong_kind_is_refused_as_stop(stop: object) -> None:
+    """The 400 named `stop.str`, the union's member, a field no client sent."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stop": stop}
+    with pytest.raises(ValidationError) as refused:
+        ChatCompletionRequest.model_validate(body)
+    assert [e["loc"] for e in refused.value.errors()] == [("stop",)]
+
+
+def test_a_length_is_refused_under_the_name_it_was_sent_with() -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    asked = ChatCompletionRequest.model_validate({**body, "max_completion_tokens": 9})
+    assert asked.reply_options().length_param == "max_completion_tokens"
+    assert asked.reply_options().max_tokens == 9
+    older = ChatCompletionRequest.model_validate({**body, "max_tokens": 9})
+    assert older.reply_options().length_param == "max_tokens"

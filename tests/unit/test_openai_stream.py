@@ -290,3 +290,18 @@ async def test_an_unstreamed_completion_whose_client_went_is_stopped_without_an_
         "id": "chatcmpl-r"
     }
     assert stops == ["stop"]
+
+
+async def test_a_stream_that_gets_no_answer_ends_as_the_unstreamed_call_does() -> None:
+    """Its error chunk had no `param` (every error body has one), and was a
+    `server_error` where the same call unstreamed is a 504 `timeout_error`."""
+    with pytest.raises(ApiError) as unstreamed:
+        await completion_body(replaying([token("Hi", 0)]), DefaultModerator())
+    _, others = await streamed(replaying([token("Hi", 0)]))
+    error = others[-1]["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert (error["type"], error["message"]) == (unstreamed.value.kind, unstreamed.value.message)
+    running = replaying([*tokens("The first said this", 4)[:3], *tokens("Then", 4, attempt=2)])
+    _, others = await streamed(running)
+    assert set(others[-1]["error"]) == {"message", "type", "param", "code"}
+    assert others[-1]["error"]["code"] == "restarted"

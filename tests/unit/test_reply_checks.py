@@ -11,6 +11,7 @@ from producers.gateway.chat.checks import ReplyChecks
 from producers.gateway.chat.protocol import ReplyOptions
 from producers.gateway.chat.routing import Request, routed
 from producers.gateway.errors import ApiError
+from producers.gateway.openai_api.protocol import ChatCompletionRequest
 from schemas.events import ChatMessage
 from tandoor.models import ModelConfig
 from tandoor.policies.api_keys import Principal
@@ -38,6 +39,21 @@ def test_a_short_message_fits_whatever_window_the_model_is_configured_with(windo
 def test_a_reply_length_asked_for_is_kept() -> None:
     caller = Principal("u", "plus", "k")
     assert checks(512).max_tokens(caller, ReplyOptions(max_tokens=400), "small") == 400
+
+
+def test_a_length_above_the_tier_is_refused_under_the_name_it_was_sent_with() -> None:
+    """OpenAI's `max_completion_tokens` was refused as `max_tokens`, unsent."""
+    caller = Principal("u", "free", "k")
+    body: dict[str, Any] = {"model": "small", "messages": []}
+    reply = checks(512)
+    reply.settings.tiers["free"] = reply.settings.tiers["free"].model_copy(
+        update={"max_reply_tokens": 100}
+    )
+    sent = ChatCompletionRequest.model_construct(**body, max_completion_tokens=101)
+    with pytest.raises(ApiError) as refused:
+        reply.max_tokens(caller, sent.reply_options(), "small")
+    assert refused.value.param == "max_completion_tokens"
+    assert refused.value.message.startswith("max_completion_tokens 101 is above")
 
 
 def test_a_removed_model_gets_the_default_and_its_404_later() -> None:

@@ -59,10 +59,11 @@ class ReplyChecks:
             half_window = config.max_model_len // 2 if config else limit
             return min(self.settings.reply_max_tokens, limit, half_window)
         if options.max_tokens > limit:
+            asked = f"{options.length_param} {options.max_tokens}"
             raise ApiError(
                 400,
-                f"max_tokens {options.max_tokens} is above tier {caller.tier!r}'s limit of {limit}",
-                param="max_tokens",
+                f"{asked} is above tier {caller.tier!r}'s limit of {limit}",
+                param=options.length_param,
             )
         return options.max_tokens
 

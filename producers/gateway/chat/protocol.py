@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 from schemas.events import (
     MAX_PENALTY,
@@ -28,6 +28,16 @@ class SamplingOptions(BaseModel):
     presence_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
     frequency_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
 
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_shape(cls, stop: object) -> object:
+        """Checked here, so the 400 names `stop`, not the union's member ("stop.str")."""
+        if stop is None or isinstance(stop, str):
+            return stop
+        if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+            return stop
+        raise ValueError("a string, or a list of strings")
+
     @field_validator("stop")
     @classmethod
     def _stop_list(cls, stop: str | list[str] | None) -> list[str] | None:
@@ -47,6 +57,13 @@ class ReplyOptions(SamplingOptions):
 
     max_tokens: int | None = Field(default=None, ge=1, le=MAX_REPLY_TOKENS)
     ignore_eos: bool = Field(default=False, description="Generate exactly max_tokens.")
+    # The field the caller set the length with, as a refusal names it (OpenAI's
+    # max_completion_tokens was refused as "max_tokens", a field the client never sent).
+    _length_param: str = PrivateAttr(default="max_tokens")
+
+    @property
+    def length_param(self) -> str:
+        return self._length_param
 
 
 def sampling_for(options: ReplyOptions, max_tokens: int) -> Sampling:

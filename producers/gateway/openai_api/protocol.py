@@ -6,20 +6,50 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
-from producers.gateway.chat.protocol import CONTENT_MAX_CHARS, SamplingOptions
-from schemas.events import MAX_REPLY_TOKENS
+from producers.gateway.chat.protocol import CONTENT_MAX_CHARS, ReplyOptions, SamplingOptions
+from schemas.events import MAX_REPLY_TOKENS, ChatMessage
+
+# What an SDK's own response message carries when a client sends it back as history
+# (`message.model_dump()`): taken when empty, refused by name when it says something.
+RESPONSE_ONLY_KEYS = ("refusal", "annotations", "audio", "function_call", "tool_calls")
 
 
 class InputMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # e.g. `name`: kept out of the prompt
+    model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "developer", "user", "assistant"]
+    name: str | None = Field(
+        default=None,
+        max_length=256,
+        description="Taken, and not given to the model: these models' chat templates have "
+        "no place for it (vLLM's drop it too).",
+    )
     content: str = Field(
         max_length=CONTENT_MAX_CHARS,
         description="A string, or a list of text parts (joined by newlines, as vLLM does).",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_response_keys(cls, message: object) -> object:
+        """Each key of RESPONSE_ONLY_KEYS dropped where it is empty (null, [], ""):
+        ignored before, a tool call sent back reached the model as an empty turn."""
+        if isinstance(message, dict):
+            return {
+                key: value
+                for key, value in message.items()
+                if key not in RESPONSE_ONLY_KEYS or value not in (None, [], "")
+            }
+        return message
 
     @field_validator("content", mode="before")
     @classmethod
@@ -40,6 +70,9 @@ class InputMessage(BaseModel):
         return "\n".join(texts)
 
 
+OPENAI_TEMPERATURE = 1.0
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -58,7 +91,7 @@ class ResponseFormat(BaseModel):
 
 
 class ChatCompletionRequest(SamplingOptions):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", validate_default=True)
 
     model: str
     messages: list[InputMessage] = Field(min_length=1, max_length=500)
@@ -73,6 +106,13 @@ class ChatCompletionRequest(SamplingOptions):
     user: str | None = Field(default=None, max_length=256, description="Logged with the request.")
     store: bool | None = Field(default=None, description="false: no conversation is kept.")
     ignore_eos: bool = False  # vLLM's extension, for load tests
+
+    @field_validator("temperature", mode="before")
+    @classmethod
+    def _openai_default_temperature(cls, temperature: object) -> object:
+        """Left out or null: OpenAI's default of 1 (the chat API's 0.7 made an unchanged
+        client's completions less varied than on OpenAI or vLLM's server, unsaid)."""
+        return OPENAI_TEMPERATURE if temperature is None else temperature
 
     @field_validator("stream", mode="before")
     @classmethod
@@ -103,6 +143,21 @@ class ChatCompletionRequest(SamplingOptions):
             raise ValueError("log probabilities are not supported")
         return None
 
-    @property
-    def reply_tokens(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
+    def reply_options(self) -> ReplyOptions:
+        """How to generate the reply, as the chat surface takes it."""
+        options = ReplyOptions(
+            **self.model_dump(include=set(SamplingOptions.model_fields)),
+            max_tokens=self.max_completion_tokens or self.max_tokens,
+            ignore_eos=self.ignore_eos,
+        )
+        if self.max_completion_tokens:
+            options._length_param = "max_completion_tokens"
+        return options
+
+    def chat_messages(self, texts: list[str]) -> list[ChatMessage]:
+        """The messages with `texts` (moderated) as their contents; `developer` is the
+        models' `system`."""
+        return [
+            ChatMessage(role="system" if m.role == "developer" else m.role, content=text)
+            for m, text in zip(self.messages, texts, strict=True)
+        ]

@@ -11,7 +11,6 @@ from typing import Any
 import orjson
 from starlette.types import Receive
 
-from producers.gateway.chat.protocol import ReplyOptions, SamplingOptions
 from producers.gateway.chat.reply import ApiCall, Reply
 from producers.gateway.chat.service import ChatService
 from producers.gateway.chat.sse import KEEPALIVE, NO_ANSWER
@@ -23,7 +22,6 @@ from schemas.errors import error_body
 from schemas.events import (
     TEMPLATE_REFUSED,
     TOO_LONG_FOR_ENGINE,
-    ChatMessage,
     FinalEvent,
     TokenEvent,
 )
@@ -48,18 +46,13 @@ async def start_completion(
     # Every message, as the chat surface checks each message it is sent.
     checked = [(m.content, f"messages.{i}.content") for i, m in enumerate(body.messages)]
     texts = await chat.deps.checks.all_moderated(checked)
-    *history, last = [_message(m.role, text) for m, text in zip(body.messages, texts, strict=True)]
+    *history, last = body.chat_messages(texts)
     if last.role != "user":
         raise ApiError(400, "the last message must be from the user", param="messages")
     if body.user:
         log.info("completion for end user %r of %s", body.user, caller.user_id)
     call = ApiCall(body.model, provisional_title(last.content), store=body.store is not False)
-    options = ReplyOptions(
-        **body.model_dump(include=set(SamplingOptions.model_fields)),
-        max_tokens=body.reply_tokens,
-        ignore_eos=body.ignore_eos,
-    )
-    return await chat.reply(caller, call, history, last.content, options)
+    return await chat.reply(caller, call, history, last.content, body.reply_options())
 
 
 async def completion_body(reply: Reply, moderator: Moderator) -> dict[str, Any]:
@@ -118,7 +111,7 @@ async def completion_chunks(
             continue  # a late event of an abandoned attempt
         if event.attempt > attempt:
             if sent:
-                yield _error(RESTARTED, "restarted")
+                yield _error(RESTARTED, "server_error", "restarted")
                 break
             attempt, next_seq, redactor, raw, gap = event.attempt, 0, make_filter(), "", False
         if isinstance(event, TokenEvent):
@@ -134,7 +127,7 @@ async def completion_chunks(
             yield _content(base, text) if text else ""
             continue
         if not event.text.startswith(raw):  # what was sent is not the stored reply
-            yield _error(RESTARTED, "restarted")
+            yield _error(RESTARTED, "server_error", "restarted")
             break
         if rest := redactor.feed(event.text[len(raw) :]) + redactor.flush():
             yield _content(base, rest)
@@ -153,7 +146,7 @@ async def completion_chunks(
             yield _data({**base, "choices": [], "usage": _usage(event)})
         break
     else:
-        yield _error(NO_ANSWER, "timeout")
+        yield _error(NO_ANSWER, "timeout_error")  # as completion_body's 504
     yield "data: [DONE]\n\n"
 
 
@@ -242,18 +235,14 @@ def _usage(final: FinalEvent) -> dict[str, Any]:
     }
 
 
-def _message(role: str, content: str) -> ChatMessage:
-    return ChatMessage(role="system" if role == "developer" else role, content=content)  # type: ignore[arg-type]
-
-
 def _content(base: dict[str, Any], text: str) -> str:
     return _data(
         {**base, "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}
     )
 
 
-def _error(message: str, code: str) -> str:
-    return _data({"error": {"message": message, "type": "server_error", "code": code}})
+def _error(message: str, kind: str, code: str | None = None) -> str:
+    return _data(error_body(message, kind, None, code))
 
 
 def _data(obj: dict[str, Any]) -> str:
