@@ -7,7 +7,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from schemas.errors import error_body
+from schemas.errors import error_body, shortened
 from tandoor.clients import CASSANDRA_DOWN, REDIS_DOWN
 
 # A store that cannot be reached (restarting, overloaded): a 503 the client may retry,
@@ -91,8 +91,17 @@ def install_error_handlers(app: FastAPI) -> None:
         app.add_exception_handler(unreachable, _unreachable)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0]
+        sent_as = request.headers.get("content-type", "")
+        if tuple(first.get("loc", ())) == ("body",) and "json" not in sent_as.lower():
+            # FastAPI reads a body sent as anything but JSON (curl -d: a form) as bytes:
+            # the message named an internal class, never the Content-Type.
+            message = (
+                "the body must be JSON, sent with Content-Type: application/json "
+                f"(it came as {shortened(sent_as, 80) or 'no Content-Type'!r})"
+            )
+            return JSONResponse(error_body(message, "invalid_request_error"), 400)
         if first.get("type") == "json_invalid":  # loc is (body, position): no field to name
             reason = first.get("ctx", {}).get("error", "")
             message = f"the body is not valid JSON: {reason} (at character {first['loc'][-1]})"

@@ -6,6 +6,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from producers.gateway.errors import install_error_handlers, unknown_model
+from producers.gateway.openai_api.protocol import ChatCompletionRequest
 
 
 def test_an_unexpected_exception_is_a_json_500() -> None:
@@ -32,3 +33,31 @@ def test_an_unknown_model_says_so_in_openais_code() -> None:
 
     error = TestClient(app).get("/model").json()["error"]
     assert error["code"] == "model_not_found" and error["param"] == "model"
+
+
+def test_a_body_sent_as_another_content_type_is_told_to_send_json() -> None:
+    """`curl -d` sends a form: the 400 said "Input should be a valid dictionary or
+    instance of ChatCompletionRequest", naming an internal class, not the header."""
+    app = FastAPI()
+    install_error_handlers(app)
+
+    @app.post("/v1/chat/completions")
+    async def complete(body: ChatCompletionRequest) -> None:
+        return None
+
+    client, sent = TestClient(app), b'{"model": "m", "messages": []}'
+    for content_type in ("text/plain", "application/x-www-form-urlencoded"):
+        answer = client.post(
+            "/v1/chat/completions", content=sent, headers={"content-type": content_type}
+        )
+        assert answer.status_code == 400
+        message = answer.json()["error"]["message"]
+        assert "Content-Type: application/json" in message and content_type in message
+    typed = client.post(
+        "/v1/chat/completions", content=sent, headers={"content-type": "application/json"}
+    )
+    assert (
+        typed.status_code == 400
+        and answer.json()["error"]["message"] != typed.json()["error"]["message"]
+    )
+    assert typed.json()["error"]["param"] == "messages"
