@@ -7,6 +7,7 @@ import datetime as dt
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import orjson
@@ -21,6 +22,7 @@ from producers.gateway.app import create_app
 from producers.gateway.chat.settled import MAX_MESSAGES
 from producers.gateway.conversations import service as service_module
 from producers.gateway.conversations.service import ConversationService
+from producers.gateway.errors import ApiError
 from producers.prompts import PromptTooLarge
 from schemas.events import now_ms
 from tandoor.clients import cassandra_session, cql_together, redis_client
@@ -139,10 +141,41 @@ async def test_a_long_message_whose_rows_failed_is_shown_failed(
             raise OperationTimedOut("the rows' batch timed out")
 
         monkeypatch.setattr(service_module, "cql_together", rows_time_out)
-        with pytest.raises(OperationTimedOut):
+        with pytest.raises(ApiError, match="saved as failed"):
             await service.add_user_message(user, conversation, "m_long", "Sea. " * 1000, now_ms())
         opened = await service.get(user, made["id"])
     assert [(m.id, m.status) for m in opened.messages] == [("m_long", "failed")]
+
+
+@pytest.mark.parametrize("applied", [True, False], ids=["applied", "not-applied"])
+async def test_a_message_cassandra_did_not_confirm_is_shown_failed(
+    client: httpx.AsyncClient, settings: Settings, monkeypatch: pytest.MonkeyPatch, applied: bool
+) -> None:
+    """A timed-out batch may still be applied (Cassandra keeps a logged batch): the
+    client was told "nothing was changed" while its message was stored "sent", taken
+    into the next turn's context, and there twice after the client's retry."""
+    user = f"user-{uuid.uuid4().hex[:8]}"
+    made = (
+        await client.post("/v1/conversations", json={}, headers=await user_key(settings, user))
+    ).json()
+    with cassandra_session(settings, settings.keyspace) as session:
+        service = ConversationService(session, settings.served_models)
+        conversation = await service.owned(user, made["id"])
+        real = cql_together
+
+        async def timed_out(session: object, rows: list[Any]) -> None:
+            monkeypatch.setattr(service_module, "cql_together", real)
+            if applied:
+                await real(session, rows)
+            raise OperationTimedOut("the batch timed out")
+
+        monkeypatch.setattr(service_module, "cql_together", timed_out)
+        with pytest.raises(ApiError, match="saved as failed") as told:
+            await service.add_user_message(user, conversation, "m_short", "Hello there", now_ms())
+        assert told.value.status == 503 and "nothing was changed" not in told.value.message
+        opened = await service.get(user, made["id"])
+    shown = [(m.id, m.content, m.status) for m in opened.messages]
+    assert shown == [("m_short", "Hello there", "failed")]
 
 
 async def test_pages_run_newest_first_without_gaps(

@@ -28,12 +28,16 @@ def conversation_row(user_id: str, conversation: Conversation) -> Row:
 
 
 def user_message_row(
-    conversation: Conversation, at: dt.datetime, message_id: str, content: str
+    conversation: Conversation,
+    at: dt.datetime,
+    message_id: str,
+    content: str,
+    status: str = "sent",
 ) -> Row:
     return (
         "INSERT INTO messages_by_conversation (conversation_id, created_at, message_id, "
-        "role, content, status, model) VALUES (%s, %s, %s, 'user', %s, 'sent', %s)",
-        (conversation.id, at, message_id, content, conversation.model),
+        "role, content, status, model) VALUES (%s, %s, %s, 'user', %s, %s, %s)",
+        (conversation.id, at, message_id, content, status, conversation.model),
     )
 
 

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
 import time
 import uuid
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Awaitable, Sequence
+from typing import Any, NoReturn
 
 from consumers.history import mark_replaced
 from producers.gateway.conversations.protocol import (
@@ -30,7 +29,7 @@ from producers.gateway.conversations.rows import (
     utc,
     utc_now,
 )
-from producers.gateway.errors import not_found, unknown_model
+from producers.gateway.errors import UNREACHABLE_RETRY_S, ApiError, not_found, unknown_model
 from schemas.events import MessageKey
 from tandoor.clients import CASSANDRA_DOWN, cql, cql_together
 
@@ -294,18 +293,42 @@ class ConversationService:
         follow, its conversation does not exist yet or is not yet at the top)."""
         message = user_message_row(conversation, at, message_id, content)
         if len(content.encode()) <= BATCHED_MESSAGE_BYTES:  # nearly every message
-            await cql_together(self._session, [message, *rows])
+            try:
+                await cql_together(self._session, [message, *rows])
+            except BaseException as exc:
+                # A timeout is no proof it failed: Cassandra keeps a logged batch and
+                # applies it later. Told "nothing was changed", the client found its
+                # message "sent", in the next turn's context, and twice after its retry.
+                failed = user_message_row(conversation, at, message_id, content, "failed")
+                await self._kept_as_failed(exc, cql(self._session, *failed))
             return
         await cql(self._session, *message)
         try:
             await cql_together(self._session, rows)
-        except BaseException:
+        except BaseException as exc:
             # Stored, while the client is told it was not: shown as failed, or it stayed
             # "sent", went into the next turn's context, and the client's retry sent it
             # twice. (Where Cassandra refuses this too, its conversation is not shown.)
-            with contextlib.suppress(*CASSANDRA_DOWN):
-                await self._mark_failed_at(conversation.id, message_id, at)
-            raise
+            await self._kept_as_failed(exc, self._mark_failed_at(conversation.id, message_id, at))
+
+    @staticmethod
+    async def _kept_as_failed(error: BaseException, marking: Awaitable[object]) -> NoReturn:
+        """Raise `error`, once the message it left unconfirmed is marked failed; where
+        Cassandra did not answer and the mark was made, the client is told so rather
+        than "nothing was changed"."""
+        try:
+            await marking
+        except CASSANDRA_DOWN:
+            raise error from None
+        if not isinstance(error, CASSANDRA_DOWN):
+            raise error
+        raise ApiError(
+            503,
+            f"Cassandra did not confirm your message ({type(error).__name__}); it is saved "
+            f"as failed: send it again in {UNREACHABLE_RETRY_S} s",
+            kind="service_unavailable",
+            headers={"Retry-After": str(UNREACHABLE_RETRY_S)},
+        ) from error
 
     async def mark_failed(self, conversation_id: str, message_id: str, at_ms: int) -> None:
         await self._mark_failed_at(conversation_id, message_id, from_ms(at_ms))
