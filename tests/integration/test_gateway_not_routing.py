@@ -10,6 +10,9 @@ import httpx
 import pytest
 
 from infra.idle_worker import idle_worker
+from schemas.events import PromptRequest
+from tandoor.clients import redis_client
+from tandoor.policies.redis_keys import cancel_key
 from tandoor.settings import Settings
 from tests.integration.test_gateway_conversations import client, user_key
 from tests.waiting import eventually
@@ -40,3 +43,41 @@ async def test_a_post_while_no_partition_routes_replies_is_a_503(
     assert posted.headers["Retry-After"] and "routed" in posted.json()["error"]["message"]
     opened = (await client.get(f"/v1/conversations/{conversation}", headers=auth)).json()
     assert opened["messages"] == []
+
+
+async def test_a_prompt_whose_send_timed_out_is_stopped_if_it_reached_kafka(
+    client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch, settings: Settings
+) -> None:
+    """Kafka took the prompt and acknowledged it late: the client was told its message
+    failed, and the prompt only marked done, which a worker that had taken it already
+    never reads: it answered a message shown as failed. It is cancelled too."""
+    auth = await user_key(settings)
+    conversation = (await client.post("/v1/conversations", json={}, headers=auth)).json()["id"]
+    services = client._transport.app.state.services  # type: ignore[attr-defined]
+    submitter, sent = services.chat.deps.submitter, []
+    real_submit = submitter.submit
+
+    async def acknowledged_late(prompt: PromptRequest) -> None:
+        await real_submit(prompt)
+        sent.append(prompt.request_id)
+        await asyncio.sleep(settings.kafka_send_timeout_s + 5)
+
+    monkeypatch.setattr(submitter, "submit", acknowledged_late)
+    model = settings.served_models[0]
+    async with idle_worker(settings, model):
+
+        async def served() -> int:
+            return getattr(services.load.load(model), "workers", 0)
+
+        await eventually(served, what="the gateway to see a worker")
+        path = f"/v1/conversations/{conversation}/messages"
+        posted = await client.post(path, json={"content": "Hello there"}, headers=auth)
+    assert posted.status_code == 503 and "saved as failed" in posted.text, posted.text
+    redis = redis_client(settings)
+    try:
+        cancelled = await eventually(
+            lambda: redis.exists(cancel_key(sent[0])), what="the prompt cancelled"
+        )
+    finally:
+        await redis.aclose()
+    assert cancelled == 1

@@ -96,14 +96,24 @@ class ReplyControl:
         stopped, and its follower settles nothing. Settled at zero, it ran on uncharged
         (its real usage found the request settled) and holding no stream slot; whatever
         does run sends a usage record, which settles it."""
+        await self._cancel(request_id, "the gateway gave up waiting for the reply")
+
+    def stop_withdrawn(self, request_id: str) -> None:
+        """A prompt whose send timed out may still reach Kafka, and a worker that takes
+        it before its done mark did answered a message the client was told failed: it
+        is stopped, in the background (Kafka is slow or away: the 503 does not wait)."""
+        task = asyncio.create_task(self._cancel(request_id, "its send timed out"))
+        self._left.add(task)
+        task.add_done_callback(self._left.discard)
+
+    async def _cancel(self, request_id: str, reason: str) -> None:
         try:
-            reason = "the gateway gave up waiting for the reply"
             await asyncio.wait_for(
                 request_cancel(self.producer, self.inflight.redis, request_id, reason),
                 self.settings.kafka_send_timeout_s,
             )
         except (KafkaError, TimeoutError, *REDIS_DOWN) as exc:
-            log.warning("%s: given up on, not stopped (%r)", request_id, exc)
+            log.warning("%s: not stopped (%s: %r)", request_id, reason, exc)
 
     async def _stop(self, record: dict[str, Any], caller: Principal) -> None:
         request_id = str(record["request_id"])

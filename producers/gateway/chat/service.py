@@ -353,9 +353,11 @@ class ChatService:
     async def _withdraw(self, request_id: str) -> None:
         """The client is told its message failed, but the idempotent producer keeps the
         prompt and delivers it once Kafka is back: mark it done, so workers drop it
-        instead of answering a message shown as failed."""
+        instead of answering a message shown as failed; one that took it already is told
+        to stop."""
         with contextlib.suppress(*REDIS_DOWN):
             await self.deps.redis.set(done_key(request_id), 0, ex=ATTEMPT_TTL_S)
+        self.running.stop_withdrawn(request_id)
 
     def _follow(
         self, p: PlannedPrompt, admission: Admission, conversation: Conversation, sub: Subscription
