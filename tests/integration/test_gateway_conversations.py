@@ -121,39 +121,22 @@ async def test_a_summary_finished_after_a_delete_does_not_bring_the_chat_back(
         assert list(rows) == []
 
 
-async def test_a_long_message_whose_rows_failed_is_shown_failed(
-    client: httpx.AsyncClient, settings: Settings, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A message over 4 KiB is stored before the rows that show it; when those failed,
-    the client got an error while the message stayed "sent": shown, taken into the next
-    turn's context, and sent twice by the client's retry."""
-    user = f"user-{uuid.uuid4().hex[:8]}"
-    made = (
-        await client.post("/v1/conversations", json={}, headers=await user_key(settings, user))
-    ).json()
-    with cassandra_session(settings, settings.keyspace) as session:
-        service = ConversationService(session, settings.served_models)
-        conversation = await service.owned(user, made["id"])
-        real = cql_together
-
-        async def rows_time_out(session: object, rows: list[object]) -> None:
-            monkeypatch.setattr(service_module, "cql_together", real)
-            raise OperationTimedOut("the rows' batch timed out")
-
-        monkeypatch.setattr(service_module, "cql_together", rows_time_out)
-        with pytest.raises(ApiError, match="saved as failed"):
-            await service.add_user_message(user, conversation, "m_long", "Sea. " * 1000, now_ms())
-        opened = await service.get(user, made["id"])
-    assert [(m.id, m.status) for m in opened.messages] == [("m_long", "failed")]
-
-
-@pytest.mark.parametrize("applied", [True, False], ids=["applied", "not-applied"])
+@pytest.mark.parametrize(
+    ("content", "applied"),
+    [("Hello there", True), ("Hello there", False), ("Sea. " * 1000, False)],
+    ids=["applied", "not-applied", "long"],
+)
 async def test_a_message_cassandra_did_not_confirm_is_shown_failed(
-    client: httpx.AsyncClient, settings: Settings, monkeypatch: pytest.MonkeyPatch, applied: bool
+    client: httpx.AsyncClient,
+    settings: Settings,
+    monkeypatch: pytest.MonkeyPatch,
+    content: str,
+    applied: bool,
 ) -> None:
     """A timed-out batch may still be applied (Cassandra keeps a logged batch): the
     client was told "nothing was changed" while its message was stored "sent", taken
-    into the next turn's context, and there twice after the client's retry."""
+    into the next turn's context, and there twice after the client's retry. A message
+    over 4 KiB is stored before the rows that show it, which may fail alone."""
     user = f"user-{uuid.uuid4().hex[:8]}"
     made = (
         await client.post("/v1/conversations", json={}, headers=await user_key(settings, user))
@@ -171,11 +154,11 @@ async def test_a_message_cassandra_did_not_confirm_is_shown_failed(
 
         monkeypatch.setattr(service_module, "cql_together", timed_out)
         with pytest.raises(ApiError, match="saved as failed") as told:
-            await service.add_user_message(user, conversation, "m_short", "Hello there", now_ms())
+            await service.add_user_message(user, conversation, "m_1", content, now_ms())
         assert told.value.status == 503 and "nothing was changed" not in told.value.message
         opened = await service.get(user, made["id"])
     shown = [(m.id, m.content, m.status) for m in opened.messages]
-    assert shown == [("m_short", "Hello there", "failed")]
+    assert shown == [("m_1", content, "failed")]
 
 
 async def test_pages_run_newest_first_without_gaps(

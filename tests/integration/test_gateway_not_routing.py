@@ -22,13 +22,11 @@ pytestmark = pytest.mark.integration
 __all__ = ["client"]  # the gateway in-process, shared with the conversations tests
 
 
-async def test_a_post_while_no_partition_routes_replies_is_a_503(
-    client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch, settings: Settings
-) -> None:
-    auth = await user_key(settings)
-    conversation = (await client.post("/v1/conversations", json={}, headers=auth)).json()["id"]
+async def posted_with_a_worker(
+    client: httpx.AsyncClient, settings: Settings, conversation: str, auth: dict[str, str]
+) -> httpx.Response:
+    """A message posted once the gateway sees a worker (one that takes no prompt)."""
     services = client._transport.app.state.services  # type: ignore[attr-defined]
-    monkeypatch.setattr(services.chat.deps.fanout, "_ready", asyncio.Event())  # revoked
     model = settings.served_models[0]
     async with idle_worker(settings, model):
 
@@ -37,8 +35,18 @@ async def test_a_post_while_no_partition_routes_replies_is_a_503(
 
         await eventually(served, what="the gateway to see a worker")
         path = f"/v1/conversations/{conversation}/messages"
-        async with asyncio.timeout(120):  # it waited for ever: fail, not hang
-            posted = await client.post(path, json={"content": "Hello there"}, headers=auth)
+        return await client.post(path, json={"content": "Hello there"}, headers=auth)
+
+
+async def test_a_post_while_no_partition_routes_replies_is_a_503(
+    client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch, settings: Settings
+) -> None:
+    auth = await user_key(settings)
+    conversation = (await client.post("/v1/conversations", json={}, headers=auth)).json()["id"]
+    services = client._transport.app.state.services  # type: ignore[attr-defined]
+    monkeypatch.setattr(services.chat.deps.fanout, "_ready", asyncio.Event())  # revoked
+    async with asyncio.timeout(240):  # it waited for ever: fail, not hang
+        posted = await posted_with_a_worker(client, settings, conversation, auth)
     assert posted.status_code == 503, posted.text
     assert posted.headers["Retry-After"] and "routed" in posted.json()["error"]["message"]
     opened = (await client.get(f"/v1/conversations/{conversation}", headers=auth)).json()
@@ -63,15 +71,7 @@ async def test_a_prompt_whose_send_timed_out_is_stopped_if_it_reached_kafka(
         await asyncio.sleep(settings.kafka_send_timeout_s + 5)
 
     monkeypatch.setattr(submitter, "submit", acknowledged_late)
-    model = settings.served_models[0]
-    async with idle_worker(settings, model):
-
-        async def served() -> int:
-            return getattr(services.load.load(model), "workers", 0)
-
-        await eventually(served, what="the gateway to see a worker")
-        path = f"/v1/conversations/{conversation}/messages"
-        posted = await client.post(path, json={"content": "Hello there"}, headers=auth)
+    posted = await posted_with_a_worker(client, settings, conversation, auth)
     assert posted.status_code == 503 and "saved as failed" in posted.text, posted.text
     redis = redis_client(settings)
     try:

@@ -1,18 +1,26 @@
 """Queuing a batch's lines as one Kafka transaction, with stand-ins for the producer and
 the store: a Kafka that never answers is a bounded wait, not a create that hangs, and a
-batch queued is marked so even when the store fails at that moment."""
+batch queued is marked so even when the store fails at that moment; a cancel kept
+before admission hears of it."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import datetime as dt
+from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
 from aiokafka.errors import KafkaConnectionError, KafkaTimeoutError
+from cassandra import OperationTimedOut
 from cassandra.cluster import NoHostAvailable
 
 from producers.batch_topic import CommitUnknown, send_all_or_none
+from producers.gateway.batches.objects import utc_now, window_end_ms
 from producers.gateway.batches.service import BatchService
+from producers.gateway.batches.store import Answered, StoredBatch
+from tandoor.policies.api_keys import Principal
 
 
 class NeverAnswers:
@@ -133,3 +141,82 @@ async def test_a_commit_unanswered_is_no_refusal_and_is_waited_for_beside(
     assert producer.calls == ["start", "begin", "commit"]  # not aborted, not stopped yet
     assert await asyncio.wait_for(unknown.value.committed, 5) is committed
     assert producer.calls[-1] == "stop"
+
+
+class OneBatch:
+    """A store of one batch: its cancel fails while `down`; its lines' answers as set."""
+
+    def __init__(self, batch: StoredBatch) -> None:
+        self.batch, self.down, self.codes = batch, False, list[int | None]()
+
+    async def get(self, batch_id: str) -> StoredBatch:
+        return self.batch
+
+    async def cancel(self, batch_id: str, at: dt.datetime) -> None:
+        if self.down:
+            raise OperationTimedOut("the cancel's write timed out")
+        self.batch = dataclasses.replace(self.batch, cancelled_at=at)
+
+    async def answered(self, user_id: str, batch_id: str) -> Answered:
+        answered_at = utc_now() + dt.timedelta(seconds=1)  # after the cancel, whatever the clock
+        return Answered.of(self.codes, answered_at if self.codes else None)
+
+    async def settle(self, batch_id: str, answered: Answered) -> None:
+        self.batch = dataclasses.replace(self.batch, settled=answered)
+
+
+def batch_service(batch: StoredBatch) -> tuple[BatchService, OneBatch, list[str]]:
+    redis, told = SimpleNamespace(), list[str]()
+
+    async def set_key(key: str, value: object, ex: int) -> None:
+        told.append(key)
+
+    redis.set = set_key
+    service = BatchService(None, cast(Any, None), redis)
+    store = OneBatch(batch)
+    service.batches = cast(Any, store)
+    return service, store, told
+
+
+def stored_batch(age: dt.timedelta, queuing: bool = False) -> StoredBatch:
+    created = utc_now() - age
+    return StoredBatch(
+        "b", "u", "f", "/v1/chat/completions", "24h", 3, None, created, None, queuing=queuing
+    )
+
+
+async def test_a_cancel_whose_store_failed_is_not_told_to_admission_until_it_is_kept() -> None:
+    """Told first, admission answered every line `batch_cancelled` while the batch,
+    with no cancel stored, showed `completed` and the client's retry got a 409."""
+    service, store, told = batch_service(stored_batch(dt.timedelta(hours=1)))
+    caller = Principal("u", "batch", "k")
+    store.down = True
+    with pytest.raises(OperationTimedOut):
+        await service.cancel(caller, "b")
+    assert told == [], "no line cancelled while the batch does not say so"
+    store.down = False
+    assert (await service.cancel(caller, "b"))["status"] == "cancelling"
+    assert (await service.cancel(caller, "b"))["status"] == "cancelling"  # told again
+    assert len(told) == 2
+    store.codes = [None, None, None]  # admission answered them `batch_cancelled`
+    assert (await service.retrieve(caller, "b"))["status"] == "cancelled"
+
+
+async def test_a_batch_whose_queued_mark_was_lost_can_be_cancelled() -> None:
+    """Its lines may be in Kafka (the mark after their commit failed): shown `failed`
+    with "create it again", it refused a cancel, and the lines ran, twice if created
+    again."""
+    service, _, told = batch_service(stored_batch(dt.timedelta(minutes=3), queuing=True))
+    caller = Principal("u", "batch", "k")
+    assert (await service.retrieve(caller, "b"))["status"] == "failed"
+    assert (await service.cancel(caller, "b"))["status"] == "cancelled"
+    assert len(told) == 1
+
+
+def test_lines_expire_when_the_window_ends_to_the_millisecond() -> None:
+    """Rounded down to the second, lines answered `batch_expired` up to a second before
+    the window's end showed the batch `completed`, then `expired`."""
+    batch = stored_batch(dt.timedelta(0))
+    batch = dataclasses.replace(batch, created_at=dt.datetime(2026, 12, 5, 12, 0, 0, 900_000))
+    end = dt.datetime(2026, 12, 6, 12, 0, 0, 900_000, tzinfo=dt.UTC)
+    assert window_end_ms(batch) == round(end.timestamp() * 1000)

@@ -21,7 +21,8 @@ NOT_QUEUED = {
     "data": [
         {
             "code": "queuing_interrupted",
-            "message": "the gateway stopped while queuing this batch: none of its lines ran; "
+            "message": "the gateway stopped while queuing this batch, or could not record "
+            "that it had: if its lines were queued they may still run; cancel it, then "
             "create it again",
             "param": None,
             "line": None,
@@ -162,6 +163,14 @@ def utc_now() -> dt.datetime:
     """Naive UTC to the millisecond, as Cassandra's driver gives timestamps back."""
     now = dt.datetime.now(dt.UTC).replace(tzinfo=None)
     return now.replace(microsecond=now.microsecond // 1000 * 1000)
+
+
+def window_end_ms(batch: StoredBatch) -> int:
+    """When its completion window ends, to the millisecond: admission expires its lines
+    from then (in whole seconds, rounded down, lines answered `batch_expired` before
+    the window's end showed the batch `completed`, then `expired`)."""
+    end = (batch.created_at + COMPLETION_WINDOW).replace(tzinfo=dt.UTC)
+    return round(end.timestamp() * 1000)
 
 
 def epoch(at: dt.datetime) -> int:

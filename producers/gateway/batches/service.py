@@ -28,17 +28,16 @@ from producers.batch_topic import CommitUnknown, send_all_or_none
 from producers.gateway.batches.enqueued import QueueCap, Room
 from producers.gateway.batches.input_file import input_lines
 from producers.gateway.batches.objects import (
-    COMPLETION_WINDOW,
     ERROR_PREFIX,
     OUTPUT_PREFIX,
     batch_object,
-    epoch,
     file_created,
     file_object,
     is_settled,
     new_file_id,
     page,
     utc_now,
+    window_end_ms,
 )
 from producers.gateway.batches.store import (
     Answered,
@@ -197,7 +196,7 @@ class BatchService:
         )
         room.take(len(lines))
         await self.batches.create(batch)
-        deadline_ms = 1000 * epoch(batch.created_at + COMPLETION_WINDOW)
+        deadline_ms = window_end_ms(batch)
         try:
             await send_all_or_none(self._make_producer, api_key, batch.batch_id, lines, deadline_ms)
         except KafkaError as exc:  # no line got out: nothing is kept
@@ -255,19 +254,25 @@ class BatchService:
     async def cancel(self, caller: Principal, batch_id: str) -> dict[str, Any]:
         batch = await self._own_batch(caller, batch_id)
         shown = await self._object(batch)
-        if shown["status"] in ("completed", "expired", "failed"):  # a cancel would rewrite its end
+        # A cancel would rewrite its end; a `failed` one's lines may have been queued
+        # after all (its mark was lost): cancelled, none of them runs.
+        if shown["status"] in ("completed", "expired") or (
+            shown["status"] == "failed" and not batch.queuing
+        ):
             raise ApiError(
                 409, f"the batch is {shown['status']}: nothing to cancel", kind="conflict_error"
             )
-        if batch.cancelled_at is not None:
-            return shown
         return await self._object(await self._cancel(batch))
 
     async def _cancel(self, batch: StoredBatch) -> StoredBatch:
+        """Stored first, then told to admission: told first, a store that failed left
+        its lines answered `batch_cancelled` while the batch showed `completed` (and
+        the client's retry a 409). Each retry tells admission again."""
+        at = batch.cancelled_at or utc_now()
+        if batch.cancelled_at is None:
+            await self.batches.cancel(batch.batch_id, at)
         key = batch_cancel_key(batch.user_id, batch.batch_id)
-        await self._redis.set(key, 1, ex=BATCH_LINE_TTL_S)  # admission reads it first
-        at = utc_now()
-        await self.batches.cancel(batch.batch_id, at)
+        await self._redis.set(key, 1, ex=BATCH_LINE_TTL_S)
         return dataclasses.replace(batch, cancelled_at=at)
 
     async def _object(self, batch: StoredBatch) -> dict[str, Any]:
