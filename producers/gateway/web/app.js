@@ -29,6 +29,8 @@ const state = {
   api: null,
   cursor: null,
   conversation: null, // {id, title, model, messages}
+  wanted: null, // the chat last chosen (its answer may still be on the way)
+  stopAsked: false, // Stop pressed while the message's new chat was being created
   reply: null, // the open chat's reply streaming now (newReply)
   busy: false, // sending or streaming: the composer waits
   following: true, // the list is scrolled to its end: a streaming reply keeps it there
@@ -67,14 +69,36 @@ async function loadConversations(reset) {
   const query = new URLSearchParams({ limit: "30" });
   if (!reset && state.cursor) query.set("cursor", state.cursor);
   const page = await state.api.json("GET", `/v1/conversations?${query}`);
-  const items = page.data.map(sidebarItem);
-  if (reset) $("conversation-list").replaceChildren(...items); // at once: no flicker
-  else $("conversation-list").append(...items);
+  const list = $("conversation-list");
+  if (reset) list.replaceChildren(...page.data.map(sidebarItem)); // at once: no flicker
+  else {
+    // A page asked for before the list was reloaded (a reply ended) overlaps it.
+    const shown = new Set([...list.querySelectorAll("button")].map((b) => b.dataset.id));
+    list.append(...page.data.filter((c) => !shown.has(c.id)).map(sidebarItem));
+  }
   state.cursor = page.next_cursor;
   $("more-conversations").hidden = !state.cursor;
   markCurrent();
   const listed = state.conversation && page.data.find((c) => c.id === state.conversation.id);
   if (listed) setTitle(listed.title); // renamed, or titled by the model, meanwhile
+}
+
+// One page at a time: a double click asked for the same page twice, shown twice.
+async function loadMore() {
+  const more = $("more-conversations");
+  if (more.disabled) return;
+  more.disabled = true;
+  try {
+    await loadConversations(false);
+  } finally {
+    more.disabled = false;
+  }
+}
+
+// The Enter that commits an input method's composition (Japanese, Chinese, Korean),
+// or the Escape that cancels it, is the input method's, not a send or a stop.
+function composing(e) {
+  return e.isComposing || e.keyCode === 229;
 }
 
 function setTitle(title) {
@@ -106,7 +130,10 @@ function sidebarItem(conversation) {
   // Untitled: its first message was refused (a chat is named as that message is stored).
   button.textContent = conversation.title || "Untitled chat";
   button.dataset.id = conversation.id;
-  button.addEventListener("click", () => openConversation(conversation.id).catch(notify));
+  button.addEventListener("click", () => {
+    state.wanted = conversation.id;
+    openConversation(conversation.id).catch(notify);
+  });
   const item = document.createElement("li");
   item.append(button);
   return item;
@@ -121,8 +148,11 @@ function markCurrent() {
 
 // ---- one conversation ---------------------------------------------------------
 
+// Shown only if it is still the chat last chosen: picked B then C, B's slower answer
+// showed B, and the composer sent to it.
 async function openConversation(id, resume = true) {
   const conversation = await state.api.json("GET", `/v1/conversations/${id}`);
+  if (state.wanted !== id) return;
   showConversation(conversation);
   if (resume && awaitsReply(conversation)) await resumeReply();
 }
@@ -136,7 +166,7 @@ function awaitsReply(conversation) {
 // never asking for the stream again (a reply that never came looped here, request
 // after request).
 async function showWhenStored(id) {
-  for (let tries = 0; tries < STORED_TRIES && state.conversation?.id === id; tries++) {
+  for (let tries = 0; tries < STORED_TRIES && state.wanted === id; tries++) {
     await openConversation(id, false);
     if (!awaitsReply(state.conversation)) return;
     await sleep(1000);
@@ -144,6 +174,7 @@ async function showWhenStored(id) {
 }
 
 function showConversation(conversation) {
+  state.wanted = conversation ? conversation.id : null;
   closeUsage();
   // Another chat: its reply runs on at the gateway (reopened, the chat resumes it), but
   // stops streaming here, and the composer, Stop and Escape belong to this chat.
@@ -284,6 +315,8 @@ async function streamReply(open, started = () => {}, refused = () => {}) {
   hideNotice();
   setBusy(true);
   const reply = newReply(started);
+  reply.stopAsked = state.stopAsked;
+  state.stopAsked = false;
   state.reply = reply;
   try {
     await follow(reply, await open());
@@ -314,6 +347,8 @@ function newReply(started = () => {}) {
     attempt: 0,
     lastEventId: null,
     done: false,
+    begun: false, // the gateway has it (its start event): a stop can reach it
+    stopAsked: false,
   };
 }
 
@@ -322,6 +357,7 @@ function newReply(started = () => {}) {
 // and a Stop that answered 404).
 async function resumeReply() {
   const reply = newReply();
+  reply.begun = true; // it runs at the gateway already
   state.reply = reply;
   setBusy(true);
   try {
@@ -397,6 +433,8 @@ function handle(reply, event) {
   if (event.type === "start") {
     reply.started(event);
     ensureReplyElement(reply, event.model);
+    reply.begun = true;
+    if (reply.stopAsked) stop().catch(notify);
   } else if (event.type === "restart") {
     reply.text = ""; // a worker restarted the reply: drop the partial text
     reply.attempt = event.attempt;
@@ -448,8 +486,19 @@ function ensureReplyElement(reply, model) {
 
 // ---- stop, regenerate, edit, rename, delete -------------------------------------------
 
+// A Stop pressed before the gateway has the reply (it answers 409 until then, and a
+// new chat has no id yet) is sent once the reply starts: the reply ran to its end.
 async function stop() {
-  const id = state.reply?.conversationId ?? state.conversation.id;
+  const reply = state.reply;
+  if (reply && !reply.begun) {
+    reply.stopAsked = true;
+    return;
+  }
+  if (!reply && !state.conversation) {
+    state.stopAsked = true; // the chat is being created
+    return;
+  }
+  const id = reply?.conversationId ?? state.conversation.id;
   await state.api.json("POST", `/v1/conversations/${id}/stop`);
 }
 
@@ -628,16 +677,19 @@ function wire() {
         restoreDraft(text); // the chat could not be created: nothing was sent
         notify(error);
       })
-      .finally(() => setBusy(Boolean(state.reply)));
+      .finally(() => {
+        state.stopAsked = false; // for this message: not the next one's
+        setBusy(Boolean(state.reply));
+      });
   });
   $("prompt").addEventListener("keydown", (e) => {
-    if (e.key === "Enter" && !e.shiftKey) {
+    if (e.key === "Enter" && !e.shiftKey && !composing(e)) {
       e.preventDefault();
       $("composer").requestSubmit();
     }
   });
   document.addEventListener("keydown", (e) => {
-    if (e.key === "Escape" && state.reply) stop().catch(notify);
+    if (e.key === "Escape" && state.reply && !composing(e)) stop().catch(notify);
   });
   $("stop").addEventListener("click", () => stop().catch(notify));
   $("regenerate").addEventListener("click", () => regenerate().catch(notify));
@@ -645,7 +697,7 @@ function wire() {
     showConversation(null);
     $("prompt").focus();
   });
-  $("more-conversations").addEventListener("click", () => loadConversations(false).catch(notify));
+  $("more-conversations").addEventListener("click", () => loadMore().catch(notify));
   $("rename").addEventListener("click", () => rename().catch(notify));
   $("delete").addEventListener("click", () => remove().catch(notify));
   $("sign-out").addEventListener("click", signOut);

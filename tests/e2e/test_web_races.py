@@ -1,0 +1,133 @@
+"""The chat page against quick hands, in headless Chromium against the whole stack: an
+input method's Enter and Escape, a chat chosen while an earlier choice is still
+loading, and "Load more" clicked twice."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+from playwright.async_api import Page, Route, expect
+
+from tests.e2e.browser import ask, replies_over, reply_streaming, sign_in
+from tests.e2e.helpers import chat, new_conversation
+from tests.e2e.stack import Stack
+from tests.e2e.test_web_switching import LONG, count_stops, stops
+from tests.waiting import eventually
+
+pytestmark = pytest.mark.integration
+
+# A keydown as an input method sends it while composing (Chrome and Firefox say so with
+# isComposing, Safari with keyCode 229), dispatched and read back in one step: the
+# page's handlers run inside dispatchEvent.
+COMPOSING_KEY = """([key, legacy]) => {
+  const init = { key, bubbles: true, cancelable: true };
+  const how = legacy ? { keyCode: 229 } : { isComposing: true };
+  const event = new KeyboardEvent('keydown', { ...init, ...how });
+  document.getElementById('prompt').dispatchEvent(event);
+  return { prompt: document.getElementById('prompt').value, stops: (window.stops || []).length };
+}"""
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["isComposing", "keyCode-229"])
+async def test_an_input_methods_enter_and_escape_neither_send_nor_stop(
+    stack: Stack, page: Page, legacy: bool
+) -> None:
+    """Committing a Japanese conversion with Enter sent the half-typed text; cancelling
+    one with Escape stopped the reply."""
+    await sign_in(page, stack)
+    await page.get_by_label("Message", exact=True).fill("こんにちは")
+    after = await page.evaluate(COMPOSING_KEY, ["Enter", legacy])
+    assert after["prompt"] == "こんにちは", "the composition's Enter sent the message"
+    await page.get_by_label("Message", exact=True).fill("")
+    await ask(page, LONG)
+    await reply_streaming(page)
+    await count_stops(page)
+    after = await page.evaluate(COMPOSING_KEY, ["Escape", legacy])
+    assert after["stops"] == 0 and await stops(page) == []
+    await page.get_by_role("button", name="Stop").click()
+    await replies_over(page, 1)
+
+
+async def test_the_chat_chosen_last_is_shown_whatever_answers_last(
+    stack: Stack, page: Page
+) -> None:
+    """B chosen, then C: B's slower answer was shown over C, and the composer sent
+    to B."""
+    headers = await sign_in(page, stack)
+    async with httpx.AsyncClient(base_url=stack.url, timeout=120) as http:
+        slow, chosen = [await new_conversation(http, headers) for _ in range(2)]
+        await chat(http, headers, slow, "Say hi.", 4)
+        await chat(http, headers, chosen, "Say bye.", 4)
+    await page.reload()  # signed in again from the session: the new chats listed
+    await expect(page.locator("#app")).to_be_visible()
+    let_go = asyncio.Event()
+
+    async def held(route: Route) -> None:
+        await let_go.wait()
+        await route.continue_()
+
+    await page.route(f"**/v1/conversations/{slow}", held)
+    async with page.expect_response(f"**/v1/conversations/{slow}") as answered:
+        await page.locator(f'#conversation-list button[data-id="{slow}"]').click()
+        await page.locator(f'#conversation-list button[data-id="{chosen}"]').click()
+        await expect(page.locator(".message.user .body")).to_have_text(["Say bye."])
+        let_go.set()
+    await (await answered.value).finished()
+    await page.wait_for_load_state("networkidle")  # the page has read the late answer
+    await expect(page.locator(".message.user .body")).to_have_text(["Say bye."])
+    current = page.locator('#conversation-list button[aria-current="true"]')
+    await expect(current).to_have_attribute("data-id", chosen)
+
+
+async def test_load_more_clicked_twice_lists_each_chat_once(stack: Stack, page: Page) -> None:
+    headers = await sign_in(page, stack)
+    async with httpx.AsyncClient(base_url=stack.url, timeout=120) as http:
+        made = {await new_conversation(http, headers) for _ in range(35)}
+    await page.reload()  # signed in again from the session: the new chats listed
+    await expect(page.locator("#app")).to_be_visible()
+    await expect(page.locator("#more-conversations")).to_be_visible()
+    await page.locator("#more-conversations").dblclick()
+    listed = page.locator("#conversation-list button")
+    await expect(listed).to_have_count(35)
+    await page.wait_for_load_state("networkidle")  # a second page, had one been asked for
+    ids = [str(await b.get_attribute("data-id")) for b in await listed.all()]
+    assert sorted(ids) == sorted(made), "a chat listed twice, or one missing"
+
+
+@pytest.mark.parametrize("new_chat", [False, True], ids=["open-chat", "new-chat"])
+async def test_a_stop_pressed_before_the_reply_starts_stops_it(
+    stack: Stack, page: Page, new_chat: bool
+) -> None:
+    """Stop is shown as the message is sent, but the gateway answers 409 until it has
+    the reply: "no reply is being generated", and the reply ran to its end (in a new
+    chat, a TypeError: no chat id yet)."""
+    headers = await sign_in(page, stack)
+    if not new_chat:
+        await ask(page, "Say hi.")
+        await replies_over(page, 1)
+    held = "**/v1/conversations" if new_chat else "**/v1/conversations/*/messages"
+
+    async def slowly(route: Route) -> None:
+        if route.request.method == "POST":
+            await asyncio.sleep(1)  # the request in flight while Stop is pressed
+        await route.continue_()
+
+    await page.route(held, slowly)
+    await ask(page, LONG)
+    await page.get_by_role("button", name="Stop").click()
+    await replies_over(page, 1 if new_chat else 2)
+    await expect(page.locator("#notice")).to_be_hidden()
+    await expect(page.locator(".message.assistant .meta").last).to_contain_text("stopped")
+    conversation = await page.locator(
+        '#conversation-list button[aria-current="true"]'
+    ).get_attribute("data-id")
+    async with httpx.AsyncClient(base_url=stack.url, timeout=30) as http:
+
+        async def last_status() -> str:
+            path = f"/v1/conversations/{conversation}"
+            return str((await http.get(path, headers=headers)).json()["messages"][-1]["status"])
+
+        stored = await eventually(last_status, lambda s: s != "sent", what="the reply stored")
+    assert stored == "stopped"
