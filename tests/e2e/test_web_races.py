@@ -1,6 +1,7 @@
 """The chat page against quick hands, in headless Chromium against the whole stack: an
 input method's Enter and Escape, a chat chosen while an earlier choice is still
-loading, and "Load more" clicked twice."""
+loading, "Load more" clicked twice, Stop pressed before the reply starts, and an edit
+of pasted code, refused."""
 
 from __future__ import annotations
 
@@ -131,3 +132,27 @@ async def test_a_stop_pressed_before_the_reply_starts_stops_it(
 
         stored = await eventually(last_status, lambda s: s != "sent", what="the reply stored")
     assert stored == "stopped"
+
+
+async def test_an_edit_starts_from_the_text_as_sent_and_a_refused_one_is_kept(
+    stack: Stack, page: Page
+) -> None:
+    """Edit started from the text as shown, its indentation collapsed: fixing a typo
+    sent pasted code flattened. A refused edit (a reply running in another tab, 429)
+    threw the edited text away."""
+    await sign_in(page, stack)
+    code = "def f():\n    return 1"
+    await ask(page, code)
+    await replies_over(page, 1)
+    await page.get_by_role("button", name="Edit this message").click()
+    await expect(page.get_by_label("Edited message")).to_have_value(code)
+
+    async def too_many(route: Route) -> None:
+        error = {"message": "slow down", "type": "rate_limit_error", "param": None, "code": None}
+        await route.fulfill(status=429, json={"error": error}, headers={"Retry-After": "1"})
+
+    await page.route("**/messages/*/edit", too_many)
+    await page.get_by_label("Edited message").fill("def g():\n    return 2")
+    await page.get_by_role("button", name="Save and rerun").click()
+    await expect(page.get_by_role("alert").first).to_contain_text("slow down")
+    await expect(page.get_by_label("Edited message")).to_have_value("def g():\n    return 2")

@@ -38,7 +38,7 @@ const state = {
   modelNames: new Map(), // served name -> display name
   usageTimer: null,
 };
-const sources = new WeakMap(); // a reply's body -> its Markdown, for the copy button
+const sources = new WeakMap(); // a body -> its text as sent or its Markdown (copy, Edit)
 
 // ---- signing in -------------------------------------------------------------
 
@@ -255,6 +255,7 @@ function setBody(body, role, text) {
   // The user's own text is shown as typed; the model's is rendered Markdown.
   if (role === "user") {
     body.innerHTML = escapeHtml(text).replace(/\n/g, "<br>");
+    sources.set(body, text); // as sent: Edit starts from it, not from what is shown
     return;
   }
   body.innerHTML = renderMarkdown(text);
@@ -512,10 +513,11 @@ async function regenerate() {
   });
 }
 
-function startEdit(item, message) {
+// `draft`: the text to start from (an edit refused: what was typed, not lost).
+function startEdit(item, message, draft = null) {
   const body = item.querySelector(".body");
   const editor = document.createElement("textarea");
-  editor.value = body.innerText;
+  editor.value = draft ?? sources.get(body) ?? body.innerText;
   editor.setAttribute("aria-label", "Edited message");
   const save = document.createElement("button");
   save.type = "button";
@@ -543,6 +545,7 @@ function startEdit(item, message) {
       },
       // The edit is stored as a new message: a second edit names that one.
       (event) => event.user_message_id && (item.dataset.id = event.user_message_id),
+      () => startEdit(item, message, text),
     );
   });
   editor.addEventListener("keydown", (e) => {
