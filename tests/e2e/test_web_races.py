@@ -156,3 +156,30 @@ async def test_an_edit_starts_from_the_text_as_sent_and_a_refused_one_is_kept(
     await page.get_by_role("button", name="Save and rerun").click()
     await expect(page.get_by_role("alert").first).to_contain_text("slow down")
     await expect(page.get_by_label("Edited message")).to_have_value("def g():\n    return 2")
+
+
+async def test_regenerate_in_a_tab_behind_another_answers_nothing_it_does_not_show(
+    stack: Stack, page: Page
+) -> None:
+    """Q1 and its reply on screen, Q2 sent from another tab: Regenerate replaced Q2's
+    reply with a new answer to Q2, shown under Q1."""
+    headers = await sign_in(page, stack)
+    await ask(page, "Say hi.")
+    await replies_over(page, 1)
+    conversation = str(
+        await page.locator('#conversation-list button[aria-current="true"]').get_attribute(
+            "data-id"
+        )
+    )
+    async with httpx.AsyncClient(base_url=stack.url, timeout=120) as http:
+        await chat(http, headers, conversation, "Say bye.", 4)  # the other tab
+        shown_before = (await http.get(f"/v1/conversations/{conversation}", headers=headers)).json()
+        path = f"/v1/conversations/{conversation}/regenerate"
+        stale = await http.post(path, json={"reply_to": "m_not_the_last"}, headers=headers)
+    assert stale.status_code == 409 and stale.json()["error"]["param"] == "reply_to"
+    await page.get_by_role("button", name="Regenerate").click()
+    await expect(page.get_by_role("alert").first).to_contain_text("newer message")
+    await expect(page.locator(".message.user .body")).to_have_text(["Say hi.", "Say bye."])
+    async with httpx.AsyncClient(base_url=stack.url, timeout=30) as http:
+        shown_after = (await http.get(f"/v1/conversations/{conversation}", headers=headers)).json()
+    assert shown_after["messages"] == shown_before["messages"], "a reply was replaced"

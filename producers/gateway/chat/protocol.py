@@ -75,5 +75,14 @@ def sampling_for(options: ReplyOptions, max_tokens: int) -> Sampling:
     return Sampling(max_tokens=max_tokens, ignore_eos=options.ignore_eos, **chosen)
 
 
+class Regenerate(ReplyOptions):
+    reply_to: str | None = Field(
+        default=None,
+        max_length=64,
+        description="The id of the user message the reply shown answers: a 409 where the "
+        "conversation has a newer one (sent from another tab) rather than answer that.",
+    )
+
+
 class PostMessage(ReplyOptions):
     content: str = Field(min_length=1, max_length=CONTENT_MAX_CHARS)

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Depends, Header
 from fastapi.responses import StreamingResponse
 
 from producers.gateway.auth import Caller
-from producers.gateway.chat.protocol import PostMessage, ReplyOptions
+from producers.gateway.chat.protocol import PostMessage, Regenerate
 from producers.gateway.chat.reply import Reply
 from producers.gateway.chat.service import ChatService
 from producers.gateway.chat.sse import ResumePoint, frame, reply_frames
@@ -39,11 +39,11 @@ async def post_message(
 
 @router.post("/{conversation_id}/regenerate", response_class=StreamingResponse)
 async def regenerate(
-    conversation_id: str, caller: Caller, svc: Chat, body: ReplyOptions | None = None
+    conversation_id: str, caller: Caller, svc: Chat, body: Regenerate | None = None
 ) -> StreamingResponse:
     """A fresh reply to the last message; the previous reply is kept as replaced."""
     with svc.deps.streams.reserve() as slot:
-        reply = await svc.regenerate(caller, conversation_id, body or ReplyOptions())
+        reply = await svc.regenerate(caller, conversation_id, body or Regenerate())
         return _streamed(reply, svc, slot)
 
 

@@ -30,7 +30,7 @@ from producers.gateway.chat.history import (
 from producers.gateway.chat.inflight import InFlight, Queued
 from producers.gateway.chat.jobs import ConversationJobs
 from producers.gateway.chat.newest import Newest, NewestReply
-from producers.gateway.chat.protocol import PostMessage, ReplyOptions, sampling_for
+from producers.gateway.chat.protocol import PostMessage, Regenerate, ReplyOptions, sampling_for
 from producers.gateway.chat.reply import ApiCall, PlannedPrompt, Reply
 from producers.gateway.chat.routing import Request, routed
 from producers.gateway.chat.settled import SettledHistory
@@ -114,9 +114,7 @@ class ChatService:
             self.deps.jobs.after_context_cut(caller.user_id, conversation, summary, dropped, stale)
         return reply
 
-    async def regenerate(
-        self, caller: Principal, conversation_id: str, body: ReplyOptions
-    ) -> Reply:
+    async def regenerate(self, caller: Principal, conversation_id: str, body: Regenerate) -> Reply:
         """A fresh reply to the last user message; the replies after it are replaced."""
         conversation = await self.deps.conversations.owned(caller.user_id, conversation_id)
         await self.inflight.ensure_idle(conversation_id)
@@ -126,6 +124,14 @@ class ChatService:
         if not sent:
             raise ApiError(409, "there is no message to reply to yet", kind="conflict_error")
         cut = shown[sent[-1]]
+        if body.reply_to is not None and body.reply_to != cut.id:
+            # A tab behind: it showed one reply, and the newest question was another's.
+            raise ApiError(
+                409,
+                "the conversation has a newer message than the one shown: reopen it",
+                kind="conflict_error",
+                param="reply_to",
+            )
         replaces = [*shown[sent[-1] + 1 :], *_after(unstored, cut)]
         return await self.reply(
             caller, conversation, usable(shown[: sent[-1] + 1]), None, body, replaces=replaces

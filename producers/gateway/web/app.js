@@ -205,6 +205,8 @@ function messageElement(message) {
   const item = document.createElement("li");
   item.className = `message ${message.role}`;
   item.dataset.id = message.id || "";
+  // A question the model was sent (one that failed is not: regenerate answers the one before).
+  if (message.role === "user" && message.id && message.status !== "failed") item.dataset.sent = "";
   const meta = document.createElement("div");
   meta.className = "meta";
   meta.textContent = message.role === "user" ? "You" : `Assistant${message.model ? ` · ${modelName(message.model)}` : ""}`;
@@ -505,12 +507,21 @@ async function stop() {
 
 async function regenerate() {
   const assistants = $("messages").querySelectorAll(".message.assistant");
-  const path = `/v1/conversations/${state.conversation.id}/regenerate`;
-  await streamReply(async () => {
-    const response = await state.api.request("POST", path, {});
-    assistants[assistants.length - 1]?.remove(); // replaced by the new reply
-    return response;
-  });
+  const id = state.conversation.id;
+  const path = `/v1/conversations/${id}/regenerate`;
+  // The question the reply shown answers: a tab behind another (a newer question sent
+  // there) is refused, and shown the chat as it is, rather than answer the newer one.
+  const questions = $("messages").querySelectorAll(".message.user[data-sent]");
+  const replyTo = questions[questions.length - 1]?.dataset.id;
+  await streamReply(
+    async () => {
+      const response = await state.api.request("POST", path, replyTo ? { reply_to: replyTo } : {});
+      assistants[assistants.length - 1]?.remove(); // replaced by the new reply
+      return response;
+    },
+    () => {},
+    () => state.wanted === id && openConversation(id, false).catch(notify),
+  );
 }
 
 // `draft`: the text to start from (an edit refused: what was typed, not lost).
