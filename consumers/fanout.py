@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
-from aiokafka.errors import KafkaError
+from aiokafka.errors import IllegalStateError, KafkaError
 from aiokafka.structs import ConsumerRecord
 
 from schemas import topics
@@ -146,8 +146,11 @@ class TokenFanout(ConsumerRebalanceListener):  # type: ignore[misc]
                 await self._ready.wait()
         except TimeoutError:
             raise NotRouting("replies cannot be routed to this replica right now") from None
-        partition = self._usable[next(self._next) % len(self._usable)]
-        position = await self._consumer.position(TopicPartition(topics.TOKENS, partition))
+        try:
+            partition = self._usable[next(self._next) % len(self._usable)]
+            position = await self._consumer.position(TopicPartition(topics.TOKENS, partition))
+        except (IllegalStateError, ZeroDivisionError):  # revoked meanwhile: a rebalance's
+            raise NotRouting("replies cannot be routed to this replica right now") from None
         sub = Subscription(request_id, partition, position)
         self._subs[request_id] = sub
         return sub

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import pytest
 from aiokafka import TopicPartition
-from aiokafka.errors import KafkaConnectionError
+from aiokafka.errors import IllegalStateError, KafkaConnectionError
 from aiokafka.structs import ConsumerRecord
 
 import consumers.fanout as fanout_module
@@ -233,3 +233,24 @@ async def test_an_earlier_subscriptions_end_leaves_a_later_one_to_the_same_id() 
         assert REQUEST not in fanout._subs
     finally:
         await fanout._consumer.stop()
+
+
+class RevokedMeanwhile:
+    """A consumer whose partition was taken between the fan-out's check and its ask."""
+
+    async def position(self, tp: TopicPartition) -> int:
+        raise IllegalStateError(f"No current assignment for partition {tp}")
+
+
+async def test_a_subscription_to_a_partition_revoked_meanwhile_is_not_routed() -> None:
+    """aiokafka's IllegalStateError went up as a 500; the post's 503 with Retry-After is
+    what a rebalance gets."""
+    fanout = TokenFanout(Settings())
+    never_started, fanout._consumer = fanout._consumer, RevokedMeanwhile()
+    try:
+        fanout._usable = [PARTITION]
+        fanout._ready.set()
+        with pytest.raises(fanout_module.NotRouting):
+            await fanout.subscribe(REQUEST)
+    finally:
+        await never_started.stop()
