@@ -313,7 +313,7 @@ async function send(text) {
   }
 }
 
-// `started(event)` when the gateway took the message; `refused()` on an API error.
+// `started(event)` when the gateway took the message; `refused(error)` on an API error.
 async function streamReply(open, started = () => {}, refused = () => {}) {
   hideNotice();
   setBusy(true);
@@ -326,7 +326,7 @@ async function streamReply(open, started = () => {}, refused = () => {}) {
     await resumeUntilDone(reply);
   } catch (error) {
     if (reply.left) return reply;
-    if (error instanceof ApiError) refused();
+    if (error instanceof ApiError) refused(error);
     endUnfinished(reply); // else it kept blinking, half written
     notify(error);
   } finally {
@@ -520,7 +520,12 @@ async function regenerate() {
       return response;
     },
     () => {},
-    () => state.wanted === id && openConversation(id, false).catch(notify),
+    // Reopened, then told why (showing a chat hides the notice).
+    async (error) => {
+      if (state.wanted !== id) return;
+      await openConversation(id, false).catch(notify);
+      if (state.wanted === id) notify(error);
+    },
   );
 }
 
