@@ -110,14 +110,17 @@ async def test_a_stop_pressed_before_the_reply_starts_stops_it(
         await replies_over(page, 1)
     held = "**/v1/conversations" if new_chat else "**/v1/conversations/*/messages"
 
-    async def slowly(route: Route) -> None:
+    stop_pressed = asyncio.Event()
+
+    async def until_stop(route: Route) -> None:
         if route.request.method == "POST":
-            await asyncio.sleep(1)  # the request in flight while Stop is pressed
+            await stop_pressed.wait()  # the request in flight while Stop is pressed
         await route.continue_()
 
-    await page.route(held, slowly)
+    await page.route(held, until_stop)
     await ask(page, LONG)
     await page.get_by_role("button", name="Stop").click()
+    stop_pressed.set()
     await replies_over(page, 1 if new_chat else 2)
     await expect(page.locator("#notice")).to_be_hidden()
     await expect(page.locator(".message.assistant .meta").last).to_contain_text("stopped")
