@@ -1,7 +1,7 @@
 """The chat page against quick hands, in headless Chromium against the whole stack: an
 input method's Enter and Escape, a chat chosen while an earlier choice is still
-loading, "Load more" clicked twice, Stop pressed before the reply starts, and an edit
-of pasted code, refused."""
+loading, "Load more" clicked twice (and its chats kept when a reply ends), Stop
+pressed before the reply starts, and an edit of pasted code, refused."""
 
 from __future__ import annotations
 
@@ -93,6 +93,29 @@ async def test_load_more_clicked_twice_lists_each_chat_once(stack: Stack, page: 
     listed = page.locator("#conversation-list button")
     await expect(listed).to_have_count(35)
     await page.wait_for_load_state("networkidle")  # a second page, had one been asked for
+    ids = [str(await b.get_attribute("data-id")) for b in await listed.all()]
+    assert sorted(ids) == sorted(made), "a chat listed twice, or one missing"
+
+
+async def test_the_chats_load_more_listed_stay_listed_after_a_reply(
+    stack: Stack, page: Page
+) -> None:
+    """The sidebar is read again when a reply ends (a new chat's title, the order): it
+    went back to its first page, dropping the chats "Load more" had listed."""
+    headers = await sign_in(page, stack)
+    async with httpx.AsyncClient(base_url=stack.url, timeout=120) as http:
+        made = [await new_conversation(http, headers) for _ in range(35)]
+    await page.reload()
+    await expect(page.locator("#app")).to_be_visible()
+    await page.locator("#more-conversations").click()
+    listed = page.locator("#conversation-list button")
+    await expect(listed).to_have_count(35)
+    await page.locator(f'#conversation-list button[data-id="{made[0]}"]').click()  # the oldest
+    await ask(page, "Say hi.")
+    await replies_over(page, 1)
+    await page.wait_for_load_state("networkidle")  # the list read again at the reply's end
+    await expect(listed).to_have_count(35)
+    await expect(page.locator("#more-conversations")).to_be_hidden()
     ids = [str(await b.get_attribute("data-id")) for b in await listed.all()]
     assert sorted(ids) == sorted(made), "a chat listed twice, or one missing"
 

@@ -22,6 +22,8 @@ const TITLE_CHECK_MAX_MS = 30000;
 const TITLE_CHECKS = 40;
 const USAGE_REFRESH_MS = 10000;
 const NEAR_BOTTOM_PX = 40;
+const PAGE = 30; // chats the sidebar lists at first, and adds with each "Load more"
+const MAX_PAGE = 100; // the most the gateway gives in one page
 const ANSWERED = new Set(["stop", "length"]); // finish reasons of a reply that ran
 const $ = (id) => document.getElementById(id);
 
@@ -66,21 +68,46 @@ function signOut() {
 // ---- the sidebar --------------------------------------------------------------
 
 async function loadConversations(reset) {
-  const query = new URLSearchParams({ limit: "30" });
-  if (!reset && state.cursor) query.set("cursor", state.cursor);
-  const page = await state.api.json("GET", `/v1/conversations?${query}`);
   const list = $("conversation-list");
-  if (reset) list.replaceChildren(...page.data.map(sidebarItem)); // at once: no flicker
+  const shown = [...list.querySelectorAll("button")].map((b) => b.dataset.id);
+  // Read again (a reply ended, a chat renamed): as many as were listed, or the pages
+  // "Load more" had added went, and it had to be clicked again.
+  const rows = reset ? await firstConversations(shown.length) : await nextConversations();
+  if (reset) list.replaceChildren(...rows.map(sidebarItem)); // at once: no flicker
   else {
     // A page asked for before the list was reloaded (a reply ended) overlaps it.
-    const shown = new Set([...list.querySelectorAll("button")].map((b) => b.dataset.id));
-    list.append(...page.data.filter((c) => !shown.has(c.id)).map(sidebarItem));
+    const listed = new Set(shown);
+    list.append(...rows.filter((c) => !listed.has(c.id)).map(sidebarItem));
   }
-  state.cursor = page.next_cursor;
   $("more-conversations").hidden = !state.cursor;
   markCurrent();
-  const listed = state.conversation && page.data.find((c) => c.id === state.conversation.id);
-  if (listed) setTitle(listed.title); // renamed, or titled by the model, meanwhile
+  const current = state.conversation && rows.find((c) => c.id === state.conversation.id);
+  if (current) setTitle(current.title); // renamed, or titled by the model, meanwhile
+}
+
+async function conversationsPage(limit, cursor) {
+  const query = new URLSearchParams({ limit: String(limit) });
+  if (cursor) query.set("cursor", cursor);
+  const page = await state.api.json("GET", `/v1/conversations?${query}`);
+  state.cursor = page.next_cursor;
+  return page.data;
+}
+
+async function firstConversations(count) {
+  const rows = new Map(); // by id: a chat that moved up meanwhile is read twice
+  let cursor = null;
+  do {
+    const wanted = Math.min(MAX_PAGE, Math.max(PAGE, count - rows.size));
+    for (const c of await conversationsPage(wanted, cursor)) {
+      if (!rows.has(c.id)) rows.set(c.id, c);
+    }
+    cursor = state.cursor;
+  } while (cursor && rows.size < count);
+  return [...rows.values()];
+}
+
+async function nextConversations() {
+  return state.cursor ? conversationsPage(PAGE, state.cursor) : [];
 }
 
 // One page at a time: a double click asked for the same page twice, shown twice.
