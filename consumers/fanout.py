@@ -186,14 +186,15 @@ class TokenFanout(ConsumerRebalanceListener):  # type: ignore[misc]
     async def _hand_over(self, partition: int, subs: list[Subscription]) -> None:
         """Keep the open streams of a lost partition going with one reader, until each
         has ended (its final) or was dropped (its client's reply watch gave up). A
-        reader that fails (Kafka unreachable: often what moved the partition) is
-        started again from where each stream is: its streams have no other reader."""
+        reader that fails (Kafka unreachable: often what moved the partition; or
+        anything else) is started again from where each stream is: its streams have no
+        other reader."""
         waiting = {sub.request_id: sub for sub in subs}
         try:
             while waiting:
                 try:
                     await self._read_handed_over(partition, waiting)
-                except KafkaError as exc:
+                except Exception as exc:  # its streams have no other reader
                     log.warning(
                         "reading tokens partition %d for %d moved streams failed (%r); "
                         "again in %.0f s",
@@ -201,6 +202,7 @@ class TokenFanout(ConsumerRebalanceListener):  # type: ignore[misc]
                         len(waiting),
                         exc,
                         HANDOVER_RETRY_S,
+                        exc_info=not isinstance(exc, KafkaError),  # a bug's traceback
                     )
                     await asyncio.sleep(HANDOVER_RETRY_S)
                     waiting = self._still_followed(waiting)

@@ -156,8 +156,16 @@ async def test_a_stream_on_a_partition_given_back_goes_on_without_a_gap(
             assert (await sub.queue.get()).offset == 15
 
 
+@pytest.mark.parametrize(
+    "failure",
+    [
+        KafkaConnectionError("Unable to bootstrap from [('127.0.0.1', 9092)]"),
+        OSError(24, "Too many open files"),  # not a KafkaError: the reader's task just ended
+    ],
+    ids=["kafka-unreachable", "no-file-descriptors"],
+)
 async def test_a_hand_over_reader_that_fails_to_start_is_started_again(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, failure: Exception
 ) -> None:
     """Kafka unreachable when the partition moved (often what moved it): the reader
     failed, silently, and its streams got nothing until their watch gave up (150 s)."""
@@ -168,7 +176,7 @@ async def test_a_hand_over_reader_that_fails_to_start_is_started_again(
     async def reader(_: object, partition: int, offset: int) -> AsyncIterator[Feed]:
         started_at.append(offset)
         if len(started_at) == 1:
-            raise KafkaConnectionError("Unable to bootstrap from [('127.0.0.1', 9092)]")
+            raise failure
         yield handover
 
     monkeypatch.setattr(fanout_module, "partition_reader", reader)
