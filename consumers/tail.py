@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 
+import orjson
 from aiokafka import AIOKafkaConsumer
 
 
@@ -36,7 +36,7 @@ def line_of(topic: str, value: bytes | None) -> str | None:
     if value is None:
         return None
     try:
-        return describe(topic, json.loads(value))
+        return describe(topic, orjson.loads(value))  # nesting past 1024 is a ValueError
     except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
         return f"(not a {topic} event: {exc!r}) {value[:200]!r}"
 
