@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import math
 import time
 from typing import Annotated, Any
 
@@ -25,7 +26,11 @@ from tandoor.settings import TierPolicy
 
 DAYS = 7
 PAST_DAYS_KEPT = 60_000  # (user, day) sums a replica keeps, about 10 MB
-SETTLE_S = 600.0  # after a day's end, its last replies are stored by then
+# A day's rows are those of prompts made that day; some are stored much later (a batch
+# line waits in the lowest band up to its 24-hour window; persistence waits out a
+# Cassandra outage). Until FINAL_AFTER_S past its end, a day's sum is kept RECHECK_S.
+FINAL_AFTER_S = 2 * 86_400.0
+RECHECK_S = 600.0
 # Summed by Cassandra within the day's partition: one row back however busy the day.
 SELECT_DAY = (
     "SELECT count(*) AS requests, sum(CAST(prompt_tokens AS bigint)) AS prompt, "
@@ -64,24 +69,30 @@ class Usage(BaseModel):
 
 
 class PastDays:
-    """Days over (and settled: their last replies stored) are summed once a replica: the
+    """Days over are summed once a replica (for a while, then for good, as above): the
     page asks every 10 s, and each ask summed all seven days' rows (a busy api-tier user
     writes close to a million a day)."""
 
     def __init__(self, size: int = PAST_DAYS_KEPT) -> None:
-        self._sums: dict[tuple[str, dt.date], DayUsage] = {}
+        self._sums: dict[tuple[str, dt.date], tuple[DayUsage, float]] = {}  # sum, kept until
         self._size = size
 
     async def usage(self, session: Any, user_id: str, day: dt.date, now: float) -> DayUsage:
-        if (kept := self._sums.get((user_id, day))) is not None:
-            return kept
+        kept = self._sums.get((user_id, day))
+        if kept is not None and now < kept[1]:
+            return kept[0]
         summed = await day_usage(session, user_id, day)
-        settled_at = dt.datetime.combine(day + dt.timedelta(days=1), dt.time(), dt.UTC)
-        if now >= settled_at.timestamp() + SETTLE_S:
-            if len(self._sums) >= self._size:
-                del self._sums[next(iter(self._sums))]  # the oldest kept
-            self._sums[(user_id, day)] = summed
+        day_end = dt.datetime.combine(day + dt.timedelta(days=1), dt.time(), dt.UTC).timestamp()
+        if now >= day_end:
+            final = now >= day_end + FINAL_AFTER_S
+            self._keep((user_id, day), summed, math.inf if final else now + RECHECK_S)
         return summed
+
+    def _keep(self, key: tuple[str, dt.date], summed: DayUsage, until: float) -> None:
+        self._sums.pop(key, None)
+        if len(self._sums) >= self._size:
+            del self._sums[next(iter(self._sums))]  # the oldest kept
+        self._sums[key] = (summed, until)
 
 
 PAST_DAYS = PastDays()  # this replica's
