@@ -12,6 +12,7 @@ here needs Kafka or Cassandra: only the gateway and a key.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -167,7 +168,8 @@ class BatchClient:
     async def _file(self, file_id: str) -> list[dict[str, Any]]:
         response = await self._http.get(f"/files/{file_id}/content")
         _raise_for(response)
-        return [orjson.loads(raw) for raw in response.content.splitlines() if raw.strip()]
+        content = response.content.removeprefix(codecs.BOM_UTF8)  # an input file's, kept as sent
+        return [orjson.loads(raw) for raw in content.splitlines() if raw.strip()]
 
     async def _call(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
         response = await self._http.request(method, path, **kwargs)

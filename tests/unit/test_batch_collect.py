@@ -4,6 +4,7 @@ when a batch ends without answering every line, and what a refused create leaves
 
 from __future__ import annotations
 
+import codecs
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +101,21 @@ async def test_another_clients_custom_ids_are_numbered_by_position(tmp_path: Pat
     batch = {"status": "completed", "request_counts": counts(2, 2)}
     out = [answer("q-b", "B"), answer("q-a", "A")]
     api = BatchesStandIn(batch, ["q-a", "q-b"], out)
+    async with client(api) as c:
+        done = await c.collect("batch_1", tmp_path / "out.jsonl")
+    rows = [orjson.loads(r) for r in (tmp_path / "out.jsonl").read_bytes().splitlines()]
+    assert [(r["line"], r["text"]) for r in rows] == [(1, "A"), (2, "B")]
+    assert done.complete
+
+
+async def test_an_input_file_that_starts_with_a_byte_order_mark_is_collected(
+    tmp_path: Path,
+) -> None:
+    """The Batches API takes a file saved with a BOM (as Windows editors save UTF-8) and
+    keeps it as sent: collect read its first line as JSON and ended in a traceback."""
+    batch = {"status": "completed", "request_counts": counts(2, 2)}
+    api = BatchesStandIn(batch, ["q-a", "q-b"], [answer("q-a", "A"), answer("q-b", "B")])
+    api.files["file-in"] = codecs.BOM_UTF8 + api.files["file-in"].replace(b"\n", b"\r\n")
     async with client(api) as c:
         done = await c.collect("batch_1", tmp_path / "out.jsonl")
     rows = [orjson.loads(r) for r in (tmp_path / "out.jsonl").read_bytes().splitlines()]
