@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -20,14 +20,17 @@ Checks = Callable[[], Awaitable[dict[str, bool]]]  # dependency name -> usable
 CHECK_TIMEOUT_S = 2.0
 
 
-async def run_checks(checks: Checks) -> tuple[bool, dict[str, bool]]:
-    """All checks, each failing (not hanging) when a dependency does not answer."""
+async def run_checks(
+    checks: Checks, reported_only: Collection[str] = ()
+) -> tuple[bool, dict[str, bool]]:
+    """All checks, each failing (not hanging) when a dependency does not answer. Those
+    `reported_only` are shown but do not make the role unready (it serves without them)."""
     try:
         results = await asyncio.wait_for(checks(), CHECK_TIMEOUT_S)
     except Exception as exc:  # a check that raises is a dependency that is not usable
         log.warning("readiness check failed: %r", exc)
         return False, {"checks": False}
-    return all(results.values()), results
+    return all(ok for name, ok in results.items() if name not in reported_only), results
 
 
 def readiness_body(role: str, ready: bool, results: dict[str, bool]) -> dict[str, object]:
@@ -35,10 +38,17 @@ def readiness_body(role: str, ready: bool, results: dict[str, bool]) -> dict[str
 
 
 class OpsServer:
-    def __init__(self, role: str, registry: CollectorRegistry, checks: Checks) -> None:
+    def __init__(
+        self,
+        role: str,
+        registry: CollectorRegistry,
+        checks: Checks,
+        reported_only: Collection[str] = (),
+    ) -> None:
         self.role = role
         self._registry = registry
         self._checks = checks
+        self._reported_only = reported_only
         self._runner: web.AppRunner | None = None
 
     async def start(self, host: str, port: int) -> int:
@@ -68,6 +78,6 @@ class OpsServer:
         return web.json_response({"role": self.role, "status": "ok"})
 
     async def _ready(self, _: web.Request) -> web.Response:
-        ready, results = await run_checks(self._checks)
+        ready, results = await run_checks(self._checks, self._reported_only)
         body = readiness_body(self.role, ready, results)
         return web.json_response(body, status=200 if ready else 503)

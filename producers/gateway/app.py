@@ -15,7 +15,7 @@ from producers.gateway.errors import install_error_handlers
 from producers.gateway.metrics import gateway_metrics
 from producers.gateway.middleware import install_middleware
 from producers.gateway.openai_api.router import router as openai_router
-from producers.gateway.services import Services, open_services
+from producers.gateway.services import READY_WITHOUT, Services, open_services
 from producers.gateway.streaming import StreamSlots
 from producers.gateway.usage import router as usage_router
 from producers.gateway.web_page import install_page
@@ -35,7 +35,7 @@ def create_app(settings: Settings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        ops = OpsServer("gateway", registry, readiness)
+        ops = OpsServer("gateway", registry, readiness, READY_WITHOUT)
         async with open_services(settings, slots) as deps:
             app.state.services = deps
             await ops.start(settings.host, settings.gateway_metrics_port)
@@ -63,8 +63,9 @@ def create_app(settings: Settings) -> FastAPI:
 
     @app.get("/ready", tags=["health"])
     async def ready() -> JSONResponse:
-        """Readiness: Redis, Cassandra and Kafka usable, and not shutting down."""
-        ok, results = await run_checks(readiness)
+        """Readiness: Cassandra and Kafka usable, and not shutting down (Redis is shown:
+        without it the paid tiers are still served)."""
+        ok, results = await run_checks(readiness, READY_WITHOUT)
         return JSONResponse(readiness_body("gateway", ok, results), status_code=200 if ok else 503)
 
     return app

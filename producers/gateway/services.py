@@ -22,6 +22,7 @@ from producers.gateway.streaming import StreamSlots
 from producers.model_load import LoadMonitor
 from producers.prompts import PromptSubmitter
 from tandoor.clients import (
+    REDIS_DOWN,
     cassandra_cluster,
     kafka_producer,
     redis_client,
@@ -31,6 +32,12 @@ from tandoor.policies.api_keys import KeyStore
 from tandoor.policies.moderation import DefaultModerator
 from tandoor.policies.quota import Quotas
 from tandoor.settings import Settings
+
+# Checks shown on /ready that do not make the gateway unready: without Redis the paid
+# tiers are still served (docs/architecture.md, "When Redis is down"), and a probe that
+# failed on it took every replica out of the load balancer.
+READY_WITHOUT = frozenset({"redis"})
+REDIS_CHECK_S = 1.0  # under tandoor.ops.CHECK_TIMEOUT_S: a frozen Redis is named, not a hang
 
 
 @dataclass
@@ -47,11 +54,18 @@ class Services:
     async def readiness(self) -> dict[str, bool]:
         deps = self.chat.deps
         return {
-            "redis": bool(await deps.redis.ping()),
+            "redis": await _answers(deps.redis),
             "cassandra": any(host.is_up for host in self.cluster.metadata.all_hosts()),
             "kafka": deps.fanout.ready,
             "accepting": not deps.streams.draining.is_set(),
         }
+
+
+async def _answers(redis: Any) -> bool:
+    try:
+        return bool(await asyncio.wait_for(redis.ping(), REDIS_CHECK_S))
+    except (TimeoutError, *REDIS_DOWN):
+        return False
 
 
 @asynccontextmanager

@@ -49,8 +49,18 @@ async def test_redis_down_paid_tiers_are_served_and_the_free_tier_gets_a_503(
             stop = await post(stack, paid[0], "", path="stop")  # no in-flight record to read
             async with httpx.AsyncClient(base_url=stack.urls[0], timeout=60) as http:
                 usage = await http.get("/v1/usage", headers=paid[0].headers)
+                ready = await http.get("/ready")
         finally:
             await servers_back(stack.settings)
+        # Still in service: a probe that failed on Redis took every replica out of the
+        # load balancer, and the paid tiers it serves with them.
+        assert ready.status_code == 200, ready.text
+        assert ready.json()["checks"] == {
+            "redis": False,
+            "cassandra": True,
+            "kafka": True,
+            "accepting": True,
+        }
         assert refused.status_code == 503, refused.text
         assert refused.json()["error"]["type"] == "service_unavailable"
         assert int(refused.headers["Retry-After"]) >= 1
@@ -117,6 +127,10 @@ async def test_a_frozen_or_full_redis_is_down_for_the_tiers(
         async with failing(stack):
             await paid.chat(1)
             refused = await post(stack, free, "Am I served?") if free_refused else None
+            async with httpx.AsyncClient(base_url=stack.urls[0], timeout=60) as http:
+                ready = await http.get("/ready")  # a frozen Redis is named, not a hung check
+        assert ready.status_code == 200, ready.text
+        assert ready.json()["checks"]["redis"] is (failing is full)  # a full one answers pings
         if refused is not None:
             assert refused.status_code == 503, refused.text
             assert refused.json()["error"]["type"] == "service_unavailable"
