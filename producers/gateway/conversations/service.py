@@ -31,7 +31,7 @@ from producers.gateway.conversations.rows import (
 )
 from producers.gateway.errors import UNREACHABLE_RETRY_S, ApiError, not_found, unknown_model
 from schemas.events import MessageKey
-from tandoor.clients import CASSANDRA_DOWN, cql, cql_together
+from tandoor.clients import CASSANDRA_DOWN, cql, cql_pages, cql_together
 
 # A message up to this size goes in one batch with its conversation's rows; Cassandra
 # warns of batches over 5 KiB and refuses them over 50 KiB (a message may be 128 KB).
@@ -198,12 +198,19 @@ class ConversationService:
         (reading all of it, each failed API call read every call's conversation)."""
         conversation = await self._owned(user_id, conversation_id)
         since = min(conversation.created_at, conversation.updated_at) - CLOCK_SKEW
-        sidebar = await cql(
+        pages = cql_pages(
             self._session,
             "SELECT updated_at, conversation_id FROM conversations_by_user WHERE user_id = %s "
             "AND updated_at >= %s",
             (user_id, since),
         )
+        # A page at a time: since an old chat, a busy API user has many calls' rows.
+        kept = [
+            r.updated_at
+            async for page in pages
+            for r in page
+            if r.conversation_id == conversation_id
+        ]
         await cql_together(
             self._session,
             [
@@ -211,11 +218,7 @@ class ConversationService:
                     "DELETE FROM messages_by_conversation WHERE conversation_id = %s",
                     (conversation_id,),
                 ),
-                *(
-                    sidebar_row_deleted(user_id, row.updated_at, conversation_id)
-                    for row in sidebar
-                    if row.conversation_id == conversation_id
-                ),
+                *(sidebar_row_deleted(user_id, at, conversation_id) for at in kept),
                 ("DELETE FROM conversations WHERE conversation_id = %s", (conversation_id,)),
             ],
         )
