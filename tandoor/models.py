@@ -31,6 +31,12 @@ BUNDLED_MODELS = {
     "gemma3": "Gemma 3 270M (pretrained)",
 }
 BUNDLED_PREFIX = "bundled:"
+# Where each bundled model's folder is made, under the cache (versioned: a change of
+# recipe converts again instead of reusing).
+BUNDLED_FOLDERS = {
+    "smollm2": "smollm2-135m-instruct-bf16-v1",
+    "gemma3": "gemma3-270m-bf16-v1",
+}
 
 
 class Speculative(BaseModel):
@@ -134,3 +140,12 @@ def _with_source(name: str, config: Any) -> Any:
             )
         config = {**config, "display_name": config.get("display_name") or BUNDLED_MODELS[bundled]}
     return {**config, "source": source}
+
+
+def tokenizer_file(config: ModelConfig, cache_dir: Path) -> Path:
+    """Where the model's tokenizer.json is once its folder exists (a bundled model's is
+    made by `tandoor prepare-model`, or by its first worker)."""
+    if config.source.startswith(BUNDLED_PREFIX):
+        folder = BUNDLED_FOLDERS[config.source.removeprefix(BUNDLED_PREFIX)]
+        return cache_dir / "models" / folder / "tokenizer.json"
+    return Path(config.source) / "tokenizer.json"

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tandoor.models import BUNDLED_PREFIX
+from tandoor.models import BUNDLED_FOLDERS, BUNDLED_PREFIX
 from tandoor.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ GEMMA_END_OF_TURN = 106  # the token id of <end_of_turn>
 
 @dataclass(frozen=True)
 class BundledModel:
-    folder: str  # versioned: a change of recipe converts again instead of reusing
+    folder: str  # tandoor.models.BUNDLED_FOLDERS
     gguf: Callable[[Path], Path]  # the GGUF file, placed in the given scratch folder if need be
     chat_template: str | None = None  # None: the one in the GGUF
     stop_token_ids: list[int] = field(default_factory=list)  # beside the GGUF's EOS
@@ -80,9 +80,9 @@ def _gemma3_gguf(scratch: Path) -> Path:
 
 
 BUNDLED = {
-    "smollm2": BundledModel("smollm2-135m-instruct-bf16-v1", _smollm2_gguf),
+    "smollm2": BundledModel(BUNDLED_FOLDERS["smollm2"], _smollm2_gguf),
     "gemma3": BundledModel(
-        "gemma3-270m-bf16-v1",
+        BUNDLED_FOLDERS["gemma3"],
         _gemma3_gguf,
         chat_template=GEMMA_TEMPLATE,
         stop_token_ids=[GEMMA_END_OF_TURN],

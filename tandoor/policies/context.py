@@ -1,22 +1,34 @@
 """Context assembly: the system prompt, then as much history as fits, newest first.
 
-Token counts come from tiktoken (cl100k, shipped offline): an estimate of the served
-model's own count, with a per-message allowance for the chat template's markers and
-a safety margin, since the worker counts exactly and refuses what does not fit.
+Tokens are counted with the served model's own tokenizer (its tokenizer.json, read
+with `tokenizers`) where this machine has it, and otherwise estimated with tiktoken
+(cl100k, shipped offline). cl100k alone was far off for other models: a Korean or Thai
+chat took SmolLM2 up to twice the tokens it counted, so the worker refused the prompt
+at every turn, and Gemma a third to a half, so history that fitted was dropped. A
+per-message allowance covers the chat template's markers, and a safety margin the
+rest, since the worker counts exactly and refuses what does not fit.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 
 import tiktoken
+from tokenizers import Tokenizer
 
 from schemas.events import ChatMessage
 
+log = logging.getLogger(__name__)
+
 MESSAGE_OVERHEAD = 6  # role markers and separators of a typical chat template
-SAFETY_MARGIN = 0.9  # estimate vs the model's own tokenizer
+SAFETY_MARGIN = 0.9  # of what the reply leaves: the template, and cl100k's estimate
+LOOK_AGAIN_S = 30.0  # for a tokenizer not there yet (the model's first worker makes it)
 
 Counter = Callable[[str], int]
 
@@ -27,7 +39,56 @@ def _encoding() -> tiktoken.Encoding:
 
 
 def count_tokens(text: str) -> int:
+    """cl100k's count: the estimate where a model's own tokenizer is not at hand."""
     return len(_encoding().encode(text, disallowed_special=()))
+
+
+class ModelCounters:
+    """Each model's token counter: its own tokenizer once its file is found, cl100k
+    until then (looked for again every LOOK_AGAIN_S)."""
+
+    def __init__(
+        self, files: Mapping[str, Path], clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._files = dict(files)
+        self._found: dict[str, Counter] = {}
+        self._looked_at: dict[str, float] = {}
+        self._clock = clock
+
+    def counter(self, model: str) -> Counter:
+        if (found := self._found.get(model)) is not None:
+            return found
+        now = self._clock()
+        path = self._files.get(model)
+        if path is None or now < self._looked_at.get(model, -math.inf) + LOOK_AGAIN_S:
+            return count_tokens
+        first_look = model not in self._looked_at
+        self._looked_at[model] = now
+        tokenizer = _tokenizer(path) if path.is_file() else None
+        if tokenizer is None:
+            if first_look:
+                log.warning(
+                    "%s's tokens are estimated with cl100k: no tokenizer at %s", model, path
+                )
+            return count_tokens
+        log.info("%s's tokens are counted with its own tokenizer (%s)", model, path)
+        self._found[model] = found = _counter(tokenizer)
+        return found
+
+
+def _tokenizer(path: Path) -> Tokenizer | None:
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises plain Exceptions for a file it cannot read
+        log.warning("cannot read the tokenizer at %s: %s", path, exc)
+        return None
+
+
+def _counter(tokenizer: Tokenizer) -> Counter:
+    def count(text: str) -> int:
+        return len(tokenizer.encode(text, add_special_tokens=False).ids)
+
+    return count
 
 
 class ContextTooLong(ValueError):
@@ -62,8 +123,9 @@ def assemble(
     and the reply take at most `most_tokens` (a tier's minute of tokens) if given."""
     if not history:
         raise ValueError("history must end with the new message")
-    room = int(context_window * SAFETY_MARGIN)
-    budget = min(room, most_tokens if most_tokens is not None else room) - reply_tokens
+    budget = int(max(context_window - reply_tokens, 0) * SAFETY_MARGIN)
+    if most_tokens is not None:
+        budget = min(budget, most_tokens - reply_tokens)
     system = [ChatMessage(role="system", content=system_prompt)] if system_prompt else []
     used = sum(_cost(m, count) for m in [*system, history[-1]])
     if used > budget:

@@ -1,9 +1,18 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from schemas.events import ChatMessage
-from tandoor.policies.context import MESSAGE_OVERHEAD, ContextTooLong, assemble, count_tokens
+from tandoor.policies.context import (
+    LOOK_AGAIN_S,
+    MESSAGE_OVERHEAD,
+    ContextTooLong,
+    ModelCounters,
+    assemble,
+    count_tokens,
+)
 
 
 def words(n: int) -> str:
@@ -52,7 +61,8 @@ def test_a_message_that_cannot_fit_names_the_limits() -> None:
     with pytest.raises(ContextTooLong) as info:
         assemble("sys", [user(words(3000))], context_window=2048, reply_tokens=256)
     message = str(info.value)
-    assert "2048" in message and "256" in message and info.value.budget == 1587
+    assert "2048" in message and "256" in message
+    assert info.value.budget == int((2048 - 256) * 0.9)  # the margin is the prompt's alone
 
 
 def test_empty_history_is_refused() -> None:
@@ -64,3 +74,29 @@ def test_tiktoken_counts_offline() -> None:
     assert count_tokens("Hello world") == 2
     assert count_tokens("") == 0
     assert count_tokens("<|endoftext|>") > 1  # special tokens are counted as text
+
+
+def test_a_reply_that_takes_most_of_the_window_leaves_the_rest_to_the_message() -> None:
+    """The margin came off the whole window: "hi" with max_tokens 2000 in 2048 was a
+    413 ("only 0 fit"), though the engine takes it."""
+    context = assemble("sys", [user("hi")], context_window=2048, reply_tokens=2000)
+    assert [m.content for m in context.messages] == ["sys", "hi"]
+
+
+def test_a_models_own_tokenizer_is_used_once_it_is_there(tmp_path: Path) -> None:
+    """A bundled model's tokenizer is written by its first worker, maybe after the
+    gateway started: until then cl100k, then the model's own count."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    path = tmp_path / "tokenizer.json"
+    now = [0.0]
+    counters = ModelCounters({"m": path}, clock=lambda: now[0])
+    assert counters.counter("m") is count_tokens
+    assert counters.counter("other") is count_tokens
+    one_per_character = Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
+    one_per_character.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    one_per_character.save(str(path))
+    now[0] = LOOK_AGAIN_S - 1
+    assert counters.counter("m") is count_tokens  # not looked for again yet
+    now[0] = LOOK_AGAIN_S
+    assert counters.counter("m")("hello world") == len("hello world")

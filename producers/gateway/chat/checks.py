@@ -9,8 +9,9 @@ from collections.abc import Sequence
 from producers.gateway.chat.protocol import ReplyOptions
 from producers.gateway.errors import ApiError, unavailable
 from schemas.events import ChatMessage
+from tandoor.models import tokenizer_file
 from tandoor.policies.api_keys import Principal
-from tandoor.policies.context import Context, ContextTooLong, assemble
+from tandoor.policies.context import Context, ContextTooLong, Counter, ModelCounters, assemble
 from tandoor.policies.moderation import Moderator, Verdict
 from tandoor.policies.quota import Admission, QuotaExceeded, Quotas, QuotaUnavailable
 from tandoor.settings import Settings
@@ -23,6 +24,12 @@ class ReplyChecks:
         self.settings = settings
         self.moderator = moderator
         self.quotas = quotas
+        self.counters = ModelCounters(
+            {
+                name: tokenizer_file(model, settings.cache_dir)
+                for name, model in settings.models.items()
+            }
+        )
 
     async def moderated(self, content: str, param: str = "content") -> str:
         """The message as the model may see it (redacted), or a 400 naming a blocked term
@@ -82,9 +89,14 @@ class ReplyChecks:
         API client sends the whole context itself, system prompt included: if it does
         not fit, it is refused, never silently cut."""
         system = None if client_context else self.settings.system_prompt
-        if summary and not client_context:
-            system = f"{system or ''}\n\nSummary of the earlier conversation: {summary}".strip()
         window = self.settings.models[model].max_model_len
+        if max_tokens >= window and not client_context:
+            raise ApiError(
+                400,
+                f"max_tokens {max_tokens} leaves no room for the message in {model}'s "
+                f"{window}-token context window",
+                param="max_tokens",
+            )
         too_long = ApiError(  # OpenAI's answer to a context that does not fit
             400,
             f"context_length_exceeded: the messages and max_tokens {max_tokens} need more "
@@ -95,8 +107,9 @@ class ReplyChecks:
         )
         per_minute = None if tier is None else self.settings.tiers[tier].tokens_per_minute
         most = None if client_context else per_minute
+        count = self.counters.counter(model)
         try:
-            context = assemble(system, asked, window, max_tokens, most_tokens=most)
+            context = _with_summary(system, summary, asked, window, max_tokens, most, count)
         except ContextTooLong as exc:
             if client_context:
                 raise too_long from exc
@@ -142,3 +155,24 @@ class ReplyChecks:
                 headers={"Retry-After": str(exc.retry_after_s)},
                 code="rate_limit_exceeded",
             ) from exc
+
+
+def _with_summary(
+    system: str | None,
+    summary: str | None,
+    asked: list[ChatMessage],
+    window: int,
+    max_tokens: int,
+    most: int | None,
+    count: Counter,
+) -> Context:
+    """With the summary of earlier turns after the system prompt, or without it when the
+    new message leaves it no room: it stands for history, which goes first (kept, it
+    made a message that fits a 413)."""
+    if summary:
+        with_it = f"{system or ''}\n\nSummary of the earlier conversation: {summary}".strip()
+        try:
+            return assemble(with_it, asked, window, max_tokens, count, most)
+        except ContextTooLong:
+            pass
+    return assemble(system, asked, window, max_tokens, count, most)
