@@ -86,7 +86,8 @@ async def open_services(settings: Settings, slots: StreamSlots) -> AsyncIterator
         conversations = ConversationService(session, settings.served_models)
         submitter = PromptSubmitter(settings, producer)
         quotas, moderator = Quotas(cache), DefaultModerator(settings.moderation_blocklist)
-        jobs = ConversationJobs(fanout, submitter, conversations, cache, moderator)
+        checks = ReplyChecks(settings, moderator, quotas)
+        jobs = ConversationJobs(fanout, submitter, conversations, cache, checks)
         stack.push_async_callback(jobs.stop)
         chat = ChatService(
             ChatDeps(
@@ -97,7 +98,7 @@ async def open_services(settings: Settings, slots: StreamSlots) -> AsyncIterator
                 submitter=submitter,
                 redis=cache,
                 quotas=quotas,
-                checks=ReplyChecks(settings, moderator, quotas),
+                checks=checks,
                 router=ModelRouter(settings, load.load),
                 streams=slots,
                 jobs=jobs,

@@ -110,3 +110,43 @@ async def test_a_long_reply_leaves_the_rest_of_the_window_to_the_message(
     with pytest.raises(ApiError) as refused:
         checks(settings).context("smollm2", hi, 2048, client_context=False)
     assert (refused.value.status, refused.value.param) == (400, "max_tokens")
+
+
+@pytest.mark.parametrize(
+    ("kind", "turns"),
+    [
+        ("title", [("user", "请用中文详细解释" * 100), ("assistant", "好的" * 128)]),
+        ("summary", [("assistant" if i % 2 else "user", "word " * 300) for i in range(12)]),
+    ],
+)
+async def test_a_title_or_summary_prompt_fits_the_window(
+    settings: Settings, kind: str, turns: list[tuple[str, str]]
+) -> None:
+    """A job's transcript had no budget: a long Chinese first question made a title
+    prompt the worker refused (the chat kept its provisional title), and twelve long
+    turns a summary prompt refused, each later job covering more."""
+    from producers.gateway.chat.jobs import (
+        SUMMARY_INSTRUCTION,
+        SUMMARY_TOKENS,
+        TITLE_INSTRUCTION,
+        TITLE_TOKENS,
+        transcript,
+    )
+
+    instruction, max_tokens = {
+        "title": (TITLE_INSTRUCTION, TITLE_TOKENS),
+        "summary": (SUMMARY_INSTRUCTION, SUMMARY_TOKENS),
+    }[kind]
+    engine = await renderer(settings, "smollm2")
+    job_checks = checks(settings)
+    content = transcript(
+        turns, None, lambda text: job_checks.fits("smollm2", instruction, text, max_tokens)
+    )
+    prompt = [
+        ChatMessage(role="system", content=instruction),
+        ChatMessage(role="user", content=content),
+    ]
+    assert (
+        len(engine.render_prompt(prompt)) + max_tokens <= settings.models["smollm2"].max_model_len
+    )
+    assert content.splitlines()[-1].startswith("Assistant: ")  # the newest turn is there

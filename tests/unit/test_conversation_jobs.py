@@ -29,3 +29,15 @@ def test_a_long_answer_is_cut_to_fit() -> None:
 def test_a_transcript_starts_from_the_previous_summary() -> None:
     text = transcript([("user", "Hi"), ("assistant", "Hello")], previous_summary="We met.")
     assert text == "Earlier: We met.\nUser: Hi\nAssistant: Hello"
+
+
+def test_a_transcript_too_long_for_the_window_is_shortened_then_its_oldest_turns_left_out() -> None:
+    turns = [("user", f"q{i} " + "x" * 2000) for i in range(30)]
+    short = transcript(turns, "We met.", fits=lambda text: len(text) <= 20_000)
+    assert len(short) <= 20_000 and short.startswith("Earlier: We met.\nUser: q0 ")
+    assert all(len(line) <= len("Assistant: ") + 1500 for line in short.splitlines())
+    fewer = transcript(turns, "We met.", fits=lambda text: len(text) <= 1_000)
+    assert len(fewer) <= 1_000 and fewer.startswith("Earlier: We met.\n")
+    assert fewer.splitlines()[-1].startswith("User: q29 x")  # the newest turn stays
+    kept = [line.split()[1] for line in fewer.splitlines()[1:]]
+    assert kept == [f"q{i}" for i in range(30 - len(kept), 30)], kept  # no gap

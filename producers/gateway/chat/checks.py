@@ -120,6 +120,17 @@ class ReplyChecks:
             raise too_long
         return context
 
+    def fits(self, model: str, system: str, content: str, max_tokens: int) -> bool:
+        """Whether a prompt of `system` and one user message fits the model's window with
+        `max_tokens` for the reply (a background job's, which nothing cuts for it)."""
+        window = self.settings.models[model].max_model_len
+        message = [ChatMessage(role="user", content=content)]
+        try:
+            assemble(system, message, window, max_tokens, self.counters.counter(model))
+        except ContextTooLong:
+            return False
+        return True
+
     def affordable(self, tier: str, tokens: int) -> None:
         """A request above the tier's whole minute of tokens never fits: a 413 now, not
         a 429 retried forever (nor a batch line held back for good)."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +23,7 @@ import redis.asyncio as aioredis
 from aiokafka.errors import KafkaError
 
 from consumers.fanout import TokenFanout
+from producers.gateway.chat.checks import ReplyChecks
 from producers.gateway.conversations.protocol import (
     AUTO_TITLE_CHARS,
     Conversation,
@@ -40,7 +41,6 @@ from schemas.events import (
     Sampling,
     now_ms,
 )
-from tandoor.policies.moderation import Moderator
 from tandoor.policies.redis_keys import TITLED_TTL_S, titled_key
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,10 @@ SUMMARY_INSTRUCTION = (
     "Summarize this conversation in at most five sentences, keeping names, facts and "
     "decisions the user may refer to later."
 )
+TITLE_TOKENS = 16
+SUMMARY_TOKENS = 160
 EXCERPT_CHARS = 1500  # of each message, in a job's prompt
+SHORTEST_EXCERPT = 90  # shortened to fit the model's window (halved from EXCERPT_CHARS)
 
 
 def clean_title(text: str) -> str | None:
@@ -67,9 +70,33 @@ def clean_title(text: str) -> str | None:
     return line[:AUTO_TITLE_CHARS].strip() or None
 
 
-def transcript(turns: list[tuple[str, str]], previous_summary: str | None = None) -> str:
+def transcript(
+    turns: list[tuple[str, str]],
+    previous_summary: str | None = None,
+    fits: Callable[[str], bool] = lambda _: True,
+) -> str:
+    """The turns as a job is shown them, made to fit the model's window: each excerpt
+    shortened, then the oldest turns left out. Unfitted, twelve turns made a summary
+    prompt the worker refused, and each later job covered more: none ever ran again."""
+    excerpt = EXCERPT_CHARS
+    while excerpt > SHORTEST_EXCERPT and not fits(_lines(turns, previous_summary, excerpt)):
+        excerpt //= 2
+    text = _lines(turns, previous_summary, excerpt)
+    if fits(text) or len(turns) < 2:
+        return text
+    low, high = 1, len(turns) - 1  # the fewest oldest turns to leave out: the newest one stays
+    while low < high:
+        middle = (low + high) // 2
+        if fits(_lines(turns[middle:], previous_summary, excerpt)):
+            high = middle
+        else:
+            low = middle + 1
+    return _lines(turns[low:], previous_summary, excerpt)
+
+
+def _lines(turns: list[tuple[str, str]], previous_summary: str | None, excerpt: int) -> str:
     lines = [f"Earlier: {previous_summary}"] if previous_summary else []
-    lines += [f"{role.capitalize()}: {text[:EXCERPT_CHARS]}" for role, text in turns]
+    lines += [f"{role.capitalize()}: {text[:excerpt]}" for role, text in turns]
     return "\n".join(lines)
 
 
@@ -89,13 +116,14 @@ class ConversationJobs:
         submitter: PromptSubmitter,
         conversations: ConversationService,
         redis: aioredis.Redis,
-        moderator: Moderator,
+        checks: ReplyChecks,
     ) -> None:
         self.fanout = fanout
         self.submitter = submitter
         self.conversations = conversations
         self.redis = redis
-        self.moderator = moderator
+        self.checks = checks
+        self.moderator = checks.moderator
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def after_reply(
@@ -156,8 +184,12 @@ class ConversationJobs:
         self, user_id: str, conversation: Conversation, questions: list[str | None], answer: str
     ) -> None:
         asked = list(dict.fromkeys(q for q in questions if q))  # the first and this reply's
-        exchange = transcript([*(("user", q) for q in asked), ("assistant", answer)])
-        job = PromptJob("title", f"title_{conversation.id}", TITLE_INSTRUCTION, exchange, 16)
+        turns = [*(("user", q) for q in asked), ("assistant", answer)]
+        fits = self._fits(conversation.model, TITLE_INSTRUCTION, TITLE_TOKENS)
+        exchange = await asyncio.to_thread(transcript, turns, None, fits)
+        job = PromptJob(
+            "title", f"title_{conversation.id}", TITLE_INSTRUCTION, exchange, TITLE_TOKENS
+        )
         text = await self._ask(job, conversation, user_id)
         title = clean_title(text or "")
         current = await self.conversations.owned(user_id, conversation.id)
@@ -173,12 +205,14 @@ class ConversationJobs:
         over_stale: bool,
     ) -> None:
         until = turns[-1].created_at
+        fits = self._fits(conversation.model, SUMMARY_INSTRUCTION, SUMMARY_TOKENS)
+        lines = [(m.role, m.content) for m in turns]
         job = PromptJob(
             "summary",
             f"summary_{conversation.id}_{int(until.timestamp() * 1000)}",
             SUMMARY_INSTRUCTION,
-            transcript([(m.role, m.content) for m in turns], previous),
-            160,
+            await asyncio.to_thread(transcript, lines, previous, fits),
+            SUMMARY_TOKENS,
         )
         text = await self._ask(job, conversation, user_id)
         if not text or not text.strip():
@@ -188,6 +222,9 @@ class ConversationJobs:
         if any(m.status == "replaced" and m.id in summarized for m in now.messages):
             return  # an edit took those turns out while the job ran
         await self.conversations.set_summary(conversation.id, text.strip(), until, over_stale)
+
+    def _fits(self, model: str, instruction: str, max_tokens: int) -> Callable[[str], bool]:
+        return lambda content: self.checks.fits(model, instruction, content, max_tokens)
 
     async def _ask(self, job: PromptJob, conversation: Conversation, user_id: str) -> str | None:
         """The model's answer to a job, or None (it failed, or took too long)."""
