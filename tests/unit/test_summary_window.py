@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 
-from producers.gateway.chat.history import after_summary
+from producers.gateway.chat.history import after_summary, left_out_for_good
 from producers.gateway.conversations.protocol import ConversationWithMessages, Message
 
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
@@ -55,3 +55,12 @@ def test_a_summary_of_turns_an_edit_replaced_is_not_used() -> None:
     stale = opened("They gave their card number.", until=4)  # m4 was replaced
     summary, turns = after_summary(stale)
     assert summary is None and [m.id for m in turns] == ["m1", "m2", "m3", "m5"]
+
+
+def test_turns_cut_by_a_fallbacks_window_are_not_summarized_for_good() -> None:
+    """Shed to a fallback with a smaller window, a chat's older turns were summarized,
+    and left out of its own model's larger window ever after."""
+    turns = opened(None, None).messages
+    assert left_out_for_good(turns, 2, answering="big", conversation_model="big") == turns[:2]
+    assert left_out_for_good(turns, 2, answering="small", conversation_model="big") == []
+    assert left_out_for_good(turns, 0, answering="big", conversation_model="big") == []

@@ -31,6 +31,15 @@ def after_summary(opened: ConversationWithMessages) -> tuple[str | None, list[Me
     return (opened.summary if until else None), turns
 
 
+def left_out_for_good(
+    turns: list[Message], dropped: int, answering: str, conversation_model: str
+) -> list[Message]:
+    """The oldest `dropped` turns, which no longer fit the context: summarized for next
+    time. None when a fallback answered under load: cut to its window (maybe smaller),
+    they were summarized for good, and left out of the conversation's own model too."""
+    return turns[:dropped] if answering == conversation_model else []
+
+
 def summary_is_stale(opened: ConversationWithMessages) -> bool:
     until = opened.summary_until
     return until is not None and any(

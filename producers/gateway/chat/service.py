@@ -23,6 +23,7 @@ from producers.gateway.chat.control import ReplyControl
 from producers.gateway.chat.history import (
     after_summary,
     as_chat,
+    left_out_for_good,
     summary_is_stale,
     usable,
     visible,
@@ -108,8 +109,8 @@ class ChatService:
             summary=summary,
             names_it=names_it,
         )
-        if reply.dropped:  # older turns no longer fit: summarized for next time
-            dropped = turns[: reply.dropped]
+        dropped = left_out_for_good(turns, reply.dropped, reply.model, conversation.model)
+        if dropped:
             stale = summary_is_stale(opened)
             self.deps.jobs.after_context_cut(caller.user_id, conversation, summary, dropped, stale)
         return reply
