@@ -11,6 +11,8 @@ import time
 from collections.abc import Awaitable, Callable
 from functools import partial
 
+from aiokafka.errors import KafkaError
+
 from producers.admission.answers import UNREACHABLE
 from producers.admission.band_room import BandRoom
 from producers.admission.fairness import FairQueue
@@ -39,6 +41,7 @@ class Forwarding(LineSteps):
     _arrived: asyncio.Event
     _charged: dict[str, Admission]  # by request id: lines charged, not yet out
     _too_large: dict[str, str]  # by request id: Kafka refused it, its 413 not yet out
+    _unwritable_until: dict[str, float]  # by model: its topic refused a line
 
     async def _forward_lines(self) -> None:
         swept_at = 0.0
@@ -47,7 +50,7 @@ class Forwarding(LineSteps):
                 more = await self._answer_unrunnable()
                 swept_at = 0.0 if more else time.monotonic()  # more: after this pass
             for model, queue in self.queues.items():
-                room, unsent = self.band.room(model), 0
+                room, unsent = self.band.room(model) if self._writable(model) else 0, 0
                 # Lines answered instead (cancelled, expired, key revoked) or held by a
                 # quota are bounded per pass too: 50,000 of a cancelled batch, answered
                 # one by one, held up the sweep and every other model for minutes.
@@ -64,6 +67,11 @@ class Forwarding(LineSteps):
             self._arrived.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._arrived.wait(), POLL_S)
+
+    def _writable(self, model: str) -> bool:
+        """Not refused by Kafka in the last RETRY_S: retried in the same loop, one line
+        of a topic that refuses writes held up every model's lines, and the sweep."""
+        return time.monotonic() >= self._unwritable_until.get(model, 0.0)
 
     async def _answer_unrunnable(self) -> bool:
         """Waiting lines of a cancelled batch or past their deadline, answered now
@@ -114,6 +122,11 @@ class Forwarding(LineSteps):
         except PromptTooLarge as exc:  # refused on every try: answered, never retried
             self._too_large[prompt.request_id] = f"{exc}; shorten the messages"
             await self._answer_instead(queue, tenant, waiting)  # refunded
+            return False
+        except KafkaError as exc:  # its own topic (no leader, an ACL): its lines wait alone
+            log.warning("%s: its topic refused %s (%r)", prompt.model, prompt.request_id, exc)
+            queue.put_back(tenant, waiting, time.monotonic() + RETRY_S)  # charge kept
+            self._unwritable_until[prompt.model] = time.monotonic() + RETRY_S
             return False
         self._charged.pop(prompt.request_id, None)
         await self._mark(prompt.request_id, waiting.position)

@@ -113,6 +113,7 @@ class Admission(Forwarding, ConsumerRebalanceListener):  # type: ignore[misc]
         self._arrived = asyncio.Event()
         self._charged: dict[str, QuotaAdmission] = {}
         self._too_large: dict[str, str] = {}
+        self._unwritable_until: dict[str, float] = {}
         self._revokes = 0  # a record read before the latest revoke is its new owner's
         self._stopping = asyncio.Event()
         self._cluster: Cluster | None = None

@@ -11,6 +11,7 @@ from functools import partial
 from typing import Any, cast
 from unittest.mock import patch
 
+from aiokafka.errors import KafkaTimeoutError
 from aiokafka.structs import ConsumerRecord
 from cassandra.cluster import NoHostAvailable
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -339,3 +340,55 @@ async def test_a_line_admitted_uncounted_carries_nothing_to_settle() -> None:
     assert sent.charged_tokens == 0
     submitter, _, _, _ = await forward_once(Valid())
     assert submitter.prompts[0].charged_tokens == 40  # counted: its estimate, to settle
+
+
+class NothingCancelled(StandInMarks):
+    async def cancelled(self, owner: str, batch_id: str | None) -> bool:
+        return False
+
+
+class OneTopicUnwritable:
+    """Kafka refuses one model's topic (no leader for its partitions, too few of them,
+    an ACL) and takes the other's."""
+
+    def __init__(self, unwritable: str) -> None:
+        self.unwritable = unwritable
+        self.tried: list[str] = []
+        self.sent: list[str] = []
+        self.other_sent = asyncio.Event()
+
+    async def submit(self, prompt: PromptRequest) -> None:
+        self.tried.append(prompt.model)
+        if prompt.model == self.unwritable:
+            raise KafkaTimeoutError()
+        self.sent.append(prompt.request_id)
+        self.other_sent.set()
+
+
+async def test_a_model_whose_topic_refuses_writes_holds_up_only_its_own_lines() -> None:
+    """Its line was retried every second, for ever, in the one loop that forwards every
+    model's lines and sweeps cancelled batches: the other model's lines, and cancels,
+    waited as long."""
+    admission = Admission(Settings())
+    first, second = admission.settings.served_models[:2]
+    submitter = OneTopicUnwritable(first)
+    admission.marks, admission.answers = cast(Any, NothingCancelled()), cast(Any, Answers())
+    admission.submitter, admission.band = cast(Any, submitter), cast(Any, Room())
+    admission.quotas, admission.callers = cast(Any, AdmitsAll()), cast(Any, Valid())
+    admission._why_unrun = lambda waiting: _none()  # type: ignore[method-assign]
+    for n, model in enumerate((first, second)):
+        prompt = batch_prompt(admission).model_copy(
+            update={"request_id": f"bl_{model}", "model": model}
+        )
+        admission.queued.add(prompt.request_id, f"0:{n}")
+        admission.queues[model].push("u", Waiting(0, n, prompt), 0.0)
+    forwarding = asyncio.create_task(admission._forward_lines())
+    try:
+        await asyncio.wait_for(submitter.other_sent.wait(), 10)  # a failure guard only
+    finally:
+        admission.request_stop()
+        await forwarding
+        await admission.consumer.stop()  # never started: closed for their finalizers
+        await admission.producer.stop()
+    assert submitter.sent == [f"bl_{second}"]
+    assert admission.queues[first].size == 1, "the refused line is kept, to go later"
