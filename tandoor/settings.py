@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import difflib
+import os
+from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -15,6 +18,18 @@ from tandoor import PROJECT_ROOT
 from tandoor.models import BUNDLED_MODELS, BUNDLED_PREFIX, ModelConfig, parse_models
 
 MAX_USER_FILE_BYTES = 4 * 1024**3
+Port = Annotated[int, Field(ge=0, le=65535)]  # 0: a free one (the ops and metrics ports)
+# TANDOOR_* variables that are not settings: the batch client's (`tandoor batch`), the
+# set-up command's engine choice, and the tests' seeds.
+OTHER_VARIABLES = frozenset(
+    {
+        "TANDOOR_API_KEY",
+        "TANDOOR_API_URL",
+        "TANDOOR_ENGINE",
+        "TANDOOR_TEST_SEED",
+        "TANDOOR_CHAOS_SEED",
+    }
+)
 
 
 class Band(BaseModel):
@@ -106,15 +121,15 @@ class Settings(BaseSettings):
     cache_dir: Path = Path.home() / ".cache" / "tandoor"
 
     host: str = "127.0.0.1"
-    kafka_port: int = 9092
-    kafka_controller_port: int = 9093
+    kafka_port: Port = 9092
+    kafka_controller_port: Port = 9093
     kafka_heap: str = "512m"
-    cassandra_port: int = 9042
-    cassandra_storage_port: int = 7000
+    cassandra_port: Port = 9042
+    cassandra_storage_port: Port = 7000
     cassandra_heap: str = "1G"  # -Xms is 256M: G1 grows only as needed
     # Not 6379: Debian's redis-server package (bootstrap installs it) starts a service
     # there, and a taken port stops the stack.
-    redis_port: int = 6380
+    redis_port: Port = 6380
     start_timeout_s: float = 180.0
 
     keyspace: str = Field(default="tandoor", pattern=r"^[a-z][a-z0-9_]{0,47}$")  # CQL's rule
@@ -157,12 +172,12 @@ class Settings(BaseSettings):
     worker_top_band_share: float = Field(default=0.25, ge=0, lt=1)
     # Each role's /metrics, /health and /ready (the streams app serves them on its web
     # port); 0 picks a free port, logged as "<role> metrics on http://...".
-    worker_metrics_port: int = 9400
-    gateway_metrics_port: int = 9401
-    persist_metrics_port: int = 9402
+    worker_metrics_port: Port = 9400
+    gateway_metrics_port: Port = 9401
+    persist_metrics_port: Port = 9402
     log_format: Literal["text", "json"] = "text"  # json: one object per line
     # The HTTP gateway.
-    gateway_port: int = 8000
+    gateway_port: Port = 8000
     gateway_group: str = "gateway"  # replicas share `tokens` as one consumer group
     system_prompt: str | None = "You are a helpful assistant. Answer briefly."
     reply_max_tokens: int = Field(default=512, ge=1)
@@ -195,7 +210,7 @@ class Settings(BaseSettings):
 
     # The streams app (faust): its id names its group and internal topics.
     streams_app_id: str = "tandoor-streams"
-    streams_web_port: int = 6066  # rollups over HTTP
+    streams_web_port: Port = 6066  # rollups over HTTP
     # The usage records it rolls up (a benchmark points it at a topic of its own).
     streams_usage_topic: str = "usage"
     # The bearer token GET /rollups/... requires; unset, rollups are not served over HTTP
@@ -214,7 +229,7 @@ class Settings(BaseSettings):
 
     # The admission role: batch lines from `batch.requests` into the batch band.
     admission_group: str = "admission"
-    admission_metrics_port: int = 9403
+    admission_metrics_port: Port = 9403
     # Batch-band prompts each worker of a model may have queued or running (None: a
     # quarter of the model's max_num_seqs); beyond that lines wait in admission,
     # interleaved fairly between tenants, not in Kafka. Deeper keeps more of an engine
@@ -255,6 +270,8 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _consistent(self) -> Settings:
+        if unknown := unknown_variables(os.environ):
+            raise ValueError("; ".join(unknown))
         names = [band.name for band in self.bands]
         if len(set(names)) != len(names):
             raise ValueError(f"band names must be unique, got {names}")
@@ -291,6 +308,20 @@ class Settings(BaseSettings):
     @property
     def redis_url(self) -> str:
         return f"redis://{self.host}:{self.redis_port}/0"
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[str]:
+    """A problem for each TANDOOR_* variable that names no setting (names are read as
+    in any case, as pydantic-settings reads them): misspelt, it was ignored unsaid."""
+    known = {f"TANDOOR_{name.upper()}" for name in Settings.model_fields}
+    problems = []
+    for name in sorted(n.upper() for n in environ if n.upper().startswith("TANDOOR_")):
+        if name.split("__")[0] in known or name in OTHER_VARIABLES:
+            continue
+        close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
+        meant = f" (did you mean {close[0]}?)" if close else ""
+        problems.append(f"{name}: no such setting{meant}")
+    return problems
 
 
 @lru_cache(maxsize=1)

@@ -50,3 +50,36 @@ def test_cassandra_reads_and_writes_at_a_quorum() -> None:
     miss a write that one replica had taken (a batch created, then 404)."""
     cluster = cassandra_cluster(Settings())
     assert cluster.profile_manager.default.consistency_level == ConsistencyLevel.LOCAL_QUORUM
+
+
+@pytest.mark.parametrize(
+    ("name", "hint"),
+    [
+        ("TANDOOR_GATEWAY_DRAIN", "did you mean TANDOOR_GATEWAY_DRAIN_S?"),
+        ("TANDOOR_KAFKA_BOOTSTRAP", "no such setting"),  # a name other tools use
+        ("tandoor_redis_prot", "did you mean TANDOOR_REDIS_PORT?"),
+    ],
+)
+def test_a_misspelt_setting_is_refused_with_the_one_meant(
+    monkeypatch: pytest.MonkeyPatch, name: str, hint: str
+) -> None:
+    """Ignored: the drain stayed 30 s, the port its default, and nothing said so."""
+    monkeypatch.setenv(name, "90")
+    with pytest.raises(ValidationError, match="no such setting") as refused:
+        Settings()
+    assert name.upper() in str(refused.value) and hint in str(refused.value)
+
+
+def test_variables_of_the_other_tools_are_not_settings_and_pass(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name in ("TANDOOR_API_KEY", "TANDOOR_API_URL", "TANDOOR_ENGINE", "TANDOOR_TEST_SEED"):
+        monkeypatch.setenv(name, "1")
+    Settings()  # not refused
+
+
+@pytest.mark.parametrize("port", ["kafka_port", "gateway_port", "worker_metrics_port"])
+@pytest.mark.parametrize("value", [-1, 70_000])
+def test_a_port_outside_the_range_is_refused(port: str, value: int) -> None:
+    with pytest.raises(ValidationError, match=port):
+        Settings(**{port: value})
