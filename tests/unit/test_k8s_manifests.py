@@ -312,3 +312,22 @@ def test_strict_schemas_refuse_unknown_fields_but_keep_open_maps() -> None:
     assert not validator.is_valid({"sise": 3})
     assert not validator.is_valid({"size": 1.5})
     json.dumps(schema)  # plain data: nothing left that jsonschema cannot read
+
+
+CLOSE_S = 10  # a role's own close after its drain: producer flush, LeaveGroup, sessions
+
+
+def test_each_roles_grace_period_covers_its_own_shutdown(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gateway's was 45 s for a 10 s preStop pause, 2 s unready and a 30 s drain:
+    3 s left to close, and a replica killed before its LeaveGroup left its `tokens`
+    partitions unread until the group's session timed out."""
+    for workload, container in tandoor_containers():
+        pod, settings = pod_spec(workload), role_settings(container, monkeypatch)
+        pause = container.get("lifecycle", {}).get("preStop", {}).get("sleep", {}).get("seconds", 0)
+        role = container["command"][1]
+        own = {
+            "gateway": settings.gateway_unready_s + settings.gateway_drain_s,
+            "worker": settings.worker_grace_s,
+        }.get(role, 0)
+        needed = pause + own + CLOSE_S
+        assert pod.get("terminationGracePeriodSeconds", 30) >= needed, (role, needed)  # k8s: 30
