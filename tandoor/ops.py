@@ -60,7 +60,14 @@ class OpsServer:
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as exc:  # one line, at start, not a traceback
+            raise SystemExit(
+                f"{self.role}: cannot serve /metrics, /health and /ready on {host} port "
+                f"{port}: {exc.strerror or exc} (the role's *_METRICS_PORT or "
+                "STREAMS_WEB_PORT setting; 0 picks a free one)"
+            ) from None
         bound = int(self._runner.addresses[0][1])
         log.info("%s metrics on http://%s:%d/metrics", self.role, host, bound)
         return bound

@@ -64,14 +64,22 @@ class Worker:
         self._tracked: dict[str, Tracked] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._stopping = asyncio.Event()
+        self._joined = False  # start() went as far as joining the group
         self._failure: BaseException | None = None
         self._resources = contextlib.AsyncExitStack()  # what start() opened, closed in reverse
         self.ops = OpsServer("worker", self.metrics.registry, self._readiness)
 
     async def start(self) -> None:
+        # Its port first: taken, that is said at once, not after minutes of loading and
+        # a join of the group (a rebalance for every worker of the model).
+        await self.ops.start(self.settings.host, self.settings.worker_metrics_port)
+        self._resources.push_async_callback(self.ops.close)
         self._resources.push_async_callback(self._redis.aclose)
         self._engine = await Engine.start(self.options)
         self._resources.push_async_callback(self._engine.shutdown)
+        if self._stopping.is_set():  # asked while loading: joining now is two rebalances
+            log.info("worker for %s stopping before it joins its group", self.model)
+            return
         await self._producer.start()
         self._resources.push_async_callback(self._producer.stop)
         config = RunnerConfig(
@@ -91,12 +99,13 @@ class Worker:
         self._watch(self.control.task)
         await self.intake.start()
         self._resources.push_async_callback(self.intake.stop)
-        await self.ops.start(self.settings.host, self.settings.worker_metrics_port)
-        self._resources.push_async_callback(self.ops.close)
+        self._joined = True
         log.info("worker for %s ready (%d slots)", self.model, self.capacity.max_seqs)
 
     async def run(self) -> None:
         """Take prompts until `request_stop`; then finish or hand back what is in flight."""
+        if not self._joined:
+            return  # stopped while starting: nothing taken, nothing to hand back
         loops = [
             self._watch(asyncio.create_task(self._commit_loop(), name="commit-loop")),
             self._watch(asyncio.create_task(self._renew_loop(), name="lease-renewal")),
