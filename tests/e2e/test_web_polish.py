@@ -205,6 +205,14 @@ async def test_every_error_is_said_once(stack: Stack, page: Page) -> None:
     assert re.fullmatch(pattern, busy), busy
     assert "retry" not in busy.lower() and busy.count("Try again") == 1, busy
 
+    # Unreachable: the page's own message was cut as a gateway's "retry" ("...and.").
+    await page.route("**/v1/conversations", lambda route: route.abort())
+    await page.get_by_role("button", name="New chat").click()
+    await ask(page, "Hello?")
+    await expect(page.get_by_role("alert").filter(has_text="cannot be reached")).to_be_visible()
+    (unreachable,) = await alerts(page)
+    assert unreachable == "The gateway cannot be reached. Check your connection and retry."
+
 
 async def alerts(page: Page) -> list[str]:
     """The alerts showing, by their text."""

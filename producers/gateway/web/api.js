@@ -56,6 +56,8 @@ export function explain(error) {
   if (!(error instanceof ApiError)) return `Something went wrong: ${error.message}`;
   const message = withoutRetry(error.message);
   switch (error.status) {
+    case 0: // no answer at all: the page's own words, whole
+      return error.message;
     case 401:
       return "Your API key was not accepted. Sign in again.";
     case 413:
