@@ -37,9 +37,21 @@ class Capacity:
         self.seqs -= 1
         await self.wake()
 
-    async def wait_for_free_seq(self) -> None:
-        async with self._changed:
-            await self._changed.wait_for(lambda: self.free_seqs > 0)
+    async def wait_for_free_seq(
+        self, give_up: Callable[[], bool] = lambda: False, wake_in_s: float | None = None
+    ) -> bool:
+        """Until a slot is free (True), or `give_up` became true first (False; looked at
+        on each wake, and `wake_in_s` from now)."""
+        timer = None
+        if wake_in_s is not None:
+            timer = asyncio.get_running_loop().call_later(max(0.0, wake_in_s), self._wake_soon)
+        try:
+            async with self._changed:
+                await self._changed.wait_for(lambda: self.free_seqs > 0 or give_up())
+        finally:
+            if timer is not None:
+                timer.cancel()
+        return not give_up()
 
     async def reserve_tokens(
         self,

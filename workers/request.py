@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 
@@ -83,8 +84,15 @@ class RequestRunner:
         attempt.band = band
         self.metrics.waiting.inc()
         try:
-            await slot.take_again()  # leased (renewed) meanwhile: released if handed back
-            await self._run(attempt)
+            # Leased (renewed) meanwhile: released if handed back. A stop, a lost lease or
+            # a passed deadline is answered without waiting for a slot: answering it needs
+            # no engine, and the slots may be full for minutes.
+            if await slot.take_again(_stops(attempt), _until_deadline_s(prompt)):
+                await self._run(attempt)
+            elif tracked.lost:
+                raise LeaseLost()
+            else:
+                await self._run(attempt)  # answered cancelled or expired (_refusal)
         except LeaseLost:
             log.warning(
                 "%s: another worker took the request over; this attempt stops", prompt.request_id
@@ -214,11 +222,10 @@ class RequestRunner:
     async def _generate(self, attempt: Attempt, token_ids: list[int], max_tokens: int) -> None:
         budget = len(token_ids) + max_tokens
         tracked = attempt.tracked
-        stop_waiting = lambda: tracked.cancelled or tracked.lost or attempt.expired()  # noqa: E731
-        deadline = attempt.prompt.deadline_ms
-        wake_in_s = None if deadline is None else (deadline - now_ms()) / 1000 + 0.001
+        wake_in_s = _until_deadline_s(attempt.prompt)
         asked_at = time.monotonic()
-        if not await self.capacity.reserve_tokens(budget, stop_waiting, attempt.band, wake_in_s):
+        stops = _stops(attempt)
+        if not await self.capacity.reserve_tokens(budget, stops, attempt.band, wake_in_s):
             if tracked.cancelled or tracked.lost:
                 await self._finish(attempt, "cancelled", None)
             else:
@@ -393,3 +400,13 @@ class RequestRunner:
             "-" if usage.ttft_ms is None else f"{usage.ttft_ms:.0f}",
             f": {error}" if error else "",
         )
+
+
+def _stops(attempt: Attempt) -> Callable[[], bool]:
+    tracked = attempt.tracked
+    return lambda: tracked.cancelled or tracked.lost or attempt.expired()
+
+
+def _until_deadline_s(prompt: PromptRequest) -> float | None:
+    deadline = prompt.deadline_ms
+    return None if deadline is None else (deadline - now_ms()) / 1000 + 0.001

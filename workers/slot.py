@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -14,7 +15,10 @@ class Waiter(Protocol):
 
     async def give_back(self) -> None: ...
 
-    async def take_again(self) -> None: ...
+    async def take_again(
+        self, give_up: Callable[[], bool] = ..., wake_in_s: float | None = None
+    ) -> bool:
+        """Held again (True), or not, as `give_up` became true first (False)."""
 
 
 @dataclass
@@ -35,12 +39,17 @@ class Slot:
             self.intake.copy_of_running(self.record)
             await self.capacity.release_seq()
 
-    async def take_again(self) -> None:
-        if not self.held:
-            await self.capacity.wait_for_free_seq()
-            self.capacity.take_seq()
-            self.intake.running_again(self.record)
-            self.held = True
+    async def take_again(
+        self, give_up: Callable[[], bool] = lambda: False, wake_in_s: float | None = None
+    ) -> bool:
+        if self.held:
+            return True
+        if not await self.capacity.wait_for_free_seq(give_up, wake_in_s):
+            return False
+        self.capacity.take_seq()
+        self.intake.running_again(self.record)
+        self.held = True
+        return True
 
 
 class NoSlot:
@@ -49,5 +58,7 @@ class NoSlot:
     async def give_back(self) -> None:
         return None
 
-    async def take_again(self) -> None:
-        return None
+    async def take_again(
+        self, give_up: Callable[[], bool] = lambda: False, wake_in_s: float | None = None
+    ) -> bool:
+        return True

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 from aiokafka.structs import ConsumerRecord
 
 from schemas.codec import encode
-from schemas.events import PromptRequest
+from schemas.events import ControlEvent, PromptRequest
 from schemas.topics import prompts_topic
 from tandoor.settings import Settings
 from tests.unit.test_transcript_records import prompt
@@ -207,6 +208,53 @@ async def test_a_prompt_handed_back_by_another_worker_runs_in_a_slot() -> None:
         assert worker.capacity.free_seqs == free
         assert dict(worker.intake.held) == {"interactive-paid": 0}
         assert worker._failure is None
+    finally:
+        handled.cancel()
+        await closed(worker)
+
+
+class TakenOverWhenLetGo(OtherWorkersRequest):
+    def __init__(self) -> None:
+        super().__init__()
+        self.outcome = Arrival(attempt=2, cancelled=False, leased=True)
+        self.cancels: list[str] = []
+
+    async def mark_cancelled(self, request_id: str) -> None:
+        self.cancels.append(request_id)
+
+
+class AnsweredAtRun(SlotsAtRun):
+    """Notes whether the stop was known when the runner went on, and in a slot or not."""
+
+    async def _run(self, attempt: Any) -> None:
+        self.slots_taken.append(self.capacity.seqs)
+        self.stopped_at_run = attempt.tracked.cancelled
+
+
+async def test_a_stop_reaches_a_taken_over_reply_that_waits_for_a_slot() -> None:
+    """Its worker crashed, this one took it over while its own slots were full: the
+    reply waited for a slot, and Stop (or its lost lease) waited as long, minutes on a
+    busy CPU, though answering it needs no engine."""
+    worker = Worker(Settings(), MODEL, EngineOptions(model_dir=Path(".")))
+    ledger = TakenOverWhenLetGo()
+    config = RunnerConfig(MODEL, 0.1, 16)
+    runner = AnsweredAtRun(config, None, None, ledger, worker.capacity, worker.metrics)  # type: ignore[arg-type]
+    runner.slots_taken, worker._runner = [], runner
+    worker.capacity.take_seq()
+    worker.intake.held["interactive-paid"] += 1
+    full = worker.capacity.max_seqs
+    handled = asyncio.create_task(worker._handle(prompt_record(5)))
+    try:
+        await until(lambda: worker.capacity.seqs, lambda s: s == 0, what="the slot back", idle_s=10)
+        for _ in range(full):
+            worker.capacity.take_seq()  # the intake fills every slot meanwhile
+        ledger.let_go.set()  # the other worker died: this one has the lease now
+        await until(lambda: runner.metrics.waiting._value.get(), lambda w: w == 1, what="waiting")
+        cancel = ControlEvent(command="cancel", request_id=prompt().request_id, issued_at_ms=1)
+        await worker._on_cancel(cancel)
+        await asyncio.wait_for(handled, 10)  # a failure guard only
+        assert runner.slots_taken == [full] and runner.stopped_at_run, "answered without a slot"
+        assert worker.capacity.seqs == full, "no slot taken past the count"
     finally:
         handled.cancel()
         await closed(worker)
