@@ -1,7 +1,8 @@
 """The chat page against quick hands, in headless Chromium against the whole stack: an
 input method's Enter and Escape, a chat chosen while an earlier choice is still
 loading, "Load more" clicked twice (and its chats kept when a reply ends), Stop
-pressed before the reply starts, and an edit of pasted code, refused."""
+pressed before the reply starts, an edit of pasted code, refused, and a chat clicked
+while a message is being sent."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import httpx
 import pytest
 from playwright.async_api import Page, Route, expect
 
-from tests.e2e.browser import ask, replies_over, reply_streaming, sign_in
+from tests.e2e.browser import ask, replies, replies_over, reply_streaming, sign_in
 from tests.e2e.helpers import chat, new_conversation
 from tests.e2e.stack import Stack
 from tests.e2e.test_web_switching import LONG, count_stops, stops
@@ -209,3 +210,68 @@ async def test_regenerate_in_a_tab_behind_another_answers_nothing_it_does_not_sh
     async with httpx.AsyncClient(base_url=stack.url, timeout=30) as http:
         shown_after = (await http.get(f"/v1/conversations/{conversation}", headers=headers)).json()
     assert shown_after["messages"] == shown_before["messages"], "a reply was replaced"
+
+
+async def test_the_open_chat_clicked_while_its_message_is_sent_keeps_it(
+    stack: Stack, page: Page
+) -> None:
+    """It was opened again from the store, which did not hold the message yet: the
+    question vanished, and its reply streamed where nobody could see it."""
+    await sign_in(page, stack)
+    await ask(page, "Say hi.")
+    await replies_over(page, 1)
+    let_go = asyncio.Event()
+
+    async def held(route: Route) -> None:
+        if route.request.method == "POST":
+            await let_go.wait()
+        await route.continue_()
+
+    await page.route("**/v1/conversations/*/messages", held)
+    await ask(page, "Say bye.")
+    await page.locator('#conversation-list button[aria-current="true"]').click()
+    let_go.set()
+    await replies_over(page, 2)
+    await expect(page.locator(".message.user .body")).to_have_text(["Say hi.", "Say bye."])
+    assert all((await replies(page))["text"].split("\n")), "a reply shown empty"
+
+
+async def test_a_new_chats_message_goes_to_that_chat_whatever_is_clicked_meanwhile(
+    stack: Stack, page: Page
+) -> None:
+    """The message's path was read after the sidebar had been read again: a chat
+    clicked meanwhile got the message, and the new chat was left empty."""
+    headers = await sign_in(page, stack)
+    async with httpx.AsyncClient(base_url=stack.url, timeout=120) as http:
+        other = await new_conversation(http, headers)
+    await page.reload()
+    await expect(page.locator("#app")).to_be_visible()
+    await page.get_by_label("Model", exact=True).select_option(stack.model)
+    let_go = asyncio.Event()
+
+    async def sidebar_held(route: Route) -> None:
+        await let_go.wait()
+        await route.continue_()
+
+    await page.route("**/v1/conversations?*", sidebar_held)
+    posted: list[str] = []
+    page.on(
+        "request",
+        lambda r: (
+            posted.append(r.url) if r.method == "POST" and r.url.endswith("/messages") else None
+        ),
+    )
+    async with page.expect_response("**/v1/conversations") as created_response:
+        await ask(page, "Say hi.")
+    created = (await (await created_response.value).json())["id"]
+    await page.locator(f'#conversation-list button[data-id="{other}"]').click()
+    let_go.set()
+    async with httpx.AsyncClient(base_url=stack.url, timeout=120) as http:
+
+        async def stored(conversation: str) -> list[str]:
+            response = await http.get(f"/v1/conversations/{conversation}", headers=headers)
+            return [m["content"] for m in response.json()["messages"] if m["role"] == "user"]
+
+        await eventually(lambda: stored(created), lambda found: found == ["Say hi."], what="sent")
+        assert await stored(other) == []
+    assert posted and all(created in url for url in posted), posted

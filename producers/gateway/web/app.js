@@ -158,6 +158,9 @@ function sidebarItem(conversation) {
   button.textContent = conversation.title || "Untitled chat";
   button.dataset.id = conversation.id;
   button.addEventListener("click", () => {
+    // The open chat, while a message is sent to it: read from the store, which may not
+    // hold the message yet, the question vanished and its reply streamed unseen.
+    if (state.busy && state.conversation?.id === conversation.id) return;
     state.wanted = conversation.id;
     openConversation(conversation.id).catch(notify);
   });
@@ -310,7 +313,8 @@ async function send(text) {
   if (!state.conversation) {
     created = await state.api.json("POST", "/v1/conversations", { model: $("model-picker").value });
     showConversation({ ...created, messages: [] });
-    await loadConversations(true);
+    // Listed meanwhile, not awaited: a chat clicked while the list loaded got the message.
+    loadConversations(true).catch(() => {});
     $("chat-title").textContent = Array.from(text).slice(0, AUTO_TITLE_CHARS).join("");
   }
   const path = `/v1/conversations/${state.conversation.id}/messages`;
