@@ -104,6 +104,28 @@ async def test_replies_are_rendered_as_escaped_markdown(stack: Stack, page: Page
     assert '<pre><code class="language-py">print(&quot;&lt;hi&gt;&quot;)</code></pre>' in html
 
 
+async def test_numbered_steps_and_links_render_as_written(stack: Stack, page: Page) -> None:
+    """A model's "1. ...", a blank line, "2. ..." showed "1. 1. 1." (each item its own
+    list); a link to a page named with parentheses stayed raw Markdown, and a "*" in an
+    address became <em> inside the href, which then led elsewhere."""
+    await page.goto(stack.url)
+    steps, wiki, starred = await page.evaluate(
+        """async () => {
+          const { renderMarkdown } = await import('/web/markdown.js');
+          return [renderMarkdown('1. Heat\\n\\n2. Stir\\nslowly\\n\\n3. Serve'),
+                  renderMarkdown('[Foo](https://en.wikipedia.org/wiki/Foo_(bar)) page'),
+                  renderMarkdown('[q](https://x.io/a*b*c) and *this*')];
+        }"""
+    )
+    assert steps == (
+        '<ol><li>Heat</li></ol><ol start="2"><li>Stir</li></ol><p>slowly</p>'
+        '<ol start="3"><li>Serve</li></ol>'
+    )
+    link = '<a href="{}" rel="noopener noreferrer nofollow" target="_blank">{}</a>'
+    assert wiki == f"<p>{link.format('https://en.wikipedia.org/wiki/Foo_(bar)', 'Foo')} page</p>"
+    assert starred == f"<p>{link.format('https://x.io/a*b*c', 'q')} and <em>this</em></p>"
+
+
 async def test_a_reply_of_brackets_renders_in_linear_time(stack: Stack, page: Page) -> None:
     """From every "[" of a line, the link pattern scanned to the line's end: a reply of
     16,000 "[" took 227 ms a render, at each token, and froze the page for most of a

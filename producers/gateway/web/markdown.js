@@ -7,22 +7,38 @@ export function escapeHtml(text) {
   return text.replace(/[&<>"']/g, (c) => ESCAPES[c]);
 }
 
+// An address may hold one level of parentheses (".../wiki/Foo_(bar)"). Neither part runs
+// past a bracket: from every "[" of a line of them, an earlier pattern scanned to the
+// line's end (quadratic: 16,000 "[" took 227 ms a render, and a reply re-renders at
+// each token, freezing the page for most of a minute).
+const LINK = /\[([^[\]\n]+)\]\((https?:\/\/(?:[^\s()[\]]|\([^\s()[\]]*\))+)\)/g;
+const OPENS = /\u0000(\d+)\u0000/g; // where a link's tag goes once emphasis is marked
+const CLOSES = /\u0000\/\u0000/g;
+
 function inline(text) {
   // `text` is already escaped; code spans are cut out first so nothing inside them changes.
   return text
     .split(/(`[^`\n]+`)/g)
     .map((part) => {
       if (/^`[^`\n]+`$/.test(part)) return `<code>${part.slice(1, -1)}</code>`;
-      return part
-        .replace(/\*\*([^*\n]+)\*\*/g, "<strong>$1</strong>")
-        .replace(/(^|[^*])\*([^*\n]+)\*/g, "$1<em>$2</em>")
-        // Neither part runs past a bracket: from every "[" of a line of them, the old
-        // pattern scanned to the line's end (quadratic: 16,000 "[" took 227 ms a render,
-        // and a reply re-renders at each token, freezing the page for most of a minute).
-        .replace(/\[([^[\]\n]+)\]\((https?:\/\/[^\s()[\]]+)\)/g,
-          '<a href="$2" rel="noopener noreferrer nofollow" target="_blank">$1</a>');
+      // Links are held out while emphasis is marked: a "*" in an address put <em> inside
+      // its href, which then led elsewhere.
+      const hrefs = [];
+      const held = part.replaceAll("\u0000", "\ufffd").replace(LINK, (_, label, href) => {
+        hrefs.push(href);
+        return `\u0000${hrefs.length - 1}\u0000${label}\u0000/\u0000`;
+      });
+      const opening = (_, n) =>
+        `<a href="${hrefs[n]}" rel="noopener noreferrer nofollow" target="_blank">`;
+      return emphasis(held).replace(OPENS, opening).replace(CLOSES, "</a>");
     })
     .join("");
+}
+
+function emphasis(text) {
+  return text
+    .replace(/\*\*([^*\n]+)\*\*/g, "<strong>$1</strong>")
+    .replace(/(^|[^*])\*([^*\n]+)\*/g, "$1<em>$2</em>");
 }
 
 function flushParagraph(lines, out) {
@@ -30,10 +46,13 @@ function flushParagraph(lines, out) {
   lines.length = 0;
 }
 
+// An ordered list goes on from its first item's number: a model's "1. ...", a blank
+// line, "2. ..." showed "1." at each step.
 function flushList(items, ordered, out) {
   if (!items.length) return;
   const tag = ordered ? "ol" : "ul";
-  out.push(`<${tag}>${items.map((i) => `<li>${inline(i)}</li>`).join("")}</${tag}>`);
+  const start = ordered && items.start !== 1 ? ` start="${items.start}"` : "";
+  out.push(`<${tag}${start}>${items.map((i) => `<li>${inline(i)}</li>`).join("")}</${tag}>`);
   items.length = 0;
 }
 
@@ -67,7 +86,7 @@ export function renderMarkdown(source) {
     }
     const heading = line.match(/^(#{1,4})\s+(.*)$/);
     const bullet = line.match(/^\s*[-*+]\s+(.*)$/);
-    const numbered = line.match(/^\s*\d+[.)]\s+(.*)$/);
+    const numbered = line.match(/^\s*(\d{1,9})[.)]\s+(.*)$/);
     if (heading) {
       flushParagraph(paragraph, out);
       flushList(items, ordered, out);
@@ -77,7 +96,8 @@ export function renderMarkdown(source) {
       flushParagraph(paragraph, out);
       if (items.length && ordered !== Boolean(numbered)) flushList(items, ordered, out);
       ordered = Boolean(numbered);
-      items.push((bullet || numbered)[1]);
+      if (!items.length) items.start = numbered ? Number(numbered[1]) : 1;
+      items.push(bullet ? bullet[1] : numbered[2]);
     } else if (line.trim() === "") {
       flushParagraph(paragraph, out);
       flushList(items, ordered, out);
