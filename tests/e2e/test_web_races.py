@@ -121,13 +121,17 @@ async def test_the_chats_load_more_listed_stay_listed_after_a_reply(
     assert sorted(ids) == sorted(made), "a chat listed twice, or one missing"
 
 
-@pytest.mark.parametrize("new_chat", [False, True], ids=["open-chat", "new-chat"])
+@pytest.mark.parametrize(
+    ("new_chat", "escape"),
+    [(False, False), (True, False), (True, True)],
+    ids=["open-chat", "new-chat", "new-chat-escape"],
+)
 async def test_a_stop_pressed_before_the_reply_starts_stops_it(
-    stack: Stack, page: Page, new_chat: bool
+    stack: Stack, page: Page, new_chat: bool, escape: bool
 ) -> None:
     """Stop is shown as the message is sent, but the gateway answers 409 until it has
     the reply: "no reply is being generated", and the reply ran to its end (in a new
-    chat, a TypeError: no chat id yet)."""
+    chat, a TypeError: no chat id yet; Escape there did nothing at all)."""
     headers = await sign_in(page, stack)
     if not new_chat:
         await ask(page, "Say hi.")
@@ -143,7 +147,10 @@ async def test_a_stop_pressed_before_the_reply_starts_stops_it(
 
     await page.route(held, until_stop)
     await ask(page, LONG)
-    await page.get_by_role("button", name="Stop").click()
+    if escape:
+        await page.keyboard.press("Escape")
+    else:
+        await page.get_by_role("button", name="Stop").click()
     stop_pressed.set()
     await replies_over(page, 1 if new_chat else 2)
     await expect(page.locator("#notice")).to_be_hidden()

@@ -739,7 +739,10 @@ function wire() {
     }
   });
   document.addEventListener("keydown", (e) => {
-    if (e.key === "Escape" && state.reply && !composing(e)) stop().catch(notify);
+    // Busy without a reply: its new chat is being created (stop() remembers it).
+    if (e.key === "Escape" && (state.reply || state.busy) && !composing(e)) {
+      stop().catch(notify);
+    }
   });
   $("stop").addEventListener("click", () => stop().catch(notify));
   $("regenerate").addEventListener("click", () => regenerate().catch(notify));
