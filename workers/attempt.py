@@ -59,6 +59,15 @@ class Attempt:
         deadline = self.prompt.deadline_ms
         return not self.begun and deadline is not None and now_ms() > deadline
 
+    def stops(self) -> bool:
+        """Stopped, taken over, or past its deadline: answered without the engine."""
+        return self.tracked.cancelled or self.tracked.lost or self.expired()
+
+    def until_deadline_s(self) -> float | None:
+        """When a wait should look at `expired` again (just past the deadline)."""
+        deadline = self.prompt.deadline_ms
+        return None if deadline is None else (deadline - now_ms()) / 1000 + 0.001
+
 
 def token_event(request_id: str, entry: Recorded) -> TokenEvent:
     return TokenEvent(

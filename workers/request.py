@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 
@@ -87,7 +86,7 @@ class RequestRunner:
             # Leased (renewed) meanwhile: released if handed back. A stop, a lost lease or
             # a passed deadline is answered without waiting for a slot: answering it needs
             # no engine, and the slots may be full for minutes.
-            if await slot.take_again(_stops(attempt), _until_deadline_s(prompt)):
+            if await slot.take_again(attempt.stops, attempt.until_deadline_s()):
                 await self._run(attempt)
             elif tracked.lost:
                 raise LeaseLost()
@@ -222,10 +221,9 @@ class RequestRunner:
     async def _generate(self, attempt: Attempt, token_ids: list[int], max_tokens: int) -> None:
         budget = len(token_ids) + max_tokens
         tracked = attempt.tracked
-        wake_in_s = _until_deadline_s(attempt.prompt)
+        wake_in_s = attempt.until_deadline_s()
         asked_at = time.monotonic()
-        stops = _stops(attempt)
-        if not await self.capacity.reserve_tokens(budget, stops, attempt.band, wake_in_s):
+        if not await self.capacity.reserve_tokens(budget, attempt.stops, attempt.band, wake_in_s):
             if tracked.cancelled or tracked.lost:
                 await self._finish(attempt, "cancelled", None)
             else:
@@ -400,13 +398,3 @@ class RequestRunner:
             "-" if usage.ttft_ms is None else f"{usage.ttft_ms:.0f}",
             f": {error}" if error else "",
         )
-
-
-def _stops(attempt: Attempt) -> Callable[[], bool]:
-    tracked = attempt.tracked
-    return lambda: tracked.cancelled or tracked.lost or attempt.expired()
-
-
-def _until_deadline_s(prompt: PromptRequest) -> float | None:
-    deadline = prompt.deadline_ms
-    return None if deadline is None else (deadline - now_ms()) / 1000 + 0.001

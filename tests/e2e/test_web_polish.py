@@ -20,7 +20,7 @@ from producers.gateway.conversations.service import ConversationService
 from schemas.events import now_ms
 from tandoor.clients import cassandra_session
 from tests.e2e.browser import ask, replies, replies_over, shot, sign_in
-from tests.e2e.helpers import new_conversation, stored_reply
+from tests.e2e.helpers import chat, new_conversation, stored_reply
 from tests.e2e.stack import Stack
 from tests.waiting import eventually
 
@@ -219,6 +219,17 @@ async def alerts(page: Page) -> list[str]:
     return [t for t in await page.get_by_role("alert").all_inner_texts() if t.strip()]
 
 
+async def unanswered(stack: Stack, conversation_id: str, message_id: str, text: str) -> None:
+    """A question stored, as by a gateway that died before queueing it: no reply comes."""
+    with cassandra_session(stack.settings, stack.settings.keyspace) as session:
+        owner = session.execute(
+            "SELECT user_id FROM conversations WHERE conversation_id = %s", (conversation_id,)
+        ).one()
+        conversations = ConversationService(session, stack.settings.served_models)
+        opened = await conversations.owned(owner.user_id, conversation_id)
+        await conversations.add_user_message(owner.user_id, opened, message_id, text, now_ms())
+
+
 async def test_a_chat_whose_reply_never_came_asks_for_it_once(stack: Stack, page: Page) -> None:
     """A gateway that died after storing the message, before queueing it: the page asks
     for the running reply, hears that none runs, looks for a stored one a few times and
@@ -227,15 +238,7 @@ async def test_a_chat_whose_reply_never_came_asks_for_it_once(stack: Stack, page
     async with httpx.AsyncClient(base_url=stack.url, timeout=30) as http:
         created = await http.post("/v1/conversations", json={"title": "orphan"}, headers=headers)
         conversation_id = created.json()["id"]
-    with cassandra_session(stack.settings, stack.settings.keyspace) as session:
-        owner = session.execute(
-            "SELECT user_id FROM conversations WHERE conversation_id = %s", (conversation_id,)
-        ).one()
-        conversations = ConversationService(session, stack.settings.served_models)
-        opened = await conversations.owned(owner.user_id, conversation_id)
-        await conversations.add_user_message(
-            owner.user_id, opened, "m_orphan", "Is anyone there?", now_ms()
-        )
+    await unanswered(stack, conversation_id, "m_orphan", "Is anyone there?")
     asked: list[str] = []
     page.on("request", lambda request: asked.append(request.url))
     await page.reload()
@@ -295,3 +298,28 @@ async def test_a_running_reply_opened_through_a_proxys_502_is_shown_whole(
     stored = page.locator(".message.assistant .body")  # both read as innerText: paragraphs
     await expect(stored).to_have_text(shown, use_inner_text=True)  # keep their blank line
     assert shown.strip()
+
+
+async def test_regenerating_a_question_left_unanswered_keeps_the_earlier_reply(
+    stack: Stack, page: Page
+) -> None:
+    """The gateway answers the last question sent and replaces only what follows it;
+    the page took the last reply shown away instead, the earlier question's, until
+    the chat was opened again."""
+    headers = await sign_in(page, stack)
+    async with httpx.AsyncClient(base_url=stack.url, timeout=120) as http:
+        conversation_id = await new_conversation(http, headers)
+        await chat(http, headers, conversation_id, "Say hi.", 4)
+    await unanswered(stack, conversation_id, "m_unanswered", "Name a colour.")
+    await page.reload()
+    await page.locator(f'#conversation-list button[data-id="{conversation_id}"]').click()
+    await expect(page.locator(".message.user .body")).to_have_text(["Say hi.", "Name a colour."])
+    send = page.get_by_role("button", name="Send")
+    await expect(send).to_be_visible(timeout=30_000)  # done looking for its reply
+    earlier = await page.locator(".message.assistant .body").inner_text()
+    await page.get_by_role("button", name="Regenerate").click()
+    await replies_over(page, 2)
+    await expect(page.locator(".message .body").first).to_have_text("Say hi.")
+    shown = page.locator(".message")
+    await expect(shown).to_have_count(4)
+    assert await page.locator(".message.assistant .body").first.inner_text() == earlier

@@ -537,17 +537,19 @@ async function stop() {
 }
 
 async function regenerate() {
-  const assistants = $("messages").querySelectorAll(".message.assistant");
   const id = state.conversation.id;
   const path = `/v1/conversations/${id}/regenerate`;
   // The question the reply shown answers: a tab behind another (a newer question sent
   // there) is refused, and shown the chat as it is, rather than answer the newer one.
   const questions = $("messages").querySelectorAll(".message.user[data-sent]");
-  const replyTo = questions[questions.length - 1]?.dataset.id;
+  const question = questions[questions.length - 1];
+  const replyTo = question?.dataset.id;
   await streamReply(
     async () => {
       const response = await state.api.request("POST", path, replyTo ? { reply_to: replyTo } : {});
-      assistants[assistants.length - 1]?.remove(); // replaced by the new reply
+      // Replaced, as the gateway replaces them: what follows the question it answers
+      // (not the last reply shown, which may answer an earlier one).
+      while (question?.nextElementSibling) question.nextElementSibling.remove();
       return response;
     },
     () => {},
