@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass, field
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -12,6 +13,8 @@ from aiokafka.errors import TopicAlreadyExistsError
 from infra.errors import InfraError
 from schemas import topics
 from tandoor.settings import Settings
+
+log = logging.getLogger(__name__)
 
 HOUR_MS = 3_600_000
 DAY_MS = 24 * HOUR_MS
@@ -113,6 +116,15 @@ async def _grow(
     elif current < spec.partitions:
         await admin.create_partitions({spec.name: NewPartitions(total_count=spec.partitions)})
         report.grown.append(spec.name)
+        if spec.name.startswith(topics.PROMPTS_PREFIX):
+            log.warning(
+                "%s grew from %d to %d partitions, added after the last band: unless only "
+                "the last band grew, partitions of later bands moved to another band "
+                "(prompts queued there are served in their new band)",
+                spec.name,
+                current,
+                spec.partitions,
+            )
     else:
         raise InfraError(
             f"topic {spec.name} has {current} partitions but {spec.partitions} are declared; "

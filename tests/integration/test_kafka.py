@@ -3,6 +3,8 @@ committed offset survives a consumer restart."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
@@ -43,6 +45,19 @@ async def test_a_declaration_that_grows_adds_partitions(kafka: str, unique: str)
     await ensure_topics(kafka, [TopicSpec(name, 2)])
     report = await ensure_topics(kafka, [TopicSpec(name, 5)])
     assert report.grown == [name]
+
+
+async def test_a_prompts_topic_that_grows_warns_that_bands_may_have_moved(
+    kafka: str, unique: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Partitions are added at the end: growing any band but the last moved the
+    partitions after it into another band, queued prompts with them, unsaid."""
+    name = topics.prompts_topic(f"grow-{unique}")
+    await ensure_topics(kafka, [TopicSpec(name, 3)])
+    with caplog.at_level(logging.WARNING, logger="infra.topics"):
+        await ensure_topics(kafka, [TopicSpec(name, 4)])
+    assert f"{name} grew from 3 to 4 partitions" in caplog.text
+    assert "moved to another band" in caplog.text
 
 
 async def test_committed_offset_survives_a_consumer_restart(kafka: str, unique: str) -> None:
