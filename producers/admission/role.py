@@ -295,6 +295,9 @@ class Admission(Forwarding, ConsumerRebalanceListener):  # type: ignore[misc]
         self.offsets.forget([(tp.topic, tp.partition) for tp in revoked])
 
     async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
+        every = self.consumer.partitions_for_topic(topics.BATCH_REQUESTS) or set()
+        mine = [tp for tp in assigned if tp.topic == topics.BATCH_REQUESTS]
+        self.band.share = len(mine) / len(every) if every else 1.0
         log.info(
             "assigned %s partitions %s",
             topics.BATCH_REQUESTS,
