@@ -43,10 +43,9 @@ async def renderer(settings: Settings, model: str) -> Engine:
 
 
 def chat(text: str, turns: int, repeat: int) -> list[ChatMessage]:
-    roles = ["user", "assistant"] * turns
-    return [ChatMessage(role=role, content=text * repeat) for role in roles] + [
-        ChatMessage(role="user", content=text * repeat)
-    ]
+    question = ChatMessage(role="user", content=text * repeat)
+    answer = ChatMessage(role="assistant", content=text * repeat)
+    return [question, answer] * turns + [question]
 
 
 def checks(settings: Settings) -> ReplyChecks:

@@ -82,4 +82,4 @@ def test_variables_of_the_other_tools_are_not_settings_and_pass(
 @pytest.mark.parametrize("value", [-1, 70_000])
 def test_a_port_outside_the_range_is_refused(port: str, value: int) -> None:
     with pytest.raises(ValidationError, match=port):
-        Settings(**{port: value})
+        Settings.model_validate({port: value})
