@@ -109,6 +109,7 @@ class Context:
     messages: list[ChatMessage]
     prompt_tokens: int  # the estimate charged to the tokens-per-minute quota
     dropped: int  # older messages left out
+    summarized: bool = False  # a summary of turns before them went in after the system prompt
 
 
 def assemble(

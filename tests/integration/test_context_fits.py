@@ -97,6 +97,15 @@ async def test_a_summary_gives_way_to_a_message_that_fits(settings: Settings) ->
         "smollm2", message, REPLY_TOKENS, client_context=False, summary="word " * 1000
     )
     assert [m.content for m in context.messages] == [settings.system_prompt, "word " * 800]
+    assert not context.summarized  # the start event says so
+    with_room = checks(settings).context(
+        "smollm2",
+        [ChatMessage(role="user", content="hi")],
+        REPLY_TOKENS,
+        client_context=False,
+        summary="We met.",
+    )
+    assert with_room.summarized and "We met." in with_room.messages[0].content
 
 
 async def test_a_long_reply_leaves_the_rest_of_the_window_to_the_message(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from dataclasses import replace
 
 from producers.gateway.chat.protocol import ReplyOptions
 from producers.gateway.errors import ApiError, unavailable
@@ -108,6 +109,7 @@ class ReplyChecks:
         per_minute = None if tier is None else self.settings.tiers[tier].tokens_per_minute
         most = None if client_context else per_minute
         count = self.counters.counter(model)
+        summary = None if client_context else summary  # an API client sends its own
         try:
             context = _with_summary(system, summary, asked, window, max_tokens, most, count)
         except ContextTooLong as exc:
@@ -183,7 +185,9 @@ def _with_summary(
     if summary:
         with_it = f"{system or ''}\n\nSummary of the earlier conversation: {summary}".strip()
         try:
-            return assemble(with_it, asked, window, max_tokens, count, most)
+            return replace(
+                assemble(with_it, asked, window, max_tokens, count, most), summarized=True
+            )
         except ContextTooLong:
             pass
     return assemble(system, asked, window, max_tokens, count, most)

@@ -203,7 +203,7 @@ class ChatService:
                 now_ms(),
                 context.prompt_tokens + max_tokens,
                 context.dropped,
-                summary is not None and not client_context,
+                context.summarized,
                 [message_key(m) for m in replaces],
                 names_it,
             )
