@@ -48,7 +48,9 @@ def test_a_taken_port_is_reported_not_fought_over(tmp_path: Path) -> None:
 
 
 def test_a_server_that_fails_to_start_shows_its_log(tmp_path: Path) -> None:
-    server = RedisServer(Settings(home=tmp_path, redis_port=70000, start_timeout_s=20))
+    # A port settings refuse (copied past validation): Redis itself refuses it at start.
+    settings = Settings(home=tmp_path, start_timeout_s=20).model_copy(update={"redis_port": 70000})
+    server = RedisServer(settings)
     server.launch()
     with pytest.raises(StartError, match="exited during start-up") as info:
         server.wait_ready()
