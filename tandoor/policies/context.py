@@ -45,7 +45,9 @@ def count_tokens(text: str) -> int:
 
 class ModelCounters:
     """Each model's token counter: its own tokenizer once its file is found, cl100k
-    until then (looked for again every LOOK_AGAIN_S)."""
+    until then (looked for again every LOOK_AGAIN_S). Read at once, as the role starts:
+    reading one holds the interpreter (Gemma's, 1.1 s, even from another thread), which
+    on a first request stalled every stream of the replica."""
 
     def __init__(
         self, files: Mapping[str, Path], clock: Callable[[], float] = time.monotonic
@@ -54,6 +56,8 @@ class ModelCounters:
         self._found: dict[str, Counter] = {}
         self._looked_at: dict[str, float] = {}
         self._clock = clock
+        for model in self._files:
+            self.counter(model)
 
     def counter(self, model: str) -> Counter:
         if (found := self._found.get(model)) is not None:
@@ -76,12 +80,19 @@ class ModelCounters:
         return found
 
 
+_READ: dict[Path, Tokenizer] = {}  # by file: once a process (every role's checks share it)
+
+
 def _tokenizer(path: Path) -> Tokenizer | None:
+    if (read := _READ.get(path)) is not None:
+        return read
     try:
-        return Tokenizer.from_file(str(path))
+        read = Tokenizer.from_file(str(path))
     except Exception as exc:  # tokenizers raises plain Exceptions for a file it cannot read
         log.warning("cannot read the tokenizer at %s: %s", path, exc)
         return None
+    _READ[path] = read
+    return read
 
 
 def _counter(tokenizer: Tokenizer) -> Counter:

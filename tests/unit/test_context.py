@@ -100,3 +100,26 @@ def test_a_models_own_tokenizer_is_used_once_it_is_there(tmp_path: Path) -> None
     assert counters.counter("m") is count_tokens  # not looked for again yet
     now[0] = LOOK_AGAIN_S
     assert counters.counter("m")("hello world") == len("hello world")
+
+
+def test_tokenizers_are_read_as_the_role_starts_not_at_a_first_request(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reading one holds the interpreter (Gemma's: 1.1 s, even from a thread): read at a
+    first request, it stalled every stream of the replica."""
+    from tokenizers import Tokenizer, models
+
+    path = tmp_path / "tokenizer.json"
+    Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]")).save(str(path))
+    reads: list[str] = []
+    real = Tokenizer.from_file
+
+    def counted(file: str) -> Tokenizer:
+        reads.append(file)
+        return real(file)
+
+    monkeypatch.setattr("tandoor.policies.context.Tokenizer.from_file", counted)
+    counters = ModelCounters({"m": path})
+    assert reads == [str(path)], "read as the role starts"
+    counters.counter("m")("a request")
+    assert reads == [str(path)], "read again at a request"
