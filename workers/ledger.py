@@ -41,6 +41,7 @@ from tandoor.clients import REDIS_DOWN
 from tandoor.policies.redis_keys import (
     ATTEMPT_TTL_S,
     CANCEL_TTL_S,
+    FINAL_TTL_S,
     REPLY_TTL_S,
     attempt_key,
     cancel_key,
@@ -298,7 +299,7 @@ class RequestLedger:
         True, the final goes out unrecorded."""
         keys = [*_held_keys(request_id), final_key(request_id), reply_key(request_id)]
         args: list[str | int | bytes] = [self.owner, attempt, self._lease_ms, final]
-        args += [ATTEMPT_TTL_S, REPLY_TTL_S]
+        args += [ATTEMPT_TTL_S, FINAL_TTL_S]
         try:
             return bool(await self._finish(keys=keys, args=args))
         except REDIS_DOWN as exc:

@@ -10,6 +10,9 @@ CANCEL_TTL_S = 3600
 # A reply's published text and a final not yet known delivered: needed only while some
 # worker may still take the request over.
 REPLY_TTL_S = 3600
+# A final not yet delivered lives as long as the request's done mark: a prompt redelivered
+# later finds the request done and must find the final too, or its reply never ends.
+FINAL_TTL_S = ATTEMPT_TTL_S
 TITLED_TTL_S = 30 * 24 * 3600
 
 

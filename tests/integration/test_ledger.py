@@ -13,7 +13,14 @@ import redis.asyncio as aioredis
 
 from infra.process import free_port
 from tandoor.clients import redis_client
-from tandoor.policies.redis_keys import attempt_key, batch_cancel_key, lease_key, reply_key
+from tandoor.policies.redis_keys import (
+    attempt_key,
+    batch_cancel_key,
+    done_key,
+    final_key,
+    lease_key,
+    reply_key,
+)
 from tandoor.settings import Settings
 from tests.unit.test_transcript_records import prompt
 from workers.attempt import Tracked
@@ -135,6 +142,17 @@ async def test_a_final_is_kept_until_delivered_and_then_the_request_is_skipped(
     assert await next_worker.arrive(rid) == Finished(b"the final")
     await next_worker.delivered(rid)
     assert await next_worker.arrive(rid) == Finished(None)
+
+
+async def test_an_undelivered_final_lives_as_long_as_the_done_mark(client: aioredis.Redis) -> None:
+    """A prompt redelivered after a long outage (its worker died between recording the
+    final and delivering it) finds the final while it finds the request done: a done
+    request without its final is skipped, and its reply would never end."""
+    dying, rid = ledger(client, "w1"), request()
+    assert isinstance(await dying.arrive(rid), Arrival)
+    assert await dying.finish(rid, 1, b"the final")
+    done_ttl, final_ttl = await client.ttl(done_key(rid)), await client.ttl(final_key(rid))
+    assert done_ttl > 0 and final_ttl >= done_ttl
 
 
 async def test_a_request_taken_while_redis_stalled_is_leased_once_it_answers(

@@ -22,7 +22,7 @@ from schemas.events import FinalEvent, MessageKey, Usage, now_ms
 from tandoor.clients import REDIS_DOWN
 from tandoor.policies.redis_keys import (
     ATTEMPT_TTL_S,
-    REPLY_TTL_S,
+    FINAL_TTL_S,
     attempt_key,
     done_key,
     final_key,
@@ -149,7 +149,7 @@ class InFlight:
         final = _cancelled_in_queue(record, user_id, tier)
         request_id = final.request_id
         keys = [attempt_key(request_id), done_key(request_id), final_key(request_id)]
-        args: list[bytes | int] = [encode(final), ATTEMPT_TTL_S, REPLY_TTL_S]
+        args: list[bytes | int] = [encode(final), ATTEMPT_TTL_S, FINAL_TTL_S]
         return final if await self._end_untaken(keys=keys, args=args) else None
 
     async def abandoned(self, record: dict[str, Any]) -> bool:
