@@ -92,7 +92,7 @@ async def main(args: argparse.Namespace) -> None:
         ]
         await producer.flush()
     for request_id in ids:
-        await ledger.forget_transcript(request_id)
+        await ledger.forget_transcript(request_id, 1)
         await ledger.release(request_id)
     await redis.aclose()
     print(f"{args.events} events over {args.streams} concurrent streams")

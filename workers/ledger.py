@@ -50,105 +50,12 @@ from tandoor.policies.redis_keys import (
     lease_key,
     reply_key,
 )
+from workers.ledger_scripts import ARRIVE, FINISH, FORGET, LATE, RECORD, RELEASE, RENEW
 from workers.script_batch import BatchedScript
 
 log = logging.getLogger(__name__)
 
 RELEASED_S = 60.0  # a lease given back is not renewed again for this long
-
-# KEYS: done, lease, attempt, cancel, reply, final, another cancel (its batch's, or the
-# cancel again). ARGV: owner, lease ms, attempt ttl s.
-ARRIVE = """
-if redis.call('EXISTS', KEYS[1]) == 1 then
-  local final = redis.call('GET', KEYS[6])
-  if final and redis.call('EXISTS', KEYS[2]) == 1 then  -- its worker is delivering it
-    return {'busy', redis.call('PTTL', KEYS[2])}
-  end
-  return {'done', final}
-end
-if redis.call('EXISTS', KEYS[2]) == 1 then  -- its own earlier task too: one at a time
-  return {'busy', redis.call('PTTL', KEYS[2])}
-end
-redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
-local attempt = redis.call('INCR', KEYS[3])
-redis.call('EXPIRE', KEYS[3], ARGV[3])
-return {'ok', attempt, redis.call('EXISTS', KEYS[4], KEYS[7]), redis.call('LRANGE', KEYS[5], 0, -1)}
-"""
-
-# Whether the lease (KEYS[1]) is ARGV[1]'s: it names it, or it lapsed and nobody took
-# the request since: not done (KEYS[2]) and no later attempt (KEYS[3] against ARGV[2]);
-# then it is taken again for ARGV[3] ms.
-HELD = """
-local function held()
-  local holder = redis.call('GET', KEYS[1])
-  if holder then return holder == ARGV[1] end
-  if redis.call('EXISTS', KEYS[2]) == 1 then return false end
-  local attempt = redis.call('GET', KEYS[3])
-  if attempt and tonumber(attempt) ~= tonumber(ARGV[2]) then return false end
-  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3])
-  return true
-end
-"""
-
-# KEYS: lease, done, attempt, reply. ARGV: owner, attempt, lease ms, seq, entry, reply ttl
-# s, the unknown-text marker (a restart's first entry replaces it: it has begun too).
-RECORD = (
-    HELD
-    + """
-if not held() then return -1 end
-local length = redis.call('LLEN', KEYS[4])
-if tonumber(ARGV[4]) == 0 and length == 1 and redis.call('LINDEX', KEYS[4], 0) == ARGV[7] then
-  redis.call('DEL', KEYS[4])
-  length = 0
-end
-if length ~= tonumber(ARGV[4]) then return -2 end
-redis.call('RPUSH', KEYS[4], ARGV[5])
-redis.call('EXPIRE', KEYS[4], ARGV[6])
-redis.call('PEXPIRE', KEYS[1], ARGV[3])
-return 1
-"""
-)
-
-# KEYS: lease, done, attempt, final, reply. ARGV: owner, attempt, lease ms, final, done
-# ttl s, final ttl s.
-FINISH = (
-    HELD
-    + """
-if not held() then return 0 end
-redis.call('SET', KEYS[2], '1', 'EX', ARGV[5])
-redis.call('SET', KEYS[4], ARGV[4], 'EX', ARGV[6])
-redis.call('DEL', KEYS[5])
-return 1
-"""
-)
-
-# KEYS: lease, done, attempt. ARGV: owner, attempt, lease ms.
-RENEW = (
-    HELD
-    + """
-if not held() then return 0 end
-redis.call('PEXPIRE', KEYS[1], ARGV[3])
-return 1
-"""
-)
-
-# A first attempt taken while Redis did not answer, once it does. KEYS: lease, done,
-# attempt. ARGV: owner, 1, lease ms, attempt ttl s.
-LATE = (
-    HELD
-    + """
-if not held() then return 0 end
-redis.call('SET', KEYS[3], ARGV[2], 'NX', 'EX', ARGV[4])
-return 1
-"""
-)
-
-# KEYS: lease. ARGV: owner.
-RELEASE = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-redis.call('DEL', KEYS[1])
-return 1
-"""
 
 Recording = Literal["ok", "lost", "gap", "down"]
 
@@ -207,6 +114,7 @@ class RequestLedger:
         self._arrive = client.register_script(ARRIVE)
         self._record = BatchedScript(client, client.register_script(RECORD))
         self._finish = client.register_script(FINISH)
+        self._forget = client.register_script(FORGET)
         self._renew = client.register_script(RENEW)
         self._late = client.register_script(LATE)
         self._release = client.register_script(RELEASE)
@@ -274,24 +182,34 @@ class RequestLedger:
             return "down"
         return {1: "ok", -1: "lost"}.get(result, "gap")  # type: ignore[return-value]
 
-    async def forget_transcript(self, request_id: str, begun: bool = False) -> bool:
+    async def forget_transcript(
+        self, request_id: str, attempt: int, begun: bool = False
+    ) -> Literal["ok", "lost", "down"]:
         """The transcript no longer matches what was published: the next attempt
         restarts the reply rather than continue from it. `begun`: some of it went out,
         which the transcript goes on saying (UNKNOWN_TEXT), so that the next attempt
-        does not answer "expired" to a reader who has part of it. False if Redis is
-        unreachable."""
-        key = reply_key(request_id)
+        does not answer "expired" to a reader who has part of it. "lost": the lease is
+        another worker's now, and so is the transcript."""
+        keys = [*_held_keys(request_id), reply_key(request_id)]
+        marker = UNKNOWN_TEXT.encode() if begun else b""
+        args: list[str | int | bytes] = [self.owner, attempt, self._lease_ms, marker, REPLY_TTL_S]
         try:
-            async with self._redis.pipeline(transaction=True) as pipe:
-                pipe.delete(key)
-                if begun:
-                    pipe.rpush(key, UNKNOWN_TEXT.encode())
-                    pipe.expire(key, REPLY_TTL_S)
-                await pipe.execute()
+            return "ok" if int(await self._forget(keys=keys, args=args)) else "lost"
         except REDIS_DOWN as exc:
             log.warning("%s: transcript not dropped, Redis unreachable (%s)", request_id, exc)
-            return False
-        return True
+            return "down"
+
+    async def holds(self, request_id: str, attempt: int) -> Literal["ok", "lost", "down"]:
+        """Whether the lease is still ours (which renews it): what a record says besides,
+        for an attempt that no longer records."""
+        try:
+            held = await self._renew(
+                keys=_held_keys(request_id), args=[self.owner, attempt, self._lease_ms]
+            )
+        except REDIS_DOWN as exc:
+            log.warning("%s: lease not checked, Redis unreachable (%s)", request_id, exc)
+            return "down"
+        return "ok" if int(held) else "lost"
 
     async def finish(self, request_id: str, attempt: int, final: bytes) -> bool:
         """Mark the request done and keep its final until it is delivered; False if the

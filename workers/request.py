@@ -129,7 +129,7 @@ class RequestRunner:
             )
             # Its text went out: the marker says so to an attempt after this one (which
             # would else answer "expired" past the deadline) until this one records.
-            await self.ledger.forget_transcript(prompt.request_id, begun=True)
+            await self.ledger.forget_transcript(prompt.request_id, arrival.attempt, begun=True)
         epoch = carried[0].epoch if carried else arrival.attempt
         if carried:
             log.info(
@@ -313,20 +313,35 @@ class RequestRunner:
         """The event goes to the transcript before Kafka, so the transcript holds at
         least what readers may have; once a record fails it holds less, and is dropped,
         at the next event again while Redis does not answer (the next attempt then
-        restarts the reply)."""
+        restarts the reply). Every event asks whether the lease is still ours, recorded
+        or not: a worker that lost it publishes nothing more."""
         request_id = attempt.prompt.request_id
         await self._lease_late(attempt, throttled=True)
+        lease_asked = attempt.stale_transcript  # a drop asks too: one round trip an event
         if attempt.stale_transcript:
-            attempt.stale_transcript = not await self.ledger.forget_transcript(request_id, True)
+            await self._forget_transcript(attempt)
         if not attempt.recording:
+            if attempt.tracked.leased and not lease_asked:
+                self._stop_if_lost(attempt, await self.ledger.holds(request_id, attempt.number))
             return
         outcome = await self.ledger.record(request_id, attempt.number, entry)
-        if outcome == "lost":
-            attempt.tracked.lost = True
-            raise LeaseLost(request_id)
+        self._stop_if_lost(attempt, outcome)
         if outcome != "ok":
             attempt.recording = False
-            attempt.stale_transcript = not await self.ledger.forget_transcript(request_id, True)
+            await self._forget_transcript(attempt)
+
+    async def _forget_transcript(self, attempt: Attempt) -> None:
+        outcome = await self.ledger.forget_transcript(
+            attempt.prompt.request_id, attempt.number, begun=True
+        )
+        attempt.stale_transcript = outcome == "down"
+        self._stop_if_lost(attempt, outcome)
+
+    @staticmethod
+    def _stop_if_lost(attempt: Attempt, outcome: str) -> None:
+        if outcome == "lost":
+            attempt.tracked.lost = True
+            raise LeaseLost(attempt.prompt.request_id)
 
     async def _lease_late(self, attempt: Attempt, throttled: bool) -> None:
         """Taken while Redis did not answer: lease it once Redis does (asked at most
@@ -337,9 +352,7 @@ class RequestRunner:
             return
         attempt.lease_asked = now
         taken = await self.ledger.lease_late(attempt.prompt.request_id)
-        if taken == "lost":
-            attempt.tracked.lost = True
-            raise LeaseLost(attempt.prompt.request_id)
+        self._stop_if_lost(attempt, taken)
         if taken == "ok":  # its records fail as a gap if some events went out unrecorded
             attempt.tracked.leased = attempt.recording = True
 

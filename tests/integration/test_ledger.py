@@ -155,6 +155,24 @@ async def test_an_undelivered_final_lives_as_long_as_the_done_mark(client: aiore
     assert done_ttl > 0 and final_ttl >= done_ttl
 
 
+async def test_a_worker_past_its_lease_leaves_the_next_ones_transcript_alone(
+    client: aioredis.Redis,
+) -> None:
+    """Its record failed (Redis stalled past its lease) and another worker took over,
+    continuing the reply: once Redis answered, the first dropped the transcript the
+    second was writing, whose next record then failed as a gap."""
+    stalled, next_worker, rid = ledger(client, "w1"), ledger(client, "w2"), request()
+    assert isinstance(await stalled.arrive(rid), Arrival)
+    assert await stalled.record(rid, 1, Recorded(1, 0, "Once", 1)) == "ok"
+    await asyncio.sleep(LEASE_S * 1.5)
+    assert isinstance(await next_worker.arrive(rid), Arrival)
+    assert await next_worker.record(rid, 2, Recorded(1, 1, " upon", 1)) == "ok"
+    assert await stalled.forget_transcript(rid, 1, begun=True) == "lost"
+    assert await stalled.holds(rid, 1) == "lost"
+    assert await next_worker.holds(rid, 2) == "ok"
+    assert await next_worker.record(rid, 2, Recorded(1, 2, " a", 1)) == "ok"
+
+
 async def test_a_request_taken_while_redis_stalled_is_leased_once_it_answers(
     client: aioredis.Redis, settings: Settings
 ) -> None:
@@ -192,7 +210,7 @@ async def test_a_transcript_dropped_mid_reply_still_says_the_reply_began(
     worker, rid = ledger(client, "w1"), request()
     assert isinstance(await worker.arrive(rid), Arrival)
     assert await worker.record(rid, 1, Recorded(1, 0, "Once", 1)) == "ok"
-    assert await worker.forget_transcript(rid, begun=True)
+    assert await worker.forget_transcript(rid, 1, begun=True) == "ok"
     await worker.release(rid)
     taken = await ledger(client, "w2").arrive(rid)
     assert isinstance(taken, Arrival) and taken.transcript == (UNKNOWN_TEXT,)
@@ -279,7 +297,7 @@ async def test_a_restart_handed_back_before_it_records_still_says_the_reply_bega
     first, second, third = (ledger(client, f"w{i}") for i in (1, 2, 3))
     assert isinstance(await first.arrive(rid), Arrival)
     assert await first.record(rid, 1, Recorded(1, 0, "Once", 1)) == "ok"
-    assert await first.forget_transcript(rid, begun=True)  # a record failed after
+    assert await first.forget_transcript(rid, 1, begun=True) == "ok"  # a record failed after
     await first.release(rid)
     arrival = await second.arrive(rid)
     assert isinstance(arrival, Arrival) and arrival.transcript == (UNKNOWN_TEXT,)

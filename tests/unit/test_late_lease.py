@@ -34,9 +34,12 @@ class LateRedis:
         self.transcript.append(entry.seq)
         return "ok"
 
-    async def forget_transcript(self, request_id: str, begun: bool = False) -> bool:
+    async def forget_transcript(self, request_id: str, attempt: int, begun: bool = False) -> str:
         self.transcript = [UNKNOWN_TEXT.seq] if begun else []
-        return True
+        return "ok"
+
+    async def holds(self, request_id: str, attempt: int) -> str:
+        return "ok"
 
 
 def runner(ledger: LateRedis) -> RequestRunner:

@@ -6,27 +6,35 @@ from __future__ import annotations
 
 from typing import Any, cast
 
+import pytest
+
 from schemas.events import ChatMessage, PromptRequest, now_ms
-from workers.attempt import Attempt, Tracked, usage_of
+from workers.attempt import Attempt, LeaseLost, Tracked, usage_of
 from workers.ledger import Recorded, Recording, RequestLedger
 from workers.request import RequestRunner, RunnerConfig
 
 
 class RedisAway:
-    """Answers the first record with "down", then the deletes: twice not, then yes."""
+    """Answers the first record with "down", then the deletes: twice not, then yes; then
+    the lease checks from `held` (the lease is ours until another worker takes it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, held: tuple[str, ...] = ("ok", "ok")) -> None:
         self.records = 0
         self.deletes: list[bool] = []
-        self._answers = [False, False, True]
+        self._answers = ["down", "down", "ok"]
+        self.held = list(held)
 
     async def record(self, request_id: str, attempt: int, entry: Recorded) -> Recording:
         self.records += 1
         return "down"
 
-    async def forget_transcript(self, request_id: str, begun: bool = False) -> bool:
-        self.deletes.append(self._answers.pop(0))
-        return self.deletes[-1]
+    async def forget_transcript(self, request_id: str, attempt: int, begun: bool = False) -> str:
+        answer = self._answers.pop(0)
+        self.deletes.append(answer == "ok")
+        return answer
+
+    async def holds(self, request_id: str, attempt: int) -> str:
+        return self.held.pop(0)
 
 
 def prompt() -> PromptRequest:
@@ -57,6 +65,24 @@ async def test_a_failed_record_drops_the_transcript_once_redis_answers() -> None
     assert ledger.records == 1, "no record after the first failure"
     assert ledger.deletes == [False, False, True], "deleted until Redis answered, then no more"
     assert not current.recording and not current.stale_transcript
+    assert ledger.held == [], "the lease asked at each event past the drop"
+
+
+async def test_a_worker_that_no_longer_records_stops_at_the_first_event_past_its_lease() -> None:
+    """Its record failed (Redis stalled past its lease): another worker took the request
+    meanwhile. It went on publishing unrecorded events until its renewal loop noticed
+    (a third of the lease later), beside the worker that took over."""
+    ledger = RedisAway(held=("ok", "lost"))
+    unused = cast(Any, None)
+    runner = RequestRunner(
+        RunnerConfig("m", 0.05, 16), unused, unused, cast(RequestLedger, ledger), unused, unused
+    )
+    current = attempt()
+    for seq in range(4):  # a failed record, two drops while Redis is away, one checked
+        await runner._record(current, Recorded(1, seq, "x", 1))
+    with pytest.raises(LeaseLost):
+        await runner._record(current, Recorded(1, 4, "x", 1))
+    assert current.tracked.lost
 
 
 class PromptOf20Tokens:

@@ -1,0 +1,112 @@
+"""The Lua scripts the request ledger runs in Redis (workers/ledger.py): each reads and
+changes a request's keys in one step, so two workers never interleave on them."""
+
+# KEYS: done, lease, attempt, cancel, reply, final, another cancel (its batch's, or the
+# cancel again). ARGV: owner, lease ms, attempt ttl s.
+ARRIVE = """
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  local final = redis.call('GET', KEYS[6])
+  if final and redis.call('EXISTS', KEYS[2]) == 1 then  -- its worker is delivering it
+    return {'busy', redis.call('PTTL', KEYS[2])}
+  end
+  return {'done', final}
+end
+if redis.call('EXISTS', KEYS[2]) == 1 then  -- its own earlier task too: one at a time
+  return {'busy', redis.call('PTTL', KEYS[2])}
+end
+redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
+local attempt = redis.call('INCR', KEYS[3])
+redis.call('EXPIRE', KEYS[3], ARGV[3])
+return {'ok', attempt, redis.call('EXISTS', KEYS[4], KEYS[7]), redis.call('LRANGE', KEYS[5], 0, -1)}
+"""
+
+# Whether the lease (KEYS[1]) is ARGV[1]'s: it names it, or it lapsed and nobody took
+# the request since: not done (KEYS[2]) and no later attempt (KEYS[3] against ARGV[2]);
+# then it is taken again for ARGV[3] ms.
+HELD = """
+local function held()
+  local holder = redis.call('GET', KEYS[1])
+  if holder then return holder == ARGV[1] end
+  if redis.call('EXISTS', KEYS[2]) == 1 then return false end
+  local attempt = redis.call('GET', KEYS[3])
+  if attempt and tonumber(attempt) ~= tonumber(ARGV[2]) then return false end
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3])
+  return true
+end
+"""
+
+# KEYS: lease, done, attempt, reply. ARGV: owner, attempt, lease ms, seq, entry, reply ttl
+# s, the unknown-text marker (a restart's first entry replaces it: it has begun too).
+RECORD = (
+    HELD
+    + """
+if not held() then return -1 end
+local length = redis.call('LLEN', KEYS[4])
+if tonumber(ARGV[4]) == 0 and length == 1 and redis.call('LINDEX', KEYS[4], 0) == ARGV[7] then
+  redis.call('DEL', KEYS[4])
+  length = 0
+end
+if length ~= tonumber(ARGV[4]) then return -2 end
+redis.call('RPUSH', KEYS[4], ARGV[5])
+redis.call('EXPIRE', KEYS[4], ARGV[6])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return 1
+"""
+)
+
+# KEYS: lease, done, attempt, final, reply. ARGV: owner, attempt, lease ms, final, done
+# ttl s, final ttl s.
+FINISH = (
+    HELD
+    + """
+if not held() then return 0 end
+redis.call('SET', KEYS[2], '1', 'EX', ARGV[5])
+redis.call('SET', KEYS[4], ARGV[4], 'EX', ARGV[6])
+redis.call('DEL', KEYS[5])
+return 1
+"""
+)
+
+# KEYS: lease, done, attempt, reply. ARGV: owner, attempt, lease ms, marker ('' for
+# none), reply ttl s. Only its holder drops a transcript: a worker whose lease lapsed
+# while Redis stalled would drop the one the worker that took over is writing.
+FORGET = (
+    HELD
+    + """
+if not held() then return 0 end
+redis.call('DEL', KEYS[4])
+if ARGV[4] ~= '' then
+  redis.call('RPUSH', KEYS[4], ARGV[4])
+  redis.call('EXPIRE', KEYS[4], ARGV[5])
+end
+return 1
+"""
+)
+
+# KEYS: lease, done, attempt. ARGV: owner, attempt, lease ms.
+RENEW = (
+    HELD
+    + """
+if not held() then return 0 end
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return 1
+"""
+)
+
+# A first attempt taken while Redis did not answer, once it does. KEYS: lease, done,
+# attempt. ARGV: owner, 1, lease ms, attempt ttl s.
+LATE = (
+    HELD
+    + """
+if not held() then return 0 end
+redis.call('SET', KEYS[3], ARGV[2], 'NX', 'EX', ARGV[4])
+return 1
+"""
+)
+
+# KEYS: lease. ARGV: owner.
+RELEASE = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('DEL', KEYS[1])
+return 1
+"""
