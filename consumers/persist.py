@@ -71,6 +71,8 @@ class Persister:
         self.ops = OpsServer("persist", self.metrics.registry, self._readiness)
 
     async def start(self) -> None:
+        # Served first: liveness answers while it connects and joins (not ready yet).
+        await self.ops.start(self.settings.host, self.settings.persist_metrics_port)
         self._cluster = cassandra_cluster(self.settings)
         session = await asyncio.to_thread(self._cluster.connect, self.settings.keyspace)
         moderator = DefaultModerator(self.settings.moderation_blocklist)
@@ -78,7 +80,6 @@ class Persister:
         self._writer = HistoryWriter(session, self._redact)
         await self._producer.start()
         await self._consumer.start()
-        await self.ops.start(self.settings.host, self.settings.persist_metrics_port)
         log.info("persist ready: %s -> keyspace %s", topics.TOKENS, self.settings.keyspace)
 
     def request_stop(self) -> None:

@@ -242,6 +242,26 @@ def keys_create(
     typer.echo(key)
 
 
+@keys_app.command("revoke")
+def keys_revoke(
+    key_id: str = typer.Option("", "--key-id", help="The id printed when the key was made."),
+    user: str = typer.Option("", help="Revoke every key of this user instead."),
+) -> None:
+    """Revoke a key, or all of a user's keys; roles refuse them within a minute."""
+    from tandoor.policies.api_keys import revoke_keys
+
+    if bool(key_id) == bool(user):
+        typer.secho("error: give --key-id or --user (one of them)", err=True, fg=typer.colors.RED)
+        raise typer.Exit(2)
+    settings = get_settings()
+    revoked = _stack_guard(lambda: asyncio.run(revoke_keys(settings, key_id or None, user or None)))
+    if not revoked:
+        named = f"key id {key_id!r}" if key_id else f"user {user!r}"
+        typer.secho(f"error: no key with {named}", err=True, fg=typer.colors.RED)
+        raise typer.Exit(1)
+    typer.echo(f"revoked {len(revoked)} key(s): {', '.join(revoked)}")
+
+
 @app.command("prepare-model")
 def prepare_model(name: str = typer.Argument("smollm2", help="A model in TANDOOR_MODELS.")) -> None:
     """Make a model's Hugging Face folder ready (converts the bundled one once)."""

@@ -120,6 +120,8 @@ class Admission(Forwarding, ConsumerRebalanceListener):  # type: ignore[misc]
         self._redis: aioredis.Redis | None = None
 
     async def start(self) -> None:
+        # Served first: liveness answers while it connects and joins (not ready yet).
+        await self.ops.start(self.settings.host, self.settings.admission_metrics_port)
         self._cluster = cassandra_cluster(self.settings)
         session = await asyncio.to_thread(self._cluster.connect, self.settings.keyspace)
         self._redis = redis_client(self.settings)
@@ -134,7 +136,6 @@ class Admission(Forwarding, ConsumerRebalanceListener):  # type: ignore[misc]
         self.consumer.subscribe([topics.BATCH_REQUESTS], listener=self)
         await self.consumer.start()
         await self.load.start()
-        await self.ops.start(self.settings.host, self.settings.admission_metrics_port)
         log.info("admission ready: %s -> batch band", topics.BATCH_REQUESTS)
 
     def request_stop(self) -> None:

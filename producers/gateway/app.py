@@ -35,14 +35,15 @@ def create_app(settings: Settings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # Served first: liveness answers while the services connect (not ready yet).
         ops = OpsServer("gateway", registry, readiness, READY_WITHOUT)
-        async with open_services(settings, slots) as deps:
-            app.state.services = deps
-            await ops.start(settings.host, settings.gateway_metrics_port)
-            try:
+        await ops.start(settings.host, settings.gateway_metrics_port)
+        try:
+            async with open_services(settings, slots) as deps:
+                app.state.services = deps
                 yield
-            finally:
-                await ops.close()
+        finally:
+            await ops.close()
 
     app = FastAPI(title="Tandoor", version="0.1.0", lifespan=lifespan)
     app.state.slots = slots  # the server sets it draining at SIGTERM

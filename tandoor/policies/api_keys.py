@@ -107,6 +107,27 @@ class KeyStore:
         )
         await self._cache.delete(api_key_cache_key(digest))
 
+    async def revoke_where(
+        self, key_id: str | None = None, user_id: str | None = None
+    ) -> list[str]:
+        """Revoke the key with this id, or every key of this user (what an operator knows:
+        the id printed at creation, or the user); the ids revoked, [] if none matched."""
+        column, value = ("key_id", key_id) if key_id is not None else ("user_id", user_id)
+        rows = await cql(
+            self._session,
+            f"SELECT key_hash, key_id FROM api_keys WHERE {column} = %s",
+            (value,),
+        )
+        for row in rows:
+            await cql(
+                self._session,
+                "UPDATE api_keys SET revoked = true WHERE key_hash = %s",
+                (row.key_hash,),
+            )
+            with contextlib.suppress(*REDIS_DOWN):  # cached for at most CACHE_TTL_S more
+                await self._cache.delete(api_key_cache_key(row.key_hash))
+        return sorted(row.key_id for row in rows)
+
     async def revoked_owner(self, key: str) -> str | None:
         """The user of a key that was made here and since revoked, else None: a batch
         line sent with it is still that user's to see refused (an API batch counts its
@@ -140,6 +161,14 @@ async def create_key(settings: Settings, user_id: str, tier: str) -> tuple[str, 
 async def revoke_key(settings: Settings, key: str) -> None:
     async with _one_shot(settings) as store:
         await store.revoke(key)
+
+
+async def revoke_keys(
+    settings: Settings, key_id: str | None = None, user_id: str | None = None
+) -> list[str]:
+    """One-shot revocation by key id or user (the CLI's)."""
+    async with _one_shot(settings) as store:
+        return await store.revoke_where(key_id, user_id)
 
 
 async def resolve_key(settings: Settings, key: str) -> Principal | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -107,3 +108,40 @@ async def test_cli_prints_the_key_as_its_last_line(
         finally:
             await cache.aclose()
     assert principal is not None and (principal.user_id, principal.tier) == ("dave", "api")
+
+
+def tandoor_keys(*args: str) -> subprocess.CompletedProcess[str]:
+    argv = ["tandoor", "keys", *args]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+
+
+async def test_an_operator_revokes_a_key_by_its_id_or_all_of_a_users_keys(
+    cassandra: Settings, redis_url: str, settings: Settings
+) -> None:
+    """Revocation needed the key itself, which an operator who saw only its id (printed
+    at creation, and in logs) or its user does not have: a leaked key stayed valid."""
+    user, other = f"frank_{uuid.uuid4().hex[:8]}", f"gina_{uuid.uuid4().hex[:8]}"
+    with cassandra_session(settings, settings.keyspace) as session:
+        cache = aioredis.Redis.from_url(redis_url)
+        store = KeyStore(session, cache, set(settings.tiers))
+        try:
+            (leaked, leaked_as), (kept, _) = [await store.create(user, "plus") for _ in range(2)]
+            untouched, _ = await store.create(other, "plus")
+            assert await store.resolve(leaked) is not None  # cached now
+
+            result = await asyncio.to_thread(tandoor_keys, "revoke", "--key-id", leaked_as.key_id)
+            assert result.returncode == 0, result.stderr
+            assert leaked_as.key_id in result.stdout
+            assert await store.resolve(leaked) is None, "refused at once, cache or not"
+            assert await store.resolve(kept) is not None
+
+            result = await asyncio.to_thread(tandoor_keys, "revoke", "--user", user)
+            assert result.returncode == 0, result.stderr
+            assert [await store.resolve(k) for k in (leaked, kept)] == [None, None]
+            assert await store.resolve(untouched) is not None, "another user's key"
+        finally:
+            await cache.aclose()
+    unknown = await asyncio.to_thread(tandoor_keys, "revoke", "--key-id", "nosuchkeyid")
+    assert unknown.returncode == 1 and "no key with key id 'nosuchkeyid'" in unknown.stderr
+    both = await asyncio.to_thread(tandoor_keys, "revoke", "--key-id", "x", "--user", "y")
+    assert both.returncode == 2 and "one of them" in both.stderr
