@@ -54,7 +54,7 @@ AUTOSCALE_HEADROOM = 0.25  # max replicas above the peak need: bursts, a lost zo
 GATEWAY_UTILIZATION = 0.7  # HPA target: CPU and stream slots kept 30% free at peak
 
 # --- Traffic shape -----------------------------------------------------------------------
-# Production coalescing window (the ConfigMap's TANDOOR_COALESCE_MS; default is 15 ms).
+# Production coalescing window (the ConfigMap's TANDOOR_COALESCE_MS; the default is 100 ms).
 COALESCE_MS = 50.0
 
 # --- Kafka -------------------------------------------------------------------------------

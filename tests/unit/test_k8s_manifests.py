@@ -237,6 +237,22 @@ def test_every_role_has_probes_and_is_scraped_where_they_answer() -> None:
         assert annotations["prometheus.io/port"] == str(ports[live["port"]]), name
 
 
+def test_every_scraped_pod_declares_the_port_it_is_scraped_on() -> None:
+    """Cassandra's pods were annotated for a scrape on 7070, served by nothing there:
+    a target always down, and its alert firing for good."""
+    for workload in workloads():
+        template = workload["spec"]["template"]
+        annotations = template["metadata"].get("annotations", {})
+        if annotations.get("prometheus.io/scrape") != "true":
+            continue
+        declared = {
+            str(port["containerPort"])
+            for container in template["spec"]["containers"]
+            for port in container.get("ports", [])
+        }
+        assert annotations["prometheus.io/port"] in declared, doc_id(workload)
+
+
 def test_services_select_pods_that_exist_and_name_their_ports() -> None:
     for service in of_kind("Service"):
         selector = service["spec"]["selector"]
