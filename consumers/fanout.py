@@ -240,16 +240,23 @@ class TokenFanout(ConsumerRebalanceListener):  # type: ignore[misc]
                 sub.push(item)
 
 
+READER_FETCH_BYTES = 256 * 1024  # aiokafka's default: 1 MiB a stream, 1 GiB at 1,000
+
+
 @contextlib.asynccontextmanager
 async def partition_reader(
     settings: Settings, partition: int, offset: int
 ) -> AsyncIterator[AIOKafkaConsumer]:
-    """A consumer of one tokens partition from `offset`, outside any group."""
+    """A consumer of one tokens partition from `offset`, outside any group. It holds at
+    most one fetch of the partition, most of it other replies' events: small, as every
+    resumed stream has one (after a replica drains, all of its streams at once)."""
     consumer = AIOKafkaConsumer(
         bootstrap_servers=settings.kafka_bootstrap,
         group_id=None,
         enable_auto_commit=False,
         fetch_max_wait_ms=settings.fetch_wait_ms,
+        max_partition_fetch_bytes=READER_FETCH_BYTES,
+        fetch_max_bytes=READER_FETCH_BYTES,
     )
     await consumer.start()
     ReaderCount.open += 1

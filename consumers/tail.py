@@ -64,12 +64,19 @@ async def tail(bootstrap: str, topic: str, from_beginning: bool, limit: int | No
         await consumer.stop()
 
 
+def _at_least_one(value: str) -> int:
+    count = int(value)
+    if count < 1:  # 0 printed one record all the same
+        raise argparse.ArgumentTypeError(f"must be 1 or more, not {count}")
+    return count
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("topic", choices=["tokens", "usage", "usage.rollups"])
     parser.add_argument("--bootstrap", default="127.0.0.1:9092")
     parser.add_argument("--from-beginning", action="store_true")
-    parser.add_argument("--limit", type=int)
+    parser.add_argument("--limit", type=_at_least_one, help="stop after this many records")
     args = parser.parse_args()
     asyncio.run(tail(args.bootstrap, args.topic, args.from_beginning, args.limit))
 

@@ -9,6 +9,7 @@ already counted is the tables' concern (tables.py), not the rollup's.
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +51,8 @@ class Histogram:
     highest: float = 0.0
 
     def add(self, value: float) -> None:
+        if not math.isfinite(value):  # a speed over a subnormal time: JSON has no inf
+            return
         if not self.counts:
             self.counts = [0] * (len(self.bounds) + 1)
         self.counts[bisect.bisect_left(self.bounds, value)] += 1
@@ -153,8 +156,9 @@ class Rollup:
             setattr(rollup, name, data.get(name, getattr(rollup, name)))
         rollup.ttft.counts = list(data["ttft"])
         rollup.speed.counts = list(data["speed"])
-        rollup.ttft.highest = data.get("ttft_highest", 0.0)
-        rollup.speed.highest = data.get("speed_highest", 0.0)
+        # null: an infinity stored before infinities were left out
+        rollup.ttft.highest = data.get("ttft_highest") or 0.0
+        rollup.speed.highest = data.get("speed_highest") or 0.0
         return rollup
 
 

@@ -1,8 +1,9 @@
 """Reply streams that cannot exhaust a replica: a capped number open at once, and a
 client that stops reading is cut off instead of holding its stream forever.
 
-Memory per stream is bounded by the reply itself (at most max_tokens of events), so
-the cap and the write timeout are what keep slow or stuck clients in check. A client
+Memory per stream is bounded by the reply itself (at most max_tokens of events), and a
+resumed stream's by one fetch of its partition besides (consumers/fanout.py), so the
+cap and the write timeout are what keep slow or stuck clients in check. A client
 that was cut off can reconnect with Last-Event-ID and resume.
 """
 

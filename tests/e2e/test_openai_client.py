@@ -35,6 +35,10 @@ async def test_models_and_a_plain_completion(stack: Stack) -> None:
 async def plain_completion(api: openai.AsyncOpenAI, stack: Stack) -> None:
     models = [m.id async for m in api.models.list()]
     assert models == stack.settings.served_models
+    assert (await api.models.retrieve(models[0])).id == models[0]  # it was a 404
+    with pytest.raises(openai.NotFoundError) as unknown:
+        await api.models.retrieve("no-such-model")
+    assert unknown.value.code == "model_not_found"
     completion = await api.chat.completions.create(
         model=models[0],
         temperature=0,
@@ -144,7 +148,7 @@ async def test_sampling_parameters_reach_the_model(stack: Stack) -> None:
                 model=model,
                 messages=question,
                 temperature=1.0,
-                seed=7,
+                seed=-7,  # a negative seed too (it was refused)
                 max_tokens=8,
             )
             for _ in range(2)

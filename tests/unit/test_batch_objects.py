@@ -99,13 +99,16 @@ def test_a_file_of_too_many_lines_is_refused_without_parsing_the_rest() -> None:
         (1, True, [200], False),  # cancelling
         (25, True, [200], False),  # cancelled by its window: unrun lines answered later
         (25, False, [200, None, None], False),  # expired: running lines still counted
+        (27, False, [200, None, None], True),  # expired long enough for them to end
+        (27, False, [200, None], False),  # expired, not every line answered
     ],
 )
 def test_only_counts_no_answer_can_change_are_kept(
     age_h: int, cancelled: bool, codes: list[int | None], settled: bool
 ) -> None:
     """A batch's counts are kept on its row, and read from there from then on: kept too
-    early, an answer that came later would never show."""
+    early, an answer that came later would never show; never kept (an expired batch),
+    every read counted all its lines again."""
     assert is_settled(batch(dt.timedelta(hours=age_h), cancelled), Answered.of(codes)) is settled
 
 

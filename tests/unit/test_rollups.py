@@ -122,3 +122,26 @@ def test_a_quantile_past_the_last_bucket_is_the_largest_value_seen() -> None:
     s = again.summary()
     assert s["ttft_ms"]["p99"] == 7_200_000
     assert 100 <= s["ttft_ms"]["p50"] <= 125
+
+
+def test_a_record_with_an_infinite_speed_leaves_the_rollup_usable() -> None:
+    """Three tokens decoded in a subnormal time: an infinite speed, stored as null (JSON
+    has no infinity), then every read of the rollup, and the next record, raised a
+    TypeError: the publish timer crashed the app, again at each restart."""
+    rollup = Rollup("1m", 120_000, "user", "ada")
+    rollup.add(usage("quick"))
+    rollup.add(usage("subnormal", ttft=0.0, duration=1e-320, completion=3))
+    again = Rollup.load(orjson.loads(orjson.dumps(rollup.dump())))
+    again.add(usage("next"))
+    s = again.summary()
+    assert s["requests"] == 3
+    assert 20 <= s["decode_tokens_per_s"]["p99"] <= 25, "the finite speeds only"
+
+
+def test_a_rollup_stored_with_a_null_highest_value_loads() -> None:
+    """What a changelog written before the fix holds."""
+    rollup = Rollup("1m", 120_000, "user", "ada")
+    rollup.add(usage("queued", ttft=7_200_000, duration=7_201_000))
+    loaded = Rollup.load(rollup.dump() | {"speed_highest": None, "ttft_highest": None})
+    loaded.add(usage("next"))
+    assert loaded.summary()["requests"] == 2

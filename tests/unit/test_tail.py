@@ -5,6 +5,9 @@ and every rerun ended there again while the record was kept)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import orjson
 
 from consumers.tail import line_of
@@ -24,3 +27,10 @@ def test_records_of_another_shape_are_shown_raw() -> None:
 def test_a_token_event_is_described() -> None:
     event = {"type": "token", "request_id": "r1", "attempt": 1, "seq": 3, "delta": "Hi"}
     assert line_of("tokens", orjson.dumps(event)) == "r1#1.3 'Hi'"
+
+
+def test_a_limit_below_one_is_refused_by_name() -> None:
+    """--limit 0 printed one record: the limit was looked at after it."""
+    argv = [sys.executable, "-m", "consumers.tail", "usage", "--limit", "0", "--bootstrap", "x"]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 2 and "--limit: must be 1 or more, not 0" in result.stderr

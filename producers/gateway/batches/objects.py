@@ -13,6 +13,8 @@ from producers.gateway.batches.store import Answered, StoredBatch, StoredFile
 from tandoor.clients import TRANSACTION_TIMEOUT_MS
 
 COMPLETION_WINDOW = dt.timedelta(hours=24)
+# Longer than a line generates (a reply's max_tokens at a slow engine's pace).
+EXPIRED_SETTLE_AFTER = dt.timedelta(hours=2)
 # A batch still queuing this long after its creation never will be: its gateway died
 # before its lines' transaction was committed, and Kafka has aborted it by now.
 QUEUING_LIMIT = dt.timedelta(milliseconds=2 * TRANSACTION_TIMEOUT_MS)
@@ -68,10 +70,16 @@ def batch_object(batch: StoredBatch, answered: Answered) -> dict[str, Any]:
 
 def is_settled(batch: StoredBatch, answered: Answered) -> bool:
     """No answer can change these counts any more: every line is answered, and the
-    batch is completed or cancelled. An expired batch still counts lines that were
-    running at the window's end."""
-    done = answered.count >= batch.total
-    return done and _status(batch, answered) in ("completed", "cancelled")
+    batch is completed or cancelled, or expired for longer than a line still running at
+    the window's end (one an admission replay answered `batch_expired` meanwhile) takes
+    to finish. Unsettled, every read counts all its lines again (50,000 rows a batch,
+    for every batch on a page of the list, for good)."""
+    if answered.count < batch.total:
+        return False
+    status = _status(batch, answered)
+    if status == "expired":
+        return utc_now() > batch.created_at + COMPLETION_WINDOW + EXPIRED_SETTLE_AFTER
+    return status in ("completed", "cancelled")
 
 
 def lines_waiting(batch: StoredBatch, answered: int) -> int:

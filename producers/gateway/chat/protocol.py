@@ -23,7 +23,7 @@ class SamplingOptions(BaseModel):
 
     temperature: float | None = Field(default=None, ge=0.0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)  # a long, as vLLM's
     stop: str | list[str] | None = None  # OpenAI's: one string, or a list
     presence_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
     frequency_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)

@@ -9,6 +9,7 @@ from fastapi import APIRouter, Depends, Request, Response
 
 from producers.gateway.auth import Caller
 from producers.gateway.chat.router import SSE_HEADERS, Chat
+from producers.gateway.errors import unknown_model
 from producers.gateway.json_body import StrictJsonRoute
 from producers.gateway.openai_api.protocol import ChatCompletionRequest
 from producers.gateway.openai_api.service import (
@@ -28,18 +29,28 @@ CLIENT_LEFT = 499  # nginx's "client closed request": logged, read by no one
 @router.get("/models")
 async def models(caller: Caller, deps: Annotated[Services, Depends(services)]) -> dict[str, Any]:
     del caller  # a key is needed, whoever holds it
+    return {"object": "list", "data": [_model(deps, name) for name in deps.settings.models]}
+
+
+@router.get("/models/{model:path}")  # a served name may hold a slash (org/model)
+async def model(
+    model: str, caller: Caller, deps: Annotated[Services, Depends(services)]
+) -> dict[str, Any]:
+    del caller
+    if model not in deps.settings.models:
+        raise unknown_model(model)
+    return _model(deps, model)
+
+
+def _model(deps: Services, name: str) -> dict[str, Any]:
+    display_name = deps.settings.models[name].display_name or name
+    # display_name beside OpenAI's fields
     return {
-        "object": "list",
-        "data": [
-            {
-                "id": name,
-                "object": "model",
-                "created": 0,
-                "owned_by": "tandoor",
-                "display_name": config.display_name or name,  # beside OpenAI's fields
-            }
-            for name, config in deps.settings.models.items()
-        ],
+        "id": name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "tandoor",
+        "display_name": display_name,
     }
 
 
