@@ -80,7 +80,9 @@ async def on_by_model(payload: bytes, rollups: RollupTables) -> None:
             final = final.model_copy(update={"created_at_ms": not_ahead(final.created_at_ms)})
             at, keys = final.created_at_ms, restart_keys(final)
             apply = methodcaller("add_restart", final)
-            await rollups.count("model", counted_id(final), at, keys, apply)
+            # The token stream forwards these ahead of the usage it lags behind after an
+            # outage: its times moving the model side on made the usage read late.
+            await rollups.count("model", counted_id(final), at, keys, apply, advances=False)
         return
     record = _plausible(_decoded(UsageRecord, payload, rollups), rollups)
     if record is not None:  # forwarded again after a crash lost the user table's mark

@@ -111,12 +111,15 @@ class RollupTables:
         at_ms: int,
         keys: list[RollupKey],
         apply: Callable[[Rollup], None],
+        advances: bool = True,
     ) -> Counting:
         """Apply the record being processed to each rollup it belongs to, unless it was
         counted before. A rollup's records all come from one partition of its source
         topic (keyed by user, or by model), so a record read again after a restart is
         known by its offset ("replayed"); `record_id`, where given, also catches a copy
-        of the record published twice, or read again with its id marked ("seen")."""
+        of the record published twice, or read again with its id marked ("seen").
+        `advances`: whether its time moves stream time on (what is late, which ids are
+        kept); not where a second source shares the topic at its own pace."""
         partition, offset = _position()
         book = self._book(dimension, partition)
         if offset <= book.skipped_to:
@@ -148,7 +151,8 @@ class RollupTables:
             # (marked first, the replay skipped the record: it was never counted)
             self._counted[dimension][record_id] = f"{partition}:{at_ms}".encode()
             book.counted.append((at_ms, record_id))
-        _advance(book, at_ms)
+        if advances:
+            _advance(book, at_ms)
         self._housekeep(dimension, book)
         return "counted"
 

@@ -384,3 +384,23 @@ async def test_a_record_from_a_clock_far_ahead_does_not_expire_the_others(
     # Counted when it came, not in a window a year ahead that nothing would close.
     assert max(s["start_ms"] for s in minutes) <= now + CLOCK_AHEAD_MS, minutes
     assert tables.sizes()["counted-by-user"] <= 3  # its id expires with the others'
+
+
+async def test_usage_caught_up_after_an_outage_counts_per_model_beside_a_recent_restart(
+    short_memory: tuple[faust.App, Sink],
+) -> None:
+    """Back after an outage, the token stream (scanned, not parsed) forwards a re-run's
+    final of now while the forwarded usage is hours behind: the final moved the model
+    side's stream time to now, and every usage record of a minute not yet made was
+    passed over as late, counted per user and lost per model."""
+    app, sink = short_memory
+    old = (now_ms() // 3_600_000 - 3) * 3_600_000
+    restart = final_event("re-run", 2).model_copy(update={"created_at_ms": now_ms()})
+    async with app.agents["rollups-by-model"].test_context() as agent:
+        await agent.put(encode(usage("before", at=old)))
+        await agent.put(encode(restart))
+        for i in range(3):
+            await agent.put(encode(usage(f"caught-up{i}", at=old + 60_000 + i)))
+    await rollup_tables(app).publish_changes()
+    assert sink.rollups[f"model/smollm2/1m/{old + 60_000}"]["requests"] == 3
+    assert sum(r["restarts"] for k, r in sink.rollups.items() if "/1m/" in k) == 1
