@@ -67,6 +67,7 @@ class PartitionBook:
     counted: deque[tuple[int, bytes]] = field(default_factory=deque)  # (at_ms, id), in order
     dirty: set[bytes] = field(default_factory=set)
     closed: set[bytes] = field(default_factory=set)  # published as closed
+    sending: set[bytes] = field(default_factory=set)  # taken by a publication under way
     housekept_at: float = 0.0
     # Its partition revoked, and this member not yet told whether it keeps it: not
     # published meanwhile (its new owner may be counting it, and what this one had
@@ -169,18 +170,27 @@ class RollupTables:
             # Swapped out before the sends: the agent counts on while they wait, and
             # what it marks meanwhile is for the next call, not cleared with these.
             dirty, book.dirty = book.dirty, set()
-            for name in sorted(dirty | (ended - book.closed)):
-                if book.suspended:
-                    book.dirty.add(name)
-                    continue
-                stored = table.get(name)
-                if stored is None:
-                    continue  # expired meanwhile
-                closed = name in ended
-                await self._publish(name, _summary(stored, closed))
-                if closed:
-                    book.closed.add(name)
-                published += 1
+            book.sending = dirty | (ended - book.closed)  # kept until sent (_housekeep)
+            try:
+                published += await self._publish_book(book, table, ended)
+            finally:
+                book.sending = set()
+        return published
+
+    async def _publish_book(self, book: PartitionBook, table: Any, ended: set[bytes]) -> int:
+        published = 0
+        for name in sorted(book.sending):
+            if book.suspended:
+                book.dirty.add(name)
+                continue
+            stored = table.get(name)
+            if stored is None:
+                continue  # taken by a rebalance meanwhile
+            closed = name in ended
+            await self._publish(name, _summary(stored, closed))
+            if closed:
+                book.closed.add(name)
+            published += 1
         return published
 
     async def reassigned(self, dimension: str, partitions: set[int]) -> None:
@@ -307,8 +317,8 @@ class RollupTables:
         while book.counted and book.counted[0][0] < horizon:
             counted.pop(book.counted.popleft()[1], None)
         for name in [n for n, (_, expiry) in book.windows.items() if expiry < book.stream_ms]:
-            if name in book.dirty or name not in book.closed:
-                continue  # published closed first
+            if name in book.dirty or name in book.sending or name not in book.closed:
+                continue  # published closed first, its last change too
             table.pop(name, None)
             del book.windows[name]
             book.closed.discard(name)

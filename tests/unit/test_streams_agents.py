@@ -404,3 +404,28 @@ async def test_usage_caught_up_after_an_outage_counts_per_model_beside_a_recent_
     await rollup_tables(app).publish_changes()
     assert sink.rollups[f"model/smollm2/1m/{old + 60_000}"]["requests"] == 3
     assert sum(r["restarts"] for k, r in sink.rollups.items() if "/1m/" in k) == 1
+
+
+async def test_a_late_change_is_published_though_its_window_expires_while_it_is_sent(
+    short_memory: tuple[faust.App, Sink],
+) -> None:
+    """A late record changed a minute already published closed; while the timer sent
+    the changes before it, the agent moved stream time past that minute's expiry and
+    dropped it: the loop found it gone, and its last count never went out."""
+    app, sink = short_memory
+    tables = rollup_tables(app)
+    old = (now_ms() // 3_600_000 - 3) * 3_600_000
+    async with app.agents["rollups-by-user"].test_context() as agent:
+        await agent.put(encode(usage("a", at=old + 1_000)))
+        await tables.publish_changes()  # the minute, published closed
+        await agent.put(encode(usage("late", at=old + 2_000)))
+        send = tables._publish
+
+        async def publish_while_counting(key: bytes, value: bytes) -> None:
+            tables._publish = send
+            await agent.put(encode(usage("later", at=old + 600_000)))  # past its expiry
+            await send(key, value)
+
+        tables._publish = publish_while_counting
+        await tables.publish_changes()
+    assert sink.rollups[f"user/ada/1m/{old}"]["requests"] == 2
