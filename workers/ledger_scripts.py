@@ -35,12 +35,16 @@ local function held()
 end
 """
 
+
+def held_then(body: str, refused: str = "0") -> str:
+    """A script that runs `body` only while the lease is ARGV[1]'s, else returns `refused`."""
+    return f"{HELD}\nif not held() then return {refused} end\n{body}"
+
+
 # KEYS: lease, done, attempt, reply. ARGV: owner, attempt, lease ms, seq, entry, reply ttl
 # s, the unknown-text marker (a restart's first entry replaces it: it has begun too).
-RECORD = (
-    HELD
-    + """
-if not held() then return -1 end
+RECORD = held_then(
+    """
 local length = redis.call('LLEN', KEYS[4])
 if tonumber(ARGV[4]) == 0 and length == 1 and redis.call('LINDEX', KEYS[4], 0) == ARGV[7] then
   redis.call('DEL', KEYS[4])
@@ -51,15 +55,14 @@ redis.call('RPUSH', KEYS[4], ARGV[5])
 redis.call('EXPIRE', KEYS[4], ARGV[6])
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 return 1
-"""
+""",
+    refused="-1",
 )
 
 # KEYS: lease, done, attempt, final, reply. ARGV: owner, attempt, lease ms, final, done
 # ttl s, final ttl s.
-FINISH = (
-    HELD
-    + """
-if not held() then return 0 end
+FINISH = held_then(
+    """
 redis.call('SET', KEYS[2], '1', 'EX', ARGV[5])
 redis.call('SET', KEYS[4], ARGV[4], 'EX', ARGV[6])
 redis.call('DEL', KEYS[5])
@@ -70,10 +73,8 @@ return 1
 # KEYS: lease, done, attempt, reply. ARGV: owner, attempt, lease ms, marker ('' for
 # none), reply ttl s. Only its holder drops a transcript: a worker whose lease lapsed
 # while Redis stalled would drop the one the worker that took over is writing.
-FORGET = (
-    HELD
-    + """
-if not held() then return 0 end
+FORGET = held_then(
+    """
 redis.call('DEL', KEYS[4])
 if ARGV[4] ~= '' then
   redis.call('RPUSH', KEYS[4], ARGV[4])
@@ -84,10 +85,8 @@ return 1
 )
 
 # KEYS: lease, done, attempt. ARGV: owner, attempt, lease ms.
-RENEW = (
-    HELD
-    + """
-if not held() then return 0 end
+RENEW = held_then(
+    """
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 return 1
 """
@@ -95,10 +94,8 @@ return 1
 
 # A first attempt taken while Redis did not answer, once it does. KEYS: lease, done,
 # attempt. ARGV: owner, 1, lease ms, attempt ttl s.
-LATE = (
-    HELD
-    + """
-if not held() then return 0 end
+LATE = held_then(
+    """
 redis.call('SET', KEYS[3], ARGV[2], 'NX', 'EX', ARGV[4])
 return 1
 """
