@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
-import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -21,6 +20,8 @@ from tandoor.policies.api_keys import create_key
 from tandoor.settings import Settings
 
 pytestmark = pytest.mark.integration
+
+HANG_S = 30  # past the producer's own timeouts; the hang it guards against took 40 s
 
 
 async def restart_stack() -> None:
@@ -67,20 +68,20 @@ async def test_kafka_down_is_a_503_and_the_message_is_kept_as_failed(
             ]
             await start_reply(http, headers, waiting)
             await asyncio.to_thread(kafka_down.stop)
-            started = time.monotonic()
+            # A hang (40 s, then a 500) is the client's timeout here, not a measured time.
             response = await http.post(
                 f"/v1/conversations/{conversation}/messages",
                 json={"content": "Are you there?"},
                 headers=headers,
+                timeout=HANG_S,
             )
-            elapsed = time.monotonic() - started
             opened = await http.get(f"/v1/conversations/{conversation}", headers=headers)
             regenerated = await http.post(
                 f"/v1/conversations/{conversation}/regenerate", json={}, headers=headers
             )
-            started = time.monotonic()
-            stopped = await http.post(f"/v1/conversations/{waiting}/stop", headers=headers)
-            stop_took = time.monotonic() - started
+            stopped = await http.post(
+                f"/v1/conversations/{waiting}/stop", headers=headers, timeout=HANG_S
+            )
             asked = {
                 "model": cassandra.served_models[0],
                 "messages": [{"role": "user", "content": "Hi"}],
@@ -88,13 +89,13 @@ async def test_kafka_down_is_a_503_and_the_message_is_kept_as_failed(
             completion = await http.post("/v1/chat/completions", json=asked, headers=headers)
             listed = (await http.get("/v1/conversations", headers=headers)).json()["data"]
             await restart_stack()
-    assert response.status_code == 503 and elapsed < 10, (response.status_code, elapsed)
+    assert response.status_code == 503, response.text
     assert response.json()["error"]["type"] == "service_unavailable"
     assert [(m["content"], m["status"]) for m in opened.json()["messages"]] == [
         ("Are you there?", "failed")
     ]
     assert regenerated.status_code == 409, regenerated.text
-    assert stopped.status_code == 503 and stop_took < 10, (stopped.text, stop_took)
+    assert stopped.status_code == 503, stopped.text
     assert "Retry-After" in stopped.headers
     # An API call's conversation, opened for it alone, is not left behind (each of the
     # SDK's retries left one, titled with the prompt, holding a failed message).

@@ -41,6 +41,13 @@ async def assert_conversations_complete(stack: Stack, users: list[ChatClient]) -
         # (The conversation's title job is charged too.)
         missing = {t.request_id for t in user.turns} - set(usage)
         assert not missing, f"{user.name}: no usage stored for {missing}"
+        told = {  # what the client's final said (one read from history says nothing)
+            t.request_id: t.final["usage"]["completion_tokens"]
+            for t in user.turns
+            if t.request_id is not None and t.final is not None and "usage" in t.final
+        }
+        stored = {request_id: usage[request_id] for request_id in told}
+        assert stored == told, f"{user.name}: usage stored unlike the replies' finals"
 
 
 def check_conversation(user: ChatClient, messages: list[dict[str, Any]]) -> None:
