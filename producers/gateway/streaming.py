@@ -128,12 +128,16 @@ class ReplyStream(StreamingResponse):
         headers: Mapping[str, str],
         resumable: bool = True,
         queued: Callable[[], bool] = lambda: False,
+        ending: Callable[[], bool] = lambda: False,
     ) -> None:
         super().__init__(content, media_type="text/event-stream", headers=headers)
         self.slot = slot
         self.write_timeout_s = write_timeout_s
         self.resumable = resumable
         self.queued = queued
+        # The reply's end is in (settled, then sent within SETTLE_WAIT_S): a drain lets
+        # it finish, as its record may be released already and a resume find nothing.
+        self.ending = ending
 
     async def stream_response(self, send: Send) -> None:
         """Starlette's, writing the frames made from waiting events together. Events that
@@ -193,6 +197,8 @@ class ReplyStream(StreamingResponse):
         drained = asyncio.ensure_future(self.slot.draining.wait())
         try:
             await asyncio.wait({streaming, drained}, return_when=asyncio.FIRST_COMPLETED)
+            if not streaming.done() and self.ending():
+                await asyncio.wait({streaming})
         except BaseException:  # the client went away: the body goes too
             streaming.cancel()
             raise

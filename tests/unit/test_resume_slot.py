@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from typing import Any, cast
 
 from consumers.fanout import Delivered
-from producers.gateway.chat.control import ReplyControl
+from producers.gateway.chat.control import ReplyControl, Resumed
 from tandoor.policies.api_keys import Principal
 from tandoor.policies.quota import Admission
 from tandoor.settings import Settings
@@ -35,7 +35,9 @@ async def test_a_resumed_replys_slot_is_free_before_its_end_is_sent() -> None:
 
     caller = Principal("u1", "free", "k")
     sent = []
-    async for item in control._clearing_when_final(caller, "c_1", "r_1", events()):
+    resumed = Resumed({"request_id": "r_1"})
+    async for item in control._clearing_when_final(caller, "c_1", resumed, events()):
         assert quotas.done == ["r_1"] and inflight.done == ["r_1"]  # as the end goes out
+        assert resumed.ending, "a drain lets the stream finish: its record is gone"
         sent.append(item)
     assert len(sent) == 1

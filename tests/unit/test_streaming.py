@@ -9,7 +9,7 @@ import pytest
 from starlette.types import Message
 
 from producers.gateway.errors import ApiError
-from producers.gateway.streaming import ReplyStream, StreamSlots
+from producers.gateway.streaming import DRAINED, ReplyStream, StreamSlots
 
 SCOPE = {"type": "http", "asgi": {"spec_version": "2.3"}, "client": ("127.0.0.1", 5)}
 
@@ -124,3 +124,35 @@ async def test_events_that_make_no_frame_still_send_keepalives(
     await stream(SCOPE, never_disconnects, record)
     keepalives = [body for body in bodies if body.startswith(b":")]
     assert len(keepalives) >= 2 and bodies[-2:] == [b"data: 1 2 3\n\n", b""]
+
+
+@pytest.mark.parametrize("end_is_in", [True, False])
+async def test_a_drain_lets_a_reply_whose_end_is_in_finish(end_is_in: bool) -> None:
+    """The end came and was being settled (its record released: a resume is a 404)
+    when the replica began to drain: the stream was cut, and the reply's last word,
+    held back for redaction until the end, never reached the page. A reply still
+    running is cut (its client resumes elsewhere)."""
+    slots, ending = StreamSlots(1), False
+
+    async def frames() -> AsyncIterator[str]:
+        nonlocal ending
+        yield "data: token\n\n"
+        ending = end_is_in
+        slots.draining.set()  # SIGTERM, while the end is settled
+        await asyncio.sleep(0.05)
+        yield "data: final\n\n"
+        yield "data: [DONE]\n\n"
+
+    bodies: list[bytes] = []
+
+    async def record(message: Message) -> None:
+        if message["type"] == "http.response.body":
+            bodies.append(message["body"])
+
+    stream = ReplyStream(frames(), slots.take(), 5, {}, ending=lambda: ending)
+    await stream(SCOPE, never_disconnects, record)
+    written = b"".join(bodies)
+    if end_is_in:
+        assert written.endswith(b"data: final\n\ndata: [DONE]\n\n") and DRAINED not in written
+    else:
+        assert written == b"data: token\n\n" + DRAINED

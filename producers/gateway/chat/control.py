@@ -29,6 +29,15 @@ from tandoor.settings import Settings
 log = logging.getLogger(__name__)
 
 
+class Resumed:
+    """A running reply, resumed: its in-flight record, and its events from the start."""
+
+    def __init__(self, record: dict[str, Any]) -> None:
+        self.record = record
+        self.events: AsyncIterator[Delivered | None]  # set once it is read
+        self.ending = False  # its end is in, its record released: a drain lets it finish
+
+
 class ReplyControl:
     def __init__(
         self,
@@ -127,9 +136,9 @@ class ReplyControl:
                 topics.TOKENS, encode(final), key=request_id.encode(), partition=record["partition"]
             )
 
-    async def resume_events(
+    async def resume(
         self, caller: Principal, conversation_id: str, reply: str | None = None
-    ) -> AsyncIterator[Delivered | None]:
+    ) -> Resumed:
         """The current reply's events from its start (the caller skips what was sent),
         with keep-alives, ending after the tier's silence limit. A 404 when no reply
         runs, when the one recorded will never answer (it hung until the record's hour
@@ -147,25 +156,30 @@ class ReplyControl:
                 "reopen the conversation to see it",
                 kind="not_found_error",
             )
+        resumed = Resumed(record)
         events = read_request(
             self.settings, record["request_id"], record["partition"], record["offset"]
         )
-        cleared = self._clearing_when_final(caller, conversation_id, record["request_id"], events)
-        return with_keepalives(cleared, KEEPALIVE_S, self.settings.silence_limit_s(caller.tier))
+        cleared = self._clearing_when_final(caller, conversation_id, resumed, events)
+        silence_s = self.settings.silence_limit_s(caller.tier)
+        resumed.events = with_keepalives(cleared, KEEPALIVE_S, silence_s)
+        return resumed
 
     async def _clearing_when_final(
         self,
         caller: Principal,
         conversation_id: str,
-        request_id: str,
+        resumed: Resumed,
         events: AsyncIterator[Delivered],
     ) -> AsyncIterator[Delivered]:
         """A resumed reply whose gateway died: nobody else will mark it finished, nor
         free its concurrent-stream slot before the client hears the end (the streams app
         frees it once the usage record comes, after the final: a post right after the
         end was a 429 for a user of one stream)."""
+        request_id = resumed.record["request_id"]
         async for item in events:
             if isinstance(item.event, FinalEvent):  # before the client may close the stream
+                resumed.ending = True
                 await self.inflight.release(conversation_id, request_id)
                 await self.quotas.release(Admission(caller.user_id, request_id, 0, 0))
             yield item

@@ -44,6 +44,7 @@ class Queued:
     # when the gateway that queued it died before marking them (and another stops it).
     replaces: Sequence[MessageKey] = ()
     store: bool = True  # False: OpenAI's `store: false`, its cancelled final is not kept
+    user_message_id: str | None = None  # a resumed stream's start event names it
 
 
 # A prompt no worker has taken yet, answered as done with `final` (KEYS: attempt, done,
@@ -104,6 +105,7 @@ class InFlight:
                 "conversation_id": conversation_id,
                 "replaces": [key.model_dump() for key in prompt.replaces],
                 "store": prompt.store,
+                "user_message_id": prompt.user_message_id,
                 "queued": False,  # until mark_queued: the request may still be refused
             }
         )

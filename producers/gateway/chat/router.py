@@ -75,7 +75,10 @@ def _streamed(reply: Reply, svc: ChatService, slot: Slot) -> ReplyStream:
 
     headers = {**SSE_HEADERS, "X-Request-Id": reply.request_id}
     timeout = svc.deps.settings.gateway_write_timeout_s
-    return ReplyStream(stream(), slot, timeout, headers, queued=reply.watch.queued)
+    watch = reply.watch
+    return ReplyStream(
+        stream(), slot, timeout, headers, queued=watch.queued, ending=lambda: watch.ending
+    )
 
 
 @router.post("/{conversation_id}/stop", status_code=202)
@@ -96,6 +99,27 @@ async def resume(
     resume = ResumePoint.parse(last_event_id)  # a bad id is a 400 whatever else holds
     with svc.deps.streams.reserve(resumed_by=caller.user_id) as slot:
         reply = resume.reply if resume else None
-        events = await svc.running.resume_events(caller, conversation_id, reply)
-        frames = reply_frames(events, svc.output_filter, resume)
-        return ReplyStream(frames, slot, svc.deps.settings.gateway_write_timeout_s, SSE_HEADERS)
+        resumed = await svc.running.resume(caller, conversation_id, reply)
+        record = resumed.record
+        # As a post's, without an id (Last-Event-ID stays the text's): a client whose
+        # post was cut before its start learns here the message's id and that a stop
+        # can reach the reply.
+        start = frame(
+            {
+                "type": "start",
+                "request_id": record["request_id"],
+                "conversation_id": conversation_id,
+                "model": record.get("model"),
+                "user_message_id": record.get("user_message_id"),
+                "resumed": True,
+            }
+        )
+
+        async def stream() -> AsyncIterator[str]:
+            yield start
+            async for chunk in reply_frames(resumed.events, svc.output_filter, resume):
+                yield chunk
+
+        headers = {**SSE_HEADERS, "X-Request-Id": record["request_id"]}
+        timeout = svc.deps.settings.gateway_write_timeout_s
+        return ReplyStream(stream(), slot, timeout, headers, ending=lambda: resumed.ending)

@@ -221,11 +221,11 @@ class ChatService:
         except NotRouting as exc:
             raise kafka_unreachable(f"{exc}; nothing was changed, please retry") from exc
         start_by = p.now + int(d.settings.silence_limit_s(p.caller.tier) * 1000)
-        queued = Queued(p.model, p.now, p.replaces, store)
+        user_message_id = f"m_{uuid.uuid4().hex}" if p.text is not None and store else None
+        queued = Queued(p.model, p.now, p.replaces, store, user_message_id)
         if not await self.inflight.claim(conversation.id, sub, start_by, queued):  # one at a time
             d.fanout.unsubscribe(sub)
             raise ApiError(409, "a reply is being generated: stop it first", kind="conflict_error")
-        user_message_id = f"m_{uuid.uuid4().hex}" if p.text is not None and store else None
         admission: Admission | None = None
         try:
             admission = await d.checks.admit(p.caller, p.request_id, p.tokens, p.now)

@@ -32,6 +32,7 @@ class ReplyWatch:
         self._give_up_s = give_up_s
         self._on_final = on_final
         self.final: FinalEvent | None = None  # once the reply has ended
+        self.ending = False  # its end (a final, or giving up) is being settled, then sent
         # Events for the client; None marks the end (after a final, or on giving up).
         self._out: asyncio.Queue[Delivered | None] = asyncio.Queue()
         self.task = asyncio.create_task(self._follow(), name=f"reply-{sub.request_id}")
@@ -71,6 +72,7 @@ class ReplyWatch:
         # Settled before the client hears the end, so the request it sends next finds its
         # stream slot free and the conversation idle (no 429, no 409); a slow Redis delays
         # the end by SETTLE_WAIT_S at most, and settling then goes on behind it.
+        self.ending = True
         settling = asyncio.create_task(self._settle(final))
         try:
             await asyncio.wait({settling}, timeout=SETTLE_WAIT_S)

@@ -468,7 +468,10 @@ function handle(reply, event) {
     reply.started(event);
     ensureReplyElement(reply, event.model);
     reply.begun = true;
-    if (reply.stopAsked) stop().catch(notify);
+    if (reply.stopAsked) {
+      reply.stopAsked = false; // once: a resumed stream starts again too
+      stop().catch(notify);
+    }
   } else if (event.type === "restart") {
     reply.text = ""; // a worker restarted the reply: drop the partial text
     reply.attempt = event.attempt;
