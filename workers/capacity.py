@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 
 class Capacity:
@@ -42,15 +43,9 @@ class Capacity:
     ) -> bool:
         """Until a slot is free (True), or `give_up` became true first (False; looked at
         on each wake, and `wake_in_s` from now)."""
-        timer = None
-        if wake_in_s is not None:
-            timer = asyncio.get_running_loop().call_later(max(0.0, wake_in_s), self._wake_soon)
-        try:
+        with self._woken_in(wake_in_s):
             async with self._changed:
                 await self._changed.wait_for(lambda: self.free_seqs > 0 or give_up())
-        finally:
-            if timer is not None:
-                timer.cancel()
         return not give_up()
 
     async def reserve_tokens(
@@ -67,14 +62,20 @@ class Capacity:
         too big for the room holds back nobody: lower bands keep the share of slots
         they are given."""
         waiter = (self._rank_of(band), count)
-        timer = None
-        if wake_in_s is not None:
-            timer = asyncio.get_running_loop().call_later(max(0.0, wake_in_s), self._wake_soon)
-        try:
+        with self._woken_in(wake_in_s):
             return await self._reserve(count, give_up, waiter)
+
+    @contextlib.contextmanager
+    def _woken_in(self, wake_in_s: float | None) -> Iterator[None]:
+        """Waiters look again `wake_in_s` from now (a deadline no release may come by)."""
+        if wake_in_s is None:
+            yield
+            return
+        timer = asyncio.get_running_loop().call_later(max(0.0, wake_in_s), self._wake_soon)
+        try:
+            yield
         finally:
-            if timer is not None:
-                timer.cancel()
+            timer.cancel()
 
     async def _reserve(
         self, count: int, give_up: Callable[[], bool], waiter: tuple[int, int]
