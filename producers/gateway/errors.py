@@ -73,13 +73,17 @@ def count(text: str, limit: int = 2**31) -> int | None:
     return value if value < limit else None
 
 
+def error_response(exc: ApiError) -> JSONResponse:
+    body = error_body(exc.message, exc.kind, exc.param, exc.code)
+    return JSONResponse(body, status_code=exc.status, headers=exc.headers)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Every error in one place, each as JSON that names the problem."""
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        body = error_body(exc.message, exc.kind, exc.param, exc.code)
-        return JSONResponse(body, status_code=exc.status, headers=exc.headers)
+        return error_response(exc)
 
     async def _unreachable(request: Request, exc: Exception) -> JSONResponse:
         redis = isinstance(exc, REDIS_DOWN)

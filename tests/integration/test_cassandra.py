@@ -36,6 +36,7 @@ def test_migrations_apply_once(cassandra: Settings, keyspace: str) -> None:
             "0008_batch_summary",
             "0009_batch_metadata_given",
             "0010_batch_queuing",
+            "0011_api_key_lookups",
         ]
         assert migrate(session, keyspace) == []
         rows = session.execute(
