@@ -92,12 +92,10 @@ def servers(settings: Settings) -> dict[str, int]:
 async def bench_gateway(model_dir: Path, args: argparse.Namespace) -> list[tuple[str, RunStats]]:
     settings = Settings()
     model, env = await model_alias(settings, model_dir, "bench")
+    # Its own persist group, started at the end of `tokens` (model_alias): the
+    # long-lived "persist" group, unread while benchmarks and tests ran, first stored
+    # their backlog, on the engine's cores, in the gateway half only.
     env = with_models(env, max_num_seqs=args.max_seqs, kv_cache_mib=args.kv_cache_mib)
-    env |= {
-        # The long-lived group, caught up as in production: a fresh group would first
-        # replay all of `tokens` and compete with the measurement for the CPU.
-        "TANDOOR_PERSIST_GROUP": "persist",
-    }
     gateway = GatewayProcess(args.log_dir, free_port(), env)
     roles = [WorkerProcess(model, args.log_dir, env), PersistProcess(args.log_dir, env), gateway]
     async with running(roles):

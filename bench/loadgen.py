@@ -153,12 +153,15 @@ def openai_sender(
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
+                if "error" in chunk:  # a stream ended by an error is no reply
+                    raise RuntimeError(f"error chunk: {chunk['error']}")
                 if chunk.get("usage"):
                     tokens = chunk["usage"]["completion_tokens"]
                 choices = chunk.get("choices") or []
                 if ttft is None and choices and choices[0]["delta"].get("content"):
                     ttft = time.perf_counter() - started
         assert ttft is not None, "no content"
+        assert tokens, "no usage chunk"
         return ttft, tokens
 
     return send
@@ -204,6 +207,9 @@ def compare(
             f"concurrency {d.concurrency}: {name}/direct throughput "
             f"{o.tokens_per_s / d.tokens_per_s:.1%}, TTFT p50 delta "
             f"{o.ttft_ms(50) - d.ttft_ms(50):+.1f} ms, errors {o.errors} vs {d.errors}"
+            # A refused or broken request frees its stream for the next: the engine stays
+            # as busy, so tokens/s alone would not show the loss.
+            + (" (INVALID: errors)" if o.errors or d.errors else "")
         )
     return "\n".join(lines)
 
@@ -215,10 +221,15 @@ def alternate(
     rounds: int, direct: Callable[[], Runs], other: Callable[[], Runs], name: str
 ) -> list[tuple[Runs, Runs]]:
     """Both targets `rounds` times, one after the other, each round printed as it ends;
-    then each load level's median ratios over the rounds."""
+    then each load level's median ratios over the rounds. Every other round runs the
+    other target first: a machine's drift over a run favours neither."""
     pairs = []
     for number in range(1, rounds + 1):
-        pair = direct(), other()
+        if number % 2:
+            pair = direct(), other()
+        else:
+            second = other()
+            pair = direct(), second
         print(f"round {number} of {rounds}\n{compare(*pair, name)}", flush=True)
         pairs.append(pair)
     if rounds > 1:

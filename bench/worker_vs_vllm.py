@@ -15,7 +15,15 @@ import time
 import uuid
 from pathlib import Path
 
-from bench.loadgen import RunStats, Send, alternate, measure, parse_args, question
+from bench.loadgen import (
+    RunStats,
+    Send,
+    alternate,
+    measure,
+    parse_args,
+    question,
+    reply_tokens,
+)
 from bench.machine import describe_machine
 from bench.vllm_server import bench_direct
 from consumers.token_reader import TokenCollector
@@ -28,7 +36,7 @@ from workers.model_store import resolve_model_dir
 
 
 def worker_sender(
-    submitter: PromptSubmitter, stream: TokenCollector, model: str, max_tokens: int
+    submitter: PromptSubmitter, stream: TokenCollector, model: str, args: argparse.Namespace
 ) -> Send:
     async def send(i: int) -> tuple[float, int]:
         request = PromptRequest(
@@ -39,7 +47,12 @@ def worker_sender(
             band="interactive-paid",
             conversation_id=f"bench-{i}",
             messages=[ChatMessage(role="user", content=question(i))],
-            sampling=Sampling(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+            # As the direct side's (loadgen.openai_sender): --spread-tokens too.
+            sampling=Sampling(
+                max_tokens=reply_tokens(i, args.max_tokens, args.spread_tokens),
+                temperature=0.0,
+                ignore_eos=True,
+            ),
             created_at_ms=now_ms(),
         )
         started = time.perf_counter()
@@ -63,7 +76,7 @@ async def bench_worker(model_dir: Path, args: argparse.Namespace) -> list[tuple[
         kafka_producer(settings, "bench") as producer,
         TokenCollector(settings) as stream,
     ):
-        send = worker_sender(PromptSubmitter(settings, producer), stream, model, args.max_tokens)
+        send = worker_sender(PromptSubmitter(settings, producer), stream, model, args)
         return await measure("Tandoor worker via Kafka", send, args)
 
 
