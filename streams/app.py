@@ -85,6 +85,10 @@ def faust_app(settings: Settings) -> faust.App:
         autodiscover=False,
         datadir=str(settings.home / "streams"),
         web_enabled=True,
+        # Only the token-checked rollups and the ops pages: faust's own views of the
+        # cluster and its tables answer anyone.
+        web_router_enabled=False,
+        web_tables_enabled=False,
         web_bind=settings.host,
         web_host=settings.host,
         web_port=settings.streams_web_port,

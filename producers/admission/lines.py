@@ -108,7 +108,7 @@ async def _prompt(
     if body.stream:
         raise ApiError(400, "a batch line cannot stream: omit `stream`", param="body.stream")
     if body.user:  # as over HTTP: for abuse tracing
-        log.info("batch %s line for end user %r of %s", batch_id, body.user, caller.user_id)
+        log.info("batch %r line for end user %r of %s", batch_id, body.user, caller.user_id)
     checked = [(m.content, f"body.messages.{i}.content") for i, m in enumerate(body.messages)]
     texts = await checks.all_moderated(checked)
     messages = body.chat_messages(texts)

@@ -248,7 +248,8 @@ class Admission(Forwarding, ConsumerRebalanceListener):  # type: ignore[misc]
         refused: Refused,
     ) -> None:
         where = f"{record.partition}:{record.offset}"
-        log.info("refusing line %s of batch %.80s: %s", where, batch_id, refused)
+        # %r: a batch id comes from any Kafka client; a newline in it forged log lines.
+        log.info("refusing line %s of batch %.80r: %s", where, batch_id, refused)
         output = refused_output(
             custom_id,
             request_id,

@@ -132,6 +132,8 @@ async def check_ops_pages(url: str) -> None:
         ready = await client.get("/ready")
         assert ready.status_code == 200 and all(ready.json()["checks"].values()), ready.text
         metrics = (await client.get("/metrics")).text
+        for faust_view in ("/router/", "/table/"):  # the cluster and tables, to anyone
+            assert (await client.get(faust_view)).status_code == 404, faust_view
     names = {
         sample.name
         for family in text_string_to_metric_families(metrics)
