@@ -37,10 +37,10 @@ from workers.engine import Engine, RequestFailed, finish_reason_of
 from workers.ledger import Arrival, Busy, Finished, Recorded, RequestLedger, continuable
 from workers.metrics import WorkerMetrics
 from workers.publisher import Publisher
+from workers.recording import lease_late, record
 from workers.slot import NoSlot, Waiter
 
 log = logging.getLogger(__name__)
-LEASE_ASK_S = 1.0  # a prompt taken unleased asks for its lease again at most this often
 WAITED_S = 0.05  # a line held this long for token budget may have been cancelled meanwhile
 NO_SLOT = NoSlot()
 
@@ -310,51 +310,7 @@ class RequestRunner:
         attempt.deliveries.append(delivery)
 
     async def _record(self, attempt: Attempt, entry: Recorded) -> None:
-        """The event goes to the transcript before Kafka, so the transcript holds at
-        least what readers may have; once a record fails it holds less, and is dropped,
-        at the next event again while Redis does not answer (the next attempt then
-        restarts the reply). Every event asks whether the lease is still ours, recorded
-        or not: a worker that lost it publishes nothing more."""
-        request_id = attempt.prompt.request_id
-        await self._lease_late(attempt, throttled=True)
-        lease_asked = attempt.stale_transcript  # a drop asks too: one round trip an event
-        if attempt.stale_transcript:
-            await self._forget_transcript(attempt)
-        if not attempt.recording:
-            if attempt.tracked.leased and not lease_asked:
-                self._stop_if_lost(attempt, await self.ledger.holds(request_id, attempt.number))
-            return
-        outcome = await self.ledger.record(request_id, attempt.number, entry)
-        self._stop_if_lost(attempt, outcome)
-        if outcome != "ok":
-            attempt.recording = False
-            await self._forget_transcript(attempt)
-
-    async def _forget_transcript(self, attempt: Attempt) -> None:
-        outcome = await self.ledger.forget_transcript(
-            attempt.prompt.request_id, attempt.number, begun=True
-        )
-        attempt.stale_transcript = outcome == "down"
-        self._stop_if_lost(attempt, outcome)
-
-    @staticmethod
-    def _stop_if_lost(attempt: Attempt, outcome: str) -> None:
-        if outcome == "lost":
-            attempt.tracked.lost = True
-            raise LeaseLost(attempt.prompt.request_id)
-
-    async def _lease_late(self, attempt: Attempt, throttled: bool) -> None:
-        """Taken while Redis did not answer: lease it once Redis does (asked at most
-        once a second while it does not), so that a worker the prompt is delivered to
-        again waits for this one instead of running it too."""
-        now = time.monotonic()
-        if attempt.tracked.leased or (throttled and now - attempt.lease_asked < LEASE_ASK_S):
-            return
-        attempt.lease_asked = now
-        taken = await self.ledger.lease_late(attempt.prompt.request_id)
-        self._stop_if_lost(attempt, taken)
-        if taken == "ok":  # its records fail as a gap if some events went out unrecorded
-            attempt.tracked.leased = attempt.recording = True
+        await record(self.ledger, attempt, entry)
 
     async def _undelivered(self, attempt: Attempt) -> str | None:
         """Why some token event never reached Kafka, or None when all did."""
@@ -387,7 +343,7 @@ class RequestRunner:
             store=prompt.store,
             replaces=prompt.replaces,
         )
-        await self._lease_late(attempt, throttled=False)
+        await lease_late(self.ledger, attempt, throttled=False)
         if attempt.tracked.leased and not await self.ledger.finish(
             prompt.request_id, attempt.number, encode(final)
         ):

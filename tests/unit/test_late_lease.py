@@ -10,7 +10,7 @@ import pytest
 
 from schemas.events import now_ms
 from tests.unit.test_transcript_records import prompt
-from workers import request as request_module
+from workers import recording
 from workers.attempt import Attempt, LeaseLost, Tracked
 from workers.ledger import UNKNOWN_TEXT, Arrival, Recorded, Recording, RequestLedger
 from workers.request import RequestRunner, RunnerConfig
@@ -54,7 +54,7 @@ def unleased() -> Attempt:
 
 @pytest.fixture(autouse=True)
 def ask_every_time(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(request_module, "LEASE_ASK_S", 0.0)
+    monkeypatch.setattr(recording, "LEASE_ASK_S", 0.0)
 
 
 async def test_leased_before_its_first_event_it_records_them_all() -> None:

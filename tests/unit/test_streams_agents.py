@@ -18,7 +18,6 @@ from schemas.events import UsageRecord, now_ms
 from streams.app import create_app, rollup_tables
 from streams.outputs import Outputs
 from streams.rollups import Rollup
-from streams.tables import CLOCK_AHEAD_MS
 from tandoor.settings import Settings
 from tests.unit.test_rollups import final_event
 
@@ -363,69 +362,3 @@ async def test_the_rollups_read_over_http_are_the_named_users_only(
     tables = rollup_tables(app)
     assert [s["key"] for s in tables.summaries("user", "alice") or []] == ["alice"] * 2
     assert [s["key"] for s in tables.summaries("user", "alice/bob") or []] == ["alice/bob"] * 2
-
-
-async def test_a_record_from_a_clock_far_ahead_does_not_expire_the_others(
-    short_memory: tuple[faust.App, Sink],
-) -> None:
-    """Stream time is the newest finish time: one record stamped a year ahead (a worker's
-    clock gone wrong) dropped every window and counted id of its partition, so copies
-    read after it were counted twice; and, counted in its own window a year ahead, its id
-    held back the pruning of every id after it."""
-    app, _ = short_memory
-    tables = rollup_tables(app)
-    now = now_ms()  # not the minute's start: up to 60 s old, past this app's 60 s of ids
-    first, far = usage("a", at=now), usage("far", at=now + 365 * 86_400_000)
-    async with app.agents["rollups-by-user"].test_context() as agent:
-        for record in (first, far, first):  # then a copy of the first
-            await agent.put(encode(record))
-    minutes = [s for s in tables.summaries("user", "ada") or [] if s["window"] == "1m"]
-    assert sum(s["requests"] for s in minutes) == 2, minutes  # the copy not counted again
-    # Counted when it came, not in a window a year ahead that nothing would close.
-    assert max(s["start_ms"] for s in minutes) <= now + CLOCK_AHEAD_MS, minutes
-    assert tables.sizes()["counted-by-user"] <= 3  # its id expires with the others'
-
-
-async def test_usage_caught_up_after_an_outage_counts_per_model_beside_a_recent_restart(
-    short_memory: tuple[faust.App, Sink],
-) -> None:
-    """Back after an outage, the token stream (scanned, not parsed) forwards a re-run's
-    final of now while the forwarded usage is hours behind: the final moved the model
-    side's stream time to now, and every usage record of a minute not yet made was
-    passed over as late, counted per user and lost per model."""
-    app, sink = short_memory
-    old = (now_ms() // 3_600_000 - 3) * 3_600_000
-    restart = final_event("re-run", 2).model_copy(update={"created_at_ms": now_ms()})
-    async with app.agents["rollups-by-model"].test_context() as agent:
-        await agent.put(encode(usage("before", at=old)))
-        await agent.put(encode(restart))
-        for i in range(3):
-            await agent.put(encode(usage(f"caught-up{i}", at=old + 60_000 + i)))
-    await rollup_tables(app).publish_changes()
-    assert sink.rollups[f"model/smollm2/1m/{old + 60_000}"]["requests"] == 3
-    assert sum(r["restarts"] for k, r in sink.rollups.items() if "/1m/" in k) == 1
-
-
-async def test_a_late_change_is_published_though_its_window_expires_while_it_is_sent(
-    short_memory: tuple[faust.App, Sink],
-) -> None:
-    """A late record changed a minute already published closed; while the timer sent
-    the changes before it, the agent moved stream time past that minute's expiry and
-    dropped it: the loop found it gone, and its last count never went out."""
-    app, sink = short_memory
-    tables = rollup_tables(app)
-    old = (now_ms() // 3_600_000 - 3) * 3_600_000
-    async with app.agents["rollups-by-user"].test_context() as agent:
-        await agent.put(encode(usage("a", at=old + 1_000)))
-        await tables.publish_changes()  # the minute, published closed
-        await agent.put(encode(usage("late", at=old + 2_000)))
-        send = tables._publish
-
-        async def publish_while_counting(key: bytes, value: bytes) -> None:
-            tables._publish = send
-            await agent.put(encode(usage("later", at=old + 600_000)))  # past its expiry
-            await send(key, value)
-
-        tables._publish = publish_while_counting
-        await tables.publish_changes()
-    assert sink.rollups[f"user/ada/1m/{old}"]["requests"] == 2
