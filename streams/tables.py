@@ -294,7 +294,8 @@ class RollupTables:
                 book = books.get(rollup.partition)
                 if book is not None:
                     book.windows[key] = (rollup.end_ms, self._expiry(rollup))
-                    _advance(book, rollup.start_ms)
+                    if rollup.requests:  # not from re-runs' finals alone, as in count()
+                        _advance(book, rollup.start_ms)
             elif key.startswith(SKIPPED_PREFIX):
                 partition = int(key[len(SKIPPED_PREFIX) :])
                 if partition in books:

@@ -254,12 +254,16 @@ def keys_revoke(
         typer.secho("error: give --key-id or --user (one of them)", err=True, fg=typer.colors.RED)
         raise typer.Exit(2)
     settings = get_settings()
-    revoked = _stack_guard(lambda: asyncio.run(revoke_keys(settings, key_id or None, user or None)))
-    if not revoked:
+    now, before = _stack_guard(
+        lambda: asyncio.run(revoke_keys(settings, key_id or None, user or None))
+    )
+    if not now and not before:
         named = f"key id {key_id!r}" if key_id else f"user {user!r}"
         typer.secho(f"error: no key with {named}", err=True, fg=typer.colors.RED)
         raise typer.Exit(1)
-    typer.echo(f"revoked {len(revoked)} key(s): {', '.join(revoked)}")
+    typer.echo(f"revoked {len(now)} key(s): {', '.join(now) or '-'}")
+    if before:  # a second run says so, not "revoked" again
+        typer.echo(f"already revoked: {', '.join(before)}")
 
 
 @app.command("prepare-model")

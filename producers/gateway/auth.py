@@ -9,7 +9,7 @@ from fastapi import Depends, Request
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from producers.gateway.errors import ApiError, error_response
+from producers.gateway.errors import UNREACHABLE, ApiError, error_response, store_unreachable
 from producers.gateway.services import Services, services
 from tandoor.policies.api_keys import Principal
 
@@ -63,6 +63,9 @@ class KeyBeforeBody:
                 await principal_of(authorization, deps)
             except ApiError as refused:
                 await error_response(refused)(scope, receive, send)
+                return
+            except UNREACHABLE as exc:  # out here, the app's handlers do not see it
+                await error_response(store_unreachable(exc))(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 

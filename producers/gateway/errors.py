@@ -78,6 +78,11 @@ def error_response(exc: ApiError) -> JSONResponse:
     return JSONResponse(body, status_code=exc.status, headers=exc.headers)
 
 
+def store_unreachable(exc: Exception) -> ApiError:
+    """The 503 for one of UNREACHABLE, naming the store."""
+    return unavailable(f"{'Redis' if isinstance(exc, REDIS_DOWN) else 'Cassandra'} is unreachable")
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Every error in one place, each as JSON that names the problem."""
 
@@ -86,10 +91,7 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(exc)
 
     async def _unreachable(request: Request, exc: Exception) -> JSONResponse:
-        redis = isinstance(exc, REDIS_DOWN)
-        return await _api_error(
-            request, unavailable(f"{'Redis' if redis else 'Cassandra'} is unreachable")
-        )
+        return error_response(store_unreachable(exc))
 
     for unreachable in UNREACHABLE:
         app.add_exception_handler(unreachable, _unreachable)

@@ -109,13 +109,14 @@ class KeyStore:
 
     async def revoke_where(
         self, key_id: str | None = None, user_id: str | None = None
-    ) -> list[str]:
+    ) -> tuple[list[str], list[str]]:
         """Revoke the key with this id, or every key of this user (what an operator knows:
-        the id printed at creation, or the user); the ids revoked, [] if none matched."""
+        the id printed at creation, or the user); the ids revoked now, and those revoked
+        before (both empty: none matched)."""
         column, value = ("key_id", key_id) if key_id is not None else ("user_id", user_id)
         rows = await cql(
             self._session,
-            f"SELECT key_hash, key_id FROM api_keys WHERE {column} = %s",
+            f"SELECT key_hash, key_id, revoked FROM api_keys WHERE {column} = %s",
             (value,),
         )
         for row in rows:
@@ -126,7 +127,8 @@ class KeyStore:
             )
             with contextlib.suppress(*REDIS_DOWN):  # cached for at most CACHE_TTL_S more
                 await self._cache.delete(api_key_cache_key(row.key_hash))
-        return sorted(row.key_id for row in rows)
+        now = sorted(row.key_id for row in rows if not row.revoked)
+        return now, sorted(row.key_id for row in rows if row.revoked)
 
     async def revoked_owner(self, key: str) -> str | None:
         """The user of a key that was made here and since revoked, else None: a batch
@@ -165,7 +167,7 @@ async def revoke_key(settings: Settings, key: str) -> None:
 
 async def revoke_keys(
     settings: Settings, key_id: str | None = None, user_id: str | None = None
-) -> list[str]:
+) -> tuple[list[str], list[str]]:
     """One-shot revocation by key id or user (the CLI's)."""
     async with _one_shot(settings) as store:
         return await store.revoke_where(key_id, user_id)

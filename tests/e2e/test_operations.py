@@ -49,7 +49,7 @@ async def test_every_role_is_healthy_ready_and_counts_what_it_did(
     headers = await auth(stack)
     conversation = await new_conversation(http, headers)
     # The stack is the module's: earlier tests' counts are in, so the increase is read.
-    before = {role.name: await samples(role) for role in roles_of(stack)}
+    before = {id(role): await samples(role) for role in roles_of(stack)}  # two "gateway"s
     events = await chat(http, headers, conversation, "Name a colour.", max_tokens=8)
     await stored_reply(http, headers, conversation)
     for role in roles_of(stack):
@@ -60,7 +60,7 @@ async def test_every_role_is_healthy_ready_and_counts_what_it_did(
     assert (await http.get("/ready")).json()["status"] == "ready"  # the gateway's own port
 
     async def grown(role: RoleProcess) -> Callable[[str], float]:
-        after, earlier = await samples(role), before[role.name]
+        after, earlier = await samples(role), before[id(role)]
         return lambda name: after[name] - earlier.get(name, 0.0)
 
     gateway = await grown(stack.gateways[0])

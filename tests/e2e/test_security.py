@@ -69,7 +69,7 @@ def concrete(path: str, conversation: str, message: str) -> list[str]:
     if path == "/web/{path}":
         return [f"/web/{f.name}" for f in sorted(WEB_DIR.iterdir()) if f.is_file()]
     assert "{path}" not in path, f"a new mount at {path}: say here what it serves"
-    ids = {"file_id": f"file-{message}", "batch_id": f"batch_{message}"}
+    ids = {"file_id": f"file-{message}", "batch_id": f"batch_{message}", "model": "any"}
     return [path.format(conversation_id=conversation, message_id=message, **ids)]
 
 

@@ -125,7 +125,9 @@ async def test_an_operator_revokes_a_key_by_its_id_or_all_of_a_users_keys(
         cache = aioredis.Redis.from_url(redis_url)
         store = KeyStore(session, cache, set(settings.tiers))
         try:
-            (leaked, leaked_as), (kept, _) = [await store.create(user, "plus") for _ in range(2)]
+            (leaked, leaked_as), (kept, kept_as) = [
+                await store.create(user, "plus") for _ in range(2)
+            ]
             untouched, _ = await store.create(other, "plus")
             assert await store.resolve(leaked) is not None  # cached now
 
@@ -137,6 +139,8 @@ async def test_an_operator_revokes_a_key_by_its_id_or_all_of_a_users_keys(
 
             result = await asyncio.to_thread(tandoor_keys, "revoke", "--user", user)
             assert result.returncode == 0, result.stderr
+            assert f"revoked 1 key(s): {kept_as.key_id}" in result.stdout, "the other one"
+            assert f"already revoked: {leaked_as.key_id}" in result.stdout
             assert [await store.resolve(k) for k in (leaked, kept)] == [None, None]
             assert await store.resolve(untouched) is not None, "another user's key"
         finally:

@@ -12,6 +12,7 @@ from streams.app import rollup_tables
 from streams.tables import CLOCK_AHEAD_MS
 from tests.unit.test_rollups import final_event
 from tests.unit.test_streams_agents import Sink, short_memory, usage  # noqa: F401
+from tests.unit.test_streams_rebalance import rebalance, recover, table_contents
 
 
 async def test_a_record_from_a_clock_far_ahead_does_not_expire_the_others(
@@ -78,3 +79,27 @@ async def test_a_late_change_is_published_though_its_window_expires_while_it_is_
         tables._publish = publish_while_counting
         await tables.publish_changes()
     assert sink.rollups[f"user/ada/1m/{old}"]["requests"] == 2
+
+
+async def test_a_restart_of_the_app_mid_catch_up_does_not_make_the_usage_late_again(
+    short_memory: tuple[faust.App, Sink],  # noqa: F811
+) -> None:
+    """The tables rebuilt after a restart set stream time from every window they hold,
+    a window only a re-run's final of now made too: the usage still catching up was
+    passed over as late again, for the rest of the catch-up."""
+    app, sink = short_memory
+    old = (now_ms() // 3_600_000 - 3) * 3_600_000
+    restart = final_event("re-run", 2).model_copy(update={"created_at_ms": now_ms()})
+    async with app.agents["rollups-by-model"].test_context() as agent:
+        await agent.put(encode(usage("before", at=old)))
+        await agent.put(encode(restart))
+    (partition,) = {p for d, p in rollup_tables(app)._books if d == "model"}
+    changelog = table_contents(app)
+    await rebalance(app, set())  # the app stops, and starts again with its partition
+    recover(app, changelog)
+    await rebalance(app, {partition})
+    async with app.agents["rollups-by-model"].test_context() as agent:
+        for i in range(3):
+            await agent.put(encode(usage(f"caught-up{i}", at=old + 60_000 + i)))
+    await rollup_tables(app).publish_changes()
+    assert sink.rollups[f"model/smollm2/1m/{old + 60_000}"]["requests"] == 3

@@ -32,7 +32,7 @@ async def models(caller: Caller, deps: Annotated[Services, Depends(services)]) -
     return {"object": "list", "data": [_model(deps, name) for name in deps.settings.models]}
 
 
-@router.get("/models/{model:path}")  # a served name may hold a slash (org/model)
+@router.get("/models/{model}")  # served names are topic names: no slash
 async def model(
     model: str, caller: Caller, deps: Annotated[Services, Depends(services)]
 ) -> dict[str, Any]:
