@@ -15,6 +15,24 @@ from tests.unit.test_streams_agents import Sink, short_memory, usage  # noqa: F4
 from tests.unit.test_streams_rebalance import rebalance, recover, table_contents
 
 
+async def hours_behind_with_a_restart_of_now(app: faust.App) -> int:
+    """The model side after an outage: usage of 3 hours ago, and a re-run's final of now
+    (the token stream runs ahead); the hour the usage is at."""
+    old = (now_ms() // 3_600_000 - 3) * 3_600_000
+    restart = final_event("re-run", 2).model_copy(update={"created_at_ms": now_ms()})
+    async with app.agents["rollups-by-model"].test_context() as agent:
+        await agent.put(encode(usage("before", at=old)))
+        await agent.put(encode(restart))
+    return old
+
+
+async def catch_up(app: faust.App, minute: int) -> None:
+    """Three usage records of `minute`, forwarded per model as the usage catches up."""
+    async with app.agents["rollups-by-model"].test_context() as agent:
+        for i in range(3):
+            await agent.put(encode(usage(f"caught-up{i}", at=minute + i)))
+
+
 async def test_a_record_from_a_clock_far_ahead_does_not_expire_the_others(
     short_memory: tuple[faust.App, Sink],  # noqa: F811
 ) -> None:
@@ -44,13 +62,8 @@ async def test_usage_caught_up_after_an_outage_counts_per_model_beside_a_recent_
     side's stream time to now, and every usage record of a minute not yet made was
     passed over as late, counted per user and lost per model."""
     app, sink = short_memory
-    old = (now_ms() // 3_600_000 - 3) * 3_600_000
-    restart = final_event("re-run", 2).model_copy(update={"created_at_ms": now_ms()})
-    async with app.agents["rollups-by-model"].test_context() as agent:
-        await agent.put(encode(usage("before", at=old)))
-        await agent.put(encode(restart))
-        for i in range(3):
-            await agent.put(encode(usage(f"caught-up{i}", at=old + 60_000 + i)))
+    old = await hours_behind_with_a_restart_of_now(app)
+    await catch_up(app, old + 60_000)
     await rollup_tables(app).publish_changes()
     assert sink.rollups[f"model/smollm2/1m/{old + 60_000}"]["requests"] == 3
     assert sum(r["restarts"] for k, r in sink.rollups.items() if "/1m/" in k) == 1
@@ -88,18 +101,12 @@ async def test_a_restart_of_the_app_mid_catch_up_does_not_make_the_usage_late_ag
     a window only a re-run's final of now made too: the usage still catching up was
     passed over as late again, for the rest of the catch-up."""
     app, sink = short_memory
-    old = (now_ms() // 3_600_000 - 3) * 3_600_000
-    restart = final_event("re-run", 2).model_copy(update={"created_at_ms": now_ms()})
-    async with app.agents["rollups-by-model"].test_context() as agent:
-        await agent.put(encode(usage("before", at=old)))
-        await agent.put(encode(restart))
+    old = await hours_behind_with_a_restart_of_now(app)
     (partition,) = {p for d, p in rollup_tables(app)._books if d == "model"}
     changelog = table_contents(app)
     await rebalance(app, set())  # the app stops, and starts again with its partition
     recover(app, changelog)
     await rebalance(app, {partition})
-    async with app.agents["rollups-by-model"].test_context() as agent:
-        for i in range(3):
-            await agent.put(encode(usage(f"caught-up{i}", at=old + 60_000 + i)))
+    await catch_up(app, old + 60_000)
     await rollup_tables(app).publish_changes()
     assert sink.rollups[f"model/smollm2/1m/{old + 60_000}"]["requests"] == 3
