@@ -23,6 +23,7 @@ from tandoor.policies.redis_keys import (
 )
 from tandoor.settings import Settings
 from tests.unit.test_transcript_records import prompt
+from tests.waiting import eventually
 from workers.attempt import Tracked
 from workers.ledger import UNKNOWN_TEXT, Arrival, Busy, Finished, Recorded, RequestLedger
 from workers.request import RequestRunner, RunnerConfig
@@ -164,7 +165,8 @@ async def test_a_worker_past_its_lease_leaves_the_next_ones_transcript_alone(
     stalled, next_worker, rid = ledger(client, "w1"), ledger(client, "w2"), request()
     assert isinstance(await stalled.arrive(rid), Arrival)
     assert await stalled.record(rid, 1, Recorded(1, 0, "Once", 1)) == "ok"
-    await asyncio.sleep(LEASE_S * 1.5)
+    lease = lambda: client.exists(lease_key(rid))  # noqa: E731
+    await eventually(lease, lambda held: not held, what="the stalled worker's lease lapsed")
     assert isinstance(await next_worker.arrive(rid), Arrival)
     assert await next_worker.record(rid, 2, Recorded(1, 1, " upon", 1)) == "ok"
     assert await stalled.forget_transcript(rid, 1, begun=True) == "lost"

@@ -132,14 +132,16 @@ async def test_a_drain_lets_a_reply_whose_end_is_in_finish(end_is_in: bool) -> N
     when the replica began to drain: the stream was cut, and the reply's last word,
     held back for redaction until the end, never reached the page. A reply still
     running is cut (its client resumes elsewhere)."""
-    slots, ending = StreamSlots(1), False
+    slots, ending, asked = StreamSlots(1), False, asyncio.Event()
 
     async def frames() -> AsyncIterator[str]:
         nonlocal ending
         yield "data: token\n\n"
         ending = end_is_in
         slots.draining.set()  # SIGTERM, while the end is settled
-        await asyncio.sleep(0.05)
+        await asked.wait()  # the stream has seen the drain (and cuts this, or waits)
+        if not ending:
+            await asyncio.Event().wait()  # a reply still running: more to come, until cut
         yield "data: final\n\n"
         yield "data: [DONE]\n\n"
 
@@ -149,7 +151,11 @@ async def test_a_drain_lets_a_reply_whose_end_is_in_finish(end_is_in: bool) -> N
         if message["type"] == "http.response.body":
             bodies.append(message["body"])
 
-    stream = ReplyStream(frames(), slots.take(), 5, {}, ending=lambda: ending)
+    def ask() -> bool:
+        asked.set()
+        return ending
+
+    stream = ReplyStream(frames(), slots.take(), 5, {}, ending=ask)
     await stream(SCOPE, never_disconnects, record)
     written = b"".join(bodies)
     if end_is_in:
