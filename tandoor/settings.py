@@ -206,6 +206,10 @@ class Settings(BaseSettings):
     # Origins whose pages may call the API (CORS); none by default, so a browser lets
     # only the gateway's own chat page use it. E.g. '["https://chat.example.com"]'.
     cors_origins: list[str] = Field(default_factory=list)
+    # Swagger UI (/docs) and ReDoc (/redoc) load their scripts from a CDN, on the origin
+    # the chat page keeps its key on (sessionStorage survives navigating to /docs in the
+    # same tab): off, only /openapi.json is served. On for development.
+    gateway_api_docs: bool = True
     moderation_blocklist: list[str] = Field(default_factory=list)
 
     # The streams app (faust): its id names its group and internal topics.

@@ -45,7 +45,14 @@ def create_app(settings: Settings) -> FastAPI:
         finally:
             await ops.close()
 
-    app = FastAPI(title="Tandoor", version="0.1.0", lifespan=lifespan)
+    docs = settings.gateway_api_docs
+    app = FastAPI(
+        title="Tandoor",
+        version="0.1.0",
+        lifespan=lifespan,
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+    )
     app.state.slots = slots  # the server sets it draining at SIGTERM
     registry = gateway_metrics(app, slots, current)
     install_error_handlers(app)
