@@ -279,6 +279,8 @@ class Settings(BaseSettings):
         names = [band.name for band in self.bands]
         if len(set(names)) != len(names):
             raise ValueError(f"band names must be unique, got {names}")
+        if clashes := self._shared_ports():
+            raise ValueError(f"each port must be used once (0 picks a free one): {clashes}")
         for tier, policy in self.tiers.items():
             if policy.band not in names:
                 raise ValueError(f"tier {tier!r} uses band {policy.band!r}; bands are {names}")
@@ -290,6 +292,15 @@ class Settings(BaseSettings):
                     f"served ({list(self.models)}) and tiers known ({sorted(self.tiers)})"
                 )
         return self
+
+    def _shared_ports(self) -> dict[int, list[str]]:
+        """Ports two settings name (the main job runs every role and server on one host:
+        the second to bind one failed at start, after the first had started)."""
+        users: dict[int, list[str]] = {}
+        for name in type(self).model_fields:
+            if name.endswith("_port") and (port := getattr(self, name)):
+                users.setdefault(port, []).append(name)
+        return {port: names for port, names in users.items() if len(names) > 1}
 
     def wait_budget_s(self, tier: str) -> float:
         """How long a prompt of `tier` may wait for a worker before it fails."""

@@ -83,3 +83,13 @@ def test_variables_of_the_other_tools_are_not_settings_and_pass(
 def test_a_port_outside_the_range_is_refused(port: str, value: int) -> None:
     with pytest.raises(ValidationError, match=port):
         Settings.model_validate({port: value})
+
+
+def test_two_settings_naming_one_port_are_refused_with_both_names() -> None:
+    with pytest.raises(ValidationError, match="port must be used once") as refused:
+        Settings(gateway_metrics_port=6380)  # the default redis_port
+    assert "'redis_port', 'gateway_metrics_port'" in str(refused.value)
+
+
+def test_ports_left_to_pick_free_ones_may_both_be_zero() -> None:
+    Settings(worker_metrics_port=0, gateway_metrics_port=0)  # not refused
