@@ -37,6 +37,7 @@ MAX_STOP_SEQUENCES = 4
 # stopped on it in turn. Ours are far shorter; workers refuse longer ones (`answerable`).
 MAX_ID_CHARS = 256
 MAX_STOP_CHARS = 256  # each: the prompt's Kafka record has a size limit (1 MiB)
+MAX_CONVERSATION_MESSAGES = 2000  # replaced ones included (a turn adds two)
 
 
 def now_ms() -> int:

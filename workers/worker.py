@@ -13,9 +13,8 @@ from typing import Any
 
 import orjson
 
-from schemas.batch import MAX_CUSTOM_ID_CHARS
 from schemas.codec import SchemaError, decode
-from schemas.events import MAX_ID_CHARS, ControlEvent, FinalEvent, PromptRequest, Usage, now_ms
+from schemas.events import MAX_ID_CHARS, ControlEvent, PromptRequest
 from tandoor.clients import kafka_producer, redis_client
 from tandoor.logs import bind_request_id
 from tandoor.ops import OpsServer
@@ -27,6 +26,7 @@ from workers.engine import Engine, EngineOptions
 from workers.intake import FULL_POLL_S, PromptIntake, Record
 from workers.ledger import RequestLedger
 from workers.metrics import WorkerMetrics
+from workers.prompt_limits import answerable, malformed_final
 from workers.publisher import Publisher
 from workers.request import RequestRunner, RunnerConfig
 from workers.slot import Slot
@@ -216,7 +216,7 @@ class Worker:
         addressee = addressee_of(record.value)
         if addressee is not None:
             request_id, reply_partition = addressee
-            final = _malformed_final(request_id, self.model, str(exc))
+            final = malformed_final(request_id, self.model, str(exc))
             await self._publisher.final(final, reply_partition)
         self.metrics.finished("error")
 
@@ -300,41 +300,3 @@ def addressee_of(payload: bytes) -> tuple[str, int | None] | None:
             valid = isinstance(partition, int) and not isinstance(partition, bool)
             return (request_id, partition if valid and partition >= 0 else None)
     return None
-
-
-ID_LIMITS = {  # characters
-    "request_id": MAX_ID_CHARS,
-    "user_id": MAX_ID_CHARS,
-    "conversation_id": MAX_ID_CHARS,
-    "batch_id": MAX_ID_CHARS,
-    "custom_id": MAX_CUSTOM_ID_CHARS,
-}
-
-
-def answerable(prompt: PromptRequest) -> PromptRequest:
-    """The prompt, or a SchemaError for ids too long to answer: its answers carry them
-    again (the schema cannot bound them without a new version)."""
-    for field, limit in ID_LIMITS.items():
-        if len(getattr(prompt, field) or "") > limit:
-            raise SchemaError(f"field {field!r}: longer than {limit} characters", field)
-    if any(len(key.message_id) > MAX_ID_CHARS for key in prompt.replaces):
-        raise SchemaError(f"field 'replaces': an id longer than {MAX_ID_CHARS}", "replaces")
-    return prompt
-
-
-def _malformed_final(request_id: str, model: str, error: str) -> FinalEvent:
-    usage = Usage(prompt_tokens=0, completion_tokens=0, queue_ms=0, decode_ms=0)
-    return FinalEvent(
-        request_id=request_id,
-        attempt=1,
-        seq=0,
-        finish_reason="error",
-        error=f"malformed prompt: {error}",
-        text="",
-        usage=usage,
-        model=model,
-        user_id="",
-        tier="",
-        conversation_id="",
-        created_at_ms=now_ms(),
-    )

@@ -61,3 +61,33 @@ async def test_a_message_cassandra_did_not_confirm_is_shown_failed(
         opened = await service.get(user, made["id"])
     shown = [(m.id, m.content, m.status) for m in opened.messages]
     assert shown == [("m_1", content, "failed")]
+
+
+@pytest.mark.parametrize("applied", [True, False], ids=["applied", "not-applied"])
+async def test_a_long_message_whose_own_insert_timed_out_is_shown_failed(
+    client: httpx.AsyncClient, settings: Settings, monkeypatch: pytest.MonkeyPatch, applied: bool
+) -> None:
+    """A message over 4 KiB is inserted alone first: that insert timing out (and maybe
+    applied) went up as "nothing was changed" while the message could be stored "sent"."""
+    user = f"user-{uuid.uuid4().hex[:8]}"
+    made = (
+        await client.post("/v1/conversations", json={}, headers=await user_key(settings, user))
+    ).json()
+    content = "Sea. " * 1000
+    with cassandra_session(settings, settings.keyspace) as session:
+        service = ConversationService(session, settings.served_models)
+        conversation = await service.owned(user, made["id"])
+        real = service_module.cql
+
+        async def timed_out(session: object, *statement: Any) -> Any:
+            monkeypatch.setattr(service_module, "cql", real)
+            if applied:
+                await real(session, *statement)
+            raise OperationTimedOut("the insert timed out")
+
+        monkeypatch.setattr(service_module, "cql", timed_out)
+        with pytest.raises(ApiError, match="saved as failed") as told:
+            await service.add_user_message(user, conversation, "m_1", content, now_ms())
+        assert told.value.status == 503
+        opened = await service.get(user, made["id"])
+    assert [(m.id, m.content, m.status) for m in opened.messages] == [("m_1", content, "failed")]

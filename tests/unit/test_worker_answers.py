@@ -8,13 +8,21 @@ import pytest
 from aiokafka.structs import ConsumerRecord
 
 from schemas.codec import SchemaError, decode, encode
-from schemas.events import MessageKey, PromptRequest, now_ms
+from schemas.events import (
+    MAX_STOP_CHARS,
+    MAX_STOP_SEQUENCES,
+    MessageKey,
+    PromptRequest,
+    Sampling,
+    now_ms,
+)
 from tests.unit.test_persist_retries import TakingProducer
 from tests.unit.test_transcript_records import attempt, prompt
 from workers.attempt import usage_of
 from workers.engine import finish_reason_of
+from workers.prompt_limits import answerable, malformed_final
 from workers.publisher import Publisher
-from workers.worker import addressee_of, answerable
+from workers.worker import addressee_of
 
 SAMPLE_PROMPT = prompt().model_copy(update={"reply_partition": 0})
 
@@ -51,6 +59,35 @@ def test_a_prompt_replacing_a_message_of_an_overlong_id_is_unanswered() -> None:
     key = MessageKey(created_at_ms=1, message_id="m" * 600_000)
     with pytest.raises(SchemaError, match="replaces"):
         answerable(SAMPLE_PROMPT.model_copy(update={"replaces": [key]}))
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"model": "m" * 600_000},  # its "unknown model" error and final carry it twice
+        {"tier": "t" * 600_000},
+        {"replaces": [MessageKey(created_at_ms=i, message_id="m") for i in range(30_000)]},
+        # vLLM looks for every stop string at each token, on the worker's event loop.
+        {"sampling": Sampling(stop=["x"] * (MAX_STOP_SEQUENCES + 1))},
+        {"sampling": Sampling(stop=["x" * (MAX_STOP_CHARS + 1)])},
+    ],
+    ids=["model", "tier", "replaces", "stop-count", "stop-length"],
+)
+def test_a_prompt_no_gateway_could_have_made_is_refused_before_it_runs(
+    change: dict[str, object],
+) -> None:
+    """Written straight to the topic: each of these made a final too large for Kafka (every
+    worker given the partition stopped on it in turn) or a reply costly for all."""
+    field = next(iter(change))
+    with pytest.raises(SchemaError, match="stop" if field == "sampling" else field):
+        answerable(SAMPLE_PROMPT.model_copy(update=change))
+
+
+def test_an_undecodable_prompts_error_final_stays_small() -> None:
+    """The reason quotes the bad value: 600 KB of backslashes made a 1.2 MB final."""
+    with pytest.raises(SchemaError) as refused:
+        decode(PromptRequest, orjson.dumps({"v": "\\" * 300_000, "request_id": "r"}))
+    assert len(encode(malformed_final("r", "smollm2", str(refused.value)))) < 4096
 
 
 @pytest.mark.parametrize(

@@ -10,9 +10,10 @@ from producers.gateway.chat.newest import Newest, NewestReply
 from producers.gateway.conversations.protocol import ConversationWithMessages, Message
 from producers.gateway.conversations.service import ConversationService
 from producers.gateway.errors import ApiError
+from schemas.events import MAX_CONVERSATION_MESSAGES
 from tandoor.policies.api_keys import Principal
 
-MAX_MESSAGES = 2000  # a conversation's, replaced ones included (a turn adds two)
+MAX_MESSAGES = MAX_CONVERSATION_MESSAGES  # a turn adds two
 
 
 class SettledHistory:

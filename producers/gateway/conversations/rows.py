@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Iterable
 from typing import Any
 
 from producers.gateway.conversations.protocol import Conversation, Message
@@ -72,6 +73,17 @@ def sidebar_row_deleted(user_id: str, updated_at: dt.datetime, conversation_id: 
         "AND conversation_id = %s",
         (user_id, updated_at, conversation_id),
     )
+
+
+def conversation_erased(
+    user_id: str, conversation_id: str, sidebar_times: Iterable[dt.datetime]
+) -> list[Row]:
+    """Its messages, its sidebar rows of those times and the conversation, as one batch."""
+    return [
+        ("DELETE FROM messages_by_conversation WHERE conversation_id = %s", (conversation_id,)),
+        *(sidebar_row_deleted(user_id, at, conversation_id) for at in sidebar_times),
+        ("DELETE FROM conversations WHERE conversation_id = %s", (conversation_id,)),
+    ]
 
 
 def conversation_of(conversation_id: str, row: Any) -> Conversation:

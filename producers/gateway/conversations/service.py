@@ -17,13 +17,13 @@ from producers.gateway.conversations.protocol import (
 )
 from producers.gateway.conversations.rows import (
     Row,
+    conversation_erased,
     conversation_of,
     conversation_row,
     from_ms,
     moved_to_top,
     parse_cursor,
     sidebar_row,
-    sidebar_row_deleted,
     to_ms,
     user_message_row,
     utc,
@@ -188,7 +188,26 @@ class ConversationService:
                 sidebar_row(user_id, renamed),
             ],
         )
+        await self._unless_deleted_meanwhile(user_id, conversation_id, conversation.updated_at)
         return renamed
+
+    async def _unless_deleted_meanwhile(
+        self, user_id: str, conversation_id: str, sidebar_at: dt.datetime
+    ) -> None:
+        """A 404, with what was just written taken away again, where the conversation was
+        deleted since it was found: the write brought back a row without an owner (which
+        every route, a second delete too, answered 404 for) and a message nothing could
+        reach. Read after the write: either the read sees the delete, or the delete comes
+        later and removes the write. A read that fails leaves the write as it is."""
+        try:
+            row = await self._row(conversation_id)
+        except CASSANDRA_DOWN:
+            return
+        if row is not None and row.user_id == user_id:
+            return
+        erased = conversation_erased(user_id, conversation_id, [sidebar_at])
+        await cql_together(self._session, erased)
+        raise not_found("conversation")
 
     async def delete(self, user_id: str, conversation_id: str) -> None:
         """Its messages, every sidebar row (the left-behind ones too) and the conversation,
@@ -211,17 +230,7 @@ class ConversationService:
             for r in page
             if r.conversation_id == conversation_id
         ]
-        await cql_together(
-            self._session,
-            [
-                (
-                    "DELETE FROM messages_by_conversation WHERE conversation_id = %s",
-                    (conversation_id,),
-                ),
-                *(sidebar_row_deleted(user_id, at, conversation_id) for at in kept),
-                ("DELETE FROM conversations WHERE conversation_id = %s", (conversation_id,)),
-            ],
-        )
+        await cql_together(self._session, conversation_erased(user_id, conversation_id, kept))
 
     async def has_message(
         self, conversation_id: str, created_at: dt.datetime, message_id: str
@@ -273,6 +282,7 @@ class ConversationService:
                 )
             )
         await self._with_message(conversation, at, message_id, content, rows)
+        await self._unless_deleted_meanwhile(user_id, conversation.id, at)
 
     async def create_with_message(
         self, user_id: str, conversation: Conversation, message_id: str, content: str
@@ -295,17 +305,21 @@ class ConversationService:
         where the message fits in a batch; a longer one first, on its own (until the rows
         follow, its conversation does not exist yet or is not yet at the top)."""
         message = user_message_row(conversation, at, message_id, content)
+        # A timeout is no proof it failed: Cassandra keeps a logged batch and applies it
+        # later, and a lone insert may be applied too. Told "nothing was changed", the
+        # client found its message "sent", in the next turn's context, and twice after
+        # its retry.
+        failed = user_message_row(conversation, at, message_id, content, "failed")
         if len(content.encode()) <= BATCHED_MESSAGE_BYTES:  # nearly every message
             try:
                 await cql_together(self._session, [message, *rows])
             except BaseException as exc:
-                # A timeout is no proof it failed: Cassandra keeps a logged batch and
-                # applies it later. Told "nothing was changed", the client found its
-                # message "sent", in the next turn's context, and twice after its retry.
-                failed = user_message_row(conversation, at, message_id, content, "failed")
                 await self._kept_as_failed(exc, cql(self._session, *failed))
             return
-        await cql(self._session, *message)
+        try:
+            await cql(self._session, *message)
+        except BaseException as exc:
+            await self._kept_as_failed(exc, cql(self._session, *failed))
         try:
             await cql_together(self._session, rows)
         except BaseException as exc:

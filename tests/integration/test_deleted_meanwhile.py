@@ -1,0 +1,93 @@
+"""A conversation deleted while a write to it is under way (a message sent, a rename, in
+another tab): the write is refused with a 404 and leaves nothing behind. It brought the
+row back without an owner (every route, a second delete too, answered 404) and the
+message with it, which nothing could reach or remove."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import httpx
+import pytest
+from cassandra.cluster import Session
+
+from producers.gateway.conversations.protocol import Conversation
+from producers.gateway.conversations.service import ConversationService
+from producers.gateway.errors import ApiError
+from schemas.events import now_ms
+from tandoor.clients import cassandra_session, cql
+from tandoor.settings import Settings
+from tests.integration.test_gateway_conversations import client, user_key
+
+pytestmark = pytest.mark.integration
+
+__all__ = ["client"]  # the gateway in-process, shared with the conversations tests
+
+
+async def _left_behind(session: Session, user: str, conversation_id: str) -> dict[str, int]:
+    """The rows of the conversation still stored, by table."""
+    queries = {
+        "messages": "SELECT message_id FROM messages_by_conversation WHERE conversation_id = %s",
+        "conversations": "SELECT user_id FROM conversations WHERE conversation_id = %s",
+    }
+    found = {name: len(await cql(session, q, (conversation_id,))) for name, q in queries.items()}
+    sidebar = await cql(
+        session, "SELECT conversation_id FROM conversations_by_user WHERE user_id = %s", (user,)
+    )
+    found["sidebar"] = sum(r.conversation_id == conversation_id for r in sidebar)
+    return found
+
+
+async def _deleted_during(
+    client: httpx.AsyncClient,
+    settings: Settings,
+    write: Callable[[ConversationService, str, Conversation], Awaitable[Any]],
+) -> dict[str, int]:
+    """Found, then deleted through the API, then written to as found: what is left."""
+    user = f"user-{uuid.uuid4().hex[:8]}"
+    headers = await user_key(settings, user)
+    made = (await client.post("/v1/conversations", json={}, headers=headers)).json()
+    with cassandra_session(settings, settings.keyspace) as session:
+        service = ConversationService(session, settings.served_models)
+        found = await service.owned(user, made["id"])
+        deleted = await client.delete(f"/v1/conversations/{made['id']}", headers=headers)
+        assert deleted.status_code == 204
+        with pytest.raises(ApiError) as refused:
+            await write(service, user, found)
+        assert refused.value.status == 404
+        again = await client.delete(f"/v1/conversations/{made['id']}", headers=headers)
+        assert again.status_code == 404
+        return await _left_behind(session, user, made["id"])
+
+
+@pytest.mark.parametrize("content", ["Hello there", "Sea. " * 1000], ids=["short", "long"])
+async def test_a_message_sent_to_a_conversation_deleted_meanwhile_is_not_stored(
+    client: httpx.AsyncClient, settings: Settings, content: str
+) -> None:
+    async def send(service: ConversationService, user: str, found: Conversation) -> None:
+        await service.add_user_message(user, found, "m_1", content, now_ms(), names_it=True)
+
+    assert await _deleted_during(client, settings, send) == {
+        "messages": 0,
+        "conversations": 0,
+        "sidebar": 0,
+    }
+
+
+async def test_a_rename_of_a_conversation_deleted_meanwhile_is_not_stored(
+    client: httpx.AsyncClient, settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def rename(service: ConversationService, user: str, found: Conversation) -> None:
+        async def as_found(user_id: str, conversation_id: str) -> Conversation:
+            return found  # read before the delete
+
+        monkeypatch.setattr(service, "_owned", as_found)
+        await service.rename(user, found.id, "Mine")
+
+    assert await _deleted_during(client, settings, rename) == {
+        "messages": 0,
+        "conversations": 0,
+        "sidebar": 0,
+    }
