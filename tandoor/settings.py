@@ -260,6 +260,13 @@ class Settings(BaseSettings):
     coalesce_ms: float = Field(default=100.0, ge=0)
     coalesce_tokens: int = Field(default=16, ge=1)
 
+    @field_validator("home", "cache_dir", mode="after")
+    @classmethod
+    def _absolute(cls, path: Path) -> Path:
+        """Servers start in their own folders: a relative home named a folder inside each
+        of them ("kafka exited during start-up")."""
+        return path.expanduser().absolute()
+
     @field_validator("models", mode="before")
     @classmethod
     def _models(cls, raw: object) -> object:

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from cassandra import ConsistencyLevel
 from pydantic import ValidationError
@@ -93,3 +95,15 @@ def test_two_settings_naming_one_port_are_refused_with_both_names() -> None:
 
 def test_ports_left_to_pick_free_ones_may_both_be_zero() -> None:
     Settings(worker_metrics_port=0, gateway_metrics_port=0)  # not refused
+
+
+def test_a_relative_home_is_taken_from_the_folder_it_was_given_in(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The servers start in their own folders: a relative home named a folder inside each."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TANDOOR_HOME", ".tandoor/mine")
+    monkeypatch.setenv("TANDOOR_CACHE_DIR", "~/cache")
+    settings = Settings()
+    assert settings.home == tmp_path / ".tandoor" / "mine"
+    assert settings.cache_dir == Path.home() / "cache"
