@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from infra.maven import fetch_classpath
-from infra.process import log_contains, port_open
+from infra.process import java, log_contains, port_open
 from infra.server import TEMPLATES, LocalServer
 
 POM = Path(__file__).parent / "maven" / "cassandra" / "pom.xml"
@@ -36,7 +36,7 @@ class CassandraServer(LocalServer):
         logs.mkdir(exist_ok=True)
         triggers.mkdir(exist_ok=True)
         return [
-            "java",
+            java(),
             f"-javaagent:{self._jamm_jar()}",
             f"-Xmx{self.settings.cassandra_heap}",
             *_jvm_options(),

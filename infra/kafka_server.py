@@ -9,7 +9,7 @@ from pathlib import Path
 
 from infra.errors import StartError
 from infra.maven import fetch_classpath
-from infra.process import log_contains, port_open
+from infra.process import java, log_contains, port_open
 from infra.server import LocalServer
 
 POM = Path(__file__).parent / "maven" / "kafka" / "pom.xml"
@@ -46,7 +46,7 @@ class KafkaServer(LocalServer):
     def _java(self) -> list[str]:
         heap = self.settings.kafka_heap
         return [
-            "java",
+            java(),
             f"-Xms{heap}",
             f"-Xmx{heap}",
             "-XX:+UseG1GC",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -105,6 +106,18 @@ class ServerProcess:
 
     def _failure(self, what: str) -> str:
         return f"{self.name} {what}; log {self.log_file}, last lines:\n{self.log_tail()}"
+
+
+def java() -> str:
+    """The `java` Kafka and Cassandra run on, or a StartError that says where it comes
+    from (a traceback of FileNotFoundError said nothing of Java)."""
+    found = shutil.which("java")
+    if found is None:
+        raise StartError(
+            "java is not on PATH: Kafka and Cassandra need a Java 17 runtime "
+            "(scripts/bootstrap.sh installs openjdk-17-jre-headless)"
+        )
+    return found
 
 
 def port_open(host: str, port: int) -> bool:

@@ -9,9 +9,13 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from infra.cassandra_server import CassandraServer
+from infra.errors import StartError
+from infra.kafka_server import KafkaServer
 from infra.process import free_port
+from infra.server import LocalServer
 from tandoor.cli import app
-from tandoor.settings import get_settings
+from tandoor.settings import Settings, get_settings
 
 
 @pytest.fixture
@@ -40,3 +44,16 @@ def test_collect_into_a_folder_that_is_not_there_is_refused_before_waiting(
     out = tmp_path / "missing" / "out.jsonl"
     result = CliRunner().invoke(app, ["batch", "collect", "b1", str(out), "--api-key", "k"])
     assert result.exit_code == 2 and "no folder" in result.output, result.output
+
+
+@pytest.mark.parametrize("server", [KafkaServer, CassandraServer])
+def test_without_java_a_server_says_so_in_one_line(
+    server: type[LocalServer], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """It was a FileNotFoundError traceback, which `infra up` passed through."""
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    local = server(Settings(home=tmp_path))
+    local.conf_dir.mkdir(parents=True)
+    local.data_dir.mkdir(parents=True)
+    with pytest.raises(StartError, match="java is not on PATH"):
+        local.prepare()
