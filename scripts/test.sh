@@ -34,5 +34,16 @@ fi
 cat "$servers_log"
 
 echo "== pytest ($(date +%T))"
-pytest --durations=25 "$@"
+# In the background, so that a TERM or INT to this script (a cancelled CI job, `kill`)
+# reaches pytest first: it stops the workers and gateways its tests started (each in its
+# own session) before the servers stop. Killed with the script, it ran on against none.
+pytest --durations=25 "$@" &
+tests=$!
+trap 'kill -TERM "$tests" 2>/dev/null || true' TERM INT
+status=0
+wait "$tests" || status=$?
+while kill -0 "$tests" 2>/dev/null; do  # a trapped signal ends the wait, not pytest
+    wait "$tests" || status=$?
+done
+[ "$status" -eq 0 ] || exit "$status"
 echo "test command finished in $(( $(date +%s) - start )) s"

@@ -3,6 +3,7 @@ here a missing server is a failure with a clear message, never a skip."""
 
 from __future__ import annotations
 
+import signal
 import uuid
 from collections.abc import Iterator
 
@@ -17,6 +18,16 @@ from tests.seeds import seed_note
 
 def pytest_report_header() -> str:
     return seed_note()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # scripts/test.sh passes a TERM or INT on as TERM: taken as Ctrl-C, so fixtures stop
+    # the workers and gateways they started (killed outright, those ran on).
+    signal.signal(signal.SIGTERM, _interrupted)
+
+
+def _interrupted(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 @pytest.fixture(scope="session")
