@@ -173,3 +173,36 @@ async def test_closing_the_tab_does_not_stop_generation_and_resume_works(
     messages = await stored_reply(http, headers, conversation)
     assert messages[-1]["status"] == "complete"
     assert reply_text(seen) + reply_text(rest) == messages[-1]["content"]
+
+
+async def test_a_reconnect_before_the_first_text_gets_its_own_reply_or_a_404(
+    stack: Stack, http: httpx.AsyncClient
+) -> None:
+    """The start event had no id: a client cut off before the first text resumed without
+    one, and was given whatever reply ran by then, one another tab started after its own
+    ended, under its question. (`big`'s worker takes nothing: the prompts wait.)"""
+    headers = await auth(stack)
+    conversation = await new_conversation(http, headers, stack.big)
+    path = f"/v1/conversations/{conversation}"
+
+    async def started(content: str) -> str | None:
+        body = {"content": content, "max_tokens": 8}
+        async with http.stream("POST", f"{path}/messages", json=body, headers=headers) as sent:
+            assert sent.status_code == 200, await sent.aread()
+            async for event_id, data in sse(sent):
+                assert data["type"] == "start"
+                return event_id  # cut off here
+        return None
+
+    first = await started("Name a colour.")
+    assert first is not None and first.endswith(".1.0")
+    again = {**headers, "Last-Event-ID": first}
+    async with http.stream("GET", f"{path}/stream", headers=again) as resumed:
+        assert resumed.status_code == 200  # its own reply, still waiting
+    stop = await http.post(f"{path}/stop", headers=headers)
+    assert stop.status_code == 202, stop.text
+    assert (await stored_reply(http, headers, conversation))[-1]["status"] == "stopped"
+    assert await started("Name another colour.") != first  # another tab's
+    async with http.stream("GET", f"{path}/stream", headers=again) as resumed:
+        assert resumed.status_code == 404, await resumed.aread()
+    await http.post(f"{path}/stop", headers=headers)

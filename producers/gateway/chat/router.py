@@ -12,7 +12,7 @@ from producers.gateway.auth import Caller
 from producers.gateway.chat.protocol import PostMessage, Regenerate
 from producers.gateway.chat.reply import Reply
 from producers.gateway.chat.service import ChatService
-from producers.gateway.chat.sse import ResumePoint, frame, reply_frames
+from producers.gateway.chat.sse import ResumePoint, frame, reply_frames, reply_tag
 from producers.gateway.json_body import StrictJsonRoute
 from producers.gateway.services import Services, services
 from producers.gateway.streaming import ReplyStream, Slot
@@ -65,7 +65,11 @@ def _streamed(reply: Reply, svc: ChatService, slot: Slot) -> ReplyStream:
             "model": reply.model,
             "user_message_id": reply.user_message_id,
             "summarized": reply.summarized,  # older turns went in as a summary
-        }
+        },
+        # Nothing of the reply sent yet, but named: a client cut off before its first
+        # text resumed without an id, and was given whatever reply ran by then (one
+        # another tab started after this one ended), under this question.
+        f"{reply_tag(reply.request_id)}.1.0",
     )
 
     async def stream() -> AsyncIterator[str]:

@@ -333,6 +333,14 @@ async function send(text) {
       userMessage.remove();
       restoreDraft(text);
     },
+    (conversationId) => {
+      // Sent without an answer, and no reply ran: the chat as reloaded says whether the
+      // gateway has it.
+      const shown = state.conversation?.id === conversationId ? state.conversation : null;
+      if (!shown || shown.messages.some((m) => m.role === "user" && m.content === text)) return;
+      restoreDraft(text);
+      notify(new ApiError(0, "Your message was not sent: the gateway could not be reached."));
+    },
   );
   // Only an answered first reply gets a title job (producers/gateway/chat/jobs.py).
   if (created && ANSWERED.has(reply.finishReason)) {
@@ -344,8 +352,9 @@ async function send(text) {
   }
 }
 
-// `started(event)` when the gateway took the message; `refused(error)` on an API error.
-async function streamReply(open, started = () => {}, refused = () => {}) {
+// `started(event)` when the gateway took the message; `refused(error)` on an API error;
+// `unanswered(conversationId)` when it was sent without an answer and no reply ran.
+async function streamReply(open, started = () => {}, refused = () => {}, unanswered = () => {}) {
   hideNotice();
   setBusy(true);
   const reply = newReply(started);
@@ -353,8 +362,10 @@ async function streamReply(open, started = () => {}, refused = () => {}) {
   state.stopAsked = false;
   state.reply = reply;
   try {
-    await follow(reply, await open());
+    const response = await sent(open);
+    if (response) await follow(reply, response);
     await resumeUntilDone(reply);
+    if (!response && !reply.begun && !reply.left) unanswered(reply.conversationId);
   } catch (error) {
     if (reply.left) return reply;
     if (error instanceof ApiError) refused(error);
@@ -368,6 +379,19 @@ async function streamReply(open, started = () => {}, refused = () => {}) {
     loadConversations(true).catch(() => {});
   }
   return reply;
+}
+
+// No answer (the connection dropped, or a proxy's 502 or 504): the gateway may have
+// taken the message all the same, and its reply runs. Null then, and the stream is asked:
+// taken as refused, the question was taken off and its text put back while the reply
+// ran out of sight, and sent again it was stored twice.
+async function sent(open) {
+  try {
+    return await open();
+  } catch (error) {
+    if (error instanceof ApiError && [0, 502, 504].includes(error.status)) return null;
+    throw error;
+  }
 }
 
 function newReply(started = () => {}) {
@@ -435,7 +459,8 @@ async function resumeFrom(reply) {
     if (reply.left) return;
     if (error instanceof ApiError && error.status === 404) {
       reply.done = true; // it finished meanwhile, or never started
-      await showWhenStored(reply.conversationId);
+      // The reply is over: a reload that fails is said, not taken as the message refused.
+      await showWhenStored(reply.conversationId).catch(notify);
       return;
     }
     // Dropped (0), too many resumes open (429: old ones not yet seen closed), a replica

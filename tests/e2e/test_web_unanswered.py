@@ -1,0 +1,61 @@
+"""The chat page when a message's answer never reaches it (a dropped connection, a
+proxy's 502): shown sent where the gateway took it, back in the composer where not. In
+headless Chromium against the whole stack."""
+
+from __future__ import annotations
+
+import pytest
+from playwright.async_api import Page, Route, expect
+
+from tests.e2e.browser import ask, replies, replies_over, sign_in
+from tests.e2e.stack import Stack
+
+pytestmark = pytest.mark.integration
+
+MESSAGES = "**/v1/conversations/*/messages"
+
+
+async def test_a_message_the_gateway_took_is_shown_sent_though_its_answer_was_lost(
+    stack: Stack, page: Page
+) -> None:
+    """The gateway queued it and streamed the reply, but the page got a 502: it took the
+    message as refused, took the question off and put its text back in the composer,
+    while the reply ran out of sight (and, sent again, the question was stored twice)."""
+    await sign_in(page, stack)
+
+    async def answer_lost(route: Route) -> None:
+        if route.request.method != "POST":
+            await route.continue_()
+            return
+        await route.fetch(timeout=0)  # the gateway takes it; its whole reply is streamed
+        await route.fulfill(status=502, body="Bad Gateway")
+
+    await page.route(MESSAGES, answer_lost)
+    await ask(page, "Say hi.")
+    await replies_over(page, 1)
+    await expect(page.locator(".message.user .body")).to_have_text(["Say hi."])
+    assert (await replies(page))["text"].strip(), "the reply is not shown"
+    await expect(page.get_by_label("Message", exact=True)).to_have_value("")
+    await expect(page.locator("#notice")).to_be_hidden()
+
+
+async def test_a_message_that_never_reached_the_gateway_goes_back_to_the_composer(
+    stack: Stack, page: Page
+) -> None:
+    """Asked after the drop, the gateway runs no reply and stores no such message: the
+    text comes back, and the page says it was not sent."""
+    await sign_in(page, stack)
+    await ask(page, "Say hi.")
+    await replies_over(page, 1)
+
+    async def dropped(route: Route) -> None:
+        if route.request.method == "POST":
+            await route.abort("connectionreset")
+        else:
+            await route.continue_()
+
+    await page.route(MESSAGES, dropped)
+    await ask(page, "Say bye.")
+    await expect(page.locator("#notice")).to_contain_text("not sent")
+    await expect(page.get_by_label("Message", exact=True)).to_have_value("Say bye.")
+    await expect(page.locator(".message.user .body")).to_have_text(["Say hi."])
