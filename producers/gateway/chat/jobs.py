@@ -192,9 +192,10 @@ class ConversationJobs:
         )
         text = await self._ask(job, conversation, user_id)
         title = clean_title(text or "")
+        read_at = now_ms()  # a rename after this read is kept
         current = await self.conversations.owned(user_id, conversation.id)
         if title and current.title == conversation.title:  # the user has not renamed it
-            await self.conversations.rename(user_id, conversation.id, title)
+            await self.conversations.rename(user_id, conversation.id, title, as_of_ms=read_at)
 
     async def _summary(
         self,

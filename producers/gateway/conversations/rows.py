@@ -58,6 +58,21 @@ def moved_to_top(user_id: str, conversation: Conversation, at: dt.datetime) -> l
     return rows
 
 
+def title_row(conversation_id: str, title: str | None, as_of_ms: int | None = None) -> Row:
+    """The title; written as of `as_of_ms` when given (when the gateway or the title job
+    read the conversation untitled or unrenamed), so that a title the user set later is
+    kept: written at the time of the write, it replaced the user's rename."""
+    if as_of_ms is None:
+        return (
+            "UPDATE conversations SET title = %s WHERE conversation_id = %s",
+            (title, conversation_id),
+        )
+    return (
+        "UPDATE conversations USING TIMESTAMP %s SET title = %s WHERE conversation_id = %s",
+        (as_of_ms * 1000, title, conversation_id),
+    )
+
+
 def sidebar_row(user_id: str, conversation: Conversation) -> Row:
     """The sidebar row, clustered by updated_at (newest first)."""
     return (

@@ -24,6 +24,7 @@ from producers.gateway.conversations.rows import (
     moved_to_top,
     parse_cursor,
     sidebar_row,
+    title_row,
     to_ms,
     user_message_row,
     utc,
@@ -175,18 +176,16 @@ class ConversationService:
             (conversation_id,),
         )
 
-    async def rename(self, user_id: str, conversation_id: str, title: str) -> Conversation:
+    async def rename(
+        self, user_id: str, conversation_id: str, title: str, as_of_ms: int | None = None
+    ) -> Conversation:
+        """`as_of_ms`: a title the model chose for the conversation as read then (a rename
+        by the user since is kept)."""
         conversation = await self._owned(user_id, conversation_id)
         renamed = conversation.model_copy(update={"title": title})
         await cql_together(
             self._session,
-            [
-                (
-                    "UPDATE conversations SET title = %s WHERE conversation_id = %s",
-                    (title, conversation_id),
-                ),
-                sidebar_row(user_id, renamed),
-            ],
+            [title_row(conversation_id, title, as_of_ms), sidebar_row(user_id, renamed)],
         )
         await self._unless_deleted_meanwhile(user_id, conversation_id, conversation.updated_at)
         return renamed
@@ -274,13 +273,8 @@ class ConversationService:
         (its first message's, as redacted) is stored with it."""
         at = from_ms(at_ms)
         rows = moved_to_top(user_id, conversation, at)
-        if names_it:
-            rows.append(
-                (
-                    "UPDATE conversations SET title = %s WHERE conversation_id = %s",
-                    (conversation.title, conversation.id),
-                )
-            )
+        if names_it:  # as of the post: a rename meanwhile is kept
+            rows.append(title_row(conversation.id, conversation.title, at_ms))
         await self._with_message(conversation, at, message_id, content, rows)
         await self._unless_deleted_meanwhile(user_id, conversation.id, at)
 

@@ -1,7 +1,8 @@
-"""A conversation deleted while a write to it is under way (a message sent, a rename, in
-another tab): the write is refused with a 404 and leaves nothing behind. It brought the
-row back without an owner (every route, a second delete too, answered 404) and the
-message with it, which nothing could reach or remove."""
+"""Writes racing the user in another tab. A conversation deleted while a message or a
+rename is written to it: the write is refused with a 404 and leaves nothing behind (it
+brought the row back without an owner, which every route, a second delete too, answered
+404 for, and the message with it). A title the gateway or the model chose for the chat
+as read untitled: a rename by the user meanwhile is kept."""
 
 from __future__ import annotations
 
@@ -91,3 +92,54 @@ async def test_a_rename_of_a_conversation_deleted_meanwhile_is_not_stored(
         "conversations": 0,
         "sidebar": 0,
     }
+
+
+async def _renamed_meanwhile(
+    client: httpx.AsyncClient,
+    settings: Settings,
+    name_it: Callable[[ConversationService, str, Conversation, int], Awaitable[Any]],
+) -> str | None:
+    """Read untitled at `read_at`, renamed by the user through the API, then named by the
+    gateway or the model as read: the title stored."""
+    user = f"user-{uuid.uuid4().hex[:8]}"
+    headers = await user_key(settings, user)
+    made = (await client.post("/v1/conversations", json={}, headers=headers)).json()
+    path = f"/v1/conversations/{made['id']}"
+    with cassandra_session(settings, settings.keyspace) as session:
+        service = ConversationService(session, settings.served_models)
+        read_at = now_ms()
+        found = await service.owned(user, made["id"])
+        renamed = await client.patch(path, json={"title": "Mine"}, headers=headers)
+        assert renamed.status_code == 200, renamed.text
+        await name_it(service, user, found, read_at)
+    title: str | None = (await client.get(path, headers=headers)).json()["title"]
+    return title
+
+
+async def test_a_rename_made_while_the_first_message_was_sent_keeps_its_title(
+    client: httpx.AsyncClient, settings: Settings
+) -> None:
+    """The first message names an untitled chat: a rename that landed after the post read
+    it untitled was replaced by the message's opening words."""
+
+    async def first_message(
+        service: ConversationService, user: str, found: Conversation, read_at: int
+    ) -> None:
+        named = found.model_copy(update={"title": "Hello there"})
+        await service.add_user_message(user, named, "m_1", "Hello there", read_at, names_it=True)
+
+    assert await _renamed_meanwhile(client, settings, first_message) == "Mine"
+
+
+async def test_a_rename_made_while_the_model_titled_the_chat_keeps_its_title(
+    client: httpx.AsyncClient, settings: Settings
+) -> None:
+    """The title job checks the chat was not renamed, then writes: a rename between the
+    two was replaced by the model's title."""
+
+    async def model_title(
+        service: ConversationService, user: str, found: Conversation, read_at: int
+    ) -> None:
+        await service.rename(user, found.id, "Colours of the sea", as_of_ms=read_at)
+
+    assert await _renamed_meanwhile(client, settings, model_title) == "Mine"
