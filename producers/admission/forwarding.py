@@ -13,7 +13,7 @@ from functools import partial
 
 from aiokafka.errors import KafkaError
 
-from producers.admission.answers import UNREACHABLE
+from producers.admission.answers import UNREACHABLE, Unrun
 from producers.admission.band_room import BandRoom
 from producers.admission.fairness import FairQueue
 from producers.admission.headers import BAD
@@ -81,11 +81,22 @@ class Forwarding(LineSteps):
             lines,
             self.marks,
             lambda line: self.queued.where(line.prompt.request_id) == line.position,
-            self._answer_unrun,
+            self._refunded_unrun,
         )
         for queue in self.queues.values():
             queue.remove(lambda line: line.prompt.request_id in answered)
         return more
+
+    async def _refunded_unrun(self, waiting: Waiting, why: Unrun) -> None:
+        """Answered by the sweep: the charge of an earlier try refunded too (charged,
+        Kafka refused it, then cancelled or expired while it waited for its retry)."""
+        await self._refund(waiting.prompt.request_id)
+        await self._answer_unrun(waiting, why)
+        self._too_large.pop(waiting.prompt.request_id, None)
+
+    async def _refund(self, request_id: str) -> None:
+        if (charged := self._charged.pop(request_id, None)) is not None:
+            await self.quotas.refund(charged)
 
     async def _forward(self, queue: FairQueue[Waiting], tenant: str, waiting: Waiting) -> bool:
         """Charge, produce, mark; False when the tenant is over its quota (it waits), or
@@ -167,8 +178,7 @@ class Forwarding(LineSteps):
             answer = partial(self._answer_revoked, waiting)
         else:
             return False
-        if (charged := self._charged.pop(request_id, None)) is not None:
-            await self.quotas.refund(charged)
+        await self._refund(request_id)
         await answer()
         self._too_large.pop(request_id, None)
         return True

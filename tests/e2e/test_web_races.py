@@ -1,8 +1,8 @@
 """The chat page against quick hands, in headless Chromium against the whole stack: an
 input method's Enter and Escape, a chat chosen while an earlier choice is still
 loading, "Load more" clicked twice (and its chats kept when a reply ends), Stop
-pressed before the reply starts, an edit of pasted code, refused, and a chat clicked
-while a message is being sent."""
+pressed before the reply starts, an edit of pasted code, refused, a chat clicked
+while a message is being sent, and the streaming chat clicked again while another loads."""
 
 from __future__ import annotations
 
@@ -282,3 +282,41 @@ async def test_a_new_chats_message_goes_to_that_chat_whatever_is_clicked_meanwhi
         await eventually(lambda: stored(created), lambda found: found == ["Say hi."], what="sent")
         assert await stored(other) == []
     assert posted and all(created in url for url in posted), posted
+
+
+async def test_the_streaming_chat_clicked_again_before_another_loads_stays_shown(
+    stack: Stack, page: Page
+) -> None:
+    """A streams; B clicked, then A again while B loads: the click on A, the chat open,
+    was passed over, and B's late answer replaced A and its stream."""
+    headers = await sign_in(page, stack)
+    async with httpx.AsyncClient(base_url=stack.url, timeout=120) as http:
+        other = await new_conversation(http, headers)
+        await chat(http, headers, other, "Say bye.", 4)
+    await page.reload()  # signed in again from the session: the chat listed
+    await expect(page.locator("#app")).to_be_visible()
+    await ask(page, LONG)
+    await reply_streaming(page)
+    current = page.locator('#conversation-list button[aria-current="true"]')
+    streaming = await current.get_attribute("data-id")
+    let_go = asyncio.Event()
+
+    async def held(route: Route) -> None:
+        await let_go.wait()
+        await route.continue_()
+
+    await page.route(f"**/v1/conversations/{other}", held)
+    async with page.expect_response(f"**/v1/conversations/{other}") as answered:
+        await page.locator(f'#conversation-list button[data-id="{other}"]').click()
+        await page.locator(f'#conversation-list button[data-id="{streaming}"]').click()
+        let_go.set()
+    await (await answered.value).finished()
+    seen = len((await replies(page))["streamed"])
+    await eventually(
+        lambda: replies(page),
+        lambda shown: len(shown["streamed"]) > seen + 20,
+        what="the reply of the chat clicked last streaming on",
+    )
+    await expect(page.locator(".message.user .body")).to_have_text([LONG])
+    await expect(current).to_have_attribute("data-id", str(streaming))
+    await page.get_by_role("button", name="Stop").click()

@@ -157,3 +157,20 @@ async def test_a_line_too_large_for_kafka_is_charged_once_though_its_answer_wait
             await admission._until_done(partial(admission._forward, queue, *picked))
     statuses = [output["response"]["status_code"] for output in answers.sent]
     assert statuses == [413, 413] and quotas.admitted == [line.prompt.request_id]
+
+
+async def test_a_charged_line_the_sweep_answers_is_refunded(admission: Admission) -> None:
+    """Charged, Kafka refused it, and its batch was cancelled while it waited for its
+    retry: the sweep, which finds it first, answered it cancelled but kept the charge
+    (a request and its tokens of the minute, on every surface)."""
+    marks, quotas, submitter = CancelledBatches(), AdmitsAll(), KafkaDownOnce()
+    admission.marks, admission.quotas = cast(Any, marks), cast(Any, quotas)
+    admission.submitter, admission.answers = cast(Any, submitter), cast(Any, Sent())
+    line = waiting_line(admission, "u", "A", 1)
+    queue = admission.queues[line.prompt.model]
+    queue.pop(0.0)
+    assert not await admission._forward(queue, "u", line)  # refused: put back, still charged
+    marks.batches.add("A")  # the user cancels while Kafka is away
+    await admission._answer_unrunnable()
+    assert cast(Any, admission.answers).unrun_lines == [line.prompt.request_id]
+    assert quotas.refunded == [line.prompt.request_id] and not admission._charged

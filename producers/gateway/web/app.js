@@ -160,8 +160,9 @@ function sidebarItem(conversation) {
   button.addEventListener("click", () => {
     // The open chat, while a message is sent to it: read from the store, which may not
     // hold the message yet, the question vanished and its reply streamed unseen.
-    if (state.busy && state.conversation?.id === conversation.id) return;
+    // Still chosen last: a chat clicked before it, loading yet, is not shown over it.
     state.wanted = conversation.id;
+    if (state.busy && state.conversation?.id === conversation.id) return;
     openConversation(conversation.id).catch(notify);
   });
   const item = document.createElement("li");
