@@ -89,7 +89,7 @@ def test_a_port_outside_the_range_is_refused(port: str, value: int) -> None:
 
 def test_two_settings_naming_one_port_are_refused_with_both_names() -> None:
     with pytest.raises(ValidationError, match="port must be used once") as refused:
-        Settings(gateway_metrics_port=6380)  # the default redis_port
+        Settings(redis_port=7777, gateway_metrics_port=7777)
     assert "'redis_port', 'gateway_metrics_port'" in str(refused.value)
 
 
