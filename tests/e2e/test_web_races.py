@@ -32,6 +32,18 @@ COMPOSING_KEY = """([key, legacy]) => {
 }"""
 
 
+async def held_until_set(page: Page, url: str) -> asyncio.Event:
+    """Requests to `url` wait until the event returned is set."""
+    let_go = asyncio.Event()
+
+    async def held(route: Route) -> None:
+        await let_go.wait()
+        await route.continue_()
+
+    await page.route(url, held)
+    return let_go
+
+
 @pytest.mark.parametrize("legacy", [False, True], ids=["isComposing", "keyCode-229"])
 async def test_an_input_methods_enter_and_escape_neither_send_nor_stop(
     stack: Stack, page: Page, legacy: bool
@@ -64,13 +76,7 @@ async def test_the_chat_chosen_last_is_shown_whatever_answers_last(
         await chat(http, headers, chosen, "Say bye.", 4)
     await page.reload()  # signed in again from the session: the new chats listed
     await expect(page.locator("#app")).to_be_visible()
-    let_go = asyncio.Event()
-
-    async def held(route: Route) -> None:
-        await let_go.wait()
-        await route.continue_()
-
-    await page.route(f"**/v1/conversations/{slow}", held)
+    let_go = await held_until_set(page, f"**/v1/conversations/{slow}")
     async with page.expect_response(f"**/v1/conversations/{slow}") as answered:
         await page.locator(f'#conversation-list button[data-id="{slow}"]').click()
         await page.locator(f'#conversation-list button[data-id="{chosen}"]').click()
@@ -299,13 +305,7 @@ async def test_the_streaming_chat_clicked_again_before_another_loads_stays_shown
     await reply_streaming(page)
     current = page.locator('#conversation-list button[aria-current="true"]')
     streaming = await current.get_attribute("data-id")
-    let_go = asyncio.Event()
-
-    async def held(route: Route) -> None:
-        await let_go.wait()
-        await route.continue_()
-
-    await page.route(f"**/v1/conversations/{other}", held)
+    let_go = await held_until_set(page, f"**/v1/conversations/{other}")
     async with page.expect_response(f"**/v1/conversations/{other}") as answered:
         await page.locator(f'#conversation-list button[data-id="{other}"]').click()
         await page.locator(f'#conversation-list button[data-id="{streaming}"]').click()

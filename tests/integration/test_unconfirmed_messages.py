@@ -14,7 +14,7 @@ from producers.gateway.conversations import service as service_module
 from producers.gateway.conversations.service import ConversationService
 from producers.gateway.errors import ApiError
 from schemas.events import now_ms
-from tandoor.clients import cassandra_session, cql_together
+from tandoor.clients import cassandra_session, cql, cql_together
 from tandoor.settings import Settings
 from tests.integration.test_gateway_conversations import client, user_key
 
@@ -77,7 +77,7 @@ async def test_a_long_message_whose_own_insert_timed_out_is_shown_failed(
     with cassandra_session(settings, settings.keyspace) as session:
         service = ConversationService(session, settings.served_models)
         conversation = await service.owned(user, made["id"])
-        real = service_module.cql
+        real = cql
 
         async def timed_out(session: object, *statement: Any) -> Any:
             monkeypatch.setattr(service_module, "cql", real)

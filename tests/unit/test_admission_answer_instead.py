@@ -96,11 +96,13 @@ class KafkaDownOnce(Counting):
         await super().submit(prompt)
 
 
+@pytest.mark.parametrize("found_by", ["its retry", "the sweep"])
 async def test_a_line_charged_then_cancelled_before_it_went_out_is_refunded(
-    admission: Admission,
+    admission: Admission, found_by: str
 ) -> None:
-    """Charged, Kafka refused it, and its batch was cancelled before the retry: answered
-    cancelled but still charged, holding its tenant back for the rest of the minute."""
+    """Charged, Kafka refused it, and its batch was cancelled while it waited for its
+    retry: answered cancelled but still charged (a request and its tokens of the minute,
+    on every surface), whether its retry or the sweep found it first."""
     marks, quotas, submitter = CancelledBatches(), AdmitsAll(), KafkaDownOnce()
     admission.marks, admission.quotas = cast(Any, marks), cast(Any, quotas)
     admission.submitter, admission.answers = cast(Any, submitter), cast(Any, Sent())
@@ -109,10 +111,15 @@ async def test_a_line_charged_then_cancelled_before_it_went_out_is_refunded(
     queue.pop(0.0)
     assert not await admission._forward(queue, "u", line)  # refused: put back, still charged
     marks.batches.add("A")  # the user cancels while Kafka is away
-    again = queue.pop(time.monotonic() + 60)  # its turn again, once its hold is over
-    assert again is not None
-    assert not await admission._forward(queue, *again)
-    assert submitter.sent == ["refused"] and quotas.refunded == [line.prompt.request_id]
+    if found_by == "the sweep":
+        await admission._answer_unrunnable()
+    else:
+        again = queue.pop(time.monotonic() + 60)  # its turn again, once its hold is over
+        assert again is not None
+        assert not await admission._forward(queue, *again)
+    assert submitter.sent == ["refused"]
+    assert cast(Any, admission.answers).unrun_lines == [line.prompt.request_id]
+    assert quotas.refunded == [line.prompt.request_id] and not admission._charged
 
 
 class Sent:
@@ -157,20 +164,3 @@ async def test_a_line_too_large_for_kafka_is_charged_once_though_its_answer_wait
             await admission._until_done(partial(admission._forward, queue, *picked))
     statuses = [output["response"]["status_code"] for output in answers.sent]
     assert statuses == [413, 413] and quotas.admitted == [line.prompt.request_id]
-
-
-async def test_a_charged_line_the_sweep_answers_is_refunded(admission: Admission) -> None:
-    """Charged, Kafka refused it, and its batch was cancelled while it waited for its
-    retry: the sweep, which finds it first, answered it cancelled but kept the charge
-    (a request and its tokens of the minute, on every surface)."""
-    marks, quotas, submitter = CancelledBatches(), AdmitsAll(), KafkaDownOnce()
-    admission.marks, admission.quotas = cast(Any, marks), cast(Any, quotas)
-    admission.submitter, admission.answers = cast(Any, submitter), cast(Any, Sent())
-    line = waiting_line(admission, "u", "A", 1)
-    queue = admission.queues[line.prompt.model]
-    queue.pop(0.0)
-    assert not await admission._forward(queue, "u", line)  # refused: put back, still charged
-    marks.batches.add("A")  # the user cancels while Kafka is away
-    await admission._answer_unrunnable()
-    assert cast(Any, admission.answers).unrun_lines == [line.prompt.request_id]
-    assert quotas.refunded == [line.prompt.request_id] and not admission._charged
