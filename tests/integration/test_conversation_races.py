@@ -68,7 +68,8 @@ async def test_a_message_sent_to_a_conversation_deleted_meanwhile_is_not_stored(
     client: httpx.AsyncClient, settings: Settings, content: str
 ) -> None:
     async def send(service: ConversationService, user: str, found: Conversation) -> None:
-        await service.add_user_message(user, found, "m_1", content, now_ms(), names_it=True)
+        at = now_ms()
+        await service.add_user_message(user, found, "m_1", content, at, names_it=at)
 
     assert await _deleted_during(client, settings, send) == {
         "messages": 0,
@@ -126,7 +127,7 @@ async def test_a_rename_made_while_the_first_message_was_sent_keeps_its_title(
         service: ConversationService, user: str, found: Conversation, read_at: int
     ) -> None:
         named = found.model_copy(update={"title": "Hello there"})
-        await service.add_user_message(user, named, "m_1", "Hello there", read_at, names_it=True)
+        await service.add_user_message(user, named, "m_1", "Hello there", now_ms(), read_at)
 
     assert await _renamed_meanwhile(client, settings, first_message) == "Mine"
 
@@ -143,3 +144,22 @@ async def test_a_rename_made_while_the_model_titled_the_chat_keeps_its_title(
         await service.rename(user, found.id, "Colours of the sea", as_of_ms=read_at)
 
     assert await _renamed_meanwhile(client, settings, model_title) == "Mine"
+
+
+async def test_a_first_message_names_a_chat_made_on_a_gateway_whose_clock_is_ahead(
+    client: httpx.AsyncClient, settings: Settings
+) -> None:
+    """The chat was made with a null title (a tombstone as of its creation), and its
+    first message's title, written as of a moment no later on another gateway's clock,
+    did not outlast it: untitled for good (the title job took that for a rename)."""
+    user = f"user-{uuid.uuid4().hex[:8]}"
+    headers = await user_key(settings, user)
+    made = (await client.post("/v1/conversations", json={}, headers=headers)).json()
+    with cassandra_session(settings, settings.keyspace) as session:
+        service = ConversationService(session, settings.served_models)
+        found = await service.owned(user, made["id"])
+        named = found.model_copy(update={"title": "Hello there"})
+        behind = now_ms() - 5_000  # the other gateway's clock
+        await service.add_user_message(user, named, "m_1", "Hello there", now_ms(), behind)
+    opened = (await client.get(f"/v1/conversations/{made['id']}", headers=headers)).json()
+    assert opened["title"] == "Hello there"

@@ -51,4 +51,6 @@ class PlannedPrompt:
     dropped: int
     summarized: bool
     replaces: list[MessageKey]  # hidden once the reply is queued
-    names_it: bool  # the conversation's title (its first message's) goes with the message
+    # The conversation's title (its first message's) goes with the message, written as
+    # of this time (ms: when it was read untitled), or None.
+    names_it: int | None

@@ -91,11 +91,13 @@ class ChatService:
         with contextlib.suppress(*REDIS_DOWN):  # then posting goes on, as the claim lets it
             await self.inflight.ensure_idle(conversation_id)
         text = await self.moderated(body.content)  # a refusal needs no history: before the wait
+        read_at = now_ms()  # a rename after this read keeps its title over the message's
         opened, _ = await self.history.read(caller, conversation_id)  # unstored: left out
         conversation = Conversation(**opened.model_dump(include=set(Conversation.model_fields)))
         title = provisional_title(text)
-        names_it = conversation.title is None and not opened.messages and title is not None
-        if names_it:  # stored with the message: a refusal before leaves it untitled
+        untitled = conversation.title is None and not opened.messages and title is not None
+        names_it = read_at if untitled else None
+        if untitled:  # stored with the message: a refusal before leaves it untitled
             # By its first message as redacted: the page sent it raw as the title,
             # addresses and numbers included, and the title job never ran (no match).
             conversation = conversation.model_copy(update={"title": title})
@@ -172,7 +174,7 @@ class ChatService:
         options: ReplyOptions,
         summary: str | None = None,
         replaces: Sequence[Message] = (),
-        names_it: bool = False,
+        names_it: int | None = None,
     ) -> Reply:
         """Context, quota, then the prompt: the part every way of asking shares. What
         `replaces` names (a regenerate's old replies, an edit's old turns) is hidden only

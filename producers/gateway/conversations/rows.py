@@ -14,18 +14,22 @@ Row = tuple[str, tuple[object, ...]]
 
 
 def conversation_row(user_id: str, conversation: Conversation) -> Row:
-    return (
-        "INSERT INTO conversations (conversation_id, user_id, model, title, created_at, "
-        "updated_at) VALUES (%s, %s, %s, %s, %s, %s)",
-        (
-            conversation.id,
-            user_id,
-            conversation.model,
-            conversation.title,
-            conversation.created_at,
-            conversation.updated_at,
-        ),
+    """Without a title, none is written: a null is a tombstone, which a first message's
+    title written as of a moment no later (another gateway's clock) did not outlast."""
+    titled = conversation.title is not None
+    columns = "conversation_id, user_id, model, created_at, updated_at" + (
+        ", title" if titled else ""
     )
+    values = (
+        conversation.id,
+        user_id,
+        conversation.model,
+        conversation.created_at,
+        conversation.updated_at,
+        *((conversation.title,) if titled else ()),
+    )
+    marks = ", ".join(["%s"] * len(values))
+    return (f"INSERT INTO conversations ({columns}) VALUES ({marks})", values)
 
 
 def user_message_row(

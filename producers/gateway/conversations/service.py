@@ -266,15 +266,15 @@ class ConversationService:
         message_id: str,
         content: str,
         at_ms: int,
-        names_it: bool = False,
+        names_it: int | None = None,
     ) -> None:
         """Store the user's message and move the conversation to the top of the sidebar
         (this is on the path to the first token); `names_it`: the conversation's title
-        (its first message's, as redacted) is stored with it."""
+        (its first message's, as redacted) is stored with it, as of that time (ms)."""
         at = from_ms(at_ms)
         rows = moved_to_top(user_id, conversation, at)
-        if names_it:  # as of the post: a rename meanwhile is kept
-            rows.append(title_row(conversation.id, conversation.title, at_ms))
+        if names_it is not None:  # as of the read: a rename since is kept
+            rows.append(title_row(conversation.id, conversation.title, names_it))
         await self._with_message(conversation, at, message_id, content, rows)
         await self._unless_deleted_meanwhile(user_id, conversation.id, at)
 

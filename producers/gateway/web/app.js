@@ -319,6 +319,7 @@ async function send(text) {
     $("chat-title").textContent = Array.from(text).slice(0, AUTO_TITLE_CHARS).join("");
   }
   const path = `/v1/conversations/${state.conversation.id}/messages`;
+  const questionsBefore = $("messages").querySelectorAll(".message.user").length;
   const userMessage = messageElement({ role: "user", content: text });
   $("messages").append(userMessage);
   scrollToEnd(true);
@@ -335,10 +336,11 @@ async function send(text) {
       restoreDraft(text);
     },
     (conversationId) => {
-      // Sent without an answer, and no reply ran: the chat as reloaded says whether the
-      // gateway has it.
-      const shown = state.conversation?.id === conversationId ? state.conversation : null;
-      if (!shown || shown.messages.some((m) => m.role === "user" && m.content === text)) return;
+      // Sent without an answer, no reply ran, and the chat was reloaded as stored: one
+      // question more than before if the gateway has it (not told by its text, which
+      // is stored redacted and may be an earlier question's).
+      if (state.conversation?.id !== conversationId) return;
+      if ($("messages").querySelectorAll(".message.user").length > questionsBefore) return;
       restoreDraft(text);
       notify(new ApiError(0, "Your message was not sent: the gateway could not be reached."));
     },
@@ -353,9 +355,11 @@ async function send(text) {
   }
 }
 
-// `started(event)` when the gateway took the message; `refused(error)` on an API error;
-// `unanswered(conversationId)` when it was sent without an answer and no reply ran.
-async function streamReply(open, started = () => {}, refused = () => {}, unanswered = () => {}) {
+// `started(event)` when the gateway took the message; `refused(error)` on an API error.
+// With `unanswered`, a message sent without an answer is not taken as refused: the
+// stream is asked, and `unanswered(conversationId)` is told when no reply ran and the
+// chat was reloaded as stored.
+async function streamReply(open, started = () => {}, refused = () => {}, unanswered = null) {
   hideNotice();
   setBusy(true);
   const reply = newReply(started);
@@ -363,10 +367,12 @@ async function streamReply(open, started = () => {}, refused = () => {}, unanswe
   state.stopAsked = false;
   state.reply = reply;
   try {
-    const response = await sent(open);
+    const response = await (unanswered ? sent(open) : open());
     if (response) await follow(reply, response);
     await resumeUntilDone(reply);
-    if (!response && !reply.begun && !reply.left) unanswered(reply.conversationId);
+    if (!response && !reply.begun && !reply.left && reply.reloaded) {
+      unanswered(reply.conversationId);
+    }
   } catch (error) {
     if (reply.left) return reply;
     if (error instanceof ApiError) refused(error);
@@ -407,6 +413,7 @@ function newReply(started = () => {}) {
     lastEventId: null,
     done: false,
     begun: false, // the gateway has it (its start event): a stop can reach it
+    reloaded: false, // no reply ran, and the chat was shown as stored
     stopAsked: false,
   };
 }
@@ -461,7 +468,13 @@ async function resumeFrom(reply) {
     if (error instanceof ApiError && error.status === 404) {
       reply.done = true; // it finished meanwhile, or never started
       // The reply is over: a reload that fails is said, not taken as the message refused.
-      await showWhenStored(reply.conversationId).catch(notify);
+      reply.reloaded = await showWhenStored(reply.conversationId).then(
+        () => true,
+        (reloading) => {
+          notify(reloading);
+          return false;
+        },
+      );
       return;
     }
     // Dropped (0), too many resumes open (429: old ones not yet seen closed), a replica
