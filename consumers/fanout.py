@@ -20,7 +20,7 @@ import contextlib
 import itertools
 import logging
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
@@ -273,7 +273,7 @@ async def partition_reader(
 
 async def read_request(
     settings: Settings, request_id: str, partition: int, offset: int
-) -> AsyncIterator[Delivered]:
+) -> AsyncGenerator[Delivered, None]:
     """One request's events from one partition, from `offset` until its final event."""
     async with partition_reader(settings, partition, offset) as consumer:
         async for record in consumer:

@@ -14,6 +14,7 @@ import logging
 from collections import Counter
 from collections.abc import AsyncIterable, Awaitable, Callable, Iterator, Mapping
 from contextlib import contextmanager
+from types import AsyncGeneratorType
 
 from starlette.responses import StreamingResponse
 from starlette.types import Message, Receive, Scope, Send
@@ -190,6 +191,15 @@ class ReplyStream(StreamingResponse):
             )
         finally:
             self.slot.release()
+            await self._close_body()
+
+    async def _close_body(self) -> None:
+        """A body cut short (draining, a client gone or too slow) waits at a frame it
+        made: closed now, what it holds goes (a resumed reply's Kafka reader), not when
+        the garbage collector finds it. One cancelled mid-step ended with that step."""
+        body = self.body_iterator
+        if isinstance(body, AsyncGeneratorType) and not body.ag_running:
+            await body.aclose()
 
     async def _until_drained(self, body: Awaitable[None]) -> bool:
         """Stream `body`; False if draining cut it short."""

@@ -21,6 +21,7 @@ from tests.e2e.helpers import (
     streamed,
 )
 from tests.e2e.stack import Stack
+from tests.ops import samples
 from tests.waiting import eventually
 
 pytestmark = pytest.mark.integration
@@ -206,3 +207,30 @@ async def test_a_reconnect_before_the_first_text_gets_its_own_reply_or_a_404(
     async with http.stream("GET", f"{path}/stream", headers=again) as resumed:
         assert resumed.status_code == 404, await resumed.aread()
     await http.post(f"{path}/stop", headers=headers)
+
+
+async def test_a_resume_its_client_leaves_closes_its_kafka_reader(
+    stack: Stack, http: httpx.AsyncClient
+) -> None:
+    """Each resumed stream reads its reply's partition with a Kafka consumer of its own.
+    One whose client left was closed only when the garbage collector came to it: after a
+    chaos run a gateway kept three open, each fetching, long after every stream ended.
+    (`big`'s worker takes nothing: the reply waits, and its resume with it.)"""
+    headers = await auth(stack)
+    conversation = await new_conversation(http, headers, stack.big)
+    path = f"/v1/conversations/{conversation}"
+    gateway = stack.gateways[0]
+
+    async def readers() -> float:
+        return (await samples(gateway))["tandoor_gateway_token_readers"]
+
+    before = await readers()
+    body = {"content": "Name a colour.", "max_tokens": 8}
+    async with http.stream("POST", f"{path}/messages", json=body, headers=headers) as sent:
+        assert sent.status_code == 200, await sent.aread()
+    for _ in range(3):
+        async with http.stream("GET", f"{path}/stream", headers=headers) as resumed:
+            assert resumed.status_code == 200, await resumed.aread()
+            await eventually(readers, lambda n: n == before + 1, what="the resume's reader")
+    await eventually(readers, lambda n: n == before, what="the resumes' readers closed")
+    assert (await http.post(f"{path}/stop", headers=headers)).status_code == 202

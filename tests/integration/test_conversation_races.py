@@ -6,8 +6,10 @@ as read untitled: a rename by the user meanwhile is kept."""
 
 from __future__ import annotations
 
+import contextlib
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -41,26 +43,47 @@ async def _left_behind(session: Session, user: str, conversation_id: str) -> dic
     return found
 
 
+@dataclass
+class Chat:
+    """A new chat of a new user, and the service that writes to it as a gateway does."""
+
+    user: str
+    headers: dict[str, str]
+    id: str
+    service: ConversationService
+    session: Session
+
+    @property
+    def path(self) -> str:
+        return f"/v1/conversations/{self.id}"
+
+
+@contextlib.asynccontextmanager
+async def new_chat(client: httpx.AsyncClient, settings: Settings) -> AsyncIterator[Chat]:
+    user = f"user-{uuid.uuid4().hex[:8]}"
+    headers = await user_key(settings, user)
+    made = (await client.post("/v1/conversations", json={}, headers=headers)).json()
+    with cassandra_session(settings, settings.keyspace) as session:
+        service = ConversationService(session, settings.served_models)
+        yield Chat(user, headers, made["id"], service, session)
+
+
 async def _deleted_during(
     client: httpx.AsyncClient,
     settings: Settings,
     write: Callable[[ConversationService, str, Conversation], Awaitable[Any]],
 ) -> dict[str, int]:
     """Found, then deleted through the API, then written to as found: what is left."""
-    user = f"user-{uuid.uuid4().hex[:8]}"
-    headers = await user_key(settings, user)
-    made = (await client.post("/v1/conversations", json={}, headers=headers)).json()
-    with cassandra_session(settings, settings.keyspace) as session:
-        service = ConversationService(session, settings.served_models)
-        found = await service.owned(user, made["id"])
-        deleted = await client.delete(f"/v1/conversations/{made['id']}", headers=headers)
+    async with new_chat(client, settings) as chat:
+        found = await chat.service.owned(chat.user, chat.id)
+        deleted = await client.delete(chat.path, headers=chat.headers)
         assert deleted.status_code == 204
         with pytest.raises(ApiError) as refused:
-            await write(service, user, found)
+            await write(chat.service, chat.user, found)
         assert refused.value.status == 404
-        again = await client.delete(f"/v1/conversations/{made['id']}", headers=headers)
+        again = await client.delete(chat.path, headers=chat.headers)
         assert again.status_code == 404
-        return await _left_behind(session, user, made["id"])
+        return await _left_behind(chat.session, chat.user, chat.id)
 
 
 @pytest.mark.parametrize("content", ["Hello there", "Sea. " * 1000], ids=["short", "long"])
@@ -102,18 +125,13 @@ async def _renamed_meanwhile(
 ) -> str | None:
     """Read untitled at `read_at`, renamed by the user through the API, then named by the
     gateway or the model as read: the title stored."""
-    user = f"user-{uuid.uuid4().hex[:8]}"
-    headers = await user_key(settings, user)
-    made = (await client.post("/v1/conversations", json={}, headers=headers)).json()
-    path = f"/v1/conversations/{made['id']}"
-    with cassandra_session(settings, settings.keyspace) as session:
-        service = ConversationService(session, settings.served_models)
+    async with new_chat(client, settings) as chat:
         read_at = now_ms()
-        found = await service.owned(user, made["id"])
-        renamed = await client.patch(path, json={"title": "Mine"}, headers=headers)
+        found = await chat.service.owned(chat.user, chat.id)
+        renamed = await client.patch(chat.path, json={"title": "Mine"}, headers=chat.headers)
         assert renamed.status_code == 200, renamed.text
-        await name_it(service, user, found, read_at)
-    title: str | None = (await client.get(path, headers=headers)).json()["title"]
+        await name_it(chat.service, chat.user, found, read_at)
+    title: str | None = (await client.get(chat.path, headers=chat.headers)).json()["title"]
     return title
 
 
@@ -152,14 +170,12 @@ async def test_a_first_message_names_a_chat_made_on_a_gateway_whose_clock_is_ahe
     """The chat was made with a null title (a tombstone as of its creation), and its
     first message's title, written as of a moment no later on another gateway's clock,
     did not outlast it: untitled for good (the title job took that for a rename)."""
-    user = f"user-{uuid.uuid4().hex[:8]}"
-    headers = await user_key(settings, user)
-    made = (await client.post("/v1/conversations", json={}, headers=headers)).json()
-    with cassandra_session(settings, settings.keyspace) as session:
-        service = ConversationService(session, settings.served_models)
-        found = await service.owned(user, made["id"])
+    async with new_chat(client, settings) as chat:
+        found = await chat.service.owned(chat.user, chat.id)
         named = found.model_copy(update={"title": "Hello there"})
         behind = now_ms() - 5_000  # the other gateway's clock
-        await service.add_user_message(user, named, "m_1", "Hello there", now_ms(), behind)
-    opened = (await client.get(f"/v1/conversations/{made['id']}", headers=headers)).json()
+        await chat.service.add_user_message(
+            chat.user, named, "m_1", "Hello there", now_ms(), behind
+        )
+    opened = (await client.get(chat.path, headers=chat.headers)).json()
     assert opened["title"] == "Hello there"

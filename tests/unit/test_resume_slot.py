@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any, cast
 
 from consumers.fanout import Delivered
@@ -30,7 +30,7 @@ async def test_a_resumed_replys_slot_is_free_before_its_end_is_sent() -> None:
     stand_ins = cast(Any, None), cast(Any, None), cast(Any, inflight), cast(Any, quotas)
     control = ReplyControl(Settings(), *stand_ins)
 
-    async def events() -> AsyncIterator[Delivered]:
+    async def events() -> AsyncGenerator[Delivered, None]:
         yield Delivered(0, 7, final("r_1"))
 
     caller = Principal("u1", "free", "k")

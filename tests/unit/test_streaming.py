@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import gc
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 
 import pytest
 from starlette.types import Message
@@ -12,6 +14,15 @@ from producers.gateway.errors import ApiError
 from producers.gateway.streaming import DRAINED, ReplyStream, StreamSlots
 
 SCOPE = {"type": "http", "asgi": {"spec_version": "2.3"}, "client": ("127.0.0.1", 5)}
+
+
+@contextmanager
+def gc_off() -> Iterator[None]:
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 async def endless() -> AsyncIterator[str]:
@@ -162,3 +173,34 @@ async def test_a_drain_lets_a_reply_whose_end_is_in_finish(end_is_in: bool) -> N
         assert written.endswith(b"data: final\n\ndata: [DONE]\n\n") and DRAINED not in written
     else:
         assert written == b"data: token\n\n" + DRAINED
+
+
+@pytest.mark.parametrize("cut_by", ["drain", "slow client"])
+async def test_a_body_cut_short_at_a_frame_is_closed(cut_by: str) -> None:
+    """A body cut while its frame was being written waits at that frame for good: what
+    it holds (a resumed reply's Kafka reader) stayed open until the garbage collector
+    found it, long after, where a reference cycle kept it."""
+    slots, closed = StreamSlots(1), asyncio.Event()
+
+    async def frames() -> AsyncIterator[str]:
+        try:
+            while True:
+                yield "data: token\n\n"
+        finally:
+            closed.set()
+
+    async def stuck(message: Message) -> None:
+        if message["type"] == "http.response.body":
+            if cut_by == "drain":
+                slots.draining.set()
+            await asyncio.Event().wait()  # the socket buffer is full and never drains
+
+    async def sent(message: Message) -> None:
+        if not message.get("body", b"").startswith(DRAINED):
+            await stuck(message)
+
+    body = frames()
+    with gc_off():
+        stream = ReplyStream(body, slots.take(), write_timeout_s=0.2, headers={})
+        await asyncio.wait_for(stream(SCOPE, never_disconnects, sent), 5)
+        assert closed.is_set() and slots.open == 0

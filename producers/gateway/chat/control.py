@@ -4,8 +4,9 @@ they know of it is its in-flight record (inflight.py), not the gateway that star
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from aiokafka import AIOKafkaProducer
@@ -34,7 +35,7 @@ class Resumed:
 
     def __init__(self, record: dict[str, Any]) -> None:
         self.record = record
-        self.events: AsyncIterator[Delivered | None]  # set once it is read
+        self.events: AsyncGenerator[Delivered | None, None]  # set once it is read
         self.ending = False  # its end is in, its record released: a drain lets it finish
 
 
@@ -170,16 +171,17 @@ class ReplyControl:
         caller: Principal,
         conversation_id: str,
         resumed: Resumed,
-        events: AsyncIterator[Delivered],
-    ) -> AsyncIterator[Delivered]:
+        events: AsyncGenerator[Delivered, None],
+    ) -> AsyncGenerator[Delivered, None]:
         """A resumed reply whose gateway died: nobody else will mark it finished, nor
         free its concurrent-stream slot before the client hears the end (the streams app
         frees it once the usage record comes, after the final: a post right after the
-        end was a 429 for a user of one stream)."""
+        end was a 429 for a user of one stream). Its reader closes with it."""
         request_id = resumed.record["request_id"]
-        async for item in events:
-            if isinstance(item.event, FinalEvent):  # before the client may close the stream
-                resumed.ending = True
-                await self.inflight.release(conversation_id, request_id)
-                await self.quotas.release(Admission(caller.user_id, request_id, 0, 0))
-            yield item
+        async with contextlib.aclosing(events):
+            async for item in events:
+                if isinstance(item.event, FinalEvent):  # before the client may close it
+                    resumed.ending = True
+                    await self.inflight.release(conversation_id, request_id)
+                    await self.quotas.release(Admission(caller.user_id, request_id, 0, 0))
+                yield item

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import contextlib
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header
 from fastapi.responses import StreamingResponse
 
 from producers.gateway.auth import Caller
+from producers.gateway.chat.control import Resumed
 from producers.gateway.chat.protocol import PostMessage, Regenerate
 from producers.gateway.chat.reply import Reply
 from producers.gateway.chat.service import ChatService
@@ -16,6 +18,7 @@ from producers.gateway.chat.sse import ResumePoint, frame, reply_frames, reply_t
 from producers.gateway.json_body import StrictJsonRoute
 from producers.gateway.services import Services, services
 from producers.gateway.streaming import ReplyStream, Slot
+from tandoor.policies.moderation import OutputFilter
 
 router = APIRouter(prefix="/v1/conversations", tags=["chat"], route_class=StrictJsonRoute)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -119,11 +122,20 @@ async def resume(
             }
         )
 
-        async def stream() -> AsyncIterator[str]:
-            yield start
-            async for chunk in reply_frames(resumed.events, svc.output_filter, resume):
-                yield chunk
-
         headers = {**SSE_HEADERS, "X-Request-Id": record["request_id"]}
         timeout = svc.deps.settings.gateway_write_timeout_s
-        return ReplyStream(stream(), slot, timeout, headers, ending=lambda: resumed.ending)
+        frames = resumed_frames(start, resumed, svc.output_filter, resume)
+        return ReplyStream(frames, slot, timeout, headers, ending=lambda: resumed.ending)
+
+
+async def resumed_frames(
+    start: str, resumed: Resumed, make_filter: Callable[[], OutputFilter], at: ResumePoint | None
+) -> AsyncGenerator[str, None]:
+    """`start`, then the resumed reply's frames. Its reader (a Kafka consumer) closes
+    with them, however they end: left to the garbage collector, a reader the final had
+    ended the stream before stayed open (the events refer back to `resumed`: a cycle),
+    and a gateway kept three fetching long after their streams were over."""
+    async with contextlib.aclosing(resumed.events):
+        yield start
+        async for chunk in reply_frames(resumed.events, make_filter, at):
+            yield chunk

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 from consumers.fanout import Delivered, Subscription
@@ -91,7 +91,7 @@ class ReplyWatch:
 
 async def with_keepalives(
     events: AsyncIterator[T], keepalive_s: float, give_up_s: float
-) -> AsyncIterator[T | None]:
+) -> AsyncGenerator[T | None, None]:
     """`events`, with None after each `keepalive_s` without one; it ends after
     `give_up_s` without one (a reply read back from Kafka whose worker is gone)."""
     source = aiter(events)

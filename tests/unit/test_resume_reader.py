@@ -1,0 +1,78 @@
+"""A resumed reply's Kafka reader closes with its stream, however the stream ends,
+without the garbage collector (stand-ins for the in-flight record, the quotas and the
+reader): left to it, a gateway kept three readers fetching long after their streams."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any, cast
+
+import pytest
+
+from consumers.fanout import Delivered
+from producers.gateway.chat.control import ReplyControl
+from producers.gateway.chat.router import resumed_frames
+from tandoor.policies.api_keys import Principal
+from tandoor.policies.moderation import StreamRedactor
+from tandoor.settings import Settings
+from tests.unit.test_resume_slot import Released
+from tests.unit.test_sse import final, token
+from tests.unit.test_streaming import gc_off
+
+RECORD = {"request_id": "r", "partition": 0, "offset": 0}
+
+
+class Running(Released):
+    """The in-flight record of a reply that runs, in a conversation the caller owns."""
+
+    async def owned(self, *_: Any) -> None:
+        return None
+
+    async def running(self, *_: Any) -> dict[str, Any]:
+        return RECORD
+
+    async def abandoned(self, *_: Any) -> bool:
+        return False
+
+
+@pytest.fixture
+def readers(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """What each reader did: "open", then "closed" once its `finally` ran."""
+    done: list[str] = []
+
+    async def read_request(*_: Any) -> AsyncIterator[Delivered]:
+        done.append("open")
+        try:
+            for offset, event in enumerate([token("Hi", 0), token(" there", 1)]):
+                yield Delivered(0, offset, event)
+            yield Delivered(0, 2, final("Hi there"))
+            yield Delivered(0, 3, token("never read: the final ended the stream", 2))
+        finally:
+            done.append("closed")
+
+    monkeypatch.setattr("producers.gateway.chat.control.read_request", read_request)
+    return done
+
+
+async def resumed_stream() -> AsyncGenerator[str, None]:
+    running = Running()
+    stand_in = cast(Any, running)
+    control = ReplyControl(Settings(), stand_in, stand_in, stand_in, stand_in)
+    resumed = await control.resume(Principal("u", "free", "k"), "c")
+    return resumed_frames("start", resumed, StreamRedactor, None)
+
+
+async def test_a_resume_read_to_its_final_closes_its_reader(readers: list[str]) -> None:
+    with gc_off():
+        frames = [chunk async for chunk in await resumed_stream()]
+    assert frames[0] == "start" and "[DONE]" in frames[-1]
+    assert readers == ["open", "closed"]
+
+
+async def test_a_resume_closed_midway_closes_its_reader(readers: list[str]) -> None:
+    with gc_off():
+        frames = await resumed_stream()
+        assert await anext(frames) == "start"
+        await anext(frames)  # the reply's first event: its first word, held by the redaction
+        await frames.aclose()
+    assert readers == ["open", "closed"]
