@@ -258,17 +258,19 @@ async def partition_reader(
         max_partition_fetch_bytes=READER_FETCH_BYTES,
         fetch_max_bytes=READER_FETCH_BYTES,
     )
-    await consumer.start()
-    ReaderCount.open += 1
+    ReaderCount.open += 1  # from its start until it has stopped: the metric shows leaks
     try:
+        await consumer.start()  # within: one cancelled meanwhile (its client left) stops too
         tp = TopicPartition(topics.TOKENS, partition)
         consumer.assign([tp])
         consumer.seek(tp, offset)
         yield consumer
     finally:
-        ReaderCount.open -= 1
-        with contextlib.suppress(Exception):
-            await consumer.stop()
+        try:
+            with contextlib.suppress(Exception):
+                await consumer.stop()
+        finally:
+            ReaderCount.open -= 1
 
 
 async def read_request(

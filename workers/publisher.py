@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 
 from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaError
 from aiokafka.structs import ConsumerRecord
 
 from schemas import topics
@@ -18,6 +20,7 @@ from tandoor.clients import send_dead_letter
 log = logging.getLogger(__name__)
 METADATA_WAIT_S = 10.0
 ABSENT_RECHECK_S = 30.0  # a partition found missing is looked up again after this
+USAGE_RETRY_S = (1.0, 2.0, 5.0, 10.0, 30.0)  # between tries of a usage record, the last kept
 
 
 class Publisher:
@@ -64,9 +67,26 @@ class Publisher:
         return None
 
     async def usage(self, record: UsageRecord) -> None:
-        await self._producer.send_and_wait(
-            topics.USAGE, encode(record), key=record.user_id.encode()
-        )
+        """Sent once Kafka takes it, however long that is. Its final is out: a failure
+        stopped the worker, and each worker the prompt went to next published the final
+        again and stopped too (a `usage` partition with no leader). Until then the prompt
+        is unfinished (its offset uncommitted): a worker stopped meanwhile leaves it to
+        the next, which sends both again."""
+        value, key = encode(record), record.user_id.encode()
+        for attempt in itertools.count(1):
+            try:
+                await self._producer.send_and_wait(topics.USAGE, value, key=key)
+                return
+            except KafkaError as exc:
+                wait_s = USAGE_RETRY_S[min(attempt, len(USAGE_RETRY_S)) - 1]
+                log.warning(
+                    "%s: usage record not sent (%r, try %d); again in %.0f s",
+                    record.request_id,
+                    exc,
+                    attempt,
+                    wait_s,
+                )
+                await asyncio.sleep(wait_s)
 
     async def dead_letter(self, record: ConsumerRecord[bytes, bytes], reason: str) -> None:
         await send_dead_letter(self._producer, record, reason)

@@ -112,6 +112,9 @@ async def open_services(settings: Settings, slots: StreamSlots) -> AsyncIterator
             settings.gateway_max_user_file_bytes,
             settings.tiers,
         )
+        # First at shutdown: their stops and marks go out before Kafka and Redis close.
+        for background in (chat.running.background, batches.background):
+            stack.push_async_callback(background.finish, settings.kafka_send_timeout_s)
         yield Services(settings, keys, conversations, chat, cluster, session, load, batches)
 
 

@@ -1,8 +1,8 @@
 """GET /v1/usage: the caller's own usage, for the page's usage view.
 
 Requests and tokens per UTC day come from `usage_by_user_day`, which the persistence
-consumer writes from the usage stream (one row per finished request, so a replay does
-not count twice); what each per-minute limit holds right now comes from the quota keys
+consumer writes from the final events on `tokens` (one row per finished request, so a
+replay does not count twice); what each per-minute limit holds right now comes from the quota keys
 in Redis that admission charges. Nothing here takes a user id: a key sees its own user.
 """
 

@@ -72,7 +72,7 @@ async def test_a_queued_batch_is_marked_so_once_the_store_answers_again(
     store = StoreDownTwice()
     service.batches = cast(Any, store)
     await service._mark_queued("b1")  # the create is answered: its lines are in Kafka
-    await asyncio.wait_for(asyncio.gather(*service._marking), 5)
+    await service.background.finish(within_s=5)
     assert store.tries == ["b1", "b1", "b1"]
 
 

@@ -7,6 +7,10 @@ from __future__ import annotations
 
 from typing import Any, cast
 
+import pytest
+from aiokafka.errors import KafkaTimeoutError
+
+from tests.unit.test_rollups import usage
 from workers.publisher import Publisher
 
 
@@ -42,3 +46,27 @@ async def test_a_partition_that_does_not_exist_is_looked_up_once() -> None:
     for _ in range(50):  # a forged prompt's token events
         assert await publisher._reply_partition(1_000_000) is None
     assert producer.client.updates == 1
+
+
+class UsageDown:
+    """A producer whose `usage` partition has no leader for its first `failures` sends."""
+
+    def __init__(self, failures: int) -> None:
+        self.failures, self.sent = failures, 0
+
+    async def send_and_wait(self, topic: str, value: bytes, key: bytes) -> None:
+        if self.failures:
+            self.failures -= 1
+            raise KafkaTimeoutError()
+        self.sent += 1
+
+
+async def test_a_usage_record_kafka_refuses_is_sent_again_not_a_worker_failure(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its final was out: the worker stopped, and each worker after it published the
+    final again and stopped too, while the partition had no leader."""
+    monkeypatch.setattr("workers.publisher.USAGE_RETRY_S", (0.0,))
+    producer = UsageDown(failures=3)
+    await Publisher(cast(Any, producer)).usage(usage("r_1"))
+    assert producer.sent == 1 and producer.failures == 0

@@ -4,12 +4,14 @@ reader): left to it, a gateway kept three readers fetching long after their stre
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, cast
 
 import pytest
 
-from consumers.fanout import Delivered
+import consumers.fanout as fanout
+from consumers.fanout import Delivered, ReaderCount
 from producers.gateway.chat.control import ReplyControl
 from producers.gateway.chat.router import resumed_frames
 from tandoor.policies.api_keys import Principal
@@ -76,3 +78,35 @@ async def test_a_resume_closed_midway_closes_its_reader(readers: list[str]) -> N
         await anext(frames)  # the reply's first event: its first word, held by the redaction
         await frames.aclose()
     assert readers == ["open", "closed"]
+
+
+class Connecting:
+    """A Kafka consumer still connecting (the broker slow to answer) when its client left."""
+
+    started = asyncio.Event()
+    stopped = 0
+
+    def __init__(self, **_: Any) -> None:
+        pass
+
+    async def start(self) -> None:
+        Connecting.started.set()
+        await asyncio.Event().wait()
+
+    async def stop(self) -> None:
+        Connecting.stopped += 1
+
+
+async def test_a_reader_whose_client_left_while_it_connected_is_stopped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its start was outside the cleanup: the bootstrap connection stayed open."""
+    monkeypatch.setattr(fanout, "AIOKafkaConsumer", Connecting)
+    monkeypatch.setattr(Connecting, "started", asyncio.Event())
+    monkeypatch.setattr(Connecting, "stopped", 0)
+    before = ReaderCount.open
+    reading = asyncio.ensure_future(anext(fanout.read_request(Settings(), "r", 0, 0)))
+    await asyncio.wait_for(Connecting.started.wait(), 10)
+    reading.cancel()
+    await asyncio.gather(reading, return_exceptions=True)
+    assert Connecting.stopped == 1 and ReaderCount.open == before

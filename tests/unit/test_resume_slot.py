@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncGenerator
 from typing import Any, cast
 
@@ -41,3 +42,32 @@ async def test_a_resumed_replys_slot_is_free_before_its_end_is_sent() -> None:
         assert resumed.ending, "a drain lets the stream finish: its record is gone"
         sent.append(item)
     assert len(sent) == 1
+
+
+async def test_a_client_leaving_while_its_end_is_settled_still_frees_its_slot() -> None:
+    """Its leaving cancelled the read, and the releases with it: the slot stayed taken
+    until the streams app freed it (a 429 for a user of one stream meanwhile)."""
+    releasing, go_on = asyncio.Event(), asyncio.Event()
+
+    class Slow(Released):
+        async def release(self, *args: Any) -> None:
+            releasing.set()
+            await go_on.wait()  # a Redis round trip
+            await super().release(*args)
+
+    inflight, quotas = Slow(), Released()
+    stand_ins = cast(Any, None), cast(Any, None), cast(Any, inflight), cast(Any, quotas)
+    control = ReplyControl(Settings(), *stand_ins)
+
+    async def events() -> AsyncGenerator[Delivered, None]:
+        yield Delivered(0, 7, final("r_1"))
+
+    resumed = Resumed({"request_id": "r_1"})
+    stream = control._clearing_when_final(Principal("u1", "free", "k"), "c_1", resumed, events())
+    reading = asyncio.ensure_future(anext(stream))
+    await asyncio.wait_for(releasing.wait(), 10)
+    reading.cancel()  # the client went
+    await asyncio.gather(reading, return_exceptions=True)
+    go_on.set()
+    await control.background.finish(within_s=10)
+    assert inflight.done == ["r_1"] and quotas.done == ["r_1"]

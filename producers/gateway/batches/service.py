@@ -15,7 +15,6 @@ from collections.abc import (
     AsyncIterator,
     Awaitable,
     Callable,
-    Coroutine,
     Mapping,
 )
 from typing import Annotated, Any, Literal
@@ -48,6 +47,7 @@ from producers.gateway.batches.store import (
     StoredFile,
 )
 from producers.gateway.errors import ApiError, not_found, unavailable
+from tandoor.background import Background
 from tandoor.clients import CASSANDRA_DOWN
 from tandoor.policies.api_keys import Principal
 from tandoor.policies.redis_keys import BATCH_LINE_TTL_S, batch_cancel_key
@@ -93,7 +93,7 @@ class BatchService:
         self._queue_cap = QueueCap(self.batches, tiers)
         self._make_producer = make_producer  # one per batch: its lines are one transaction
         self._redis = redis
-        self._marking: set[asyncio.Task[None]] = set()
+        self.background = Background()  # marks of batches queued, once they can be
 
     # Files.
 
@@ -204,7 +204,7 @@ class BatchService:
             raise unavailable("the batch could not be queued (Kafka)") from exc
         except CommitUnknown as unknown:  # answered `validating`; marked once Kafka says
             log.warning("%s: sent, its commit not answered yet", batch.batch_id)
-            self._beside(self._mark_once_committed(batch.batch_id, unknown.committed))
+            self.background.start(self._mark_once_committed(batch.batch_id, unknown.committed))
             return batch_object(batch, Answered())
         # No failure from here on: it would answer "nothing was changed" to a batch that
         # runs, and the client's retry would run it twice.
@@ -217,11 +217,6 @@ class BatchService:
         else:  # aborted: none of its lines runs, and it shows `failed` in time
             log.error("%s: its lines' commit failed; none of them runs", batch_id)
 
-    def _beside(self, work: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.create_task(work)
-        self._marking.add(task)
-        task.add_done_callback(self._marking.discard)
-
     async def _mark_queued(self, batch_id: str) -> None:
         """Unmarked, a batch whose lines are in Kafka would show `failed` once
         QUEUING_LIMIT has passed (until its first line is answered): a store that fails
@@ -230,7 +225,7 @@ class BatchService:
             await self.batches.queued(batch_id)
         except CASSANDRA_DOWN as exc:
             log.warning("%s: queued, not yet marked so (%s); trying again", batch_id, exc)
-            self._beside(self._mark_queued_later(batch_id))
+            self.background.start(self._mark_queued_later(batch_id))
 
     async def _mark_queued_later(self, batch_id: str) -> None:
         for delay_s in MARK_RETRY_S:

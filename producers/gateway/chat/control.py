@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from aiokafka import AIOKafkaProducer
@@ -22,6 +22,7 @@ from producers.gateway.errors import ApiError, kafka_unreachable
 from schemas import topics
 from schemas.codec import encode
 from schemas.events import FinalEvent
+from tandoor.background import Background
 from tandoor.clients import REDIS_DOWN
 from tandoor.policies.api_keys import Principal
 from tandoor.policies.quota import Admission, Quotas
@@ -53,7 +54,7 @@ class ReplyControl:
         self.producer = producer
         self.inflight = inflight
         self.quotas = quotas
-        self._left: set[asyncio.Task[None]] = set()  # stops of replies their clients left
+        self.background = Background()  # stops of replies their clients left, and such
 
     async def stop(self, caller: Principal, conversation_id: str) -> str:
         await self.conversations.owned(caller.user_id, conversation_id)
@@ -84,9 +85,7 @@ class ReplyControl:
         """A client that cannot resume (the OpenAI API) went before its reply ended: the
         reply is stopped as by the stop button, in the background (it would run on to
         max_tokens for no one, charged, holding the caller's stream slot)."""
-        task = asyncio.create_task(self._stop_left(caller, conversation_id, request_id))
-        self._left.add(task)
-        task.add_done_callback(self._left.discard)
+        self.background.start(self._stop_left(caller, conversation_id, request_id))
 
     async def _stop_left(self, caller: Principal, conversation_id: str, request_id: str) -> None:
         try:
@@ -112,9 +111,7 @@ class ReplyControl:
         """A prompt whose send timed out may still reach Kafka, and a worker that takes
         it before its done mark did answered a message the client was told failed: it
         is stopped, in the background (Kafka is slow or away: the 503 does not wait)."""
-        task = asyncio.create_task(self._cancel(request_id, "its send timed out"))
-        self._left.add(task)
-        task.add_done_callback(self._left.discard)
+        self.background.start(self._cancel(request_id, "its send timed out"))
 
     async def _cancel(self, request_id: str, reason: str) -> None:
         try:
@@ -182,6 +179,11 @@ class ReplyControl:
             async for item in events:
                 if isinstance(item.event, FinalEvent):  # before the client may close it
                     resumed.ending = True
-                    await self.inflight.release(conversation_id, request_id)
-                    await self.quotas.release(Admission(caller.user_id, request_id, 0, 0))
+                    # Done even if the client leaves meanwhile (that cancels this read).
+                    freeing = self._free(caller, conversation_id, request_id)
+                    await asyncio.shield(self.background.start(freeing))
                 yield item
+
+    async def _free(self, caller: Principal, conversation_id: str, request_id: str) -> None:
+        await self.inflight.release(conversation_id, request_id)
+        await self.quotas.release(Admission(caller.user_id, request_id, 0, 0))

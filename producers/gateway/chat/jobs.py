@@ -41,6 +41,7 @@ from schemas.events import (
     Sampling,
     now_ms,
 )
+from tandoor.background import Background
 from tandoor.policies.redis_keys import TITLED_TTL_S, titled_key
 
 log = logging.getLogger(__name__)
@@ -124,7 +125,7 @@ class ConversationJobs:
         self.redis = redis
         self.checks = checks
         self.moderator = checks.moderator
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = Background()
 
     async def after_reply(
         self, user_id: str, conversation: Conversation, question: str | None, answer: str
@@ -165,9 +166,7 @@ class ConversationJobs:
         self._spawn(self._summary(user_id, conversation, previous, turns, over_stale))
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._tasks.cancel()
 
     def _spawn(self, job: Coroutine[Any, Any, None]) -> None:
         async def guarded() -> None:
@@ -176,9 +175,7 @@ class ConversationJobs:
             except Exception as exc:  # a job is a nicety: never let it disturb a chat
                 log.warning("conversation job failed: %r", exc)
 
-        task = asyncio.create_task(guarded())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks.start(guarded())
 
     async def _title(
         self, user_id: str, conversation: Conversation, questions: list[str | None], answer: str
