@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from infra.role_pids import RolePids
-from infra.roles import RoleProcess, terminate_all
+from infra.roles import RoleProcess, prune_role_logs, terminate_all
 
 # Ctrl-C, a closed terminal or SSH session, `kill`: without a handler SIGHUP ended the
 # job before its teardown, leaving every role (a worker holds GBs) running unseen.
@@ -47,6 +47,7 @@ def run_main_job(
     try:
         for orphan in pids.stop_orphans() if pids else []:
             say(f"stopped {orphan}: left running by a job that was killed")
+        prune_role_logs(roles)
         servers.up()
         prepare()
         for role in roles:

@@ -30,6 +30,28 @@ log = logging.getLogger(__name__)
 START_IDLE_S = 300.0
 
 
+ROLE_LOGS_KEPT = 3  # of each role, the main job's earlier runs' logs kept beside its own
+
+
+def prune_role_logs(roles: Sequence[RoleProcess], keep: int = ROLE_LOGS_KEPT) -> list[Path]:
+    """Remove all but the newest `keep` earlier logs of each role (none of them running):
+    every run of the main job writes new ones, `<role>-<id>.log`, and none was ever
+    removed. The files removed."""
+    removed: list[Path] = []
+    for role in roles:
+        pattern = re.compile(rf"{re.escape(role.name)}-[0-9a-f]{{6}}\.log")
+        earlier = [
+            path
+            for path in role.log_file.parent.glob(f"{role.name}-*.log")
+            if pattern.fullmatch(path.name) and path != role.log_file
+        ]
+        earlier.sort(key=lambda path: path.stat().st_mtime, reverse=True)
+        for path in earlier[keep:]:
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
+
+
 class RoleProcess:
     """`tandoor <role> ...` as a child process, ready once its log shows `ready_line`."""
 

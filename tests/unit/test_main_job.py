@@ -17,7 +17,7 @@ from infra.errors import StartError
 from infra.main_job import STOP_SIGNALS, run_main_job
 from infra.process import process_alive
 from infra.role_pids import RolePids
-from infra.roles import RoleProcess
+from infra.roles import RoleProcess, prune_role_logs
 
 TOY = """
 import sys, time
@@ -162,7 +162,7 @@ import sys
 from pathlib import Path
 from infra.main_job import run_main_job
 from infra.role_pids import RolePids
-from infra.roles import RoleProcess
+from infra.roles import RoleProcess, prune_role_logs
 
 toys = Path(sys.argv[1])
 
@@ -204,3 +204,24 @@ def test_roles_of_a_killed_job_are_stopped_by_the_next_one(toys: Path) -> None:
     assert process_alive(noted.pid), "the role outlived its job"
     assert pids.stop_orphans() == [noted.name]
     assert not process_alive(noted.pid) and pids.noted() == []
+
+
+def test_each_run_prunes_the_role_logs_of_earlier_runs_but_the_newest(tmp_path: Path) -> None:
+    """Every run wrote new logs (`<role>-<id>.log`) and none was removed: a disk that
+    filled with them, run after run."""
+    for age, hex_id in enumerate(["aaaaa1", "aaaaa2", "aaaaa3", "aaaaa4", "aaaaa5"]):
+        old = tmp_path / f"gateway-{hex_id}.log"
+        old.write_text("earlier run")
+        os.utime(old, (1_000 + age, 1_000 + age))
+    (tmp_path / "gateway-spare.log").write_text("not a role log: kept")
+    (tmp_path / "persist-bbbbb1.log").write_text("another role's: kept")
+    gateway = ToyRole(tmp_path, "gateway", 0)
+    prune_role_logs([gateway], keep=3)
+    left = sorted(path.name for path in tmp_path.glob("*.log"))
+    assert left == [
+        "gateway-aaaaa3.log",
+        "gateway-aaaaa4.log",
+        "gateway-aaaaa5.log",
+        "gateway-spare.log",
+        "persist-bbbbb1.log",
+    ]
