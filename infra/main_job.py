@@ -5,6 +5,7 @@ whatever ends it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import time
 from collections.abc import Callable, Sequence
@@ -47,7 +48,8 @@ def run_main_job(
     try:
         for orphan in pids.stop_orphans() if pids else []:
             say(f"stopped {orphan}: left running by a job that was killed")
-        prune_role_logs(roles)
+        with contextlib.suppress(OSError):  # a log left is no reason not to start
+            prune_role_logs(roles, pids.running() if pids else set())
         servers.up()
         prepare()
         for role in roles:

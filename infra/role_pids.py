@@ -59,6 +59,10 @@ class RolePids:
                 found.append(NotedRole(path.stem, pid, started, job, job_started))
         return found
 
+    def running(self) -> set[str]:
+        """The log stems of the noted roles still running (another job's)."""
+        return {role.name for role in self.noted() if _running(role.pid, role.started)}
+
     def stop_orphans(self) -> list[str]:
         """Stop the roles whose job is gone; those of a running job are left alone."""
         stopped = []

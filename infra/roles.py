@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Sequence, Set
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -33,23 +33,34 @@ START_IDLE_S = 300.0
 ROLE_LOGS_KEPT = 3  # of each role, the main job's earlier runs' logs kept beside its own
 
 
-def prune_role_logs(roles: Sequence[RoleProcess], keep: int = ROLE_LOGS_KEPT) -> list[Path]:
-    """Remove all but the newest `keep` earlier logs of each role (none of them running):
-    every run of the main job writes new ones, `<role>-<id>.log`, and none was ever
-    removed. The files removed."""
+def prune_role_logs(
+    roles: Sequence[RoleProcess], running: Set[str] = frozenset(), keep: int = ROLE_LOGS_KEPT
+) -> list[Path]:
+    """Remove all but the newest `keep` earlier logs of each role, none of a role still
+    `running` (by log stem): every run of the main job writes new ones, `<role>-<id>.log`,
+    and none was ever removed. The files removed."""
     removed: list[Path] = []
     for role in roles:
         pattern = re.compile(rf"{re.escape(role.name)}-[0-9a-f]{{6}}\.log")
         earlier = [
-            path
+            (modified, path)
             for path in role.log_file.parent.glob(f"{role.name}-*.log")
             if pattern.fullmatch(path.name) and path != role.log_file
+            if (modified := _modified(path)) is not None
         ]
-        earlier.sort(key=lambda path: path.stat().st_mtime, reverse=True)
-        for path in earlier[keep:]:
-            path.unlink(missing_ok=True)
-            removed.append(path)
+        earlier.sort(reverse=True)
+        for _, path in earlier[keep:]:
+            if path.stem not in running:
+                path.unlink(missing_ok=True)
+                removed.append(path)
     return removed
+
+
+def _modified(path: Path) -> float | None:
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:  # removed meanwhile (another run pruning)
+        return None
 
 
 class RoleProcess:

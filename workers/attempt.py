@@ -53,6 +53,7 @@ class Attempt:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     deliveries: list[asyncio.Future[object]] = field(default_factory=list)
+    usage_due: UsageRecord | None = None  # its final is out: this goes next
 
     def expired(self) -> bool:
         """Past the deadline to start; a reply already under way continues."""

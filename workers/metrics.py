@@ -72,6 +72,13 @@ class WorkerMetrics:
             ["model"],
             registry=self.registry,
         ).labels(**labels)
+        self.usage_unsent = Gauge(
+            "tandoor_worker_usage_unsent",
+            "Usage records of replies that are out, not yet taken by Kafka (their prompts "
+            "uncommitted): above 0 for long, the usage topic refuses writes",
+            ["model"],
+            registry=self.registry,
+        ).labels(**labels)
         self._model = model
 
     def prompt(self, tokens: int, cached: int) -> None:

@@ -9,7 +9,7 @@ import logging
 import time
 
 from aiokafka import AIOKafkaProducer
-from aiokafka.errors import KafkaError
+from aiokafka.errors import KafkaError, KafkaTimeoutError
 from aiokafka.structs import ConsumerRecord
 
 from schemas import topics
@@ -78,6 +78,8 @@ class Publisher:
                 await self._producer.send_and_wait(topics.USAGE, value, key=key)
                 return
             except KafkaError as exc:
+                if not _passing(exc):
+                    raise  # refused for good (no ACL, too large): the worker stops, loudly
                 wait_s = USAGE_RETRY_S[min(attempt, len(USAGE_RETRY_S)) - 1]
                 log.warning(
                     "%s: usage record not sent (%r, try %d); again in %.0f s",
@@ -90,3 +92,9 @@ class Publisher:
 
     async def dead_letter(self, record: ConsumerRecord[bytes, bytes], reason: str) -> None:
         await send_dead_letter(self._producer, record, reason)
+
+
+def _passing(exc: KafkaError) -> bool:
+    """An outage that may end: a retriable error, or a batch that expired waiting for a
+    partition's leader (aiokafka's timeout, which it does not call retriable)."""
+    return bool(exc.retriable) or isinstance(exc, KafkaTimeoutError)

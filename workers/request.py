@@ -20,7 +20,14 @@ from contextlib import aclosing
 from dataclasses import dataclass
 
 from schemas.codec import SchemaError, decode, encode
-from schemas.events import TOO_LONG_FOR_ENGINE, FinalEvent, FinishReason, PromptRequest, now_ms
+from schemas.events import (
+    TOO_LONG_FOR_ENGINE,
+    FinalEvent,
+    FinishReason,
+    PromptRequest,
+    UsageRecord,
+    now_ms,
+)
 from workers.attempt import (
     Attempt,
     LeaseLost,
@@ -92,6 +99,10 @@ class RequestRunner:
                 raise LeaseLost()
             else:
                 await self._run(attempt)  # answered cancelled or expired (_refusal)
+            if attempt.usage_due is not None:
+                await self._send_usage(attempt.usage_due, slot)
+                if tracked.leased:
+                    await self.ledger.delivered(prompt.request_id)
         except LeaseLost:
             log.warning(
                 "%s: another worker took the request over; this attempt stops", prompt.request_id
@@ -109,7 +120,7 @@ class RequestRunner:
             outcome = await self.ledger.arrive(prompt.request_id, batch_cancel_of(prompt))
             if isinstance(outcome, Finished):
                 if outcome.final is not None:  # its worker died before it was delivered
-                    await self._deliver_recorded(prompt, outcome.final)
+                    await self._deliver_recorded(prompt, outcome.final, slot)
                 else:
                     log.info("%s already has a final reply; skipping redelivery", prompt.request_id)
                 return None
@@ -142,7 +153,7 @@ class RequestRunner:
         number, begun, leased = arrival.attempt, bool(arrival.transcript), arrival.leased
         return Attempt(prompt, tracked, number, epoch, carried, begun=begun, recording=leased)
 
-    async def _deliver_recorded(self, prompt: PromptRequest, raw: bytes) -> None:
+    async def _deliver_recorded(self, prompt: PromptRequest, raw: bytes, slot: Waiter) -> None:
         """Publish a final that its worker recorded but may not have delivered."""
         try:
             final = decode(FinalEvent, raw)
@@ -151,8 +162,21 @@ class RequestRunner:
         else:
             log.info("%s: delivering the final its worker recorded", prompt.request_id)
             await self.publisher.final(final, prompt.reply_partition)
-            await self.publisher.usage(usage_record(prompt, final))
+            await self._send_usage(usage_record(prompt, final), slot)
         await self.ledger.delivered(prompt.request_id)
+
+    async def _send_usage(self, record: UsageRecord, slot: Waiter) -> None:
+        """The reply is out and the engine done with it: its slot is given back first, as
+        Kafka may take long to accept the record (a partition with no leader), and each
+        slot held meanwhile was one the engine lacked. Its prompt stays unfinished
+        (uncommitted) until the record is sent: a worker stopped meanwhile leaves both
+        to the next."""
+        await slot.give_back()
+        self.metrics.usage_unsent.inc()
+        try:
+            await self.publisher.usage(record)
+        finally:
+            self.metrics.usage_unsent.dec()
 
     async def _run(self, attempt: Attempt) -> None:
         await self._republish(attempt)
@@ -350,9 +374,7 @@ class RequestRunner:
             raise LeaseLost(prompt.request_id)
         await self.publisher.final(final, prompt.reply_partition)
         attempt.tracked.delivered = True
-        await self.publisher.usage(usage_record(prompt, final))
-        if attempt.tracked.leased:
-            await self.ledger.delivered(prompt.request_id)
+        attempt.usage_due = usage_record(prompt, final)  # sent once the engine is let go
         self.metrics.finished(reason)
         usage = final.usage
         self.metrics.prompt(usage.prompt_tokens, usage.cached_tokens)

@@ -21,6 +21,7 @@ from producers.gateway.shedding import ModelRouter
 from producers.gateway.streaming import StreamSlots
 from producers.model_load import LoadMonitor
 from producers.prompts import PromptSubmitter
+from tandoor.background import Background
 from tandoor.clients import (
     REDIS_DOWN,
     cassandra_cluster,
@@ -113,9 +114,14 @@ async def open_services(settings: Settings, slots: StreamSlots) -> AsyncIterator
             settings.tiers,
         )
         # First at shutdown: their stops and marks go out before Kafka and Redis close.
-        for background in (chat.running.background, batches.background):
-            stack.push_async_callback(background.finish, settings.kafka_send_timeout_s)
+        stack.push_async_callback(
+            finish_all, [chat.running.background, batches.background], settings.kafka_send_timeout_s
+        )
         yield Services(settings, keys, conversations, chat, cluster, session, load, batches)
+
+
+async def finish_all(work: list[Background], within_s: float) -> None:
+    await asyncio.gather(*(background.finish(within_s) for background in work))
 
 
 def services(request: Request) -> Services:

@@ -199,7 +199,10 @@ class ReplyStream(StreamingResponse):
         the garbage collector finds it. One cancelled mid-step ended with that step."""
         body = self.body_iterator
         if isinstance(body, AsyncGeneratorType) and not body.ag_running:
-            await body.aclose()
+            try:
+                await body.aclose()
+            except Exception:  # the stream is over: what failed in its cleanup is logged
+                log.exception("closing a reply stream failed")
 
     async def _until_drained(self, body: Awaitable[None]) -> bool:
         """Stream `body`; False if draining cut it short."""

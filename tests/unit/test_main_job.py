@@ -216,9 +216,10 @@ def test_each_run_prunes_the_role_logs_of_earlier_runs_but_the_newest(tmp_path: 
     (tmp_path / "gateway-spare.log").write_text("not a role log: kept")
     (tmp_path / "persist-bbbbb1.log").write_text("another role's: kept")
     gateway = ToyRole(tmp_path, "gateway", 0)
-    prune_role_logs([gateway], keep=3)
+    prune_role_logs([gateway], running={"gateway-aaaaa1"}, keep=3)  # another job's, live
     left = sorted(path.name for path in tmp_path.glob("*.log"))
     assert left == [
+        "gateway-aaaaa1.log",
         "gateway-aaaaa3.log",
         "gateway-aaaaa4.log",
         "gateway-aaaaa5.log",

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any, cast
 
 import pytest
-from aiokafka.errors import KafkaTimeoutError
+from aiokafka.errors import KafkaTimeoutError, TopicAuthorizationFailedError
 
 from tests.unit.test_rollups import usage
 from workers.publisher import Publisher
@@ -70,3 +70,15 @@ async def test_a_usage_record_kafka_refuses_is_sent_again_not_a_worker_failure(
     producer = UsageDown(failures=3)
     await Publisher(cast(Any, producer)).usage(usage("r_1"))
     assert producer.sent == 1 and producer.failures == 0
+
+
+async def test_a_usage_record_kafka_refuses_for_good_stops_the_worker() -> None:
+    """No write permission on `usage` (ACLs added): retried, every reply's prompt stayed
+    unfinished for good, and the workers stalled without a word."""
+
+    class Forbidden(UsageDown):
+        async def send_and_wait(self, topic: str, value: bytes, key: bytes) -> None:
+            raise TopicAuthorizationFailedError()
+
+    with pytest.raises(TopicAuthorizationFailedError):
+        await Publisher(cast(Any, Forbidden(failures=0))).usage(usage("r_1"))
