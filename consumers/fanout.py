@@ -30,6 +30,7 @@ from aiokafka.structs import ConsumerRecord
 from schemas import topics
 from schemas.codec import SchemaError, decode_token_stream
 from schemas.events import FinalEvent, TokenEvent
+from tandoor.background import Background
 from tandoor.lifecycle import fatal
 from tandoor.settings import Settings
 
@@ -92,7 +93,7 @@ class TokenFanout(ConsumerRebalanceListener):  # type: ignore[misc]
         self._next = itertools.count()
         self._ready = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self._handovers: set[asyncio.Task[None]] = set()
+        self._handovers = Background()  # a reader per partition lost with open streams
         # Streams a hand-over reader carries: only it feeds them. Given their partition
         # back (an eager rebalance revokes all), the group member starts at the end, and
         # an event it passed on first would make the hand-over's earlier ones look old
@@ -109,10 +110,10 @@ class TokenFanout(ConsumerRebalanceListener):  # type: ignore[misc]
         await asyncio.wait_for(self._ready.wait(), timeout_s)
 
     async def stop(self) -> None:
-        tasks = [*self._handovers, *([self._task] if self._task else [])]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._handovers.cancel()
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
         self._task = None
         await self._consumer.stop()
         ReaderCount.open -= 1
@@ -179,9 +180,7 @@ class TokenFanout(ConsumerRebalanceListener):  # type: ignore[misc]
             subs = [s for s in self._subs.values() if s.partition == partition]
             if subs:
                 self._carried.update(sub.request_id for sub in subs)
-                task = asyncio.create_task(self._hand_over(partition, subs))
-                self._handovers.add(task)
-                task.add_done_callback(self._handovers.discard)
+                self._handovers.start(self._hand_over(partition, subs))
 
     async def _hand_over(self, partition: int, subs: list[Subscription]) -> None:
         """Keep the open streams of a lost partition going with one reader, until each

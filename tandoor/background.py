@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -18,6 +18,9 @@ class Background:
 
     def __len__(self) -> int:
         return len(self._tasks)
+
+    def __iter__(self) -> Iterator[asyncio.Task[None]]:
+        return iter(set(self._tasks))  # a copy: a task may end while it is looked at
 
     def start(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.create_task(work)

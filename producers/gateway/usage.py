@@ -2,8 +2,8 @@
 
 Requests and tokens per UTC day come from `usage_by_user_day`, which the persistence
 consumer writes from the final events on `tokens` (one row per finished request, so a
-replay does not count twice); what each per-minute limit holds right now comes from the quota keys
-in Redis that admission charges. Nothing here takes a user id: a key sees its own user.
+replay does not count twice); what each per-minute limit holds right now comes from the
+quota keys in Redis that admission charges. Nothing here takes a user id: a key sees its own user.
 """
 
 from __future__ import annotations

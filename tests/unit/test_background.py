@@ -9,19 +9,21 @@ from tandoor.background import Background
 
 
 async def test_finish_waits_for_the_work_and_what_it_starts_meanwhile() -> None:
-    background, done = Background(), []
+    background, done, go_on = Background(), [], asyncio.Event()
 
     async def then_more() -> None:
-        await asyncio.sleep(0.01)
+        await go_on.wait()
         background.start(record("second"))
         done.append("first")
 
     async def record(name: str) -> None:
-        await asyncio.sleep(0.01)
         done.append(name)
 
     background.start(then_more())
-    await background.finish(within_s=10)
+    finishing = asyncio.ensure_future(background.finish(within_s=10))
+    await asyncio.sleep(0)  # one turn of the loop: the finish is waiting on the first
+    go_on.set()
+    await finishing
     assert done == ["first", "second"] and len(background) == 0
 
 
