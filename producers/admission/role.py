@@ -290,7 +290,11 @@ class Admission(Forwarding, ConsumerRebalanceListener):  # type: ignore[misc]
         await self._commit()
         gone = {tp.partition for tp in revoked}
         for queue in self.queues.values():
-            queue.remove(lambda w: w.partition in gone)
+            for line in queue.remove(lambda w: w.partition in gone):
+                # Its charge stays in Redis (the new owner's charge of the same id is
+                # that one); what this member kept for its retry would stay for ever.
+                self._charged.pop(line.prompt.request_id, None)
+                self._too_large.pop(line.prompt.request_id, None)
         # By `queued`, not by what the queues held: a line being forwarded (a produce
         # retried) is out of its queue, and must not go on once its partition moved.
         self.queued.drop_partitions(gone)

@@ -18,9 +18,18 @@ from aiokafka.structs import ConsumerRecord
 
 from producers.admission.role import Admission
 from producers.admission.unreadable import UnreadableRecords
+from producers.admission.waiting import Waiting
 from schemas import topics
 from tandoor.partition_reader import PartitionReader
 from tandoor.settings import Settings
+from tests.unit.test_admission_forward import (
+    AdmitsAll,
+    NothingCancelled,
+    OneTopicUnwritable,
+    Valid,
+    _none,
+    batch_prompt,
+)
 
 TPS = {TopicPartition(topics.BATCH_REQUESTS, p) for p in (0, 1)}
 
@@ -212,3 +221,29 @@ async def test_an_unreadable_last_record_dead_lettered_is_committed_past() -> No
     admission = Admission(Settings())
     assert len((await stepping_over(admission, [])).letters) == 1
     assert admission.offsets.to_commit() == {(topics.BATCH_REQUESTS, 0): 6}
+
+
+async def test_a_revoke_forgets_the_charges_its_waiting_lines_kept() -> None:
+    """A line Kafka refused keeps its charge for its retry (and a line too large its 413)
+    in memory. Revoked meanwhile, the line left its queue, and those entries stayed for
+    the process's life: one per such line at every rebalance."""
+    admission = Admission(Settings())
+    prompt = batch_prompt(admission)
+    admission.submitter = cast(Any, OneTopicUnwritable(prompt.model))
+    admission.marks = cast(Any, NothingCancelled())
+    admission.quotas, admission.callers = cast(Any, AdmitsAll()), cast(Any, Valid())
+    admission._why_unrun = lambda waiting: _none()  # type: ignore[method-assign]
+    queue = admission.queues[prompt.model]
+    admission.queued.add(prompt.request_id, "0:3")
+    try:
+        assert not await admission._forward(queue, "u", Waiting(0, 3, prompt))
+        assert prompt.request_id in admission._charged, "kept for its retry"
+        admission._too_large["bl_other"] = "too large"
+        queue.push("u", Waiting(0, 4, prompt.model_copy(update={"request_id": "bl_other"})), 0)
+        await admission.on_partitions_revoked([TopicPartition(topics.BATCH_REQUESTS, 0)])
+    finally:
+        await admission.consumer.stop()  # never started: closed for their finalizers
+        await admission.producer.stop()
+    assert queue.size == 0, "the new owner reads them again"
+    assert admission._charged == {}
+    assert admission._too_large == {}
