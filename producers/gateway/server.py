@@ -11,6 +11,7 @@ import asyncio
 import signal
 import socket
 from types import FrameType
+from typing import Any
 
 import uvicorn
 
@@ -20,6 +21,8 @@ from producers.gateway.streaming import StreamSlots
 from tandoor.lifecycle import exit_if_fatal, fatal_error
 from tandoor.settings import Settings
 
+CANCELLED_REQUESTS_WAIT_S = 5.0  # a cancelled request's cleanup: Redis releases, a stop
+
 
 class DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, slots: StreamSlots, unready_s: float) -> None:
@@ -28,6 +31,7 @@ class DrainingServer(uvicorn.Server):
         self._unready_s = unready_s
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self.lifespan = AfterRequests(self.lifespan, self.server_state.tasks)
         await super().shutdown(sockets)
         if fatal_error() is not None:  # exit 1 below, not by the signal fatal() raised
             self._captured_signals.clear()
@@ -40,6 +44,22 @@ class DrainingServer(uvicorn.Server):
         loop = asyncio.get_running_loop()
         loop.call_soon_threadsafe(self._slots.draining.set)
         loop.call_soon_threadsafe(loop.call_later, self._unready_s, super().handle_exit, sig, frame)
+
+
+class AfterRequests:
+    """The lifespan's shutdown, once the requests uvicorn cancelled at the end of the
+    grace period have ended: their cleanup starts background work (the stop of a reply
+    its client can no longer read), which the app's shutdown then waits for before it
+    closes Kafka. uvicorn sends the shutdown right after cancelling them."""
+
+    def __init__(self, lifespan: Any, requests: set[asyncio.Task[None]]) -> None:
+        self._lifespan = lifespan
+        self._requests = requests
+
+    async def shutdown(self) -> None:
+        if requests := set(self._requests):
+            await asyncio.wait(requests, timeout=CANCELLED_REQUESTS_WAIT_S)
+        await self._lifespan.shutdown()
 
 
 def serve_gateway(settings: Settings, port: int) -> None:
