@@ -40,7 +40,8 @@ export class Api {
 }
 
 async function apiError(response) {
-  let message = response.statusText;
+  // HTTP/2 has no reason phrase: a proxy's HTML 502 there read ".".
+  let message = response.statusText || `HTTP ${response.status}`;
   try {
     message = (await response.json()).error.message;
   } catch {

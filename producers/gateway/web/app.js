@@ -188,8 +188,10 @@ async function openConversation(id, resume = true) {
   if (resume && awaitsReply(conversation)) await resumeReply();
 }
 
+// By what is shown: a regenerated reply's question was followed by the reply it replaces
+// (hidden), and the chat reopened while the new one ran showed no reply and no Stop.
 function awaitsReply(conversation) {
-  const last = conversation.messages.at(-1);
+  const last = visible(conversation).at(-1);
   return Boolean(last && last.role === "user" && last.status === "sent");
 }
 
@@ -209,10 +211,14 @@ function showConversation(conversation) {
   closeUsage();
   // Another chat: its reply runs on at the gateway (reopened, the chat resumes it), but
   // stops streaming here, and the composer, Stop and Escape belong to this chat.
+  // The same chat shown again keeps its reply: cleared unmarked, its loop's end later
+  // cleared the reply of a chat opened meanwhile (Send shown while it streamed).
   const leaving = state.reply && state.reply.conversationId !== conversation?.id;
-  if (leaving) leaveReply(state.reply);
+  if (leaving) {
+    leaveReply(state.reply);
+    state.reply = null;
+  }
   state.conversation = conversation;
-  state.reply = null;
   $("chat-title").textContent = conversation ? conversation.title || "New chat" : "New chat";
   $("chat-model").textContent = conversation ? modelName(conversation.model) : "";
   $("rename").hidden = $("delete").hidden = !conversation;
@@ -396,9 +402,13 @@ async function sent(open) {
   try {
     return await open();
   } catch (error) {
-    if (error instanceof ApiError && [0, 502, 504].includes(error.status)) return null;
+    if (noAnswer(error)) return null;
     throw error;
   }
+}
+
+function noAnswer(error) {
+  return error instanceof ApiError && [0, 502, 504].includes(error.status);
 }
 
 function newReply(started = () => {}) {
@@ -587,12 +597,12 @@ async function regenerate() {
   const question = questions[questions.length - 1];
   const replyTo = question?.dataset.id;
   await streamReply(
-    async () => {
-      const response = await state.api.request("POST", path, replyTo ? { reply_to: replyTo } : {});
+    () => {
       // Replaced, as the gateway replaces them: what follows the question it answers
-      // (not the last reply shown, which may answer an earlier one).
+      // (not the last reply shown, which may answer an earlier one). First: unanswered,
+      // the new reply may stream (a refusal, or none running, shows the chat as stored).
       while (question?.nextElementSibling) question.nextElementSibling.remove();
-      return response;
+      return state.api.request("POST", path, replyTo ? { reply_to: replyTo } : {});
     },
     () => {},
     // Reopened, then told why (showing a chat hides the notice).
@@ -601,11 +611,14 @@ async function regenerate() {
       await openConversation(id, false).catch(notify);
       if (state.wanted === id) notify(error);
     },
+    () => {}, // unanswered: the chat as stored says whether it was taken
   );
 }
 
 // `draft`: the text to start from (an edit refused: what was typed, not lost).
 function startEdit(item, message, draft = null) {
+  const open = item.querySelector("textarea");
+  if (open) return open.focus(); // one editor: a second one's Save reran from stale text
   const body = item.querySelector(".body");
   const editor = document.createElement("textarea");
   editor.value = draft ?? sources.get(body) ?? body.innerText;
@@ -625,11 +638,20 @@ function startEdit(item, message, draft = null) {
     const text = editor.value.trim();
     if (!text || state.busy) return;
     const id = item.dataset.id || message.id;
-    const path = `/v1/conversations/${state.conversation.id}/messages/${id}/edit`;
+    const conversationId = state.conversation.id;
+    const path = `/v1/conversations/${conversationId}/messages/${id}/edit`;
     restore();
     await streamReply(
       async () => {
-        const response = await state.api.request("POST", path, { content: text });
+        let response;
+        try {
+          response = await state.api.request("POST", path, { content: text });
+        } catch (error) {
+          // Unanswered, the edit may have been taken: the chat as stored shows it, and
+          // its reply streams below (taken as refused, the reply ran out of sight).
+          if (noAnswer(error)) await openConversation(conversationId, false).catch(() => {});
+          throw error;
+        }
         while (item.nextSibling) item.nextSibling.remove();
         setBody(body, "user", text);
         return response;
@@ -637,6 +659,13 @@ function startEdit(item, message, draft = null) {
       // The edit is stored as a new message: a second edit names that one.
       (event) => event.user_message_id && (item.dataset.id = event.user_message_id),
       () => startEdit(item, message, text),
+      () => {
+        // No reply ran; the message edited still shown (not replaced): not taken.
+        const kept = $("messages").querySelector(`.message.user[data-id="${CSS.escape(id)}"]`);
+        if (state.conversation?.id !== conversationId || !kept) return;
+        startEdit(kept, { ...message, id }, text);
+        notify(new ApiError(0, "Your edit was not sent: the gateway could not be reached."));
+      },
     );
   });
   editor.addEventListener("keydown", (e) => {
