@@ -13,6 +13,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import orjson
 import pytest
 from cassandra import OperationTimedOut
 
@@ -20,6 +21,7 @@ from consumers.history import INSERT_BATCH_OUTPUT, batch_output_row
 from producers.gateway.batches.service import BatchService
 from producers.gateway.batches.store import (
     CHUNK_BYTES,
+    OUTPUT_LINES_A_PAGE,
     BatchStore,
     FileStore,
     Order,
@@ -230,3 +232,20 @@ async def test_uploads_beyond_what_one_user_may_keep_are_refused(session: Any) -
     await service.upload(caller, "d.jsonl", "batch", b"x" * 60)  # room again
     other = Principal(f"u-{uuid.uuid4().hex[:8]}", "batch", "k")
     await service.upload(other, "e.jsonl", "batch", b"x" * 100)  # each user's own
+
+
+async def test_a_batchs_output_file_is_read_a_page_of_lines_at_a_time(session: Any) -> None:
+    """Each line holds a whole reply: read in the driver's pages of 5,000 lines, one
+    download of a long batch held ~100 MB, a few at once ran a replica out of memory."""
+    store = BatchStore(session)
+    user = f"u-{uuid.uuid4().hex[:8]}"
+    made = StoredBatch("b-pages", user, "f", "/v1/chat/completions", "24h", 250, None, AT, None)
+    names = [f"line-{n:03}" for n in range(250)]
+    for n, name in enumerate(names):
+        answer(session, made, name, 200 if n % 5 else 400)
+    read = [chunk async for chunk in store.output_lines(user, "b-pages", succeeded=True)]
+    lines = [line for chunk in read for line in chunk.splitlines()]
+    assert [orjson.loads(line)["custom_id"] for line in lines] == [
+        name for n, name in enumerate(names) if n % 5
+    ], "every succeeded line once, in custom_id order"
+    assert max(chunk.count(b"\n") for chunk in read) <= OUTPUT_LINES_A_PAGE

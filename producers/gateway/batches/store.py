@@ -17,6 +17,9 @@ from tandoor.clients import cql, cql_pages, cql_together
 
 CHUNK_BYTES = 512 * 1024  # a file's bytes in rows of this size, in one partition
 CHUNKS_A_PAGE = 2  # read back a megabyte at a time
+# An output line holds a whole reply (tens of KB): the driver's pages of 5,000 held
+# ~100 MB for each download at once.
+OUTPUT_LINES_A_PAGE = 100
 Order = Literal["asc", "desc"]
 
 
@@ -351,11 +354,11 @@ class BatchStore:
     ) -> AsyncIterator[bytes]:
         """The output file (`succeeded`) or the error file, in custom_id order, a chunk
         of lines per page read: a 50,000-line batch is never held whole."""
-        pages = cql_pages(
-            self._session,
+        statement = SimpleStatement(
             "SELECT status_code, output FROM batch_outputs WHERE user_id = %s AND batch_id = %s",
-            (user_id, batch_id),
+            fetch_size=OUTPUT_LINES_A_PAGE,
         )
+        pages = cql_pages(self._session, statement, (user_id, batch_id))
         async for page in pages:
             picked = [row.output.encode() for row in page if (row.status_code == 200) == succeeded]
             if picked:
