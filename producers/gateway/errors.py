@@ -100,7 +100,7 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0]
         sent_as = request.headers.get("content-type", "")
-        if tuple(first.get("loc", ())) == ("body",) and "json" not in sent_as.lower():
+        if tuple(first.get("loc", ())) == ("body",) and not _json_media(sent_as):
             # FastAPI reads a body sent as anything but JSON (curl -d: a form) as bytes:
             # the message named an internal class, never the Content-Type.
             message = (
@@ -119,7 +119,8 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(str(exc.detail), kind), exc.status_code)
+        # Its headers kept: a 405's Allow names the methods the route takes.
+        return JSONResponse(error_body(str(exc.detail), kind), exc.status_code, exc.headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
@@ -127,3 +128,10 @@ def install_error_handlers(app: FastAPI) -> None:
         the server); a bare text 500 broke OpenAI clients' error handling."""
         message = f"internal error ({type(exc).__name__}); it is logged, please report it"
         return JSONResponse(error_body(message, "api_error"), 500)
+
+
+def _json_media(content_type: str) -> bool:
+    """Whether FastAPI reads a body of this Content-Type as JSON (application/json or a
+    +json type; not text/json, nor application/jsonl)."""
+    main, _, sub = content_type.partition(";")[0].strip().lower().partition("/")
+    return main == "application" and (sub == "json" or sub.endswith("+json"))

@@ -46,7 +46,9 @@ def test_a_body_sent_as_another_content_type_is_told_to_send_json() -> None:
         return None
 
     client, sent = TestClient(app), b'{"model": "m", "messages": []}'
-    for content_type in ("text/plain", "application/x-www-form-urlencoded"):
+    # Not JSON to FastAPI, though "json" is in them: they named the class too.
+    others = ("text/plain", "application/x-www-form-urlencoded", "text/json", "application/jsonl")
+    for content_type in others:
         answer = client.post(
             "/v1/chat/completions", content=sent, headers={"content-type": content_type}
         )
@@ -61,3 +63,17 @@ def test_a_body_sent_as_another_content_type_is_told_to_send_json() -> None:
         and answer.json()["error"]["message"] != typed.json()["error"]["message"]
     )
     assert typed.json()["error"]["param"] == "messages"
+
+
+def test_a_method_a_route_does_not_take_is_a_405_that_says_which_it_takes() -> None:
+    """The JSON body dropped Starlette's Allow header (RFC 9110 requires it)."""
+    app = FastAPI()
+    install_error_handlers(app)
+
+    @app.get("/v1/models")
+    async def models() -> None:
+        return None
+
+    answer = TestClient(app).delete("/v1/models")
+    assert answer.status_code == 405 and answer.json()["error"]["message"]
+    assert answer.headers["allow"] == "GET"
