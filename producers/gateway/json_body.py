@@ -17,12 +17,28 @@ import orjson
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
 
+# An upload's form (POST /v1/files): its file goes to disk as it is read, but every other
+# field is held in memory. Starlette's defaults (1,000 fields of up to 1 MiB) let one
+# user's stalled uploads pin 64 MiB each; the OpenAI client sends `purpose` and a few more.
+FORM_MAX_FIELDS = 16
+FORM_MAX_FIELD_BYTES = 64 * 1024
+
 
 class StrictJsonRequest(Request):
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
             self._json = orjson.loads(await self.body())  # JSONDecodeError, as FastAPI expects
         return self._json
+
+    def form(
+        self,
+        *,
+        max_files: int | float = 1,
+        max_fields: int | float = FORM_MAX_FIELDS,
+        max_part_size: int = FORM_MAX_FIELD_BYTES,
+    ) -> Any:
+        """Past a limit, a 400 that names it (Starlette's own)."""
+        return super().form(max_files=max_files, max_fields=max_fields, max_part_size=max_part_size)
 
 
 class StrictJsonRoute(APIRoute):

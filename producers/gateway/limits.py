@@ -18,6 +18,7 @@ from typing import Any
 
 import orjson
 from prometheus_client import Counter
+from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -59,7 +60,7 @@ class RequestLimits:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        limit = self.larger_bodies.get(scope["path"], self.max_body_bytes)
+        limit = self._limit(scope)
         refused = self._check_head(scope["headers"], limit)
         if refused is not None:
             await refused(scope, receive, send)
@@ -71,6 +72,15 @@ class RequestLimits:
             if not guard.refused:
                 raise
             # The app failed on the cut-off body (ClientDisconnect): already answered.
+
+    def _limit(self, scope: Scope) -> int:
+        """A path's larger limit is for a multipart upload (its file goes to disk): a
+        form of fields alone (urlencoded) is held whole in memory."""
+        larger = self.larger_bodies.get(scope["path"])
+        content_type = Headers(scope=scope).get("content-type", "").lower()
+        if larger is not None and content_type.startswith("multipart/form-data"):
+            return larger
+        return self.max_body_bytes
 
     def _check_head(self, headers: list[tuple[bytes, bytes]], limit: int) -> JSONResponse | None:
         if len(headers) > self.max_headers:
