@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Literal
 
@@ -43,6 +44,7 @@ from tandoor.policies.redis_keys import (
     CANCEL_TTL_S,
     FINAL_TTL_S,
     REPLY_TTL_S,
+    arrival_key,
     attempt_key,
     cancel_key,
     done_key,
@@ -135,9 +137,11 @@ class RequestLedger:
             reply_key(request_id),
             final_key(request_id),
             cancelled_by or cancel_key(request_id),
+            arrival_key(request_id),
         ]
+        args: list[str | int] = [self.owner, self._lease_ms, ATTEMPT_TTL_S, uuid.uuid4().hex]
         try:
-            reply = await self._arrive(keys=keys, args=[self.owner, self._lease_ms, ATTEMPT_TTL_S])
+            reply = await self._arrive(keys=keys, args=args)
         except REDIS_DOWN as exc:
             log.warning("%s: Redis unreachable (%s); taken as a first attempt", request_id, exc)
             return UNLEASED

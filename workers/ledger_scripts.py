@@ -2,8 +2,12 @@
 changes a request's keys in one step, so two workers never interleave on them."""
 
 # KEYS: done, lease, attempt, cancel, reply, final, another cancel (its batch's, or the
-# cancel again). ARGV: owner, lease ms, attempt ttl s.
+# cancel again), arrival. ARGV: owner, lease ms, attempt ttl s, this call's token.
 ARRIVE = """
+local function arrived(attempt)
+  local cancelled = redis.call('EXISTS', KEYS[4], KEYS[7])
+  return {'ok', attempt, cancelled, redis.call('LRANGE', KEYS[5], 0, -1)}
+end
 if redis.call('EXISTS', KEYS[1]) == 1 then
   local final = redis.call('GET', KEYS[6])
   if final and redis.call('EXISTS', KEYS[2]) == 1 then  -- its worker is delivering it
@@ -12,12 +16,16 @@ if redis.call('EXISTS', KEYS[1]) == 1 then
   return {'done', final}
 end
 if redis.call('EXISTS', KEYS[2]) == 1 then  -- its own earlier task too: one at a time
+  if redis.call('GET', KEYS[8]) == ARGV[4] then  -- this call again: its answer was lost
+    return arrived(tonumber(redis.call('GET', KEYS[3])))
+  end
   return {'busy', redis.call('PTTL', KEYS[2])}
 end
 redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
+redis.call('SET', KEYS[8], ARGV[4], 'PX', ARGV[2])
 local attempt = redis.call('INCR', KEYS[3])
 redis.call('EXPIRE', KEYS[3], ARGV[3])
-return {'ok', attempt, redis.call('EXISTS', KEYS[4], KEYS[7]), redis.call('LRANGE', KEYS[5], 0, -1)}
+return arrived(attempt)
 """
 
 # Whether the lease (KEYS[1]) is ARGV[1]'s: it names it, or it lapsed and nobody took
@@ -49,6 +57,9 @@ local length = redis.call('LLEN', KEYS[4])
 if tonumber(ARGV[4]) == 0 and length == 1 and redis.call('LINDEX', KEYS[4], 0) == ARGV[7] then
   redis.call('DEL', KEYS[4])
   length = 0
+end
+if length == tonumber(ARGV[4]) + 1 and redis.call('LINDEX', KEYS[4], -1) == ARGV[5] then
+  return 1  -- this entry again: its answer was lost to a dropped connection
 end
 if length ~= tonumber(ARGV[4]) then return -2 end
 redis.call('RPUSH', KEYS[4], ARGV[5])

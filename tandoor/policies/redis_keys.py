@@ -29,6 +29,12 @@ def done_key(request_id: str) -> str:
     return f"{PREFIX}:done:{request_id}"
 
 
+def arrival_key(request_id: str) -> str:
+    """The call that took the lease last: the same call sent again (its answer lost to a
+    dropped connection) is answered as it was, not refused as busy."""
+    return f"{PREFIX}:arrival:{request_id}"
+
+
 def lease_key(request_id: str) -> str:
     """The worker generating the request now, for as long as it renews the lease: no
     other worker starts it meanwhile (workers/ledger.py)."""

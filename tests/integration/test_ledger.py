@@ -7,9 +7,11 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+from redis.asyncio.client import Pipeline
 
 from infra.process import free_port
 from tandoor.clients import redis_client
@@ -316,3 +318,44 @@ async def test_a_restart_handed_back_before_it_records_still_says_the_reply_bega
     await third.release(rid)
     arrival = await ledger(client, "w4").arrive(rid)
     assert isinstance(arrival, Arrival) and arrival.transcript == (Recorded(3, 0, "Hello", 1),)
+
+
+class PipelineSentTwice(Pipeline):
+    async def _execute_pipeline(self, *args: Any) -> Any:
+        await super()._execute_pipeline(*args)
+        return await super()._execute_pipeline(*args)
+
+
+class AnswerLostOnce(aioredis.Redis):
+    """Each script (alone, or in a pipeline) runs twice and the first answer is lost:
+    what redis-py's retry on a dropped connection does when Redis ran the command before
+    the connection dropped."""
+
+    async def evalsha(self, *args: Any) -> Any:
+        await super().evalsha(*args)
+        return await super().evalsha(*args)
+
+    def pipeline(self, transaction: bool = True, shard_hint: str | None = None) -> Pipeline:
+        pool, callbacks = self.connection_pool, self.response_callbacks
+        return PipelineSentTwice(pool, callbacks, transaction, shard_hint)
+
+
+async def test_an_arrival_or_a_record_sent_again_after_its_answer_was_lost_is_taken_once(
+    client: aioredis.Redis,
+) -> None:
+    """The arrival sent again found the lease it had just taken and answered busy: the
+    worker waited a whole lease for itself, then ran the reply as attempt 2. A record
+    sent again found the transcript one entry longer and answered "gap": the reply was
+    recorded no further, and a crash then restarted it rather than continue it."""
+    retrying = AnswerLostOnce(connection_pool=client.connection_pool)
+    worker, rid = ledger(retrying, "w1"), request()
+    taken = await worker.arrive(rid)
+    assert isinstance(taken, Arrival) and taken.attempt == 1 and taken.leased
+    assert await worker.record(rid, 1, Recorded(1, 0, "Once", 1)) == "ok"
+    assert await worker.record(rid, 1, Recorded(1, 1, " upon", 1)) == "ok"
+    assert await client.lrange(reply_key(rid), 0, -1) == [
+        Recorded(1, 0, "Once", 1).encode(),
+        Recorded(1, 1, " upon", 1).encode(),
+    ]
+    assert isinstance(await ledger(client, "w2").arrive(rid), Busy), "still leased to w1"
+    assert isinstance(await worker.arrive(rid), Busy), "a second arrival is still refused"
