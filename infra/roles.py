@@ -155,6 +155,10 @@ class RoleProcess:
         finally:  # interrupted (a second Ctrl-C): nothing left running either
             if self.proc.poll() is None:
                 self._kill_tree()
+            # Its main process gone (it died first: kill -9, the OOM killer), what it
+            # started runs on in its group: a worker's engine core watches no parent.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
 
     def _kill_tree(self) -> int:
         assert self.proc is not None
