@@ -19,6 +19,8 @@ from tandoor.models import BUNDLED_MODELS, BUNDLED_PREFIX, ModelConfig, parse_mo
 
 MAX_USER_FILE_BYTES = 4 * 1024**3
 Port = Annotated[int, Field(ge=0, le=65535)]  # 0: a free one (the ops and metrics ports)
+# A server's port, which others must know: 0 opened none (redis-server) or an unknown one.
+ServerPort = Annotated[int, Field(ge=1, le=65535)]
 # TANDOOR_* variables that are not settings: the batch client's (`tandoor batch`), the
 # set-up command's engine choice, and the tests' seeds.
 OTHER_VARIABLES = frozenset(
@@ -121,15 +123,15 @@ class Settings(BaseSettings):
     cache_dir: Path = Path.home() / ".cache" / "tandoor"
 
     host: str = "127.0.0.1"
-    kafka_port: Port = 9092
-    kafka_controller_port: Port = 9093
+    kafka_port: ServerPort = 9092
+    kafka_controller_port: ServerPort = 9093
     kafka_heap: str = "512m"
-    cassandra_port: Port = 9042
-    cassandra_storage_port: Port = 7000
+    cassandra_port: ServerPort = 9042
+    cassandra_storage_port: ServerPort = 7000
     cassandra_heap: str = "1G"  # -Xms is 256M: G1 grows only as needed
     # Not 6379: Debian's redis-server package (bootstrap installs it) starts a service
     # there, and a taken port stops the stack.
-    redis_port: Port = 6380
+    redis_port: ServerPort = 6380
     start_timeout_s: float = 180.0
 
     keyspace: str = Field(default="tandoor", pattern=r"^[a-z][a-z0-9_]{0,47}$")  # CQL's rule
@@ -177,7 +179,7 @@ class Settings(BaseSettings):
     persist_metrics_port: Port = 9402
     log_format: Literal["text", "json"] = "text"  # json: one object per line
     # The HTTP gateway.
-    gateway_port: Port = 8000
+    gateway_port: ServerPort = 8000
     gateway_group: str = "gateway"  # replicas share `tokens` as one consumer group
     system_prompt: str | None = "You are a helpful assistant. Answer briefly."
     reply_max_tokens: int = Field(default=512, ge=1)

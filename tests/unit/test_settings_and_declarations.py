@@ -93,6 +93,14 @@ def test_two_settings_naming_one_port_are_refused_with_both_names() -> None:
     assert "'redis_port', 'gateway_metrics_port'" in str(refused.value)
 
 
+@pytest.mark.parametrize("port", ["kafka_port", "cassandra_port", "redis_port", "gateway_port"])
+def test_a_servers_port_is_never_zero(port: str) -> None:
+    """Accepted, redis-server opened no port (`--port 0`), infra up waited its 180 s for
+    one, and the main job printed the chat page at http://127.0.0.1:0/."""
+    with pytest.raises(ValidationError, match=port):
+        Settings.model_validate({port: 0})
+
+
 def test_ports_left_to_pick_free_ones_may_both_be_zero() -> None:
     Settings(worker_metrics_port=0, gateway_metrics_port=0)  # not refused
 
