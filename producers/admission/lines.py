@@ -107,8 +107,8 @@ async def _prompt(
         raise unknown_model(body.model, param="body.model")
     if body.stream:
         raise ApiError(400, "a batch line cannot stream: omit `stream`", param="body.stream")
-    if body.user:  # as over HTTP: for abuse tracing
-        log.info("batch %r line for end user %r of %s", batch_id, body.user, caller.user_id)
+    if body.end_user:  # as over HTTP: for abuse tracing
+        log.info("batch %r line for end user %r of %s", batch_id, body.end_user, caller.user_id)
     checked = [(m.content, f"body.messages.{i}.content") for i, m in enumerate(body.messages)]
     texts = await checks.all_moderated(checked)
     messages = body.chat_messages(texts)

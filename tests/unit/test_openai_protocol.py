@@ -122,3 +122,58 @@ def test_a_length_is_refused_under_the_name_it_was_sent_with() -> None:
     assert asked.reply_options().max_tokens == 9
     older = ChatCompletionRequest.model_validate({**body, "max_tokens": 9})
     assert older.reply_options().length_param == "max_tokens"
+
+
+@pytest.mark.parametrize(
+    "unset",
+    [
+        {"logit_bias": None},
+        {"metadata": None},
+        {"service_tier": None},
+        {"reasoning_effort": None},
+        {"tools": None},
+        {"tool_choice": None},
+        {"parallel_tool_calls": None},
+        {"tools": [], "tool_choice": "none"},
+        {"parallel_tool_calls": False},
+        {"logit_bias": {}},
+        {"service_tier": "auto"},
+        {"modalities": ["text"]},
+        {"safety_identifier": "end-user-7"},
+        {"prompt_cache_key": "chat-42"},
+    ],
+)
+def test_options_that_ask_for_nothing_here_are_taken(unset: dict[str, object]) -> None:
+    """Wrappers pass an unset option as null (the SDK sends an explicit None as is), or
+    its value that asks for nothing: OpenAI's server and vLLM's take them, and here each
+    was a 400 ("Extra inputs are not permitted") on every call. `safety_identifier` and
+    `prompt_cache_key` are what the SDK now advises in place of `user`."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **unset}
+    ChatCompletionRequest.model_validate(body)
+
+
+@pytest.mark.parametrize(
+    "asked",
+    [
+        {"tools": [{"type": "function", "function": {"name": "f"}}]},
+        {"tool_choice": "required"},
+        {"logit_bias": {"50256": -100}},
+        {"reasoning_effort": "high"},
+        {"modalities": ["text", "audio"]},
+        {"made_up": None},
+    ],
+)
+def test_options_that_ask_for_what_is_not_served_are_refused_by_name(
+    asked: dict[str, object],
+) -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **asked}
+    with pytest.raises(ValidationError, match=next(iter(asked))):
+        ChatCompletionRequest.model_validate(body)
+
+
+def test_the_safety_identifier_is_the_end_user_logged() -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    marked = ChatCompletionRequest.model_validate({**body, "safety_identifier": "end-user-7"})
+    assert marked.end_user == "end-user-7"
+    both = ChatCompletionRequest.model_validate({**body, "user": "u", "safety_identifier": "s"})
+    assert both.end_user == "s"

@@ -71,6 +71,25 @@ class InputMessage(BaseModel):
 
 
 OPENAI_TEMPERATURE = 1.0
+# OpenAI parameters not served here, taken at a value that asks for nothing: null (how
+# wrappers pass an unset option; the SDK sends an explicit None as it is) or their
+# "none". Any other value is refused by name, as an unknown parameter is.
+ASKING_NOTHING: dict[str, tuple[object, ...]] = {
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "parallel_tool_calls": (None, True, False),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "logit_bias": (None, {}),
+    "metadata": (None, {}),
+    "service_tier": (None, "auto", "default"),
+    "reasoning_effort": (None,),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "prediction": (None,),
+    "web_search_options": (None,),
+    "verbosity": (None,),
+}
 
 
 class StreamOptions(BaseModel):
@@ -104,8 +123,33 @@ class ChatCompletionRequest(SamplingOptions):
     top_logprobs: int | None = None
     response_format: ResponseFormat | None = None
     user: str | None = Field(default=None, max_length=256, description="Logged with the request.")
+    safety_identifier: str | None = Field(
+        default=None, max_length=256, description="OpenAI's successor of `user`: logged so."
+    )
+    prompt_cache_key: str | None = Field(
+        default=None,
+        max_length=256,
+        description="Taken; the engine's prefix cache needs no key (a conversation's turns "
+        "go to one partition).",
+    )
     store: bool | None = Field(default=None, description="false: no conversation is kept.")
     ignore_eos: bool = False  # vLLM's extension, for load tests
+
+    @model_validator(mode="before")
+    @classmethod
+    def _without_options_asking_nothing(cls, body: object) -> object:
+        if not isinstance(body, dict):
+            return body
+        return {
+            name: value
+            for name, value in body.items()
+            if name not in ASKING_NOTHING or not _among(value, ASKING_NOTHING[name])
+        }
+
+    @property
+    def end_user(self) -> str | None:
+        """Whom the caller says the request is for (abuse tracing), by either name."""
+        return self.safety_identifier or self.user
 
     @field_validator("temperature", mode="before")
     @classmethod
@@ -161,3 +205,8 @@ class ChatCompletionRequest(SamplingOptions):
             ChatMessage(role="system" if m.role == "developer" else m.role, content=text)
             for m, text in zip(self.messages, texts, strict=True)
         ]
+
+
+def _among(value: object, values: tuple[object, ...]) -> bool:
+    """By type and value: 0 is not False, nor 1 True (a bool is an int to Python's ==)."""
+    return any(type(value) is type(known) and value == known for known in values)

@@ -49,8 +49,8 @@ async def start_completion(
     *history, last = body.chat_messages(texts)
     if last.role != "user":
         raise ApiError(400, "the last message must be from the user", param="messages")
-    if body.user:
-        log.info("completion for end user %r of %s", body.user, caller.user_id)
+    if body.end_user:
+        log.info("completion for end user %r of %s", body.end_user, caller.user_id)
     call = ApiCall(body.model, provisional_title(last.content), store=body.store is not False)
     return await chat.reply(caller, call, history, last.content, body.reply_options())
 
