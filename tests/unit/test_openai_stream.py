@@ -305,3 +305,19 @@ async def test_a_stream_that_gets_no_answer_ends_as_the_unstreamed_call_does() -
     _, others = await streamed(running)
     assert set(others[-1]["error"]) == {"message", "type", "param", "code"}
     assert others[-1]["error"]["code"] == "restarted"
+
+
+async def test_an_unstreamed_completion_that_got_no_answer_is_stopped_as_a_stream_is() -> None:
+    """No event in time: a 504, and the reply (it may run on, its events lost) was left
+    running for no one, while the SDK retried the call twice beside it. The stream in
+    the same case stops it."""
+    stops: list[str] = []
+
+    async def client_stays() -> dict[str, Any]:
+        await asyncio.Event().wait()
+        return {}
+
+    unanswered = completion_body(replaying([token("Hi", 0)]), DefaultModerator())
+    with pytest.raises(ApiError) as timed_out:
+        await unless_left(unanswered, client_stays, lambda: stops.append("stop"))
+    assert timed_out.value.status == 504 and stops == ["stop"]

@@ -170,7 +170,9 @@ async def unless_left(
 ) -> dict[str, Any] | None:
     """The unstreamed reply, or None if the client goes first (an SDK's timeout, a
     closed connection): `stop` is called, as for a stream. Run on, it was charged to its
-    end, held a stream slot, and the SDK's retry ran a second one beside it."""
+    end, held a stream slot, and the SDK's retry ran a second one beside it. So too when
+    no answer came in time (a 504): the reply may run on, its events lost (a stop of a
+    reply that has ended does nothing)."""
     answering = asyncio.ensure_future(body)
     leaving = asyncio.ensure_future(_left(receive))
     try:
@@ -181,7 +183,11 @@ async def unless_left(
             answering.cancel()
             stop()
             await asyncio.gather(answering, return_exceptions=True)
-    return None if answering.cancelled() else answering.result()
+    if answering.cancelled():
+        return None
+    if isinstance(failed := answering.exception(), ApiError) and failed.status == 504:
+        stop()
+    return answering.result()
 
 
 async def _left(receive: Receive) -> None:
