@@ -5,6 +5,7 @@ engine core ran on holding its memory, and the role's pid file was forgotten wit
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import re
@@ -12,7 +13,7 @@ import signal
 from pathlib import Path
 
 from infra.process import process_alive
-from infra.roles import RoleProcess
+from infra.roles import RoleProcess, terminate_all
 from tests.waiting import until
 
 LEADER_DIES = """
@@ -42,3 +43,43 @@ async def test_stopping_a_role_whose_main_process_died_stops_its_children(
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(child, signal.SIGKILL)
+
+
+DRAINS_UNTIL_RELEASED = """
+import pathlib, signal, sys, time
+release = pathlib.Path(sys.argv[1])
+def drain(*_):
+    print("draining", flush=True)
+    while not release.exists():
+        time.sleep(0.05)
+    sys.exit(0)
+signal.signal(signal.SIGTERM, drain)
+print("toy ready", flush=True)
+while True:
+    time.sleep(1)
+"""
+
+
+async def test_every_role_is_told_to_stop_at_once_however_many(tmp_path: Path) -> None:
+    """Stopped through asyncio's default thread pool (cores + 4 threads: 6 on two cores),
+    a seventh role got its SIGTERM only once another had drained (up to 120 s)."""
+    many = min(32, (os.cpu_count() or 1) + 4) + 1
+    (tmp_path / "drains.py").write_text(DRAINS_UNTIL_RELEASED)
+    release, env = tmp_path / "release", {"PYTHONPATH": str(tmp_path)}
+    roles = [RoleProcess(f"r{n}", [str(release)], "toy ready", tmp_path, env) for n in range(many)]
+    try:
+        for role in roles:
+            role.module = "drains"
+            role.start()
+        await asyncio.gather(*(role.wait_ready() for role in roles))
+        stopping = asyncio.create_task(terminate_all(roles, timeout_s=60))
+        await until(
+            lambda: sum("draining" in role.log() for role in roles) == many,
+            what="every role draining",
+            idle_s=10,
+        )
+        release.touch()
+        await stopping
+    finally:
+        for role in roles:
+            role.kill()
