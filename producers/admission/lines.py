@@ -67,7 +67,9 @@ def parse_line(raw: bytes | None) -> Parsed:
     try:
         data = orjson.loads(raw or b"")
     except orjson.JSONDecodeError as exc:
-        return Parsed(None, None, Refused(400, f"the line is not JSON: {exc}", "invalid_json"))
+        return Parsed(
+            None, None, Refused(400, f"the line is not JSON: {exc}", "invalid_request_error")
+        )
     custom_id = data.get("custom_id") if isinstance(data, dict) else None
     custom_id = custom_id[:MAX_CUSTOM_ID_CHARS] if isinstance(custom_id, str) else None
     custom_id = custom_id or None

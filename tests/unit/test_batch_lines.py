@@ -70,6 +70,7 @@ def test_a_bad_line_names_its_problem(raw: bytes, custom_id: str | None, says: s
     assert parsed.line is None and parsed.problem is not None
     assert parsed.problem.status == 400
     assert says in parsed.problem.message
+    assert parsed.problem.kind == "invalid_request_error", "OpenAI's type, as over HTTP"
     assert parsed.custom_id == (custom_id if custom_id else None)
 
 
