@@ -14,20 +14,16 @@ import logging
 from collections import Counter
 from collections.abc import AsyncIterable, Awaitable, Callable, Iterator, Mapping
 from contextlib import contextmanager
-from types import AsyncGeneratorType
 
 from starlette.responses import StreamingResponse
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from producers.gateway.chat.sse import KEEPALIVE
 from producers.gateway.chat.watch import KEEPALIVE_S
 from producers.gateway.errors import ApiError
+from producers.gateway.timed_stream import TimedSend, TimedStream
 
 log = logging.getLogger(__name__)
-
-
-class ClientTooSlow(Exception):
-    pass
 
 
 class Slot:
@@ -107,7 +103,7 @@ class StreamSlots:
 DRAINED = b": this replica is shutting down; resume with Last-Event-ID\n\n"
 
 
-class ReplyStream(StreamingResponse):
+class ReplyStream(TimedStream):
     """Server-sent events holding `slot` while open; a write that blocks for longer
     than `write_timeout_s` ends the stream (the reply itself goes on and is stored).
 
@@ -131,9 +127,8 @@ class ReplyStream(StreamingResponse):
         queued: Callable[[], bool] = lambda: False,
         ending: Callable[[], bool] = lambda: False,
     ) -> None:
-        super().__init__(content, media_type="text/event-stream", headers=headers)
+        super().__init__(content, write_timeout_s, headers, "text/event-stream")
         self.slot = slot
-        self.write_timeout_s = write_timeout_s
         self.resumable = resumable
         self.queued = queued
         # The reply's end is in (settled, then sent within SETTLE_WAIT_S): a drain lets
@@ -164,45 +159,17 @@ class ReplyStream(StreamingResponse):
                 written_at = clock()
         await send({"type": "http.response.body", "body": b"".join(frames), "more_body": False})
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        started = False
+    async def _stream(self, scope: Scope, receive: Receive, send: Send, timed: TimedSend) -> None:
+        if not self.resumable:
+            await super()._stream(scope, receive, send, timed)
+            return
+        body = StreamingResponse.__call__(self, scope, receive, timed)
+        if not await self._until_drained(body):
+            await self._end_drained(send, timed.started)
 
-        async def timed_send(message: Message) -> None:
-            nonlocal started
-            started = True
-            try:
-                async with asyncio.timeout(self.write_timeout_s):  # no task per chunk
-                    await send(message)
-            except TimeoutError:
-                raise ClientTooSlow from None
-
-        try:
-            if self.resumable:
-                body = super().__call__(scope, receive, timed_send)
-                if not await self._until_drained(body):
-                    await self._end_drained(send, started)
-            else:
-                await super().__call__(scope, receive, timed_send)
-        except* ClientTooSlow:
-            log.warning(
-                "client %s stopped reading for %.0f s: stream closed",
-                scope.get("client"),
-                self.write_timeout_s,
-            )
-        finally:
-            self.slot.release()
-            await self._close_body()
-
-    async def _close_body(self) -> None:
-        """A body cut short (draining, a client gone or too slow) waits at a frame it
-        made: closed now, what it holds goes (a resumed reply's Kafka reader), not when
-        the garbage collector finds it. One cancelled mid-step ended with that step."""
-        body = self.body_iterator
-        if isinstance(body, AsyncGeneratorType) and not body.ag_running:
-            try:
-                await body.aclose()
-            except Exception:  # the stream is over: what failed in its cleanup is logged
-                log.exception("closing a reply stream failed")
+    async def _ended(self) -> None:
+        self.slot.release()
+        await super()._ended()
 
     async def _until_drained(self, body: Awaitable[None]) -> bool:
         """Stream `body`; False if draining cut it short."""

@@ -7,7 +7,6 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, File, Form, Query, Request, UploadFile
-from fastapi.responses import StreamingResponse
 
 from producers.gateway.auth import Caller
 from producers.gateway.batches.service import BatchService, CreateBatch
@@ -15,6 +14,7 @@ from producers.gateway.batches.store import CHUNK_BYTES, Order
 from producers.gateway.errors import ApiError
 from producers.gateway.json_body import StrictJsonRoute
 from producers.gateway.services import Services, services
+from producers.gateway.timed_stream import TimedStream
 
 router = APIRouter(prefix="/v1", tags=["batches"], route_class=StrictJsonRoute)
 
@@ -65,10 +65,14 @@ async def read_in_chunks(file: UploadFile) -> AsyncIterator[bytes]:
 
 
 @router.get("/files/{file_id}/content")
-async def file_content(file_id: str, caller: Caller, svc: Batches) -> StreamingResponse:
+async def file_content(
+    file_id: str, caller: Caller, svc: Batches, deps: Annotated[Services, Depends(services)]
+) -> TimedStream:
     content, size = await svc.content(caller, file_id)
     headers = {} if size is None else {"Content-Length": str(size)}
-    return StreamingResponse(content, media_type="application/octet-stream", headers=headers)
+    # A download nobody reads is cut off: it held a chunk and a database page for ever.
+    timeout_s = deps.settings.gateway_write_timeout_s
+    return TimedStream(content, timeout_s, headers, "application/octet-stream")
 
 
 @router.delete("/files/{file_id}")
