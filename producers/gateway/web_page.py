@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.responses import FileResponse
+from starlette.datastructures import Headers
 from starlette.responses import Response
-from starlette.staticfiles import StaticFiles
-from starlette.types import Scope
+from starlette.staticfiles import NotModifiedResponse, StaticFiles
+from starlette.types import Receive, Scope, Send
 
 WEB_DIR = Path(__file__).with_name("web")
 HEADERS = {
@@ -24,6 +26,19 @@ HEADERS = {
 }
 
 
+class _WholeFile(FileResponse):
+    """Always the whole file (the page's files are small): a Range header, malformed or
+    past the end, was Starlette's text/plain 400 or 416, where every error is JSON."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        del self.headers["accept-ranges"]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        headers = [(name, value) for name, value in scope["headers"] if name != b"range"]
+        await super().__call__({**scope, "headers": headers}, receive, send)
+
+
 class _PageFiles(StaticFiles):
     def file_response(
         self,
@@ -32,8 +47,9 @@ class _PageFiles(StaticFiles):
         scope: Scope,
         status_code: int = 200,
     ) -> Response:
-        response = super().file_response(full_path, stat_result, scope, status_code)
-        response.headers.update(HEADERS)
+        response = _WholeFile(full_path, status_code, HEADERS, stat_result=stat_result)
+        if self.is_not_modified(response.headers, Headers(scope=scope)):
+            return NotModifiedResponse(response.headers)
         return response
 
 
@@ -43,6 +59,6 @@ def install_page(app: FastAPI) -> None:
 
     @app.get("/", include_in_schema=False)
     async def page() -> FileResponse:
-        return FileResponse(WEB_DIR / "index.html", headers=HEADERS)
+        return _WholeFile(WEB_DIR / "index.html", headers=HEADERS)
 
     app.mount("/web", _PageFiles(directory=WEB_DIR), name="web")
