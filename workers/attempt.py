@@ -22,7 +22,7 @@ class Tracked:
     leased: bool = False  # renewed by the worker while it holds the request
     attempt: int = 0  # its number: a lapsed lease is taken again only by the latest
     lost: bool = False  # the lease went to another worker: stop, publish nothing
-    delivered: bool = False  # its final was published by this worker
+    delivered: bool = False  # its final is out: published by this worker, or found done
     done: asyncio.Event = field(default_factory=asyncio.Event)  # its handling ended here
 
 

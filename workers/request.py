@@ -82,7 +82,10 @@ class RequestRunner:
         """`band`: the priority band of the partition the prompt came from; `slot`: the
         engine slot its task holds, given back while another worker has the request."""
         arrival = await self._arrival(prompt, slot)
-        if arrival is None:
+        if arrival is None:  # done: its final is out (delivered here now, or before)
+            # Known so to a copy of the prompt waiting on this task: asking Redis again
+            # (out of reach), it ran the whole reply as a first attempt.
+            tracked.delivered = True
             return
         tracked.leased, tracked.attempt = arrival.leased, arrival.attempt
         tracked.cancelled = tracked.cancelled or arrival.cancelled

@@ -21,7 +21,7 @@ from tests.waiting import until
 from workers.attempt import Tracked
 from workers.capacity import Capacity
 from workers.engine import EngineOptions
-from workers.ledger import Arrival, Busy, Finished
+from workers.ledger import UNLEASED, Arrival, Busy, Finished
 from workers.request import NO_SLOT, RequestRunner, RunnerConfig
 from workers.slot import Waiter
 from workers.worker import Worker
@@ -257,4 +257,48 @@ async def test_a_stop_reaches_a_taken_over_reply_that_waits_for_a_slot() -> None
         assert worker.capacity.seqs == full, "no slot taken past the count"
     finally:
         handled.cancel()
+        await closed(worker)
+
+
+class DeliveredElsewhereThenRedisDown(OtherWorkersRequest):
+    """Once let go, the request is found done (its final delivered by another worker, or
+    by this one from the record); then Redis is out of reach: an arrival is taken as a
+    first attempt, unleased."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.found_done = False
+
+    async def arrive(self, request_id: str, batch_cancel: str | None) -> object:
+        if not self.let_go.is_set():
+            return Busy(50)
+        if not self.found_done:
+            self.found_done = True
+            return Finished(None)
+        return UNLEASED
+
+
+async def test_a_copy_of_a_prompt_its_original_found_done_is_not_run() -> None:
+    """The original waited out a dead worker's lease, found the request done and
+    returned, not marked as answered: its copy (fetched again meanwhile, a rebalance)
+    asked Redis again and, Redis out of reach, ran the whole reply as a first attempt:
+    a second, different final."""
+    worker = Worker(Settings(), MODEL, EngineOptions(model_dir=Path(".")))
+    ledger, free = DeliveredElsewhereThenRedisDown(), worker.capacity.free_seqs
+    runner = waiting_on_another_worker(worker, ledger)
+    worker.capacity.take_seq()  # the copy's, as intake takes it
+    worker.intake.held["interactive-paid"] += 1
+    handled = [asyncio.create_task(worker._handle(prompt_record(5))) for _ in range(2)]
+    try:
+        await until(
+            lambda: worker.capacity.free_seqs, lambda f: f == free, what="slots back", idle_s=10
+        )
+        ledger.let_go.set()
+        await asyncio.wait_for(asyncio.gather(*handled), 10)
+        assert runner.slots_taken == [], "the copy ran the reply again"
+        assert worker.capacity.free_seqs == free
+        assert worker._failure is None
+    finally:
+        for task in handled:
+            task.cancel()
         await closed(worker)
