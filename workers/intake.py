@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import TypeAlias
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
@@ -46,6 +46,10 @@ class PromptIntake(ConsumerRebalanceListener):  # type: ignore[misc]
         )
         self.held: dict[str, int] = defaultdict(int)  # prompts in flight per band
         self.offsets = OffsetTracker()
+        # Each record in flight (by id: the task handling it holds it): its partition and
+        # how many times that was revoked before it was taken.
+        self._taken_in: dict[int, tuple[tuple[str, int], int]] = {}
+        self._revokes: Counter[tuple[str, int]] = Counter()
         self.consumer = AIOKafkaConsumer(
             bootstrap_servers=settings.kafka_bootstrap,
             group_id=worker_group(model),
@@ -138,7 +142,11 @@ class PromptIntake(ConsumerRebalanceListener):  # type: ignore[misc]
             log.info("backlog while full: %r", exc)
 
     def finished(self, record: Record, held: bool = True) -> None:
-        self.offsets.finished(record.topic, record.partition, record.offset)
+        key = (record.topic, record.partition)
+        # Taken before a revoke forgot its partition: fetched again since, that copy's
+        # offset is the copy's to finish (which may still have to run).
+        if self._taken_in.pop(id(record), None) == (key, self._revokes[key]):
+            self.offsets.finished(record.topic, record.partition, record.offset)
         if held:
             self.held[self.band_of(record)] -= 1
 
@@ -176,7 +184,10 @@ class PromptIntake(ConsumerRebalanceListener):  # type: ignore[misc]
     # ConsumerRebalanceListener
     async def on_partitions_revoked(self, revoked: list[TopicPartition]) -> None:
         await self.commit()
-        self.offsets.forget([(tp.topic, tp.partition) for tp in revoked])
+        gone = [(tp.topic, tp.partition) for tp in revoked]
+        self.offsets.forget(gone)
+        self._revokes.update(gone)
+        self._taken_in = {r: taken for r, taken in self._taken_in.items() if taken[0] not in gone}
 
     async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
         log.info("assigned %s partitions %s", self.topic, sorted(tp.partition for tp in assigned))
@@ -186,6 +197,8 @@ class PromptIntake(ConsumerRebalanceListener):  # type: ignore[misc]
         records = [record for chunk in batch.values() for record in chunk]
         for record in records:
             self.offsets.taken(record.topic, record.partition, record.offset)
+            key = (record.topic, record.partition)
+            self._taken_in[id(record)] = (key, self._revokes[key])
             band = self.band_of(record)
             self.backlog[band] = max(0, self.backlog.get(band, 0) - 1)
             self.held[band] += 1
