@@ -10,8 +10,11 @@ local function arrived(attempt)
 end
 if redis.call('EXISTS', KEYS[1]) == 1 then
   local final = redis.call('GET', KEYS[6])
-  if final and redis.call('EXISTS', KEYS[2]) == 1 then  -- its worker is delivering it
+  if final and redis.call('EXISTS', KEYS[2]) == 1 then  -- a worker is delivering it
     return {'busy', redis.call('PTTL', KEYS[2])}
+  end
+  if final then  -- its worker died before delivering it: this caller does, alone
+    redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
   end
   return {'done', final}
 end

@@ -359,3 +359,21 @@ async def test_an_arrival_or_a_record_sent_again_after_its_answer_was_lost_is_ta
     ]
     assert isinstance(await ledger(client, "w2").arrive(rid), Busy), "still leased to w1"
     assert isinstance(await worker.arrive(rid), Busy), "a second arrival is still refused"
+
+
+async def test_a_recorded_final_is_delivered_by_one_waiter_at_a_time(
+    client: aioredis.Redis,
+) -> None:
+    """Its worker died between recording the final and publishing it. Two workers held
+    copies of the prompt (its partition moved twice), each waiting out the dead lease:
+    waking together, both were handed the final, and both published it (a second batch
+    output line, a second usage record)."""
+    owner, rid = ledger(client, "w1"), request()
+    assert isinstance(await owner.arrive(rid), Arrival)
+    assert await owner.finish(rid, 1, b"the final")
+    await client.delete(lease_key(rid))  # w1 died: its lease lapsed
+    first, second = ledger(client, "w2"), ledger(client, "w3")
+    assert await first.arrive(rid) == Finished(b"the final")
+    assert isinstance(await second.arrive(rid), Busy), "w2 is delivering it"
+    await first.delivered(rid)
+    assert await second.arrive(rid) == Finished(None), "delivered: nothing to publish again"
