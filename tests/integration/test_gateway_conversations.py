@@ -18,10 +18,11 @@ from infra.idle_worker import idle_worker
 from infra.process import free_port
 from infra.roles import GatewayProcess
 from producers.gateway.app import create_app
+from producers.gateway.chat.history import after_summary
 from producers.gateway.chat.settled import MAX_MESSAGES
 from producers.gateway.conversations.service import ConversationService
 from producers.prompts import PromptTooLarge
-from schemas.events import now_ms
+from schemas.events import MessageKey, now_ms
 from tandoor.clients import cassandra_session, redis_client
 from tandoor.policies.api_keys import create_key
 from tandoor.policies.redis_keys import inflight_key
@@ -116,6 +117,32 @@ async def test_a_summary_finished_after_a_delete_does_not_bring_the_chat_back(
             "SELECT summary FROM conversations WHERE conversation_id = %s", (made["id"],)
         )
         assert list(rows) == []
+
+
+async def test_a_summary_stays_in_use_after_a_reply_it_never_held_was_regenerated(
+    client: httpx.AsyncClient, settings: Settings
+) -> None:
+    """Any replaced turn it covered made a summary stale: one made after an early reply
+    was regenerated (that reply never in it) was never used, nor any later one. Stale
+    only when a turn it covers is replaced after it was written (an edit)."""
+    auth = await user_key(settings, user := f"user-{uuid.uuid4().hex[:8]}")
+    made = (await client.post("/v1/conversations", json={}, headers=auth)).json()
+    with cassandra_session(settings, settings.keyspace) as session:
+        service = ConversationService(session, settings.served_models)
+        conversation = await service.owned(user, made["id"])
+        start = now_ms()
+        for n in range(3):
+            await service.add_user_message(user, conversation, f"m_{n}", f"turn {n}", start + n)
+        await service.mark_replaced(made["id"], [MessageKey(created_at_ms=start, message_id="m_0")])
+        until = dt.datetime.fromtimestamp((start + 1) / 1000, dt.UTC)
+        await service.set_summary(made["id"], "They said hello.", until)
+        summary, turns = after_summary(await service.get(user, made["id"]))
+        assert summary == "They said hello." and [m.id for m in turns] == ["m_2"]
+        await service.mark_replaced(
+            made["id"], [MessageKey(created_at_ms=start + 1, message_id="m_1")]
+        )
+        summary, turns = after_summary(await service.get(user, made["id"]))
+        assert summary is None and [m.id for m in turns] == ["m_2"], "edited away since"
 
 
 async def test_pages_run_newest_first_without_gaps(

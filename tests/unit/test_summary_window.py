@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import datetime as dt
+from types import SimpleNamespace
 
 from producers.gateway.chat.history import after_summary, left_out_for_good
 from producers.gateway.conversations.protocol import ConversationWithMessages, Message
+from producers.gateway.conversations.service import summary_stale_by_times
 
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 
@@ -20,7 +22,7 @@ def message(n: int, role: str, status: str = "complete") -> Message:
     )
 
 
-def opened(summary: str | None, until: int | None) -> ConversationWithMessages:
+def opened(summary: str | None, until: int | None, stale: bool = False) -> ConversationWithMessages:
     return ConversationWithMessages(
         id="c",
         model="m",
@@ -36,6 +38,7 @@ def opened(summary: str | None, until: int | None) -> ConversationWithMessages:
         ],
         summary=summary,
         summary_until=None if until is None else T0 + dt.timedelta(seconds=until),
+        summary_stale=stale,
     )
 
 
@@ -52,9 +55,28 @@ def test_a_summary_stands_in_for_the_turns_it_covers() -> None:
 def test_a_summary_of_turns_an_edit_replaced_is_not_used() -> None:
     """The user edited a summarized turn (to take a name or a number out): the summary
     still told the model what it said. Every shown turn goes in instead."""
-    stale = opened("They gave their card number.", until=4)  # m4 was replaced
+    stale = opened("They gave their card number.", until=4, stale=True)  # m4 replaced since
     summary, turns = after_summary(stale)
     assert summary is None and [m.id for m in turns] == ["m1", "m2", "m3", "m5"]
+
+
+def row(at: int, status: str, status_written: int) -> SimpleNamespace:
+    created = T0 + dt.timedelta(seconds=at)
+    return SimpleNamespace(created_at=created, status=status, status_written=status_written)
+
+
+def test_a_summary_is_stale_only_if_a_turn_it_covers_was_replaced_after_it() -> None:
+    """Any replaced turn it covered made it stale: a reply regenerated long before the
+    summary was made (never in it) left every later summary unused, for good (each new
+    one covered that turn too), and the model forgot what the chat had said."""
+    summary = SimpleNamespace(summary_until=T0 + dt.timedelta(seconds=4), summary_written=2_000)
+    regenerated_before = [row(2, "replaced", 1_000), row(3, "complete", 1_500)]
+    assert not summary_stale_by_times(summary, regenerated_before)
+    edited_since = [*regenerated_before, row(4, "replaced", 3_000)]
+    assert summary_stale_by_times(summary, edited_since)
+    after_it = [row(5, "replaced", 3_000)]  # a turn it does not cover
+    assert not summary_stale_by_times(summary, after_it)
+    assert not summary_stale_by_times(SimpleNamespace(summary_until=None, summary_written=None), after_it)
 
 
 def test_turns_cut_by_a_fallbacks_window_are_not_summarized_for_good() -> None:

@@ -22,7 +22,7 @@ def as_chat(message: Message) -> ChatMessage:
 def after_summary(opened: ConversationWithMessages) -> tuple[str | None, list[Message]]:
     """The summary, if any, and the usable turns it does not cover. A summary of turns
     an edit replaced is not used: what the user edited away stays out of the context."""
-    until = None if summary_is_stale(opened) else opened.summary_until
+    until = None if opened.summary_stale else opened.summary_until
     turns = [
         m
         for m in opened.messages
@@ -38,13 +38,6 @@ def left_out_for_good(
     time. None when a fallback answered under load: cut to its window (maybe smaller),
     they were summarized for good, and left out of the conversation's own model too."""
     return turns[:dropped] if answering == conversation_model else []
-
-
-def summary_is_stale(opened: ConversationWithMessages) -> bool:
-    until = opened.summary_until
-    return until is not None and any(
-        m.status == "replaced" and m.created_at <= until for m in opened.messages
-    )
 
 
 def visible(opened: ConversationWithMessages) -> list[Message]:

@@ -24,7 +24,6 @@ from producers.gateway.chat.history import (
     after_summary,
     as_chat,
     left_out_for_good,
-    summary_is_stale,
     usable,
     visible,
 )
@@ -113,7 +112,7 @@ class ChatService:
         )
         dropped = left_out_for_good(turns, reply.dropped, reply.model, conversation.model)
         if dropped:
-            stale = summary_is_stale(opened)
+            stale = opened.summary_stale
             self.deps.jobs.after_context_cut(caller.user_id, conversation, summary, dropped, stale)
         return reply
 
@@ -158,7 +157,7 @@ class ChatService:
         until = opened.summary_until
         if until is not None and shown[at].created_at <= until:  # what it edited away
             # Once queued: a refused edit leaves the conversation as it was. Should this
-            # fail, the turns marked replaced keep the summary unused (summary_is_stale).
+            # fail, the turns marked replaced keep the summary unused (summary_stale).
             try:
                 await self.deps.conversations.forget_summary(conversation_id)
             except CASSANDRA_DOWN as exc:

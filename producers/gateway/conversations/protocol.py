@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 
 from pydantic import BaseModel, ConfigDict, Field
+from pydantic.json_schema import SkipJsonSchema
 
 TITLE_MAX = 200  # a title the user chooses
 # A title Tandoor makes: the model's (a background job), or until then the first message's
@@ -55,6 +56,9 @@ class ConversationWithMessages(Conversation):
         default=None, description="The model's summary of the turns up to summary_until."
     )
     summary_until: dt.datetime | None = None
+    # Internal: the summary covers a turn replaced after it was written (an edit whose
+    # forgetting of it failed), so it is not used. A turn replaced before was never in it.
+    summary_stale: SkipJsonSchema[bool] = Field(default=False, exclude=True)
 
 
 class ConversationPage(BaseModel):

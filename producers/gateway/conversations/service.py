@@ -120,7 +120,8 @@ class ConversationService:
         rows = await cql(
             self._session,
             "SELECT message_id, role, content, status, created_at, model, attempt, "
-            "finish_reason FROM messages_by_conversation WHERE conversation_id = %s",
+            "finish_reason, WRITETIME(status) AS status_written "
+            "FROM messages_by_conversation WHERE conversation_id = %s",
             (conversation_id,),
         )
         messages = [
@@ -142,6 +143,7 @@ class ConversationService:
             messages=messages,
             summary=row.summary,
             summary_until=utc(row.summary_until) if row.summary_until else None,
+            summary_stale=summary_stale_by_times(row, rows),
         )
 
     async def set_summary(
@@ -370,8 +372,24 @@ class ConversationService:
     async def _row(self, conversation_id: str) -> Any | None:
         rows = await cql(
             self._session,
-            "SELECT user_id, model, title, created_at, updated_at, summary, summary_until "
-            "FROM conversations WHERE conversation_id = %s",
+            "SELECT user_id, model, title, created_at, updated_at, summary, summary_until, "
+            "WRITETIME(summary_until) AS summary_written FROM conversations "
+            "WHERE conversation_id = %s",
             (conversation_id,),
         )
         return rows[0] if rows else None
+
+
+def summary_stale_by_times(conversation: Any, messages: list[Any]) -> bool:
+    """A turn the summary covers was replaced after the summary was written (by the
+    write times of its status and of the summary): told by times, not by any replaced
+    turn it covers, a regenerate long before the summary left every later summary unused."""
+    until = conversation.summary_until
+    if until is None or conversation.summary_written is None:
+        return False
+    return any(
+        m.status == "replaced"
+        and utc(m.created_at) <= utc(until)
+        and (m.status_written or 0) > conversation.summary_written
+        for m in messages
+    )
