@@ -76,7 +76,8 @@ def test_a_summary_is_stale_only_if_a_turn_it_covers_was_replaced_after_it() -> 
     assert summary_stale_by_times(summary, edited_since)
     after_it = [row(5, "replaced", 3_000)]  # a turn it does not cover
     assert not summary_stale_by_times(summary, after_it)
-    assert not summary_stale_by_times(SimpleNamespace(summary_until=None, summary_written=None), after_it)
+    unsummarized = SimpleNamespace(summary_until=None, summary_written=None)
+    assert not summary_stale_by_times(unsummarized, after_it)
 
 
 def test_turns_cut_by_a_fallbacks_window_are_not_summarized_for_good() -> None:

@@ -10,6 +10,8 @@ import asyncio
 from pathlib import Path
 from typing import Any, cast
 
+from aiokafka import TopicPartition
+
 from schemas.topics import prompts_topic
 from tandoor.settings import Settings
 from tests.unit.test_rollups import usage
@@ -66,9 +68,9 @@ async def test_a_usage_record_kafka_holds_back_holds_no_slot_and_no_commit() -> 
         config, engine, publisher, stand_in_ledger, worker.capacity, worker.metrics
     )
     worker.capacity.take_seq()
-    worker.intake.held["interactive-paid"] += 1  # as intake counts what it takes
-    worker.intake.offsets.taken(TOPIC, 0, 5)
-    handled = asyncio.create_task(worker._handle(prompt_record(5)))
+    record = prompt_record(5)
+    worker.intake._taken({TopicPartition(TOPIC, 0): [record]})  # as intake takes it
+    handled = asyncio.create_task(worker._handle(record))
     try:
         await until(
             lambda: worker.capacity.free_seqs, lambda f: f == free, what="the slot back", idle_s=10
