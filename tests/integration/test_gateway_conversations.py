@@ -20,6 +20,7 @@ from infra.roles import GatewayProcess
 from producers.gateway.app import create_app
 from producers.gateway.chat.history import after_summary
 from producers.gateway.chat.settled import MAX_MESSAGES
+from producers.gateway.conversations import service as conversations_service
 from producers.gateway.conversations.service import ConversationService
 from producers.prompts import PromptTooLarge
 from schemas.events import MessageKey, now_ms
@@ -120,11 +121,13 @@ async def test_a_summary_finished_after_a_delete_does_not_bring_the_chat_back(
 
 
 async def test_a_summary_stays_in_use_after_a_reply_it_never_held_was_regenerated(
-    client: httpx.AsyncClient, settings: Settings
+    client: httpx.AsyncClient, settings: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Any replaced turn it covered made a summary stale: one made after an early reply
     was regenerated (that reply never in it) was never used, nor any later one. Stale
-    only when a turn it covers is replaced after it was written (an edit)."""
+    only when a turn it covers is replaced after its job may have read it (here the
+    job's time is none: after it was written)."""
+    monkeypatch.setattr(conversations_service, "SUMMARY_WRITTEN_WITHIN_S", 0.0)
     auth = await user_key(settings, user := f"user-{uuid.uuid4().hex[:8]}")
     made = (await client.post("/v1/conversations", json={}, headers=auth)).json()
     with cassandra_session(settings, settings.keyspace) as session:

@@ -7,7 +7,10 @@ from types import SimpleNamespace
 
 from producers.gateway.chat.history import after_summary, left_out_for_good
 from producers.gateway.conversations.protocol import ConversationWithMessages, Message
-from producers.gateway.conversations.service import summary_stale_by_times
+from producers.gateway.conversations.service import (
+    SUMMARY_WRITTEN_WITHIN_S,
+    summary_stale_by_times,
+)
 
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 
@@ -65,16 +68,22 @@ def row(at: int, status: str, status_written: int) -> SimpleNamespace:
     return SimpleNamespace(created_at=created, status=status, status_written=status_written)
 
 
-def test_a_summary_is_stale_only_if_a_turn_it_covers_was_replaced_after_it() -> None:
+def test_a_summary_is_stale_only_if_a_turn_it_covers_may_have_been_replaced_since_its_read() -> (
+    None
+):
     """Any replaced turn it covered made it stale: a reply regenerated long before the
     summary was made (never in it) left every later summary unused, for good (each new
-    one covered that turn too), and the model forgot what the chat had said."""
-    summary = SimpleNamespace(summary_until=T0 + dt.timedelta(seconds=4), summary_written=2_000)
-    regenerated_before = [row(2, "replaced", 1_000), row(3, "complete", 1_500)]
+    one covered that turn too), and the model forgot what the chat had said. A turn
+    replaced in the time its job may have run (read, then the model's answer, then the
+    write) may be in it: stale."""
+    written = 10_000_000_000
+    window = int(SUMMARY_WRITTEN_WITHIN_S * 1_000_000)
+    summary = SimpleNamespace(summary_until=T0 + dt.timedelta(seconds=4), summary_written=written)
+    regenerated_before = [row(2, "replaced", written - window - 1), row(3, "complete", 1)]
     assert not summary_stale_by_times(summary, regenerated_before)
-    edited_since = [*regenerated_before, row(4, "replaced", 3_000)]
-    assert summary_stale_by_times(summary, edited_since)
-    after_it = [row(5, "replaced", 3_000)]  # a turn it does not cover
+    for edited in (written - window + 1, written - 1, written + 1):  # while it ran, or since
+        assert summary_stale_by_times(summary, [*regenerated_before, row(4, "replaced", edited)])
+    after_it = [row(5, "replaced", written + 1)]  # a turn it does not cover
     assert not summary_stale_by_times(summary, after_it)
     unsummarized = SimpleNamespace(summary_until=None, summary_written=None)
     assert not summary_stale_by_times(unsummarized, after_it)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +31,10 @@ from producers.gateway.conversations.protocol import (
     Message,
     provisional_title,
 )
-from producers.gateway.conversations.service import ConversationService
+from producers.gateway.conversations.service import (
+    SUMMARY_WRITTEN_WITHIN_S,
+    ConversationService,
+)
 from producers.prompts import PromptSubmitter
 from schemas.events import (
     ANSWERED,
@@ -48,6 +52,7 @@ log = logging.getLogger(__name__)
 
 JOB_BAND = "batch"
 JOB_WAIT_S = 600.0  # the batch band may be busy; nobody waits on a job
+SUMMARY_WRITE_MARGIN_S = 60.0  # the post's steps before the job, and the write itself
 TITLE_INSTRUCTION = (
     "Write a title of at most six words for this conversation. "
     "Reply with the title only, no quotes."
@@ -126,6 +131,7 @@ class ConversationJobs:
         self.checks = checks
         self.moderator = checks.moderator
         self._tasks = Background()
+        self._clock = time.monotonic
 
     async def after_reply(
         self, user_id: str, conversation: Conversation, question: str | None, answer: str
@@ -202,6 +208,7 @@ class ConversationJobs:
         turns: list[Message],
         over_stale: bool,
     ) -> None:
+        read_at = self._clock()  # the turns were read just before this job started
         until = turns[-1].created_at
         fits = self._fits(conversation.model, SUMMARY_INSTRUCTION, SUMMARY_TOKENS)
         lines = [(m.role, m.content) for m in turns]
@@ -219,6 +226,11 @@ class ConversationJobs:
         summarized = {m.id for m in turns}
         if any(m.status == "replaced" and m.id in summarized for m in now.messages):
             return  # an edit took those turns out while the job ran
+        if self._clock() - read_at > SUMMARY_WRITTEN_WITHIN_S - SUMMARY_WRITE_MARGIN_S:
+            # Written later, an edit made between its read and its write would not be
+            # told from one made before its read (conversations/service.py).
+            log.warning("summary of %s took too long: not kept", conversation.id)
+            return
         await self.conversations.set_summary(conversation.id, text.strip(), until, over_stale)
 
     def _fits(self, model: str, instruction: str, max_tokens: int) -> Callable[[str], bool]:

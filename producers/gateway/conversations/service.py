@@ -40,6 +40,9 @@ BATCHED_MESSAGE_BYTES = 4096
 # Gateways' clocks differ: a message's time (its sidebar row's) may read a little
 # earlier than the conversation's creation on another replica.
 CLOCK_SKEW = dt.timedelta(minutes=5)
+# A summary is written at most this long after the turns it summarizes were read (the
+# job drops one that took longer: chat/jobs.py): a turn replaced before that was not in it.
+SUMMARY_WRITTEN_WITHIN_S = 720.0
 
 
 class ConversationService:
@@ -381,15 +384,17 @@ class ConversationService:
 
 
 def summary_stale_by_times(conversation: Any, messages: list[Any]) -> bool:
-    """A turn the summary covers was replaced after the summary was written (by the
-    write times of its status and of the summary): told by times, not by any replaced
-    turn it covers, a regenerate long before the summary left every later summary unused."""
+    """A turn the summary covers was replaced after its job may have read it: at most
+    SUMMARY_WRITTEN_WITHIN_S before the summary was written (by the write times of the
+    turn's status and of the summary). Any replaced turn it covered made it stale: a
+    reply regenerated long before (never in it) left every later summary unused."""
     until = conversation.summary_until
     if until is None or conversation.summary_written is None:
         return False
+    read_after_us = conversation.summary_written - int(SUMMARY_WRITTEN_WITHIN_S * 1_000_000)
     return any(
         m.status == "replaced"
         and utc(m.created_at) <= utc(until)
-        and (m.status_written or 0) > conversation.summary_written
+        and (m.status_written or 0) > read_after_us
         for m in messages
     )
