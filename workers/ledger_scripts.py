@@ -8,29 +8,31 @@ local function arrived(attempt)
   local cancelled = redis.call('EXISTS', KEYS[4], KEYS[7])
   return {'ok', attempt, cancelled, redis.call('LRANGE', KEYS[5], 0, -1)}
 end
+local function again()  -- this call, sent again: its first answer was lost
+  return redis.call('GET', KEYS[8]) == ARGV[4]
+end
+local function lease()
+  redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
+  redis.call('SET', KEYS[8], ARGV[4], 'PX', ARGV[2])
+end
 if redis.call('EXISTS', KEYS[1]) == 1 then
   local final = redis.call('GET', KEYS[6])
   if final and redis.call('EXISTS', KEYS[2]) == 1 then  -- a worker is delivering it
+    if again() then return {'done', final} end
     return {'busy', redis.call('PTTL', KEYS[2])}
   end
-  if final then  -- its worker died before delivering it: this caller does, alone
-    redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
-  end
+  if final then lease() end  -- its worker died before delivering it: this caller does, alone
   return {'done', final}
 end
 if redis.call('EXISTS', KEYS[2]) == 1 then  -- its own earlier task too: one at a time
-  if redis.call('GET', KEYS[8]) == ARGV[4] then  -- this call again: its answer was lost
-    return arrived(tonumber(redis.call('GET', KEYS[3])))
-  end
+  if again() then return arrived(tonumber(redis.call('GET', KEYS[3])) or 1) end
   return {'busy', redis.call('PTTL', KEYS[2])}
 end
-redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
-redis.call('SET', KEYS[8], ARGV[4], 'PX', ARGV[2])
+lease()
 local attempt = redis.call('INCR', KEYS[3])
 redis.call('EXPIRE', KEYS[3], ARGV[3])
 return arrived(attempt)
 """
-
 # Whether the lease (KEYS[1]) is ARGV[1]'s: it names it, or it lapsed and nobody took
 # the request since: not done (KEYS[2]) and no later attempt (KEYS[3] against ARGV[2]);
 # then it is taken again for ARGV[3] ms.

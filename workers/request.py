@@ -81,7 +81,7 @@ class RequestRunner:
     ) -> None:
         """`band`: the priority band of the partition the prompt came from; `slot`: the
         engine slot its task holds, given back while another worker has the request."""
-        arrival = await self._arrival(prompt, slot)
+        arrival = await self._arrival(prompt, slot, tracked)
         if arrival is None:  # done: its final is out (delivered here now, or before)
             # Known so to a copy of the prompt waiting on this task: asking Redis again
             # (out of reach), it ran the whole reply as a first attempt.
@@ -116,14 +116,22 @@ class RequestRunner:
             if tracked.leased:
                 await self.ledger.release(prompt.request_id)
 
-    async def _arrival(self, prompt: PromptRequest, slot: Waiter) -> Arrival | None:
+    async def _arrival(
+        self, prompt: PromptRequest, slot: Waiter, tracked: Tracked
+    ) -> Arrival | None:
         """The request's lease, once no other worker holds it; None if it is done."""
         waited = False
         while True:
             outcome = await self.ledger.arrive(prompt.request_id, batch_cancel_of(prompt))
             if isinstance(outcome, Finished):
                 if outcome.final is not None:  # its worker died before it was delivered
-                    await self._deliver_recorded(prompt, outcome.final, slot)
+                    # Leased to deliver it, and renewed meanwhile: Kafka may hold the usage
+                    # record back for long, and a lapsed lease let a second waiter deliver.
+                    tracked.leased = True
+                    try:
+                        await self._deliver_recorded(prompt, outcome.final, slot)
+                    finally:
+                        tracked.leased = False  # given back once delivered
                 else:
                     log.info("%s already has a final reply; skipping redelivery", prompt.request_id)
                 return None

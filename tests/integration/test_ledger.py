@@ -377,3 +377,16 @@ async def test_a_recorded_final_is_delivered_by_one_waiter_at_a_time(
     assert isinstance(await second.arrive(rid), Busy), "w2 is delivering it"
     await first.delivered(rid)
     assert await second.arrive(rid) == Finished(None), "delivered: nothing to publish again"
+
+
+async def test_a_delivering_arrival_sent_again_after_its_answer_was_lost_delivers(
+    client: aioredis.Redis,
+) -> None:
+    """Sent again, it found the lease it had just taken to deliver the final and waited
+    a whole lease for itself."""
+    owner, rid = ledger(client, "w1"), request()
+    assert isinstance(await owner.arrive(rid), Arrival)
+    assert await owner.finish(rid, 1, b"the final")
+    await client.delete(lease_key(rid))  # w1 died: its lease lapsed
+    retrying = AnswerLostOnce(connection_pool=client.connection_pool)
+    assert await ledger(retrying, "w2").arrive(rid) == Finished(b"the final")

@@ -12,13 +12,16 @@ from typing import Any, cast
 
 from aiokafka import TopicPartition
 
+from schemas.codec import encode
 from schemas.topics import prompts_topic
 from tandoor.settings import Settings
-from tests.unit.test_rollups import usage
+from tests.unit.test_rollups import final_event, usage
+from tests.unit.test_transcript_records import prompt
 from tests.unit.test_worker_copies import MODEL, closed, prompt_record
 from tests.waiting import until
+from workers.attempt import Tracked
 from workers.engine import EngineOptions
-from workers.ledger import Arrival
+from workers.ledger import Arrival, Finished
 from workers.request import RequestRunner, RunnerConfig
 from workers.worker import Worker
 
@@ -31,7 +34,7 @@ class Ledger:
     def __init__(self) -> None:
         self.delivered_ids: list[str] = []
 
-    async def arrive(self, request_id: str, batch_cancel: str | None) -> Arrival:
+    async def arrive(self, request_id: str, batch_cancel: str | None) -> Arrival | Finished:
         return Arrival(attempt=1, cancelled=False, leased=True)
 
     async def delivered(self, request_id: str) -> None:
@@ -87,4 +90,48 @@ async def test_a_usage_record_kafka_holds_back_holds_no_slot_and_no_commit() -> 
         assert worker.capacity.free_seqs == free and worker._failure is None
     finally:
         handled.cancel()
+        await closed(worker)
+
+
+class RecordedFinal(Ledger):
+    """The request's worker died after recording its final: this one delivers it."""
+
+    async def arrive(self, request_id: str, batch_cancel: str | None) -> Arrival | Finished:
+        return Finished(encode(final_event(request_id, 1)))
+
+
+class Kafka(UsageTopicDown):
+    def __init__(self) -> None:
+        super().__init__()
+        self.finals: list[str] = []
+
+    async def final(self, final: Any, partition: int | None) -> None:
+        self.finals.append(final.request_id)
+
+
+async def test_a_recorded_final_is_delivered_under_a_lease_kept_while_kafka_holds_usage() -> None:
+    """Its delivery lease lapsed while Kafka held the usage record back (minutes, for a
+    partition with no leader): another worker waiting on the request found the final
+    still recorded and no lease, and published it again."""
+    worker = Worker(Settings(), MODEL, EngineOptions(model_dir=Path(".")))
+    ledger, kafka = RecordedFinal(), Kafka()
+    runner = RequestRunner(
+        RunnerConfig(MODEL, 0.1, 16),
+        cast(Any, None),
+        cast(Any, kafka),
+        cast(Any, ledger),
+        worker.capacity,
+        worker.metrics,
+    )
+    tracked = Tracked("r_1")
+    delivering = asyncio.create_task(runner.run(prompt(), tracked, "interactive-paid"))
+    try:
+        await until(lambda: kafka.finals, what="the final out", idle_s=10)
+        assert tracked.leased, "the renewal loop keeps only leases marked held"
+        kafka.back.set()
+        await asyncio.wait_for(delivering, 10)
+        assert kafka.sent == 1 and ledger.delivered_ids == ["r_1"]
+        assert not tracked.leased and tracked.delivered
+    finally:
+        delivering.cancel()
         await closed(worker)
