@@ -130,3 +130,23 @@ async def test_a_message_edited_from_one_editor_at_a_time(stack: Stack, page: Pa
     await page.get_by_role("button", name="Edit this message").click()
     await page.get_by_role("button", name="Edit this message").click()
     await expect(page.get_by_label("Edited message")).to_have_count(1)
+
+
+async def test_an_edit_while_the_gateway_stays_unreachable_keeps_its_text(
+    stack: Stack, page: Page
+) -> None:
+    """Unanswered, then every try to find its reply failed too: the editor had closed on
+    the old text, and what was typed was gone."""
+    await sign_in(page, stack)
+    await answered(page, "What is 2 + 2?")
+
+    async def unreachable(route: Route) -> None:
+        await route.abort("connectionreset")
+
+    for path in (EDIT, "**/v1/conversations/*", "**/v1/conversations/*/stream"):
+        await page.route(path, unreachable)
+    await edit_to(page, "What is 3 + 3?")
+    # After the page's resume tries (about 15 s of backing off).
+    edited = page.get_by_label("Edited message")
+    await expect(edited).to_have_value("What is 3 + 3?", timeout=120_000)
+    await expect(page.locator("#notice")).to_be_visible()

@@ -641,7 +641,9 @@ function startEdit(item, message, draft = null) {
     const conversationId = state.conversation.id;
     const path = `/v1/conversations/${conversationId}/messages/${id}/edit`;
     restore();
-    await streamReply(
+    const shown = () =>
+      item.isConnected ? item : $("messages").querySelector(`.message.user[data-id="${CSS.escape(id)}"]`);
+    const reply = await streamReply(
       async () => {
         let response;
         try {
@@ -661,12 +663,16 @@ function startEdit(item, message, draft = null) {
       () => startEdit(item, message, text),
       () => {
         // No reply ran; the message edited still shown (not replaced): not taken.
-        const kept = $("messages").querySelector(`.message.user[data-id="${CSS.escape(id)}"]`);
+        const kept = shown();
         if (state.conversation?.id !== conversationId || !kept) return;
         startEdit(kept, { ...message, id }, text);
         notify(new ApiError(0, "Your edit was not sent: the gateway could not be reached."));
       },
     );
+    // Neither answered nor found stored (the gateway unreachable throughout): the text
+    // goes back to its editor, not lost (an editor already open is only focused).
+    const kept = shown();
+    if (!reply.begun && !reply.reloaded && !reply.left && kept) startEdit(kept, { ...message, id }, text);
   });
   editor.addEventListener("keydown", (e) => {
     if (e.key !== "Escape") return;
