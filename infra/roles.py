@@ -78,8 +78,10 @@ class RoleProcess:
         self.log_file = log_dir / f"{name}-{uuid.uuid4().hex[:6]}.log"
         self._env = {**os.environ, **env}
         self.proc: subprocess.Popen[bytes] | None = None
+        self._group_killed = False
 
     def start(self) -> None:
+        self._group_killed = False
         with self.log_file.open("wb") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", self.module, *self.args],
@@ -136,8 +138,7 @@ class RoleProcess:
         """kill -9 the whole process tree (a worker's vLLM engine core is a child)."""
         if self.proc is None:
             return
-        with contextlib.suppress(ProcessLookupError):  # already gone
-            os.killpg(self.proc.pid, signal.SIGKILL)
+        self._kill_group()
         self.proc.wait(timeout=30)
 
     def terminate(self, timeout_s: float = 120) -> int:
@@ -158,14 +159,22 @@ class RoleProcess:
                 self._kill_tree()
             # Its main process gone (it died first: kill -9, the OOM killer), what it
             # started runs on in its group: a worker's engine core watches no parent.
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
+            self._kill_group()
 
     def _kill_tree(self) -> int:
         assert self.proc is not None
-        with contextlib.suppress(ProcessLookupError):  # already gone
-            os.killpg(self.proc.pid, signal.SIGKILL)
+        self._kill_group()
         return self.proc.wait()
+
+    def _kill_group(self) -> None:
+        """SIGKILL the role's process group, once per start: killed again long after, the
+        group's number may have gone to another process."""
+        assert self.proc is not None
+        if self._group_killed:
+            return
+        self._group_killed = True
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # gone (or not ours)
+            os.killpg(self.proc.pid, signal.SIGKILL)
 
 
 OPS_ADDRESS = re.compile(r"metrics on http://[\d.]+:(\d+)/metrics")

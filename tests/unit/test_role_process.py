@@ -12,6 +12,8 @@ import re
 import signal
 from pathlib import Path
 
+import pytest
+
 from infra.process import process_alive
 from infra.roles import RoleProcess, terminate_all
 from tests.waiting import until
@@ -83,3 +85,26 @@ async def test_every_role_is_told_to_stop_at_once_however_many(tmp_path: Path) -
     finally:
         for role in roles:
             role.kill()
+
+
+async def test_a_role_killed_then_stopped_has_its_group_killed_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stopped after it was killed (a fault test's kill, then the stack's teardown), its
+    group was killed again: by then its number may be another process group's."""
+    (tmp_path / "leader_dies.py").write_text(LEADER_DIES)
+    role = RoleProcess("killed", [], "toy ready", tmp_path, {"PYTHONPATH": str(tmp_path)})
+    role.module = "leader_dies"
+    role.start()
+    await role.wait_ready()
+    killed: list[int] = []
+    real = os.killpg
+
+    def killpg(group: int, sig: int) -> None:
+        killed.append(group)
+        real(group, sig)
+
+    monkeypatch.setattr(os, "killpg", killpg)
+    role.kill()
+    role.terminate(timeout_s=10)
+    assert role.proc is not None and killed == [role.proc.pid]
