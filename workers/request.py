@@ -83,8 +83,7 @@ class RequestRunner:
         engine slot its task holds, given back while another worker has the request."""
         arrival = await self._arrival(prompt, slot, tracked)
         if arrival is None:  # done: its final is out (delivered here now, or before)
-            # Known so to a copy of the prompt waiting on this task: asking Redis again
-            # (out of reach), it ran the whole reply as a first attempt.
+            # Known so to a copy waiting on this task (asking Redis, down, it ran again).
             tracked.delivered = True
             return
         tracked.leased, tracked.attempt = arrival.leased, arrival.attempt
@@ -125,8 +124,7 @@ class RequestRunner:
             outcome = await self.ledger.arrive(prompt.request_id, batch_cancel_of(prompt))
             if isinstance(outcome, Finished):
                 if outcome.final is not None:  # its worker died before it was delivered
-                    # Leased to deliver it, and renewed meanwhile: Kafka may hold the usage
-                    # record back for long, and a lapsed lease let a second waiter deliver.
+                    # Leased to deliver it, renewed: Kafka may hold the usage back for long.
                     tracked.leased = True
                     try:
                         await self._deliver_recorded(prompt, outcome.final, slot)
