@@ -21,8 +21,8 @@ async def test_finish_waits_for_the_work_and_what_it_starts_meanwhile() -> None:
 
     background.start(then_more())
     finishing = asyncio.ensure_future(background.finish(within_s=10))
-    await asyncio.sleep(0)  # one turn of the loop: the finish is waiting on the first
-    go_on.set()
+    # Called after the finish's first step (scheduled before it): it waits on the first.
+    asyncio.get_running_loop().call_soon(go_on.set)
     await finishing
     assert done == ["first", "second"] and len(background) == 0
 

@@ -36,8 +36,7 @@ async def test_the_stop_of_a_stream_cut_at_the_end_of_the_grace_goes_before_the_
     background, slots, happened = Background(), StreamSlots(4), []
     first_chunk_sent = asyncio.Event()
 
-    async def send_stop() -> None:
-        await asyncio.sleep(0.2)  # a produce to `control`
+    async def send_stop() -> None:  # a produce to `control`
         happened.append("stop sent")
 
     async def chunks() -> AsyncIterator[str]:

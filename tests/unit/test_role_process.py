@@ -20,7 +20,7 @@ from tests.waiting import until
 
 LEADER_DIES = """
 import subprocess, sys
-child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+child = subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"])
 print(f"child {child.pid}", flush=True)
 print("toy ready", flush=True)
 """
@@ -48,17 +48,16 @@ async def test_stopping_a_role_whose_main_process_died_stops_its_children(
 
 
 DRAINS_UNTIL_RELEASED = """
-import pathlib, signal, sys, time
-release = pathlib.Path(sys.argv[1])
+import signal, sys
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})  # the release, waited for
 def drain(*_):
     print("draining", flush=True)
-    while not release.exists():
-        time.sleep(0.05)
+    signal.sigwait({signal.SIGUSR1})
     sys.exit(0)
 signal.signal(signal.SIGTERM, drain)
 print("toy ready", flush=True)
 while True:
-    time.sleep(1)
+    signal.pause()
 """
 
 
@@ -67,8 +66,8 @@ async def test_every_role_is_told_to_stop_at_once_however_many(tmp_path: Path) -
     a seventh role got its SIGTERM only once another had drained (up to 120 s)."""
     many = min(32, (os.cpu_count() or 1) + 4) + 1
     (tmp_path / "drains.py").write_text(DRAINS_UNTIL_RELEASED)
-    release, env = tmp_path / "release", {"PYTHONPATH": str(tmp_path)}
-    roles = [RoleProcess(f"r{n}", [str(release)], "toy ready", tmp_path, env) for n in range(many)]
+    env = {"PYTHONPATH": str(tmp_path)}
+    roles = [RoleProcess(f"r{n}", [], "toy ready", tmp_path, env) for n in range(many)]
     try:
         for role in roles:
             role.module = "drains"
@@ -80,7 +79,9 @@ async def test_every_role_is_told_to_stop_at_once_however_many(tmp_path: Path) -
             what="every role draining",
             idle_s=10,
         )
-        release.touch()
+        for role in roles:  # released: each drain ends
+            assert role.proc is not None
+            role.proc.send_signal(signal.SIGUSR1)
         await stopping
     finally:
         for role in roles:
