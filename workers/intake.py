@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter, defaultdict
+from collections import defaultdict
 from typing import TypeAlias
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
@@ -46,10 +46,9 @@ class PromptIntake(ConsumerRebalanceListener):  # type: ignore[misc]
         )
         self.held: dict[str, int] = defaultdict(int)  # prompts in flight per band
         self.offsets = OffsetTracker()
-        # Each record in flight (by id: the task handling it holds it): its partition and
-        # how many times that was revoked before it was taken.
-        self._taken_in: dict[int, tuple[tuple[str, int], int]] = {}
-        self._revokes: Counter[tuple[str, int]] = Counter()
+        # Records in flight (by id: the task handling each holds it) and their partitions,
+        # while assigned: one taken before a revoke is not its partition's any more.
+        self._taken_in: dict[int, tuple[str, int]] = {}
         self.consumer = AIOKafkaConsumer(
             bootstrap_servers=settings.kafka_bootstrap,
             group_id=worker_group(model),
@@ -142,10 +141,9 @@ class PromptIntake(ConsumerRebalanceListener):  # type: ignore[misc]
             log.info("backlog while full: %r", exc)
 
     def finished(self, record: Record, held: bool = True) -> None:
-        key = (record.topic, record.partition)
         # Taken before a revoke forgot its partition: fetched again since, that copy's
         # offset is the copy's to finish (which may still have to run).
-        if self._taken_in.pop(id(record), None) == (key, self._revokes[key]):
+        if self._taken_in.pop(id(record), None) is not None:
             self.offsets.finished(record.topic, record.partition, record.offset)
         if held:
             self.held[self.band_of(record)] -= 1
@@ -186,8 +184,7 @@ class PromptIntake(ConsumerRebalanceListener):  # type: ignore[misc]
         await self.commit()
         gone = [(tp.topic, tp.partition) for tp in revoked]
         self.offsets.forget(gone)
-        self._revokes.update(gone)
-        self._taken_in = {r: taken for r, taken in self._taken_in.items() if taken[0] not in gone}
+        self._taken_in = {r: key for r, key in self._taken_in.items() if key not in gone}
 
     async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
         log.info("assigned %s partitions %s", self.topic, sorted(tp.partition for tp in assigned))
@@ -197,8 +194,7 @@ class PromptIntake(ConsumerRebalanceListener):  # type: ignore[misc]
         records = [record for chunk in batch.values() for record in chunk]
         for record in records:
             self.offsets.taken(record.topic, record.partition, record.offset)
-            key = (record.topic, record.partition)
-            self._taken_in[id(record)] = (key, self._revokes[key])
+            self._taken_in[id(record)] = (record.topic, record.partition)
             band = self.band_of(record)
             self.backlog[band] = max(0, self.backlog.get(band, 0) - 1)
             self.held[band] += 1
