@@ -5,6 +5,7 @@ counted again. Metadata reads back as given."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import datetime as dt
 import hashlib
@@ -29,6 +30,7 @@ from producers.gateway.batches.store import (
     StoredFile,
 )
 from producers.gateway.errors import ApiError
+from tandoor.clients import cql
 from tandoor.policies.api_keys import Principal
 
 NO_KAFKA: Any = None  # reads and stores only: no batch is queued
@@ -249,3 +251,39 @@ async def test_a_batchs_output_file_is_read_a_page_of_lines_at_a_time(session: A
         name for n, name in enumerate(names) if n % 5
     ], "every succeeded line once, in custom_id order"
     assert max(chunk.count(b"\n") for chunk in read) <= OUTPUT_LINES_A_PAGE
+
+
+async def stored_chunks(session: Any, file_id: str) -> int:
+    rows = await cql(session, "SELECT chunk FROM file_chunks WHERE file_id = %s", (file_id,))
+    return len(rows)
+
+
+async def test_an_upload_cut_short_leaves_none_of_its_chunks_stored(session: Any) -> None:
+    """Chunks are written as they are read; an upload that fails or is cancelled half-way
+    left them stored for ever, counted against no one."""
+    files = FileStore(session)
+    two_chunks_in, go_on = asyncio.Event(), asyncio.Event()
+
+    async def cut(after: int, how: str) -> AsyncIterator[bytes]:
+        yield b"x" * (after * CHUNK_BYTES)
+        two_chunks_in.set()
+        if how == "fails":
+            raise OSError("the spooled upload could not be read")
+        await go_on.wait()
+        yield b"never"
+
+    failed = stored(f"f-{uuid.uuid4().hex[:8]}", AT)
+    with pytest.raises(OSError):
+        await files.create(failed, cut(2, "fails"))
+    assert await stored_chunks(session, failed.file_id) == 0
+
+    two_chunks_in.clear()
+    cancelled = stored(f"f-{uuid.uuid4().hex[:8]}", AT)
+    upload = asyncio.create_task(files.create(cancelled, cut(2, "waits")))
+    await two_chunks_in.wait()
+    assert await stored_chunks(session, cancelled.file_id) == 2  # written as read
+    upload.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await upload
+    assert await stored_chunks(session, cancelled.file_id) == 0
+    assert await files.get(cancelled.file_id) is None

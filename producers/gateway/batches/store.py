@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import datetime as dt
+import logging
 from collections import Counter
 from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from dataclasses import dataclass
@@ -14,6 +15,8 @@ from typing import Any, Literal
 from cassandra.query import SimpleStatement
 
 from tandoor.clients import cql, cql_pages, cql_together
+
+log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 512 * 1024  # a file's bytes in rows of this size, in one partition
 CHUNKS_A_PAGE = 2  # read back a megabyte at a time
@@ -89,9 +92,13 @@ class FileStore:
         chunks) by each of a few uploads at once was a replica out of memory."""
         size, number = 0, 0
         insert = await self._insert_chunk()
-        async for chunk in _chunks_of(content):
-            await cql(self._session, insert, (stored.file_id, number, chunk), True)
-            size, number = size + len(chunk), number + 1
+        try:
+            async for chunk in _chunks_of(content):
+                await cql(self._session, insert, (stored.file_id, number, chunk), True)
+                size, number = size + len(chunk), number + 1
+        except BaseException:  # cut short (Cassandra, a cancel): its chunks were stored for ever
+            await asyncio.shield(self._forget_chunks(stored.file_id))
+            raise
         stored = dataclasses.replace(stored, bytes=size)
         row = (stored.purpose, stored.filename, stored.bytes)
         await cql_together(  # visible and listed together, or neither
@@ -110,6 +117,12 @@ class FileStore:
             ],
         )
         return stored
+
+    async def _forget_chunks(self, file_id: str) -> None:
+        try:
+            await cql(self._session, "DELETE FROM file_chunks WHERE file_id = %s", (file_id,))
+        except Exception:
+            log.exception("the chunks of unfinished upload %s stay stored", file_id)
 
     async def get(self, file_id: str) -> StoredFile | None:
         rows = await cql(
