@@ -96,6 +96,7 @@ class ModelRouter:
             rule is not None
             and load is not None
             and load.total >= rule.backlog
+            and self.busy(rule.model, tier) is None  # it can start it in time
             and takes(rule.model)
         ):
             log.info(

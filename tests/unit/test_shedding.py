@@ -68,6 +68,17 @@ def test_a_listed_tier_is_shed_once_the_backlog_reaches_the_threshold() -> None:
     assert router({"big": load(waiting=96, rate=10)}).answering("big", "free") == "small"
 
 
+def test_a_backlog_is_not_shed_to_a_fallback_that_cannot_start_it_either() -> None:
+    """A fallback kept at no workers (no traffic, so autoscaled to zero) or itself full
+    took the prompt, and the user waited for its deadline where the asked model would
+    have answered, or a 503 would have said so at once."""
+    long = load(waiting=200, rate=10)  # 20 s to start: within the budget
+    for fallback in (load(workers=0), load(waiting=10_000, rate=1)):
+        assert router({"big": long, "small": fallback}).answering("big", "free") == "big"
+        refused(router({"big": load(waiting=200, rate=1), "small": fallback}), "big", "free")
+    assert router({"big": long, "small": load()}).answering("big", "free") == "small"
+
+
 def test_other_tiers_and_models_are_not_shed_while_they_can_start_in_time() -> None:
     fast = load(waiting=500, rate=100)
     assert router({"big": fast}).answering("big", "plus") == "big"
