@@ -177,7 +177,12 @@ class TokenFanout(ConsumerRebalanceListener):  # type: ignore[misc]
         if not self._usable:
             self._ready.clear()
         for partition in lost:
-            subs = [s for s in self._subs.values() if s.partition == partition]
+            # Not those a reader carries already: each rebalance revokes everything.
+            subs = [
+                s
+                for s in self._subs.values()
+                if s.partition == partition and s.request_id not in self._carried
+            ]
             if subs:
                 self._carried.update(sub.request_id for sub in subs)
                 self._handovers.start(self._hand_over(partition, subs))

@@ -156,6 +156,28 @@ async def test_a_stream_on_a_partition_given_back_goes_on_without_a_gap(
             assert (await sub.queue.get()).offset == 15
 
 
+async def test_a_rebalance_while_a_stream_is_handed_over_starts_no_second_reader(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every rebalance revokes every partition (the eager protocol): each one started
+    another reader for the streams already handed over, so a rolling restart piled up a
+    Kafka consumer per open stream and rebalance on every replica until replies ended."""
+    async with dispatching(monkeypatch) as rig:
+        fanout, handover, sub = rig.fanout, rig.handover, rig.sub
+        for _ in range(3):
+            await fanout.on_partitions_revoked([TopicPartition(topics.TOKENS, PARTITION)])
+        assert fanout.handovers == 1
+        carried = set(fanout._handovers)
+        for offset in range(10, 13):
+            handover.records.put_nowait(record(offset, token(offset - 10)))
+        handover.records.put_nowait(record(13, final(3)))
+        async with asyncio.timeout(WAIT_S):
+            await asyncio.gather(*carried)
+        assert rig.started_at == [10]
+        assert offsets(sub.queue) == [10, 11, 12, 13]
+        assert not fanout.handovers
+
+
 @pytest.mark.parametrize(
     "failure",
     [
