@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+from collections import Counter
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.errors import CommitFailedError, KafkaError
@@ -16,16 +17,23 @@ class PartitionOffsets:
 
     def __init__(self) -> None:
         self._pending: list[int] = []  # min-heap of unfinished offsets
+        # The same, counted to look up (admission holds 50,000): one offset may be
+        # taken twice at once (a rebalance fetched it again while it ran).
+        self._unfinished: Counter[int] = Counter()
         self._finished: set[int] = set()
         self._next = -1  # one past the highest offset taken
 
     def taken(self, offset: int) -> None:
         heapq.heappush(self._pending, offset)
+        self._unfinished[offset] += 1
         self._next = max(self._next, offset + 1)
 
     def finished(self, offset: int) -> None:
-        if offset not in self._pending:  # a second copy's (a rebalance fetched it twice)
+        if not self._unfinished[offset]:  # a second copy's (a rebalance fetched it twice)
             return  # kept, it would later pass for the same offset taken again, running
+        self._unfinished[offset] -= 1
+        if not self._unfinished[offset]:
+            del self._unfinished[offset]
         self._finished.add(offset)
         while self._pending and self._pending[0] in self._finished:
             self._finished.discard(heapq.heappop(self._pending))

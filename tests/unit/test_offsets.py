@@ -106,3 +106,44 @@ def test_an_offset_finished_twice_does_not_pass_a_later_copy_of_it_still_running
     assert offsets.committable() == 5
     offsets.finished(5)
     assert offsets.committable() == 7 and offsets.in_flight == 0
+
+
+def test_two_copies_of_an_offset_taken_at_once_each_hold_the_commit() -> None:
+    offsets = PartitionOffsets()
+    for offset in (5, 5, 6):
+        offsets.taken(offset)
+    offsets.finished(6)
+    offsets.finished(5)
+    assert offsets.committable() == 5  # the other copy still runs
+    offsets.finished(5)
+    assert offsets.committable() == 7 and offsets.in_flight == 0
+
+
+class Compared(int):
+    """An offset that counts how often it is compared."""
+
+    comparisons = 0
+
+    def __eq__(self, other: object) -> bool:
+        Compared.comparisons += 1
+        return int(self) == other
+
+    def __lt__(self, other: int) -> bool:
+        Compared.comparisons += 1
+        return int(self) < other
+
+    __hash__ = int.__hash__
+
+
+def test_finishing_a_partitions_offsets_costs_linear_time_however_many_wait() -> None:
+    """Admission holds every waiting line of a partition (50,000): each finish looked
+    its offset up in the whole heap, and a cancelled batch held the loop for seconds."""
+    offsets, many = PartitionOffsets(), 4_000
+    taken = [Compared(offset) for offset in range(many)]
+    for offset in taken:
+        offsets.taken(offset)
+    Compared.comparisons = 0
+    for offset in reversed(taken):  # the newest first: none can be committed until the last
+        offsets.finished(offset)
+    assert offsets.committable() == many
+    assert Compared.comparisons < 40 * many, Compared.comparisons  # a heap's log n each
