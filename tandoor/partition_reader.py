@@ -32,13 +32,13 @@ class PartitionReader:
     def __init__(self, consumer: AIOKafkaConsumer, on_unreadable: OnUnreadable) -> None:
         self._consumer = consumer
         self._on_unreadable = on_unreadable
+        self._turn = 0  # which partition is read first: each in turn
 
     async def read(self, *, max_records: int, idle_s: float) -> list[Record]:
         """What has arrived on the assigned, unpaused partitions; waits idle_s if nothing."""
         records: list[Record] = []
-        readable = self._consumer.assignment() - self._consumer.paused()
         try:
-            for tp in sorted(readable, key=lambda tp: tp.partition):
+            for tp in self._in_turn():
                 if len(records) >= max_records:
                     break
                 records += await self._read_partition(tp, max_records - len(records))
@@ -48,6 +48,17 @@ class PartitionReader:
         if not records:
             await asyncio.sleep(idle_s)
         return records
+
+    def _in_turn(self) -> list[TopicPartition]:
+        """The readable partitions, starting from the next in turn: read from the lowest
+        first, a flood on it (lines answered as read, never paused) starved the rest."""
+        readable = self._consumer.assignment() - self._consumer.paused()
+        ordered = sorted(readable, key=lambda tp: tp.partition)
+        if not ordered:
+            return []
+        first = self._turn % len(ordered)
+        self._turn += 1
+        return ordered[first:] + ordered[:first]
 
     async def _read_partition(self, tp: TopicPartition, max_records: int) -> list[Record]:
         try:
