@@ -69,7 +69,8 @@ def read_batch(path: Path) -> list[tuple[int, BatchLine]]:
     """The file's prompts with their line numbers (blank lines skipped), every one
     checked before anything is sent."""
     lines = []
-    for number, raw in enumerate(path.read_bytes().splitlines(), start=1):
+    text = path.read_bytes().removeprefix(codecs.BOM_UTF8)  # not part of the first line
+    for number, raw in enumerate(text.splitlines(), start=1):
         if not raw.strip():
             continue
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,15 @@ def test_lines_take_a_prompt_or_messages(tmp_path: Path) -> None:
     lines = read_batch(path)
     assert [(n, line.chat()[0].content) for n, line in lines] == [(1, "Hi"), (3, "Yo")]
     assert lines[1][1].max_tokens == 9
+
+
+def test_a_file_saved_with_a_byte_order_mark_is_read(tmp_path: Path) -> None:
+    """Notepad's UTF-8 starts with one: the gateway's upload takes such a file, and the
+    command refused it ("line 1: not JSON")."""
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(codecs.BOM_UTF8 + b'{"prompt": "Hi"}\n{"prompt": "Yo"}\n')
+    lines = read_batch(path)
+    assert [(n, line.chat()[0].content) for n, line in lines] == [(1, "Hi"), (2, "Yo")]
 
 
 @pytest.mark.parametrize(
