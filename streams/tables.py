@@ -28,8 +28,9 @@ ends (by stream time, or by the clock when its partition goes quiet).
 from __future__ import annotations
 
 import asyncio
+import heapq
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -64,7 +65,9 @@ class PartitionBook:
     stream_ms: int = 0  # the newest finish time counted here
     skipped_to: int = -1  # the offset of the last copy skipped by its id
     windows: dict[bytes, tuple[int, int]] = field(default_factory=dict)  # key: (end, expiry)
-    counted: deque[tuple[int, bytes]] = field(default_factory=deque)  # (at_ms, id), in order
+    # (at_ms, id), a min-heap: arrival order is not time order (a re-run's final of now
+    # before hours of caught-up usage held every id behind it).
+    counted: list[tuple[int, bytes]] = field(default_factory=list)
     dirty: set[bytes] = field(default_factory=set)
     closed: set[bytes] = field(default_factory=set)  # published as closed
     sending: set[bytes] = field(default_factory=set)  # taken by a publication under way
@@ -151,7 +154,7 @@ class RollupTables:
             # applied and the id unmarked, and the replay skips them by their offsets
             # (marked first, the replay skipped the record: it was never counted)
             self._counted[dimension][record_id] = f"{partition}:{at_ms}".encode()
-            book.counted.append((at_ms, record_id))
+            heapq.heappush(book.counted, (at_ms, record_id))
         if advances:
             _advance(book, at_ms)
         self._housekeep(dimension, book)
@@ -255,7 +258,7 @@ class RollupTables:
         if book is None:
             book = PartitionBook()
             self._fill_books(dimension, {partition: book}, self._entries(dimension))
-            book.counted = deque(sorted(book.counted))
+            book.counted.sort()  # a sorted list is a heap
             self._books[(dimension, partition)] = book
         return book
 
@@ -273,7 +276,7 @@ class RollupTables:
             self._fill_books(dimension, books, entries[start : start + REBUILD_SLICE])
             await asyncio.sleep(0)
         for book in books.values():
-            book.counted = deque(sorted(book.counted))
+            book.counted.sort()  # a sorted list is a heap
         return books
 
     def _entries(self, dimension: str) -> list[tuple[bool, bytes, bytes]]:
@@ -316,7 +319,7 @@ class RollupTables:
         counted, table = self._counted[dimension], self._tables[dimension]
         horizon = book.stream_ms - self._dedupe_ms
         while book.counted and book.counted[0][0] < horizon:
-            counted.pop(book.counted.popleft()[1], None)
+            counted.pop(heapq.heappop(book.counted)[1], None)
         for name in [n for n, (_, expiry) in book.windows.items() if expiry < book.stream_ms]:
             if name in book.dirty or name in book.sending or name not in book.closed:
                 continue  # published closed first, its last change too

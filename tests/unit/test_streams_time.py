@@ -69,6 +69,21 @@ async def test_usage_caught_up_after_an_outage_counts_per_model_beside_a_recent_
     assert sum(r["restarts"] for k, r in sink.rollups.items() if "/1m/" in k) == 1
 
 
+async def test_ids_caught_up_behind_a_recent_restart_are_kept_only_as_long_as_the_others(
+    short_memory: tuple[faust.App, Sink],  # noqa: F811
+) -> None:
+    """Ids were dropped oldest-arrived first, and only while older than stream time less
+    the dedupe span: the re-run's final of now, arrived first, held every caught-up usage
+    id behind it, in memory and in the changelog, until stream time passed now."""
+    app, _ = short_memory
+    old = await hours_behind_with_a_restart_of_now(app)
+    async with app.agents["rollups-by-model"].test_context() as agent:
+        for i in range(200):  # 20 minutes of usage, a record every 6 s
+            await agent.put(encode(usage(f"caught-up{i}", at=old + i * 6_000)))
+    # 60 s of ids (short_memory) is about 10 records, and the re-run's own.
+    assert rollup_tables(app).sizes()["counted-by-model"] <= 13
+
+
 async def test_a_late_change_is_published_though_its_window_expires_while_it_is_sent(
     short_memory: tuple[faust.App, Sink],  # noqa: F811
 ) -> None:
