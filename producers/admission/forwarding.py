@@ -142,7 +142,7 @@ class Forwarding(LineSteps):
         self._charged.pop(prompt.request_id, None)
         await self._mark(prompt.request_id, waiting.position)
         queue.charge(tenant, prompt.charged_tokens)
-        self.metrics.charged_tokens.labels(prompt.user_id).inc(prompt.charged_tokens)
+        self.metrics.charged_tokens.labels(prompt.model).inc(prompt.charged_tokens)
         self.band.sent(prompt.model)
         self.queued.discard(prompt.request_id)  # gone already if revoked meanwhile
         self._done(waiting.partition, waiting.offset, "forwarded")

@@ -24,7 +24,8 @@ class AdmissionMetrics:
         )
         self.charged_tokens = Counter(
             "tandoor_admission_charged_tokens",
-            "Tokens forwarded per tenant (prompt estimate + max_tokens): the fair share",
-            ["tenant"],
+            # Not per tenant: the ops port is open, and per-user usage is the rollups'.
+            "Tokens forwarded per model (prompt estimate + max_tokens), as charged",
+            ["model"],
             registry=self.registry,
         )

@@ -392,3 +392,17 @@ async def test_a_model_whose_topic_refuses_writes_holds_up_only_its_own_lines() 
         await admission.producer.stop()
     assert submitter.sent == [f"bl_{second}"]
     assert admission.queues[first].size == 1, "the refused line is kept, to go later"
+
+
+async def test_the_ops_port_counts_charged_tokens_per_model_and_names_no_tenant() -> None:
+    """Ops ports carry no user data and no auth (docs/security.md): labelled by tenant,
+    the counter named every batch user and their tokens (and one series each, without
+    end); per-user usage is the rollups', behind their token."""
+    _, _, prompt, admission = await forward_once(Valid())
+    samples = [
+        (sample.labels, sample.value)
+        for metric in admission.metrics.registry.collect()
+        for sample in metric.samples
+        if sample.name == "tandoor_admission_charged_tokens_total"
+    ]
+    assert samples == [({"model": prompt.model}, 40)]
