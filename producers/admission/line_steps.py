@@ -55,7 +55,7 @@ class LineSteps:
         A key that cannot be looked up now (Cassandra down) was good when it was read:
         forwarding goes on, as it needs only Redis and Kafka."""
         try:
-            return await self.callers.resolve(waiting.key) is None
+            return await self.callers.resolve_again(waiting.key) is None
         except UNREACHABLE as exc:
             log.warning("key of a waiting line not checked again (%r); taken as good", exc)
             return False

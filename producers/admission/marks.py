@@ -62,6 +62,15 @@ class CallerCache:
             return None
         return await _cached(self._callers, key, self._keys.resolve)
 
+    async def resolve_again(self, key: str | None) -> Principal | None:
+        """Looked up now, past this cache: a line about to run after waiting stops within
+        the key store's own minute of a revocation, not that and KEY_CACHE_S more."""
+        if not key:
+            return None
+        principal = await self._keys.resolve(key)
+        self._callers[key] = (time.monotonic(), principal)
+        return principal
+
     async def revoked_owner(self, key: str | None) -> str | None:
         """Whose key it was, if it was revoked: its lines are answered to that user."""
         if not key:

@@ -16,6 +16,7 @@ from aiokafka.structs import ConsumerRecord
 from cassandra.cluster import NoHostAvailable
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from producers.admission.marks import CallerCache
 from producers.admission.role import Admission
 from producers.admission.waiting import Waiting
 from schemas import topics
@@ -147,15 +148,21 @@ class Valid:
     async def resolve(self, key: str | None) -> object:
         return object()
 
+    resolve_again = resolve
+
 
 class Revoked:
     async def resolve(self, key: str | None) -> None:
         return None  # the key was revoked while its line waited
 
+    resolve_again = resolve
+
 
 class KeysUnreadable:
     async def resolve(self, key: str | None) -> None:
         raise NoHostAvailable("Cassandra is unreachable", {})
+
+    resolve_again = resolve
 
 
 class Answers:
@@ -204,6 +211,28 @@ async def test_a_line_whose_key_was_revoked_while_it_waited_is_answered_401_not_
     assert admission.queued.where(prompt.request_id) is None
 
 
+class KeyRevokedLater:
+    """The key store: the key good when its line was read, revoked before it ran."""
+
+    def __init__(self) -> None:
+        self.revoked = False
+
+    async def resolve(self, key: str) -> object | None:
+        return None if self.revoked else object()
+
+
+async def test_a_key_revoked_while_its_line_waited_is_not_taken_from_the_roles_cache() -> None:
+    """The role kept each key 30 s on top of the key store's minute: a line forwarded
+    in that time ran, and was charged, under the revoked key."""
+    keys = KeyRevokedLater()
+    callers = CallerCache(cast(Any, keys))
+    assert await callers.resolve("tdr_key") is not None  # as the line was read
+    keys.revoked = True
+    submitter, answers, _, _ = await forward_once(callers)
+    assert submitter.sent == [], "it ran"
+    assert [output["response"]["status_code"] for output in answers.sent] == [401]
+
+
 async def test_a_refusal_whose_mark_fails_is_sent_once() -> None:
     """The whole step was tried again, every second while Redis refused the mark (full):
     the same answer went out again and again."""
@@ -221,6 +250,8 @@ async def test_a_key_that_cannot_be_read_again_does_not_stop_forwarding() -> Non
 class NoOwner:
     async def resolve(self, key: str | None) -> None:
         return None
+
+    resolve_again = resolve
 
     async def revoked_owner(self, key: str | None) -> None:
         return None  # never a key of anyone's
