@@ -425,6 +425,7 @@ function newReply(started = () => {}) {
     begun: false, // the gateway has it (its start event): a stop can reach it
     reloaded: false, // no reply ran, and the chat was shown as stored
     stopAsked: false,
+    retryAfter: 0, // seconds the last refused resume asked the page to wait
   };
 }
 
@@ -453,11 +454,13 @@ async function resumeReply() {
 }
 
 // The connection dropped: resume where it stopped, with every try again after a resume
-// that brought events (a long reply may drop more than RESUME_TRIES times).
+// that brought events (a long reply may drop more than RESUME_TRIES times). A refused
+// resume's Retry-After is waited out: the page's own pause may be shorter.
 async function resumeUntilDone(reply) {
   for (let tries = 0; !reply.done && !reply.left && tries < RESUME_TRIES; tries++) {
     const seen = reply.lastEventId;
-    await sleep(500 * 2 ** tries);
+    await sleep(Math.max(500 * 2 ** tries, 1000 * reply.retryAfter));
+    reply.retryAfter = 0;
     await resumeFrom(reply);
     if (reply.lastEventId !== seen) tries = -1;
   }
@@ -492,6 +495,7 @@ async function resumeFrom(reply) {
     // tries again after a pause.
     const passing = [0, 429].includes(error.status) || error.status >= 500;
     if (error instanceof ApiError && !passing) throw error;
+    reply.retryAfter = Math.min(error.retryAfter || 0, 30); // a proxy's hour is not waited
   }
 }
 
