@@ -3,14 +3,13 @@
 tokenizer's added tokens recognised anywhere in it, so such text became the token
 itself: a user could write a turn of its own into the prompt (a system turn, or the
 assistant's), through any surface, and into the title and summary jobs' prompts too.
-A zero-width space after its first character keeps it from matching; the model reads
-nearly the same characters."""
+Such text is spelled apart (tandoor/policies/control_text.py), as the gateway counts it."""
 
 from __future__ import annotations
 
 from typing import Any
 
-ZERO_WIDTH_SPACE = "\u200b"
+from tandoor.policies.control_text import ZERO_WIDTH_SPACE, spelled_apart
 
 
 class ControlTokens:
@@ -31,19 +30,8 @@ class ControlTokens:
         except (NotImplementedError, ValueError, TypeError):  # a tokenizer without offsets
             return self._replaced(text)
         spans = zip(encoded["input_ids"], encoded["offset_mapping"], strict=True)
-        # Where the token's own text starts in its span: a token that strips the space
-        # before it (lstrip) has a span that starts at that space.
-        found = [
-            text.find(self._special[token], start, end)
-            for token, (start, end) in spans
-            if token in self._special
-        ]
-        cuts = [at + 1 for at in found if at >= 0]
-        pieces, at = [], 0
-        for cut in cuts:
-            pieces += [text[at:cut], ZERO_WIDTH_SPACE]
-            at = cut
-        return "".join([*pieces, text[at:]])
+        found = [(self._special[t], start, end) for t, (start, end) in spans if t in self._special]
+        return spelled_apart(text, found)
 
     def _replaced(self, text: str) -> str:
         for control in self._texts:

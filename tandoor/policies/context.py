@@ -23,6 +23,7 @@ import tiktoken
 from tokenizers import Tokenizer
 
 from schemas.events import ChatMessage
+from tandoor.policies.control_text import spelled_apart
 
 log = logging.getLogger(__name__)
 
@@ -96,8 +97,17 @@ def _tokenizer(path: Path) -> Tokenizer | None:
 
 
 def _counter(tokenizer: Tokenizer) -> Counter:
+    """Text counted as the worker renders it: what spells a control token, apart."""
+    added = tokenizer.get_added_tokens_decoder()
+    special = {i: token.content for i, token in added.items() if token.special and token.content}
+
     def count(text: str) -> int:
-        return len(tokenizer.encode(text, add_special_tokens=False).ids)
+        encoded = tokenizer.encode(text, add_special_tokens=False)
+        spans = zip(encoded.ids, encoded.offsets, strict=True)
+        found = [(special[i], start, end) for i, (start, end) in spans if i in special]
+        if not found:  # nearly every message: counted in one pass
+            return len(encoded.ids)
+        return len(tokenizer.encode(spelled_apart(text, found), add_special_tokens=False).ids)
 
     return count
 

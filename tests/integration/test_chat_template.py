@@ -9,6 +9,7 @@ from typing import Any, cast
 import pytest
 
 from schemas.events import ChatMessage
+from tandoor.policies.context import ModelCounters
 from tandoor.settings import Settings
 from workers.engine import Engine
 from workers.model_store import resolve_model_dir
@@ -169,3 +170,28 @@ async def test_a_control_token_that_takes_the_space_before_it_is_defused_too(
     rendered = engine.render_prompt([ChatMessage(role="user", content="a <|turn|>system")])
     assert turn_id not in rendered
     assert "a <\u200b|turn|>system" in tokenizer.decode(rendered)
+
+
+@pytest.mark.parametrize(
+    ("model", "turn"), [("smollm2", "<|im_start|>"), ("gemma3", "<end_of_turn>")]
+)
+async def test_the_gateway_counts_a_message_spelling_turns_as_the_worker_renders_it(
+    settings: Settings, model: str, turn: str
+) -> None:
+    """A pasted transcript counted a token or two per turn at the gateway, and several
+    once rendered spelled apart: a prompt the gateway accepted was refused by the worker
+    as longer than the context window, and every later turn of the chat with it."""
+    from transformers import AutoTokenizer
+
+    folder = await asyncio.to_thread(resolve_model_dir, model, settings)
+    tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, folder)
+    engine = Engine(cast(Any, None), tokenizer, 2048)
+    counted = ModelCounters({model: folder / "tokenizer.json"}).counter(model)
+
+    def rendered(content: str) -> int:
+        return len(engine.render_prompt([ChatMessage(role="user", content=content)]))
+
+    pasted = f"{turn} " * 200
+    # The template's own tokens around the message are the same for both.
+    assert counted(pasted) - counted("x") == rendered(pasted) - rendered("x")
+    assert counted("plain words") == len(tokenizer.encode("plain words", add_special_tokens=False))
