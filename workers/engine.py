@@ -110,7 +110,7 @@ class Engine:
         # callable" (module globals already cleared).
         self._llm: AsyncLLM | None = llm
         self._tokenizer = tokenizer
-        self._control = ControlTokens(tokenizer)
+        self._control = ControlTokens(tokenizer, chat_template)
         self._max_model_len = max_model_len
         self._chat_template = chat_template
 
