@@ -89,7 +89,8 @@ class ModelConfig(BaseModel):
     speculative: Speculative | None = None
     max_num_seqs: int = Field(default=32, ge=1)  # prompts in flight per worker
     # KV cache per worker (SmolLM2: ~22.5 KiB a token, so 1 GiB is ~46k tokens).
-    # None sizes it from memory_share instead (the usual choice on a GPU).
+    # None sizes it from memory_share instead (the usual choice on a GPU), and so does a
+    # config that sets memory_share but not this (_memory_share_sizes_the_cache).
     kv_cache_mib: int | None = Field(default=1024, ge=1)
     memory_share: float = Field(default=0.3, gt=0, le=1)  # vLLM's gpu_memory_utilization
     # A Jinja chat template file used instead of the one in the model's tokenizer.
@@ -97,6 +98,16 @@ class ModelConfig(BaseModel):
     # What the chat page's picker shows (the served name when unset; a bundled model
     # served under its own name gets its display name).
     display_name: str | None = Field(default=None, min_length=1, max_length=80)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _memory_share_sizes_the_cache(cls, data: Any) -> Any:
+        """A memory_share given alone is what sizes the KV cache: the default 1 GiB
+        overrode it (vLLM only notes so), and an engine that needed more then failed
+        with advice to raise it, which changed nothing."""
+        if isinstance(data, dict) and "memory_share" in data and "kv_cache_mib" not in data:
+            return {**data, "kv_cache_mib": None}
+        return data
 
     @model_validator(mode="after")
     def _one_process_one_engine(self) -> ModelConfig:

@@ -246,6 +246,10 @@ def _engine_args(options: EngineOptions, dtype: str, executor: str | None) -> As
 
     return AsyncEngineArgs(
         model=str(options.model_dir),
+        # The Hugging Face tokenizer, as the gateway counts with (tokenizer.json): "auto"
+        # picks vLLM's Mistral one for a folder with tekken.json, whose text encoding
+        # makes no control tokens, and which ignores a chat-template override.
+        tokenizer_mode="hf",
         max_model_len=options.max_model_len,
         max_num_seqs=options.max_num_seqs,
         dtype=dtype,  # vLLM validates it

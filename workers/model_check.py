@@ -4,6 +4,7 @@ starts, so that a mistake is one clear line instead of a vLLM traceback minutes 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,8 @@ from tandoor.models import ModelConfig
 from tandoor.settings import Settings
 from workers.engine import EngineOptions
 from workers.model_store import resolve_model_dir
+
+log = logging.getLogger(__name__)
 
 # config.json keys that bound the context length, by model family.
 _LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
@@ -30,7 +33,23 @@ def prepare_engine(settings: Settings, name: str) -> EngineOptions:
         model_dir = resolve_model_dir(name, settings)
     except ValueError as exc:
         raise ModelError(str(exc)) from exc
+    _check_budget(name, config.max_model_len, settings.worker_max_tokens)
     return engine_options(name, config, model_dir)
+
+
+def _check_budget(name: str, max_model_len: int, worker_max_tokens: int) -> None:
+    """Said at start: a prompt as long as the window reserves more than the worker's
+    token budget, so it waits for an idle worker, and under load expires unanswered.
+    Not refused: a budget below the window is a choice (prompts that long are rare)."""
+    if worker_max_tokens < max_model_len:
+        log.warning(
+            "model %r: TANDOOR_WORKER_MAX_TOKENS %d is less than its max_model_len %d: a "
+            "prompt that long waits for an idle worker; set it to at least %d",
+            name,
+            worker_max_tokens,
+            max_model_len,
+            max_model_len,
+        )
 
 
 def engine_options(name: str, config: ModelConfig, model_dir: Path) -> EngineOptions:
@@ -69,7 +88,7 @@ def _hf_config(name: str, model_dir: Path) -> dict[str, Any]:
 
 def _check_length(name: str, max_model_len: int, hf_config: dict[str, Any]) -> None:
     text_config = hf_config.get("text_config") or hf_config  # multimodal models nest it
-    if text_config.get("rope_scaling"):  # longer than its positions, by a factor: vLLM's rule
+    if _rope_scaled(text_config):  # longer than its positions, by a factor: vLLM's rule
         return
     limits = [text_config[k] for k in _LENGTH_KEYS if isinstance(text_config.get(k), int)]
     if limits and max_model_len > min(limits):
@@ -77,6 +96,21 @@ def _check_length(name: str, max_model_len: int, hf_config: dict[str, Any]) -> N
             f"model {name!r}: max_model_len {max_model_len} is longer than the model's "
             f"{min(limits)} positions; set max_model_len to at most {min(limits)}"
         )
+
+
+def _rope_scaled(text_config: dict[str, Any]) -> bool:
+    """Whether its positions are scaled: `rope_scaling`, or transformers 5's
+    `rope_parameters` (written for every model; per layer type in some) of a type other
+    than the default."""
+    if text_config.get("rope_scaling"):
+        return True
+    found = text_config.get("rope_parameters")
+    if not isinstance(found, dict):
+        return False
+    nested = [v for v in found.values() if isinstance(v, dict)]
+    return any(
+        (p.get("rope_type") or p.get("type") or "default") != "default" for p in (nested or [found])
+    )
 
 
 def _check_quantization(name: str, method: str | None) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pydantic import ValidationError
@@ -137,6 +138,18 @@ def test_every_option_reaches_the_engine(folder: Path) -> None:
     assert (options.quantization, options.tensor_parallel_size) == (None, 1)
 
 
+def test_the_engine_reads_the_hugging_face_tokenizer_the_gateway_counts_with(
+    folder: Path,
+) -> None:
+    """vLLM's "auto" takes its Mistral tokenizer for a folder with tekken.json: prompts
+    rendered as text then encoded with no control tokens, and the chat-template
+    override was ignored."""
+    from workers.engine import _engine_args
+
+    args = _engine_args(engine_options("m", ModelConfig(source=str(folder)), folder), "bf16", None)
+    assert args.tokenizer_mode == "hf"
+
+
 def test_a_window_longer_than_the_model_is_refused(folder: Path) -> None:
     config = ModelConfig(source=str(folder), max_model_len=8192)
     with pytest.raises(ModelError, match="max_model_len 8192 is longer than the model's 4096"):
@@ -148,6 +161,51 @@ def test_a_window_a_rope_scaling_allows_is_left_to_the_engine(folder: Path) -> N
     scaled = {"max_position_embeddings": 4096, "rope_scaling": {"type": "linear", "factor": 4}}
     (folder / "config.json").write_text(json.dumps(scaled))
     engine_options("m", ModelConfig(source=str(folder), max_model_len=16384), folder)
+
+
+def test_a_window_transformers_5s_rope_parameters_allow_is_left_to_the_engine(
+    folder: Path,
+) -> None:
+    """transformers 5 writes `rope_parameters` (for every model): a scaled one was not
+    read, and a window the scaling allows was refused; an unscaled one still limits."""
+    for params in (
+        {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
+        {"full_attention": {"rope_type": "yarn", "factor": 4.0}, "sliding_attention": {}},
+    ):
+        scaled = {"max_position_embeddings": 4096, "rope_parameters": params}
+        (folder / "config.json").write_text(json.dumps(scaled))
+        engine_options("m", ModelConfig(source=str(folder), max_model_len=16384), folder)
+    plain = {"max_position_embeddings": 4096, "rope_parameters": {"rope_type": "default"}}
+    (folder / "config.json").write_text(json.dumps(plain))
+    with pytest.raises(ModelError, match="longer than the model's 4096"):
+        engine_options("m", ModelConfig(source=str(folder), max_model_len=16384), folder)
+
+
+def test_a_memory_share_given_alone_sizes_the_kv_cache(folder: Path) -> None:
+    """The default 1 GiB cache overrode it: an 8B model on an 80 GB card failed to start
+    with advice to raise the share, or ran on 1 GiB of cache."""
+    shared = engine_options("m", ModelConfig(source=str(folder), memory_share=0.9), folder)
+    assert (shared.kv_cache_memory_bytes, shared.gpu_memory_utilization) == (None, 0.9)
+    raw: Any = {"m": {"source": str(folder), "memory_share": 0.9}}  # as TANDOOR_MODELS
+    from_env = Settings(models=raw)
+    assert from_env.models["m"].kv_cache_mib is None
+    both = ModelConfig(source=str(folder), memory_share=0.9, kv_cache_mib=512)
+    assert both.kv_cache_mib == 512  # an exact size, where both are given
+    assert ModelConfig(source=str(folder)).kv_cache_mib == 1024
+
+
+def test_a_window_longer_than_the_workers_token_budget_is_said_at_start(
+    folder: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A prompt that long reserves more than the worker admits at once: it waits for an
+    idle worker, and under load expires unanswered, with nothing said anywhere."""
+    config = ModelConfig(source=str(folder), max_model_len=4096)
+    settings = Settings(models={"m": config}, worker_max_tokens=3000)
+    prepare_engine(settings, "m")
+    assert "TANDOOR_WORKER_MAX_TOKENS 3000 is less than its max_model_len 4096" in caplog.text
+    caplog.clear()
+    prepare_engine(settings.model_copy(update={"worker_max_tokens": 4096}), "m")
+    assert "TANDOOR_WORKER_MAX_TOKENS" not in caplog.text
 
 
 def test_a_broken_chat_template_is_refused_with_its_line(folder: Path) -> None:
