@@ -42,6 +42,20 @@ class ModelLoad:
     def total(self) -> int:
         return sum(self.backlog.values())
 
+    def waiting(self, bands_ahead: list[str], slots: int, kept_for_top: int) -> int:
+        """Prompts of `bands_ahead` (the top band first) beyond those the workers can be
+        generating: the top band may hold every slot, the bands below it together only
+        `slots - kept_for_top` of each worker's (counted as every slot, free prompts
+        waited until they expired, and were never refused)."""
+        top, *lower = bands_ahead
+        top_backlog = self.backlog.get(top, 0)
+        lower_backlog = sum(self.backlog.get(band, 0) for band in lower)
+        top_running = min(top_backlog, self.workers * slots)
+        lower_running = min(
+            lower_backlog, self.workers * (slots - kept_for_top), self.workers * slots - top_running
+        )
+        return top_backlog + lower_backlog - top_running - lower_running
+
 
 @dataclass(frozen=True)
 class Measured:
@@ -141,11 +155,13 @@ class LoadMonitor:
     def record(self, model: str, measured: Measured, now: float) -> ModelLoad:
         """The model's load from a measurement taken at `now`, kept as its latest."""
         progress = self._progress[model]
-        slots = measured.workers * self.settings.models[model].max_num_seqs
-        progress.add(now, measured.done, full=0 < slots <= sum(measured.backlog.values()))
         by_band = {band.name: 0 for band in self.layout.ranges}
         for partition, count in measured.backlog.items():
             by_band[self.layout.band_of(partition).name] += count
+        seen = ModelLoad(by_band, measured.workers, None, 0.0)
+        slots, kept = self.settings.models[model].max_num_seqs, self.settings.kept_for_top(model)
+        full = seen.workers > 0 and seen.waiting(list(by_band), slots, kept) > 0
+        progress.add(now, measured.done, full=full)
         load = ModelLoad(by_band, measured.workers, progress.rate(), progress.idle_s(now))
         self._load[model] = load
         return load

@@ -311,6 +311,10 @@ class Settings(BaseSettings):
                 users.setdefault(port, []).append(name)
         return {port: names for port, names in users.items() if len(names) > 1}
 
+    def kept_for_top(self, model: str) -> int:
+        """Of each of the model's workers' slots, those only the top band may take."""
+        return round(self.models[model].max_num_seqs * self.worker_top_band_share)
+
     def wait_budget_s(self, tier: str) -> float:
         """How long a prompt of `tier` may wait for a worker before it fails."""
         return self.tiers[tier].max_wait_s or self.queue_timeout_s

@@ -42,7 +42,7 @@ class PromptIntake(ConsumerRebalanceListener):  # type: ignore[misc]
             [b.name for b in self.layout.ranges],
             settings.worker_band_reserve,
             slots,
-            round(slots * settings.worker_top_band_share),
+            settings.kept_for_top(model),
         )
         self.held: dict[str, int] = defaultdict(int)  # prompts in flight per band
         self.offsets = OffsetTracker()

@@ -8,8 +8,9 @@
    to the tier's fallback where that one is not busy too. It cannot start in time when
    - no worker is in the model's group; or
    - the prompts ahead of it (its band's and the bands above, beyond the ones being
-     generated, up to the model's `max_num_seqs` per worker) take longer than the budget at the
-     rate the workers finished prompts lately; or
+     generated: up to the model's `max_num_seqs` per worker, of which the bands below the
+     top one hold at most all but the top band's kept share) take longer than the budget
+     at the rate the workers finished prompts lately; or
    - prompts are ahead and none finished for a whole budget.
 A load not measured (just started, Kafka not answering) never refuses.
 """
@@ -49,14 +50,18 @@ class Busy:
 
 
 def busy(
-    load: ModelLoad | None, bands_ahead: list[str], slots: int, budget_s: float
+    load: ModelLoad | None,
+    bands_ahead: list[str],
+    slots: int,
+    budget_s: float,
+    kept_for_top: int = 0,
 ) -> Busy | None:
     """Why a prompt of the last of `bands_ahead` cannot start within `budget_s`, if so."""
     if load is None:
         return None
     if load.workers == 0:
         return Busy("no_worker", "no worker serves it right now", NO_WORKER_RETRY_S)
-    ahead = sum(load.backlog.get(band, 0) for band in bands_ahead) - load.workers * slots
+    ahead = load.waiting(bands_ahead, slots, kept_for_top)
     if ahead <= 0:
         return None
     rate = load.finished_per_s
@@ -133,10 +138,9 @@ class ModelRouter:
             )
 
     def busy(self, model: str, tier: str) -> Busy | None:
+        slots, kept = self.settings.models[model].max_num_seqs, self.settings.kept_for_top(model)
         budget_s = self.settings.wait_budget_s(tier)
-        return busy(
-            self.load(model), self._ahead[tier], self.settings.models[model].max_num_seqs, budget_s
-        )
+        return busy(self.load(model), self._ahead[tier], slots, budget_s, kept)
 
     def _fallback(self, model: str, tier: str) -> Fallback | None:
         rule = self.settings.fallbacks.get(model)

@@ -150,13 +150,16 @@ class Watched:
         self.monitor = LoadMonitor(router({}).settings)
         self.now, self.done = 0.0, 0
 
-    def seconds(self, count: int, in_flight: int, finished_per_s: float = 0.0) -> ModelLoad:
-        """`in_flight` prompts past the commits (running or waiting) for `count` seconds,
-        `finished_per_s` of them committed each second."""
+    def seconds(
+        self, count: int, in_flight: int, finished_per_s: float = 0.0, band: str = ""
+    ) -> ModelLoad:
+        """`in_flight` prompts past the commits (running or waiting; in `band`, else the
+        top one) for `count` seconds, `finished_per_s` of them committed each second."""
+        partition = self.monitor.layout.band(band).first if band else 0
         for _ in range(count):
             self.now += 1.0
             self.done += round(finished_per_s) if finished_per_s >= 1 else 0
-            measured = Measured(backlog={0: in_flight}, done=self.done, workers=1)
+            measured = Measured(backlog={partition: in_flight}, done=self.done, workers=1)
             load = self.monitor.record("big", measured, self.now)
         return load
 
@@ -186,6 +189,20 @@ def test_full_workers_are_measured_and_refuse_what_they_cannot_start_in_time() -
     full = watched.seconds(30, in_flight=SLOTS + 100, finished_per_s=1.0)
     assert full.finished_per_s == pytest.approx(1.0)
     assert "prompts are ahead" in refused(router({"big": full}), "big", "plus").message
+
+
+def test_the_bands_below_the_top_count_only_the_slots_they_may_hold() -> None:
+    """Each worker keeps a share of its slots for the top band (1 of 4 here): free
+    prompts filling the rest wait, though fewer than every slot is taken. Counted
+    against every slot they were ahead of no one, and the workers never counted as full
+    (no rate measured), so nothing was refused and they expired unanswered."""
+    free = "interactive-free"
+    slow = load(waiting=0, workers=1, rate=0.01, band=free)  # 4 in flight: 3 run, 1 waits
+    assert "1 prompts are ahead" in refused(router({"small": slow}), "small", "free").message
+    assert router({"small": slow}).answering("small", "plus") == "small"  # a kept slot is free
+    watched = Watched()
+    measured = watched.seconds(30, in_flight=SLOTS, finished_per_s=1.0, band=free)
+    assert measured.finished_per_s == pytest.approx(1.0), "the workers were full"
 
 
 def test_full_workers_finishing_nothing_for_a_budget_are_stalled() -> None:
