@@ -27,7 +27,7 @@ from bench.loadgen import (
 )
 from bench.machine import describe_machine
 from bench.procstats import pid_of
-from bench.vllm_server import bench_direct
+from bench.vllm_server import bench_direct, engine_settings
 from infra.process import free_port
 from infra.roles import (
     GatewayProcess,
@@ -95,7 +95,7 @@ async def bench_gateway(model_dir: Path, args: argparse.Namespace) -> list[tuple
     # Its own persist group, started at the end of `tokens` (model_alias): the
     # long-lived "persist" group, unread while benchmarks and tests ran, first stored
     # their backlog, on the engine's cores, in the gateway half only.
-    env = with_models(env, max_num_seqs=args.max_seqs, kv_cache_mib=args.kv_cache_mib)
+    env = with_models(env, None, **engine_settings(args))
     gateway = GatewayProcess(args.log_dir, free_port(), env)
     roles = [WorkerProcess(model, args.log_dir, env), PersistProcess(args.log_dir, env), gateway]
     async with running(roles):

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The GPU check, meant to finish within 10 minutes on a machine with an NVIDIA GPU:
-# installs CUDA vLLM (infra/requirements/lock-cuda.txt), starts the servers, then runs
+# The GPU check, meant to finish within 10 minutes on a machine with an NVIDIA GPU that
+# is set up already (the first run installs CUDA vLLM, infra/requirements/lock-cuda.txt:
+# several GB, from the network), starts the servers, then runs
 #   1. the side-by-side benchmark: Tandoor's whole path against vLLM's own OpenAI
 #      server, 1 and 32 streams (bench/gateway_vs_vllm.py);
 #   2. the fairness phase of the load benchmark (bench/gateway_load.py);

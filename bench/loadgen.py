@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
+import signal
 import statistics
 import sys
 import time
@@ -167,7 +169,15 @@ def openai_sender(
     return send
 
 
+def _interrupted(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def parse_args(doc: str | None) -> argparse.Namespace:
+    """The side-by-side benchmarks' arguments. A SIGTERM (gpu_check.sh's `timeout`) ends
+    a run as Ctrl-C does, through its clean-ups: Python's default ended it at once, and
+    the vLLM server and the roles, in sessions of their own, ran on."""
+    signal.signal(signal.SIGTERM, _interrupted)
     parser = argparse.ArgumentParser(
         description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -189,7 +199,9 @@ def parse_args(doc: str | None) -> argparse.Namespace:
     )
     parser.add_argument("--max-seqs", type=int, default=32)
     parser.add_argument("--kv-cache-mib", type=int, default=1024)
-    parser.add_argument("--vllm-port", type=int, default=18765)
+    parser.add_argument(
+        "--vllm-port", type=int, default=0, help="the direct server's port (0: a free one)"
+    )
     parser.add_argument("--log-dir", type=Path, default=Path(".tandoor/bench"))
     args = parser.parse_args()
     args.log_dir.mkdir(parents=True, exist_ok=True)
@@ -205,7 +217,7 @@ def compare(
     for (_, d), (_, o) in zip(direct, other, strict=True):
         lines.append(
             f"concurrency {d.concurrency}: {name}/direct throughput "
-            f"{o.tokens_per_s / d.tokens_per_s:.1%}, TTFT p50 delta "
+            f"{ratio(o, d):.1%}, TTFT p50 delta "
             f"{o.ttft_ms(50) - d.ttft_ms(50):+.1f} ms, errors {o.errors} vs {d.errors}"
             # A refused or broken request frees its stream for the next: the engine stays
             # as busy, so tokens/s alone would not show the loss.
@@ -237,13 +249,30 @@ def alternate(
     return pairs
 
 
+def ratio(other: RunStats, direct: RunStats) -> float:
+    """Throughput against the direct server's (NaN where it made none: every request
+    failed, which took the whole run down with a ZeroDivisionError)."""
+    return other.tokens_per_s / direct.tokens_per_s if direct.tokens_per_s else math.nan
+
+
 def median_ratios(pairs: list[tuple[Runs, Runs]], name: str) -> str:
+    """Each level's medians over the rounds without errors (a round with errors is
+    INVALID: its refused requests freed their streams, and the median hid it)."""
     lines = []
     for level, (_, first) in enumerate(pairs[0][0]):
-        ratios = [o[level][1].tokens_per_s / d[level][1].tokens_per_s for d, o in pairs]
-        deltas = [o[level][1].ttft_ms(50) - d[level][1].ttft_ms(50) for d, o in pairs]
+        valid = [
+            (d[level][1], o[level][1])
+            for d, o in pairs
+            if not (d[level][1].errors or o[level][1].errors)
+        ]
+        head = f"concurrency {first.concurrency}, {len(valid)} of {len(pairs)} rounds valid"
+        if not valid:
+            lines.append(f"{head}: no median (every round had errors)")
+            continue
+        ratios = [ratio(o, d) for d, o in valid]
+        deltas = [o.ttft_ms(50) - d.ttft_ms(50) for d, o in valid]
         lines.append(
-            f"concurrency {first.concurrency}, {len(pairs)} rounds: {name}/direct throughput "
+            f"{head}: {name}/direct throughput "
             f"median {statistics.median(ratios):.1%} ({', '.join(f'{r:.1%}' for r in ratios)}), "
             f"TTFT p50 delta median {statistics.median(deltas):+.1f} ms "
             f"({', '.join(f'{d:+.1f}' for d in deltas)})"

@@ -16,9 +16,23 @@ from pathlib import Path
 import httpx
 
 from bench.loadgen import Probe, RunStats, openai_sender, run_level, warm_up
+from infra.process import free_port
 from tandoor.settings import Settings
 from workers.dtype import resolve_dtype
 from workers.executor import resolve_executor
+
+
+def engine_settings(args: argparse.Namespace) -> dict[str, object]:
+    """What both sides run with: the worker gets them in its TANDOOR_MODELS (it got only
+    the slots and the cache, so a dtype or executor set for the comparison reached the
+    direct server alone), and the direct server as its arguments."""
+    config = Settings().models["smollm2"]
+    return {
+        "dtype": config.dtype,
+        "executor": config.executor,
+        "max_num_seqs": args.max_seqs,
+        "kv_cache_mib": args.kv_cache_mib,
+    }
 
 
 def start_vllm_server(
@@ -56,6 +70,18 @@ def start_vllm_server(
     return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
+async def refuse_taken(port: int) -> None:
+    """A server left on the port (a killed run's) answered the health check in place of
+    the one starting, which then exited on the taken port: its figures stood for the
+    direct server's."""
+    try:
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+    except OSError:
+        return
+    writer.close()
+    raise RuntimeError(f"port {port} is taken (a vLLM server left running?); stop it first")
+
+
 async def wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 300) -> None:
     deadline = time.monotonic() + timeout_s
     async with httpx.AsyncClient() as client:
@@ -75,7 +101,8 @@ async def bench_direct(
     model_dir: Path, args: argparse.Namespace, beside: dict[str, int] | None = None
 ) -> list[tuple[str, RunStats]]:
     """`beside`: other processes (name -> pid) whose CPU use to show with the server's."""
-    port = args.vllm_port
+    port = args.vllm_port or free_port()
+    await refuse_taken(port)
     proc = start_vllm_server(model_dir, port, args)
     probe = Probe({"vLLM server": proc.pid, **(beside or {})})
     try:

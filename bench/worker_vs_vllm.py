@@ -25,7 +25,7 @@ from bench.loadgen import (
     reply_tokens,
 )
 from bench.machine import describe_machine
-from bench.vllm_server import bench_direct
+from bench.vllm_server import bench_direct, engine_settings
 from consumers.token_reader import TokenCollector
 from infra.roles import WorkerProcess, model_alias, running, with_models
 from producers.prompts import PromptSubmitter
@@ -70,7 +70,7 @@ def worker_sender(
 async def bench_worker(model_dir: Path, args: argparse.Namespace) -> list[tuple[str, RunStats]]:
     settings = Settings()
     model, env = await model_alias(settings, model_dir, "bench")
-    env = with_models(env, max_num_seqs=args.max_seqs, kv_cache_mib=args.kv_cache_mib)
+    env = with_models(env, None, **engine_settings(args))
     async with (
         running([WorkerProcess(model, args.log_dir, env)]),
         kafka_producer(settings, "bench") as producer,
