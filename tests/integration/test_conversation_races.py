@@ -16,13 +16,16 @@ import httpx
 import pytest
 from cassandra.cluster import Session
 
+from producers.gateway.chat.settled import SettledHistory
 from producers.gateway.conversations.protocol import Conversation
 from producers.gateway.conversations.service import ConversationService
 from producers.gateway.errors import ApiError
+from producers.gateway.shedding import ModelRouter
 from schemas.events import now_ms
 from tandoor.clients import cassandra_session, cql
 from tandoor.settings import Settings
 from tests.integration.test_gateway_conversations import client, user_key
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.integration
 
@@ -179,3 +182,39 @@ async def test_a_first_message_names_a_chat_made_on_a_gateway_whose_clock_is_ahe
         )
     opened = (await client.get(chat.path, headers=chat.headers)).json()
     assert opened["title"] == "Hello there"
+
+
+async def test_a_regenerate_in_a_conversation_deleted_while_it_was_read_runs_no_reply(
+    client: httpx.AsyncClient, settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A regenerate writes no message, so no write found the delete another tab made
+    while it read the history: its reply ran, was charged, and was stored in the
+    deleted chat, with no owner to open or delete it again."""
+    await eventually(  # it routes replies: its tokens partitions assigned
+        lambda: client.get("/ready"), lambda r: r.status_code == 200, what="a ready gateway"
+    )
+    monkeypatch.setattr(ModelRouter, "busy", lambda *_: None)  # no worker: not refused
+    async with new_chat(client, settings) as chat:
+        found = await chat.service.owned(chat.user, chat.id)
+        await chat.service.add_user_message(chat.user, found, "m_1", "Hello there", now_ms())
+        read = SettledHistory.visible
+
+        async def deleted_while_read(self: SettledHistory, *args: Any) -> Any:
+            shown = await read(self, *args)
+            await chat.service.delete(chat.user, chat.id)  # the other tab
+            return shown
+
+        monkeypatch.setattr(SettledHistory, "visible", deleted_while_read)
+        path = f"{chat.path}/regenerate"
+        async with client.stream("POST", path, json={}, headers=chat.headers) as regenerated:
+            assert regenerated.status_code == 404
+        monkeypatch.setattr(SettledHistory, "visible", read)
+        again = await client.post(
+            f"{chat.path}/messages", json={"content": "Hi"}, headers=chat.headers
+        )
+        assert again.status_code == 404  # nothing brought it back
+        assert await _left_behind(chat.session, chat.user, chat.id) == {
+            "messages": 0,
+            "conversations": 0,
+            "sidebar": 0,
+        }

@@ -229,6 +229,8 @@ class ChatService:
             raise ApiError(409, "a reply is being generated: stop it first", kind="conflict_error")
         admission: Admission | None = None
         try:
+            if p.text is None and not isinstance(p.conversation, ApiCall):
+                await self._not_deleted_since_read(p.caller.user_id, conversation.id)
             admission = await d.checks.admit(p.caller, p.request_id, p.tokens, p.now)
             if p.text is not None and user_message_id is not None:
                 await self._store_user_message(p, conversation, user_message_id, p.text)
@@ -249,6 +251,12 @@ class ChatService:
         return Reply(
             p.request_id, conversation, p.model, user_message_id, watch, p.dropped, p.summarized
         )
+
+    async def _not_deleted_since_read(self, user_id: str, conversation_id: str) -> None:
+        """A regenerate writes no message to find a delete made since its read: read again
+        once claimed (a later delete finds the claim and stops the reply)."""
+        with contextlib.suppress(*CASSANDRA_DOWN):  # the reads just made: left as read
+            await self.deps.conversations.owned(user_id, conversation_id)
 
     async def _produce(
         self,
@@ -308,10 +316,9 @@ class ChatService:
     async def _unqueued(
         self, p: PlannedPrompt, conversation: Conversation, user_message_id: str | None
     ) -> bool:
-        """The stored message of a prompt Kafka did not take: kept as failed in a chat,
-        where it is retried; gone with its conversation for an API call, opened for it
-        alone (each SDK retry left one more behind, titled with the prompt). True if
-        kept."""
+        """The stored message of a prompt Kafka did not take: kept as failed in a chat (to
+        retry); gone with its conversation for an API call, opened for it alone (each SDK
+        retry left one more behind, titled with the prompt). True if kept."""
         if user_message_id is None:
             return False
         conversations = self.deps.conversations
@@ -322,9 +329,8 @@ class ChatService:
         return True
 
     async def _hide_replaced(self, conversation_id: str, replaced: list[MessageKey]) -> None:
-        """Once the new reply is queued: a refusal or a failed queueing before it leaves
-        the conversation as it was. Cassandra failing now (or this gateway dying) leaves
-        them shown until the new reply is stored: persistence marks them then."""
+        """Once the new reply is queued (a refusal before leaves the chat as it was).
+        Cassandra failing now leaves them shown until persistence marks them."""
         if not replaced:
             return
         try:
@@ -359,10 +365,9 @@ class ChatService:
         )
 
     async def _withdraw(self, request_id: str) -> None:
-        """The client is told its message failed, but the idempotent producer keeps the
-        prompt and delivers it once Kafka is back: mark it done, so workers drop it
-        instead of answering a message shown as failed; one that took it already is told
-        to stop."""
+        """The client is told its message failed, but the idempotent producer delivers it
+        once Kafka is back: marked done, workers drop it instead of answering a message
+        shown as failed; one that took it already is told to stop."""
         with contextlib.suppress(*REDIS_DOWN):
             await self.deps.redis.set(done_key(request_id), 0, ex=ATTEMPT_TTL_S)
         self.running.stop_withdrawn(request_id)
