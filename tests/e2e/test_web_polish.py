@@ -257,6 +257,17 @@ async def test_a_chat_whose_reply_never_came_asks_for_it_once(stack: Stack, page
     await expect(page.get_by_role("button", name="Send")).to_be_visible()
 
 
+async def reply_running(http: httpx.AsyncClient, headers: dict[str, str]) -> str:
+    """A new chat whose first reply runs at the gateway, not followed by the page."""
+    conversation = await new_conversation(http, headers)
+    body = {"content": "Count from one to twenty in words.", "max_tokens": 64}
+    path = f"/v1/conversations/{conversation}/messages"
+    async with http.stream("POST", path, json=body, headers=headers) as started:
+        assert started.status_code == 200
+        await anext(started.aiter_lines())  # queued: closing is not stop
+    return conversation
+
+
 async def test_a_running_reply_opened_through_a_proxys_502_is_shown_whole(
     stack: Stack, page: Page
 ) -> None:
@@ -265,12 +276,7 @@ async def test_a_running_reply_opened_through_a_proxys_502_is_shown_whole(
     posted a Stop that answered 404. A saved key is kept through a failed sign-in."""
     headers = await sign_in(page, stack)
     async with httpx.AsyncClient(base_url=stack.url, timeout=120) as http:
-        conversation = await new_conversation(http, headers)
-        body = {"content": "Count from one to twenty in words.", "max_tokens": 64}
-        path = f"/v1/conversations/{conversation}/messages"
-        async with http.stream("POST", path, json=body, headers=headers) as started:
-            assert started.status_code == 200
-            await anext(started.aiter_lines())  # queued: closing is not stop
+        conversation = await reply_running(http, headers)
         failed: list[str] = []
 
         async def first_fails(route: Route) -> None:
@@ -331,12 +337,7 @@ async def test_a_resume_refused_with_retry_after_waits_as_asked(stack: Stack, pa
     again after the page's own half-second pause, whatever the gateway asked."""
     headers = await sign_in(page, stack)
     async with httpx.AsyncClient(base_url=stack.url, timeout=120) as http:
-        conversation = await new_conversation(http, headers)
-        body = {"content": "Count from one to twenty in words.", "max_tokens": 64}
-        path = f"/v1/conversations/{conversation}/messages"
-        async with http.stream("POST", path, json=body, headers=headers) as started:
-            assert started.status_code == 200
-            await anext(started.aiter_lines())  # queued: closing is not stop
+        conversation = await reply_running(http, headers)
         asked_at: list[float] = []
 
         async def first_refused(route: Route) -> None:

@@ -87,6 +87,16 @@ class Feed:
         return {}
 
 
+async def to_its_final(handover: Feed, carried: set[asyncio.Task[None]], tokens: int) -> None:
+    """REQUEST's `tokens` events from offset 10 and its final, read by the hand-over
+    readers `carried`, which close at the final."""
+    for offset in range(10, 10 + tokens):
+        handover.records.put_nowait(record(offset, token(offset - 10)))
+    handover.records.put_nowait(record(10 + tokens, final(tokens)))
+    async with asyncio.timeout(WAIT_S):
+        await asyncio.gather(*carried)
+
+
 def offsets(queue: asyncio.Queue[Delivered]) -> list[int]:
     return [queue.get_nowait().offset for _ in range(queue.qsize())]
 
@@ -167,12 +177,7 @@ async def test_a_rebalance_while_a_stream_is_handed_over_starts_no_second_reader
         for _ in range(3):
             await fanout.on_partitions_revoked([TopicPartition(topics.TOKENS, PARTITION)])
         assert fanout.handovers == 1
-        carried = set(fanout._handovers)
-        for offset in range(10, 13):
-            handover.records.put_nowait(record(offset, token(offset - 10)))
-        handover.records.put_nowait(record(13, final(3)))
-        async with asyncio.timeout(WAIT_S):
-            await asyncio.gather(*carried)
+        await to_its_final(handover, set(fanout._handovers), tokens=3)
         assert rig.started_at == [10]
         assert offsets(sub.queue) == [10, 11, 12, 13]
         assert not fanout.handovers
@@ -208,12 +213,7 @@ async def test_a_hand_over_reader_that_fails_to_start_is_started_again(
     fanout._subs[REQUEST] = sub
     try:
         await fanout.on_partitions_revoked([TopicPartition(topics.TOKENS, PARTITION)])
-        carried = set(fanout._handovers)
-        for offset in range(10, 14):
-            handover.records.put_nowait(record(offset, token(offset - 10)))
-        handover.records.put_nowait(record(14, final(4)))
-        async with asyncio.timeout(WAIT_S):
-            await asyncio.gather(*carried)
+        await to_its_final(handover, set(fanout._handovers), tokens=4)
         assert started_at == [10, 10]
         assert offsets(sub.queue) == [10, 11, 12, 13, 14]
     finally:
