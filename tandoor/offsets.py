@@ -20,7 +20,7 @@ class PartitionOffsets:
         # The same, counted to look up (admission holds 50,000): one offset may be
         # taken twice at once (a rebalance fetched it again while it ran).
         self._unfinished: Counter[int] = Counter()
-        self._finished: set[int] = set()
+        self._finished: Counter[int] = Counter()  # copies of one offset each count
         self._next = -1  # one past the highest offset taken
 
     def taken(self, offset: int) -> None:
@@ -34,9 +34,12 @@ class PartitionOffsets:
         self._unfinished[offset] -= 1
         if not self._unfinished[offset]:
             del self._unfinished[offset]
-        self._finished.add(offset)
-        while self._pending and self._pending[0] in self._finished:
-            self._finished.discard(heapq.heappop(self._pending))
+        self._finished[offset] += 1
+        while self._pending and self._finished[self._pending[0]]:
+            popped = heapq.heappop(self._pending)
+            self._finished[popped] -= 1
+            if not self._finished[popped]:
+                del self._finished[popped]
 
     def committable(self) -> int | None:
         """The offset to commit: everything below it is finished. None if nothing taken."""

@@ -117,6 +117,12 @@ def test_two_copies_of_an_offset_taken_at_once_each_hold_the_commit() -> None:
     assert offsets.committable() == 5  # the other copy still runs
     offsets.finished(5)
     assert offsets.committable() == 7 and offsets.in_flight == 0
+    for offset in (8, 9, 9):  # both copies finish before the offset below them
+        offsets.taken(offset)
+    offsets.finished(9)
+    offsets.finished(9)
+    offsets.finished(8)
+    assert offsets.committable() == 10 and offsets.in_flight == 0, "stuck at 9"
 
 
 class Compared(int):
