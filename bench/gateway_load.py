@@ -34,6 +34,7 @@ from bench.load_fairness import phase_fairness
 from bench.load_stack import full_stack
 from bench.load_streams import phase_streams
 from bench.load_sustained import phase_sustained
+from bench.loadgen import stop_on_sigterm
 from bench.machine import describe_machine
 
 DEFAULT_LEVELS = [0, 250, 500, 1000, 2000]
@@ -81,6 +82,7 @@ async def run(args: argparse.Namespace) -> None:
 
 def main() -> None:
     args = parse_args()
+    stop_on_sigterm()  # gpu_check.sh's limit: the roles are stopped on the way out
     print(describe_machine(), flush=True)
     asyncio.run(run(args))
 

@@ -173,11 +173,16 @@ def _interrupted(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def parse_args(doc: str | None) -> argparse.Namespace:
-    """The side-by-side benchmarks' arguments. A SIGTERM (gpu_check.sh's `timeout`) ends
-    a run as Ctrl-C does, through its clean-ups: Python's default ended it at once, and
-    the vLLM server and the roles, in sessions of their own, ran on."""
+def stop_on_sigterm() -> None:
+    """A SIGTERM (gpu_check.sh's `timeout`) ends a run as Ctrl-C does, through its
+    clean-ups: Python's default ended it at once, and the vLLM server and the roles, in
+    sessions of their own, ran on."""
     signal.signal(signal.SIGTERM, _interrupted)
+
+
+def parse_args(doc: str | None) -> argparse.Namespace:
+    """The side-by-side benchmarks' arguments."""
+    stop_on_sigterm()
     parser = argparse.ArgumentParser(
         description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
     )
