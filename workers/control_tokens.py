@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tandoor.policies.control_text import ZERO_WIDTH_SPACE, spelled_apart
+from tandoor.policies.control_text import ZERO_WIDTH_SPACE, control_tokens, spelled_apart
 
 
 class ControlTokens:
@@ -18,16 +18,7 @@ class ControlTokens:
         added = getattr(tokenizer, "added_tokens_decoder", {})
         self._tokenizer = tokenizer
         template = chat_template or getattr(tokenizer, "chat_template", None)
-        template = template if isinstance(template, str) else ""
-        # id: text of each special added token (an unknown word's id is not one: <unk>
-        # stands for text that is not its own), and of each other added token the
-        # template writes: some tokenizers (DeepSeek's distilled ones) do not mark their
-        # turns special, and the tokenizer matches added tokens anywhere all the same.
-        self._special = {
-            i: t.content
-            for i, t in added.items()
-            if t.content and (t.special or (not t.content.isspace() and t.content in template))
-        }
+        self._special = control_tokens(added, template if isinstance(template, str) else None)
         self._texts = sorted(set(self._special.values()), key=len, reverse=True)
         self._first_chars = frozenset(text[0] for text in self._texts)
 

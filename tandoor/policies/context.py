@@ -23,7 +23,7 @@ import tiktoken
 from tokenizers import Tokenizer
 
 from schemas.events import ChatMessage
-from tandoor.policies.control_text import spelled_apart
+from tandoor.policies.control_text import control_tokens, folder_template, spelled_apart
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class ModelCounters:
                 )
             return count_tokens
         log.info("%s's tokens are counted with its own tokenizer (%s)", model, path)
-        self._found[model] = found = _counter(tokenizer)
+        self._found[model] = found = _counter(tokenizer, folder_template(path.parent))
         return found
 
 
@@ -96,10 +96,9 @@ def _tokenizer(path: Path) -> Tokenizer | None:
     return read
 
 
-def _counter(tokenizer: Tokenizer) -> Counter:
+def _counter(tokenizer: Tokenizer, template: str | None) -> Counter:
     """Text counted as the worker renders it: what spells a control token, apart."""
-    added = tokenizer.get_added_tokens_decoder()
-    special = {i: token.content for i, token in added.items() if token.special and token.content}
+    special = control_tokens(tokenizer.get_added_tokens_decoder(), template)
 
     def count(text: str) -> int:
         encoded = tokenizer.encode(text, add_special_tokens=False)

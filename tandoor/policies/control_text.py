@@ -7,9 +7,38 @@ then refused as longer than the context window."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import json
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
 
 ZERO_WIDTH_SPACE = "\u200b"
+
+
+def control_tokens(added: Mapping[int, Any], template: str | None) -> dict[int, str]:
+    """id: text of each added token a message must not spell: the special ones (an
+    unknown word's id is not one: <unk> stands for text that is not its own), and the
+    others the chat template writes (DeepSeek's distilled tokenizers do not mark their
+    turns special, and a tokenizer matches added tokens anywhere all the same)."""
+    written = template or ""
+    return {
+        i: t.content
+        for i, t in added.items()
+        if t.content and (t.special or (not t.content.isspace() and t.content in written))
+    }
+
+
+def folder_template(folder: Path) -> str | None:
+    """The chat template a model folder's tokenizer carries, if it is text."""
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    try:
+        config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    template = config.get("chat_template") if isinstance(config, dict) else None
+    return template if isinstance(template, str) else None
 
 
 def spelled_apart(text: str, found: Iterable[tuple[str, int, int]]) -> str:
