@@ -17,6 +17,7 @@ from typing import Any
 import orjson
 import pytest
 from cassandra import OperationTimedOut
+from cassandra.cluster import NoHostAvailable
 
 from consumers.history import INSERT_BATCH_OUTPUT, batch_output_row
 from producers.gateway.batches.service import BatchService
@@ -287,3 +288,19 @@ async def test_an_upload_cut_short_leaves_none_of_its_chunks_stored(session: Any
         await upload
     assert await stored_chunks(session, cancelled.file_id) == 0
     assert await files.get(cancelled.file_id) is None
+
+
+async def test_an_upload_whose_file_rows_are_refused_leaves_none_of_its_chunks(
+    session: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cassandra refusing the rows that make the file visible (no replica up) left every
+    chunk stored with nothing pointing at it."""
+
+    async def refused(*_: Any) -> None:
+        raise NoHostAvailable("no host for the file's rows", {})
+
+    monkeypatch.setattr("producers.gateway.batches.store.cql_together", refused)
+    upload = stored(f"f-{uuid.uuid4().hex[:8]}", AT)
+    with pytest.raises(NoHostAvailable):
+        await FileStore(session).create(upload, b"x" * (2 * CHUNK_BYTES))
+    assert await stored_chunks(session, upload.file_id) == 0

@@ -4,19 +4,21 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import datetime as dt
-import logging
 from collections import Counter
 from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from cassandra import Unavailable
+from cassandra.cluster import NoHostAvailable
 from cassandra.query import SimpleStatement
 
 from tandoor.clients import cql, cql_pages, cql_together
 
-log = logging.getLogger(__name__)
+NOT_WRITTEN = (NoHostAvailable, Unavailable)  # refused before any replica wrote
 
 CHUNK_BYTES = 512 * 1024  # a file's bytes in rows of this size, in one partition
 CHUNKS_A_PAGE = 2  # read back a megabyte at a time
@@ -87,42 +89,40 @@ class FileStore:
         return self._insert_chunk_statement
 
     async def create(self, stored: StoredFile, content: bytes | AsyncIterable[bytes]) -> StoredFile:
-        """The chunks first, then the rows that make the file visible and listed. An
-        upload's chunks are written as they are read: 64 MiB held whole (twice, with its
-        chunks) by each of a few uploads at once was a replica out of memory."""
-        size, number = 0, 0
+        """The chunks as they are read (64 MiB held whole by each of a few uploads ran a
+        replica out of memory), then the rows that make the file visible and listed."""
+        size, number, rows_sent = 0, 0, False
         insert = await self._insert_chunk()
         try:
             async for chunk in _chunks_of(content):
                 await cql(self._session, insert, (stored.file_id, number, chunk), True)
                 size, number = size + len(chunk), number + 1
-        except BaseException:  # cut short (Cassandra, a cancel): its chunks were stored for ever
-            await asyncio.shield(self._forget_chunks(stored.file_id))
+            stored, rows_sent = dataclasses.replace(stored, bytes=size), True
+            row = (stored.purpose, stored.filename, stored.bytes)
+            await cql_together(  # visible and listed together, or neither
+                self._session,
+                [
+                    (
+                        "INSERT INTO files (file_id, user_id, created_at, purpose, filename, "
+                        "bytes) VALUES (%s, %s, %s, %s, %s, %s)",
+                        (stored.file_id, stored.user_id, stored.created_at, *row),
+                    ),
+                    (
+                        "INSERT INTO files_by_user (user_id, created_at, file_id, purpose, "
+                        "filename, bytes) VALUES (%s, %s, %s, %s, %s, %s)",
+                        (stored.user_id, stored.created_at, stored.file_id, *row),
+                    ),
+                ],
+            )
+        except BaseException as exc:  # cut short (Cassandra, a cancel): chunks stored for ever
+            if not rows_sent or isinstance(exc, NOT_WRITTEN):  # a timeout's rows may be written
+                forget = cql(
+                    self._session, "DELETE FROM file_chunks WHERE file_id = %s", (stored.file_id,)
+                )
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(forget)
             raise
-        stored = dataclasses.replace(stored, bytes=size)
-        row = (stored.purpose, stored.filename, stored.bytes)
-        await cql_together(  # visible and listed together, or neither
-            self._session,
-            [
-                (
-                    "INSERT INTO files (file_id, user_id, created_at, purpose, filename, bytes) "
-                    "VALUES (%s, %s, %s, %s, %s, %s)",
-                    (stored.file_id, stored.user_id, stored.created_at, *row),
-                ),
-                (
-                    "INSERT INTO files_by_user (user_id, created_at, file_id, purpose, filename, "
-                    "bytes) VALUES (%s, %s, %s, %s, %s, %s)",
-                    (stored.user_id, stored.created_at, stored.file_id, *row),
-                ),
-            ],
-        )
         return stored
-
-    async def _forget_chunks(self, file_id: str) -> None:
-        try:
-            await cql(self._session, "DELETE FROM file_chunks WHERE file_id = %s", (file_id,))
-        except Exception:
-            log.exception("the chunks of unfinished upload %s stay stored", file_id)
 
     async def get(self, file_id: str) -> StoredFile | None:
         rows = await cql(
