@@ -139,9 +139,11 @@ def assemble(
     reply_tokens: int,
     count: Counter = count_tokens,
     most_tokens: int | None = None,
+    alternating: bool = False,
 ) -> Context:
     """`history` runs oldest to newest and ends with the new user message. The prompt
-    and the reply take at most `most_tokens` (a tier's minute of tokens) if given."""
+    and the reply take at most `most_tokens` (a tier's minute of tokens) if given.
+    `alternating`: history of our own, shaped as every chat template takes it."""
     if not history:
         raise ValueError("history must end with the new message")
     budget = int(max(context_window - reply_tokens, 0) * SAFETY_MARGIN)
@@ -159,7 +161,22 @@ def assemble(
         used += cost
         kept.append(message)
     kept.reverse()
-    return Context([*system, *kept], used, len(history) - len(kept))
+    while alternating and len(kept) > 1 and kept[0].role == "assistant":  # its question left
+        used -= _cost(kept.pop(0), count)
+    dropped = len(history) - len(kept)
+    return Context([*system, *(_user_runs_joined(kept) if alternating else kept)], used, dropped)
+
+
+def _user_runs_joined(turns: list[ChatMessage]) -> list[ChatMessage]:
+    """User turns in a row (the reply between them was stopped before its first word, or
+    failed) as one: strict templates (Gemma's, Mistral's) raise "roles must alternate",
+    which refused every later message of such a chat."""
+    joined: list[ChatMessage] = []
+    for turn in turns:
+        if joined and turn.role == "user" == joined[-1].role:
+            turn = ChatMessage(role="user", content=f"{joined.pop().content}\n\n{turn.content}")
+        joined.append(turn)
+    return joined
 
 
 def _cost(message: ChatMessage, count: Counter) -> int:

@@ -34,12 +34,12 @@ TEXTS = {
 REPLY_TOKENS = 256
 
 
-async def renderer(settings: Settings, model: str) -> Engine:
+async def renderer(settings: Settings, model: str, template: str | None = None) -> Engine:
     from transformers import AutoTokenizer
 
     folder = await asyncio.to_thread(resolve_model_dir, model, settings)
     tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, folder)
-    return Engine(cast(Any, None), tokenizer, settings.models[model].max_model_len)
+    return Engine(cast(Any, None), tokenizer, settings.models[model].max_model_len, template)
 
 
 def chat(text: str, turns: int, repeat: int) -> list[ChatMessage]:
@@ -158,3 +158,34 @@ async def test_a_title_or_summary_prompt_fits_the_window(
         len(engine.render_prompt(prompt)) + max_tokens <= settings.models["smollm2"].max_model_len
     )
     assert content.splitlines()[-1].startswith("Assistant: ")  # the newest turn is there
+
+
+STRICT = (  # the check of Gemma 3's and Mistral's instruct templates
+    "{%- set turns = messages[1:] if messages[0]['role'] == 'system' else messages -%}"
+    "{%- for m in turns -%}{%- if (m['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/...') }}"
+    "{%- endif -%}{{ m['role'] }}: {{ m['content'] }}\n{%- endfor -%}"
+)
+
+
+async def test_the_chat_pages_history_renders_under_a_template_that_wants_turns_to_alternate(
+    settings: Settings,
+) -> None:
+    """The chat page's history after a reply stopped before its first word, and cut so
+    that its oldest kept turn was a reply: a model with such a template refused every
+    later message of that chat."""
+    from workers.engine import RequestFailed
+
+    strict = await renderer(settings, "smollm2", STRICT)
+    stopped_early = [ChatMessage(role="user", content="Tell me a story."), *chat("Short.", 1, 1)]
+    with pytest.raises(RequestFailed, match="must alternate"):
+        strict.render_prompt(stopped_early)
+    long_ago = [ChatMessage(role="user", content="word " * 3000), *chat("Then?", 1, 1)[1:]]
+    for asked in (stopped_early, long_ago):
+        context = checks(settings).context("smollm2", asked, REPLY_TOKENS, client_context=False)
+        strict.render_prompt(context.messages)  # taken
+        assert context.messages[-1] == asked[-1]
+    joined = checks(settings).context("smollm2", stopped_early, REPLY_TOKENS, False).messages
+    assert joined[1].content == "Tell me a story.\n\nShort."
+    cut = checks(settings).context("smollm2", long_ago, REPLY_TOKENS, False)
+    assert [m.role for m in cut.messages] == ["system", "user"] and cut.dropped == 2

@@ -123,3 +123,35 @@ def test_tokenizers_are_read_as_the_role_starts_not_at_a_first_request(
     assert reads == [str(path)], "read as the role starts"
     counters.counter("m")("a request")
     assert reads == [str(path)], "read again at a request"
+
+
+def test_our_own_history_alternates_as_strict_templates_require() -> None:
+    """A reply stopped before its first word (or failed) is not in the history: the
+    user's turns on either side of it were in a row, and Gemma's or Mistral's template
+    refused that chat's every later message ("roles must alternate")."""
+    history = [user("tell me a story"), user("a short one"), assistant("Once."), user("more")]
+    context = assemble(None, history, context_window=200, reply_tokens=20, count=by_words)
+    assert [(m.role, m.content) for m in context.messages] == [
+        ("user", "tell me a story"),  # an API caller's own turns stay as it sent them
+        ("user", "a short one"),
+        ("assistant", "Once."),
+        ("user", "more"),
+    ]
+    ours = assemble(None, history, 200, 20, count=by_words, alternating=True)
+    assert [(m.role, m.content) for m in ours.messages] == [
+        ("user", "tell me a story\n\na short one"),
+        ("assistant", "Once."),
+        ("user", "more"),
+    ]
+    assert ours.dropped == 0
+
+
+def test_a_cut_never_leaves_a_reply_first_without_its_question() -> None:
+    history = [user(words(50)), assistant(words(5)), user(words(5))]
+    budget_fits_reply_only = 5 + 5 + 2 * MESSAGE_OVERHEAD
+    window = int(budget_fits_reply_only / 0.9) + 20 + 1
+    loose = assemble(None, history, window, 20, count=by_words)
+    assert [m.role for m in loose.messages] == ["assistant", "user"]
+    ours = assemble(None, history, window, 20, count=by_words, alternating=True)
+    assert [m.role for m in ours.messages] == ["user"]
+    assert (ours.dropped, ours.prompt_tokens) == (2, 5 + MESSAGE_OVERHEAD)

@@ -111,7 +111,9 @@ class ReplyChecks:
         count = self.counters.counter(model)
         summary = None if client_context else summary  # an API client sends its own
         try:
-            context = _with_summary(system, summary, asked, window, max_tokens, most, count)
+            context = _with_summary(
+                system, summary, asked, window, max_tokens, most, count, not client_context
+            )
         except ContextTooLong as exc:
             if client_context:
                 raise too_long from exc
@@ -178,6 +180,7 @@ def _with_summary(
     max_tokens: int,
     most: int | None,
     count: Counter,
+    alternating: bool,
 ) -> Context:
     """With the summary of earlier turns after the system prompt, or without it when the
     new message leaves it no room: it stands for history, which goes first (kept, it
@@ -186,8 +189,9 @@ def _with_summary(
         with_it = f"{system or ''}\n\nSummary of the earlier conversation: {summary}".strip()
         try:
             return replace(
-                assemble(with_it, asked, window, max_tokens, count, most), summarized=True
+                assemble(with_it, asked, window, max_tokens, count, most, alternating),
+                summarized=True,
             )
         except ContextTooLong:
             pass
-    return assemble(system, asked, window, max_tokens, count, most)
+    return assemble(system, asked, window, max_tokens, count, most, alternating)
