@@ -23,7 +23,7 @@ import tiktoken
 from tokenizers import Tokenizer
 
 from schemas.events import ChatMessage
-from tandoor.policies.control_text import control_tokens, folder_template, spelled_apart
+from tandoor.policies.control_text import control_tokens, rendering_template, spelled_apart
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +51,14 @@ class ModelCounters:
     on a first request stalled every stream of the replica."""
 
     def __init__(
-        self, files: Mapping[str, Path], clock: Callable[[], float] = time.monotonic
+        self,
+        files: Mapping[str, Path],
+        clock: Callable[[], float] = time.monotonic,
+        templates: Mapping[str, Path | None] | None = None,
     ) -> None:
+        """`templates`: a model's chat template file, where its config names one."""
         self._files = dict(files)
+        self._templates = dict(templates or {})
         self._found: dict[str, Counter] = {}
         self._looked_at: dict[str, float] = {}
         self._clock = clock
@@ -77,7 +82,8 @@ class ModelCounters:
                 )
             return count_tokens
         log.info("%s's tokens are counted with its own tokenizer (%s)", model, path)
-        self._found[model] = found = _counter(tokenizer, folder_template(path.parent))
+        template = rendering_template(path.parent, self._templates.get(model))
+        self._found[model] = found = _counter(tokenizer, template)
         return found
 
 

@@ -28,6 +28,17 @@ def control_tokens(added: Mapping[int, Any], template: str | None) -> dict[int, 
     }
 
 
+def rendering_template(folder: Path, override: Path | None) -> str | None:
+    """The template the worker renders with: the config's file, else the folder's (an
+    override the worker cannot read stops it at start, with the reason)."""
+    if override is not None:
+        try:
+            return override.read_text(encoding="utf-8")
+        except (OSError, ValueError):
+            pass
+    return folder_template(folder)
+
+
 def folder_template(folder: Path) -> str | None:
     """The chat template a model folder's tokenizer carries, if it is text."""
     jinja = folder / "chat_template.jinja"

@@ -234,3 +234,30 @@ async def test_turn_markers_a_tokenizer_does_not_mark_special_are_defused_too(
 
     pasted = f"{user} " * 100
     assert counted(pasted) - counted("x") == rendered(pasted) - rendered("x")
+
+
+async def test_the_gateway_counts_with_the_template_the_config_names(
+    settings: Settings, tmp_path: Path
+) -> None:
+    """A model's `chat_template` file in the config is what the worker renders with; the
+    gateway read the folder's template, and counted a message spelling the override's
+    turn markers as one token each where the worker rendered several."""
+    from transformers import AddedToken, AutoTokenizer
+
+    folder = await asyncio.to_thread(resolve_model_dir, "smollm2", settings)
+    tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, folder)
+    marker = "<|Bot|>"
+    tokenizer.add_tokens([AddedToken(marker, special=False)])
+    await asyncio.to_thread(tokenizer.save_pretrained, tmp_path)  # the folder's own template
+    template = tmp_path / "override.jinja"
+    template.write_text("{% for m in messages %}<|Bot|>{{ m.content }}{% endfor %}<|Bot|>")
+    engine = Engine(cast(Any, None), tokenizer, 2048, template.read_text())
+    counted = ModelCounters({"m": tmp_path / "tokenizer.json"}, templates={"m": template}).counter(
+        "m"
+    )
+
+    def rendered(content: str) -> int:
+        return len(engine.render_prompt([ChatMessage(role="user", content=content)]))
+
+    pasted = f"{marker} " * 100
+    assert counted(pasted) - counted("x") == rendered(pasted) - rendered("x")

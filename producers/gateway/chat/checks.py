@@ -25,11 +25,10 @@ class ReplyChecks:
         self.settings = settings
         self.moderator = moderator
         self.quotas = quotas
+        models = settings.models.items()
         self.counters = ModelCounters(
-            {
-                name: tokenizer_file(model, settings.cache_dir)
-                for name, model in settings.models.items()
-            }
+            {name: tokenizer_file(model, settings.cache_dir) for name, model in models},
+            templates={name: model.chat_template for name, model in models},
         )
 
     async def moderated(self, content: str, param: str = "content") -> str:
