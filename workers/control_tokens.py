@@ -9,7 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from tandoor.policies.control_text import ZERO_WIDTH_SPACE, control_tokens, spelled_apart
+from tandoor.policies.control_text import (
+    ZERO_WIDTH_SPACE,
+    control_tokens,
+    found_in,
+    spelled_apart,
+)
 
 
 class ControlTokens:
@@ -29,8 +34,7 @@ class ControlTokens:
             encoded = self._tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         except (NotImplementedError, ValueError, TypeError):  # a tokenizer without offsets
             return self._replaced(text)
-        spans = zip(encoded["input_ids"], encoded["offset_mapping"], strict=True)
-        found = [(self._special[t], start, end) for t, (start, end) in spans if t in self._special]
+        found = found_in(encoded["input_ids"], encoded["offset_mapping"], self._special)
         return spelled_apart(text, found)
 
     def _replaced(self, text: str) -> str:

@@ -23,7 +23,12 @@ import tiktoken
 from tokenizers import Tokenizer
 
 from schemas.events import ChatMessage
-from tandoor.policies.control_text import control_tokens, rendering_template, spelled_apart
+from tandoor.policies.control_text import (
+    control_tokens,
+    found_in,
+    rendering_template,
+    spelled_apart,
+)
 
 log = logging.getLogger(__name__)
 
@@ -108,8 +113,7 @@ def _counter(tokenizer: Tokenizer, template: str | None) -> Counter:
 
     def count(text: str) -> int:
         encoded = tokenizer.encode(text, add_special_tokens=False)
-        spans = zip(encoded.ids, encoded.offsets, strict=True)
-        found = [(special[i], start, end) for i, (start, end) in spans if i in special]
+        found = found_in(encoded.ids, encoded.offsets, special)
         if not found:  # nearly every message: counted in one pass
             return len(encoded.ids)
         return len(tokenizer.encode(spelled_apart(text, found), add_special_tokens=False).ids)

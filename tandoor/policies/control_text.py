@@ -52,6 +52,14 @@ def folder_template(folder: Path) -> str | None:
     return template if isinstance(template, str) else None
 
 
+def found_in(
+    ids: Iterable[int], offsets: Iterable[tuple[int, int]], controls: Mapping[int, str]
+) -> list[tuple[str, int, int]]:
+    """Each control token among a text's encoded ids: (its text, start, end of its span)."""
+    spans = zip(ids, offsets, strict=True)
+    return [(controls[i], start, end) for i, (start, end) in spans if i in controls]
+
+
 def spelled_apart(text: str, found: Iterable[tuple[str, int, int]]) -> str:
     """`text` with each control token the tokenizer found in it, as (its text, start,
     end of its span), spelled apart. A token's own text is looked for within its span:
