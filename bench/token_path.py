@@ -63,6 +63,10 @@ class Throughput:
         return self.tokens / self.wall_s if self.wall_s else 0.0
 
 
+class ReplyFailed(Exception):
+    """A stream that ended in an error chunk, or without its usage: not a reply."""
+
+
 async def stream_once(client: httpx.AsyncClient, url: str, model: str, key: str) -> int:
     """One streamed completion; its completion tokens, from the usage chunk."""
     body = {
@@ -73,13 +77,19 @@ async def stream_once(client: httpx.AsyncClient, url: str, model: str, key: str)
         "messages": [{"role": "user", "content": "Stream."}],
     }
     headers = {"Authorization": f"Bearer {key}"}
-    tokens = 0
+    tokens: int | None = None
     async with client.stream("POST", url, json=body, headers=headers) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
-            if line.startswith("data: {") and '"usage"' in line:
-                usage = orjson.loads(line[6:]).get("usage")
-                tokens = usage["completion_tokens"] if usage else tokens
+            if not line.startswith("data: {"):
+                continue
+            chunk = orjson.loads(line[6:])
+            if chunk.get("error"):
+                raise ReplyFailed(chunk["error"])
+            if usage := chunk.get("usage"):
+                tokens = int(usage["completion_tokens"])
+    if tokens is None:
+        raise ReplyFailed("the stream ended without its usage")
     return tokens
 
 
@@ -96,7 +106,7 @@ async def load(base_url: str, model: str, key: str, args: argparse.Namespace) ->
                     tokens = await stream_once(client, url, model, key)  # then add:
                     result.tokens += tokens  # `x += await f()` reads x before awaiting
                     result.replies += 1
-                except httpx.HTTPError as exc:
+                except (httpx.HTTPError, ReplyFailed) as exc:
                     result.errors += 1
                     print(f"  error: {exc!r}")
 
