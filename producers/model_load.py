@@ -42,14 +42,17 @@ class ModelLoad:
     def total(self) -> int:
         return sum(self.backlog.values())
 
+    def of(self, bands: list[str]) -> int:
+        """Prompts of `bands`, waiting or being generated."""
+        return sum(self.backlog.get(band, 0) for band in bands)
+
     def waiting(self, bands_ahead: list[str], slots: int, kept_for_top: int) -> int:
         """Prompts of `bands_ahead` (the top band first) beyond those the workers can be
         generating: the top band may hold every slot, the bands below it together only
         `slots - kept_for_top` of each worker's (counted as every slot, free prompts
         waited until they expired, and were never refused)."""
         top, *lower = bands_ahead
-        top_backlog = self.backlog.get(top, 0)
-        lower_backlog = sum(self.backlog.get(band, 0) for band in lower)
+        top_backlog, lower_backlog = self.of([top]), self.of(lower)
         top_running = min(top_backlog, self.workers * slots)
         lower_running = min(
             lower_backlog, self.workers * (slots - kept_for_top), self.workers * slots - top_running

@@ -1,8 +1,8 @@
 """Which model answers a prompt, or that none can start it in time (docs/architecture.md,
 "When a model is busy").
 
-1. Shedding: while a model's backlog is at or past a fallback rule's threshold, the
-   rule's tiers are answered by its fallback model.
+1. Shedding: while a model's backlog in a tier's band and the bands above it is at or
+   past a fallback rule's threshold, the rule's tiers are answered by its fallback model.
 2. Busy: a prompt the model's workers cannot start within the tier's wait budget is
    refused at once (503 with Retry-After) instead of waiting until it expires, or goes
    to the tier's fallback where that one is not busy too. It cannot start in time when
@@ -97,19 +97,16 @@ class ModelRouter:
         self.served(model)
         rule = self._fallback(model, tier)
         load = self.load(model)
+        ahead = None if load is None else load.of(self._ahead[tier])  # lower bands wait behind
         if (
             rule is not None
-            and load is not None
-            and load.total >= rule.backlog
+            and ahead is not None
+            and ahead >= rule.backlog
             and self.busy(rule.model, tier) is None  # it can start it in time
             and takes(rule.model)
         ):
             log.info(
-                "shedding %s: backlog %d >= %d, %s answers",
-                model,
-                load.total,
-                rule.backlog,
-                rule.model,
+                "shedding %s: backlog %d >= %d, %s answers", model, ahead, rule.backlog, rule.model
             )
             return rule.model
         verdict = self.busy(model, tier)

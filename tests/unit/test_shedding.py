@@ -68,6 +68,15 @@ def test_a_listed_tier_is_shed_once_the_backlog_reaches_the_threshold() -> None:
     assert router({"big": load(waiting=96, rate=10)}).answering("big", "free") == "small"
 
 
+def test_only_the_backlog_ahead_of_a_tier_sheds_it() -> None:
+    """A batch job's thousands of lines wait behind the free band: they shed every free
+    user to the smaller model while the asked one would have started them at once."""
+    batch = load(waiting=10_000, rate=10, band="batch")
+    assert router({"big": batch, "small": load()}).answering("big", "free") == "big"
+    paid = load(waiting=96, rate=10, band="interactive-paid")  # ahead of the free band
+    assert router({"big": paid, "small": load()}).answering("big", "free") == "small"
+
+
 def test_a_backlog_is_not_shed_to_a_fallback_that_cannot_start_it_either() -> None:
     """A fallback kept at no workers (no traffic, so autoscaled to zero) or itself full
     took the prompt, and the user waited for its deadline where the asked model would
