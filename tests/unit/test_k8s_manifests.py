@@ -19,7 +19,7 @@ import yaml  # type: ignore[import-untyped]
 from infra.topics import declared_topics
 from schemas import topics
 from tandoor.cli import app
-from tandoor.settings import Settings
+from tandoor.settings import Settings, unknown_variables
 from tests.unit.k8s_manifests import (
     CRD_SCHEMAS,
     K8S,
@@ -169,6 +169,16 @@ def test_every_role_gets_settings_that_validate(monkeypatch: pytest.MonkeyPatch)
         settings = role_settings(container, monkeypatch)  # raises if any value is refused
         assert settings.env == "production"
         assert {"configMapRef": {"name": "tandoor-config"}} in container["envFrom"]
+
+
+def test_no_role_is_given_the_namespaces_service_variables() -> None:
+    """The kubelet writes each Service of the namespace into every pod's environment by
+    default: Strimzi's `tandoor-kafka-bootstrap` as TANDOOR_KAFKA_BOOTSTRAP_SERVICE_HOST
+    and the like, which the settings refuse as unknown, and every role exited at once."""
+    kubelet_writes = {"TANDOOR_KAFKA_BOOTSTRAP_SERVICE_HOST": "10.0.0.5"}
+    assert unknown_variables(kubelet_writes), "refused: the pods must not get them"
+    for workload, _ in tandoor_containers():
+        assert pod_spec(workload).get("enableServiceLinks") is False, doc_id(workload)
 
 
 def test_every_role_runs_a_real_tandoor_command() -> None:
