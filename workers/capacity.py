@@ -31,11 +31,11 @@ class Capacity:
     def free_seqs(self) -> int:
         return max(0, self.max_seqs - self.seqs)
 
-    def take_seq(self) -> None:
-        self.seqs += 1
+    def take_seq(self, count: int = 1) -> None:
+        self.seqs += count
 
-    async def release_seq(self) -> None:
-        self.seqs -= 1
+    async def release_seq(self, count: int = 1) -> None:
+        self.seqs -= count
         await self.wake()
 
     async def wait_for_free_seq(

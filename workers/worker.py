@@ -161,13 +161,26 @@ class Worker:
                     asyncio.sleep(FULL_POLL_S),
                 )
                 continue
-            records = await self.intake.take(self.capacity.free_seqs)
+            records = await self._take_into_free_slots()
             self.metrics.lag(self.intake.backlog)
             for record in records:
-                self.capacity.take_seq()
                 task = asyncio.create_task(self._handle(record), name=f"prompt@{record.offset}")
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
+
+    async def _take_into_free_slots(self) -> list[Record]:
+        """Prompts for the free slots, held while they are fetched: a copy that took its
+        slot back meanwhile made the engine hold more than max_num_seqs, and the one too
+        many waited in vLLM's own queue, past the deadline checked before it."""
+        free = self.capacity.free_seqs
+        self.capacity.take_seq(free)
+        records: list[Record] = []
+        try:
+            records = await self.intake.take(free)
+        finally:
+            if unused := free - len(records):
+                await self.capacity.release_seq(unused)
+        return records
 
     async def _handle(self, record: Record) -> None:
         slot = Slot(self.capacity, self.intake, record)

@@ -302,3 +302,38 @@ async def test_a_copy_of_a_prompt_its_original_found_done_is_not_run() -> None:
         for task in handled:
             task.cancel()
         await closed(worker)
+
+
+async def test_a_copy_taking_its_slot_back_while_prompts_are_fetched_waits() -> None:
+    """The intake read the free slots, then fetched for up to 100 ms; a copy that took its
+    slot back meanwhile, and every prompt fetched then took one too: the engine held
+    more than max_num_seqs, and the one too many waited in vLLM's queue past its
+    deadline."""
+    worker = Worker(Settings(), MODEL, EngineOptions(model_dir=Path(".")))
+    capacity = worker.capacity
+    capacity.take_seq(capacity.max_seqs - 1)  # one slot free
+    most: list[int] = []
+
+    async def copy_takes_its_slot_back() -> None:
+        await capacity.wait_for_free_seq()
+        capacity.take_seq()
+        most.append(capacity.seqs)
+
+    async def take(free_slots: int) -> list[ConsumerRecord[bytes, bytes]]:
+        copy = asyncio.create_task(copy_takes_its_slot_back())
+        await asyncio.sleep(0.05)  # the fetch's wait, as long as the copy needs
+        worker.request_stop()
+        copy.cancel()
+        return [prompt_record(7 + i) for i in range(free_slots)]
+
+    async def handle(record: ConsumerRecord[bytes, bytes]) -> None:
+        most.append(capacity.seqs)
+
+    worker.intake.take = take  # type: ignore[method-assign]
+    worker._handle = handle  # type: ignore[method-assign]
+    try:
+        await asyncio.wait_for(worker._intake_loop(), 10)
+        await asyncio.gather(*worker._tasks)
+        assert most and max(most) <= capacity.max_seqs, most
+    finally:
+        await closed(worker)
