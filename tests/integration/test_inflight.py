@@ -5,15 +5,21 @@ that stops: the one that queued the prompt may be gone)."""
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
 
 from consumers.fanout import Subscription
-from producers.gateway.chat.inflight import InFlight, Queued
+from consumers.history import HistoryWriter
+from producers.gateway.chat.inflight import InFlight, Queued, StoredReply
+from producers.gateway.chat.settled import reply_stored
+from producers.gateway.conversations.service import ConversationService
+from producers.gateway.errors import ApiError
 from schemas.codec import decode
 from schemas.events import FinalEvent, MessageKey, now_ms
 from tandoor.policies.redis_keys import attempt_key, done_key, final_key
+from tests.integration.persisting import final
 
 pytestmark = pytest.mark.integration
 
@@ -29,8 +35,9 @@ async def claimed(
     queued: bool = True,
     store: bool = True,
     prompt_at_ms: int | None = None,
+    stored: StoredReply | None = None,
 ) -> tuple[InFlight, str]:
-    inflight, conversation_id = InFlight(redis), f"c_{uuid.uuid4().hex}"
+    inflight, conversation_id = InFlight(redis, stored), f"c_{uuid.uuid4().hex}"
     sub = Subscription(request_id=f"r_{uuid.uuid4().hex}", partition=3, next_offset=7)
     prompt = Queued("smollm2-135m", prompt_at_ms or now_ms(), replaces, store=store)
     assert await inflight.claim(conversation_id, sub, now_ms() + 60_000, prompt)
@@ -128,3 +135,25 @@ async def test_a_reply_ending_releases_only_its_own_record(redis: aioredis.Redis
     assert (await inflight.running(conversation_id, 409))["request_id"] == following.request_id
     await inflight.release(conversation_id, following.request_id)
     assert await inflight.current(conversation_id) is None
+
+
+async def test_a_reply_stored_frees_its_conversation_though_redis_missed_its_end(
+    redis: aioredis.Redis, session: Any
+) -> None:
+    """Redis unreachable as the reply ended: neither its worker's done mark nor the
+    gateway's release was written. Redis back with its data, the record stood, not
+    stale (its worker had taken it): every post to the chat was a 409 for an hour."""
+    stored = reply_stored(ConversationService(session, ["smollm2"]))
+    inflight, conversation_id = await claimed(redis, [], stored=stored)
+    record = await inflight.running(conversation_id, 409)
+    await redis.set(attempt_key(record["request_id"]), 1, ex=60)  # a worker took it
+    with pytest.raises(ApiError) as running:
+        await inflight.ensure_idle(conversation_id)
+    assert running.value.status == 409
+    ended = final(
+        conversation_id, "Done.", request_id=record["request_id"], prompt_at=record["prompt_at_ms"]
+    )
+    await HistoryWriter(session).store(ended)  # persistence stored its final
+    await inflight.ensure_idle(conversation_id)
+    following = Subscription(request_id=f"r_{uuid.uuid4().hex}", partition=3, next_offset=9)
+    assert await inflight.claim(conversation_id, following, now_ms() + 60_000, Queued("m", 1))

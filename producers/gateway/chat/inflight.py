@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,10 +16,11 @@ import orjson
 import redis.asyncio as aioredis
 
 from consumers.fanout import Subscription
+from producers.gateway.chat.newest import Newest
 from producers.gateway.errors import ApiError
 from schemas.codec import encode
 from schemas.events import FinalEvent, MessageKey, Usage, now_ms
-from tandoor.clients import REDIS_DOWN
+from tandoor.clients import CASSANDRA_DOWN, REDIS_DOWN
 from tandoor.policies.redis_keys import (
     ATTEMPT_TTL_S,
     FINAL_TTL_S,
@@ -81,9 +82,14 @@ return 0
 """
 
 
+# Whether a conversation's reply is stored (consumers/persist.py writes only finished ones).
+StoredReply = Callable[[str, Newest], Awaitable[bool]]
+
+
 class InFlight:
-    def __init__(self, redis: aioredis.Redis) -> None:
+    def __init__(self, redis: aioredis.Redis, stored: StoredReply | None = None) -> None:
         self.redis = redis
+        self._stored = stored
         self._replace = redis.register_script(REPLACE)
         self._end_untaken = redis.register_script(END_UNTAKEN)
         self._release = redis.register_script(RELEASE)
@@ -133,10 +139,22 @@ class InFlight:
             await self._replace(keys=[key], args=[held, queued, TTL_S])
 
     async def _stale(self, record: dict[str, Any]) -> bool:
-        """Its request is done, or nobody took it before it had to start."""
+        """Its request is done, or nobody took it before it had to start, or its reply is
+        stored: with Redis unreachable as it ended, neither its worker's done mark nor
+        the gateway's release was written, and the chat was a 409 for an hour."""
         if await self.redis.exists(done_key(record["request_id"])):
             return True
-        return await self.abandoned(record)
+        return await self.abandoned(record) or await self._reply_stored(record)
+
+    async def _reply_stored(self, record: dict[str, Any]) -> bool:
+        if self._stored is None or "prompt_at_ms" not in record:
+            return False
+        newest = Newest(record["request_id"], int(record["prompt_at_ms"]))
+        try:
+            return await self._stored(record["conversation_id"], newest)
+        except CASSANDRA_DOWN as exc:
+            log.warning("%s: cannot tell if its reply is stored (%s)", newest.request_id, exc)
+            return False
 
     async def end_untaken(
         self, record: dict[str, Any], user_id: str, tier: str

@@ -33,7 +33,7 @@ from producers.gateway.chat.newest import Newest, NewestReply
 from producers.gateway.chat.protocol import PostMessage, Regenerate, ReplyOptions, sampling_for
 from producers.gateway.chat.reply import ApiCall, PlannedPrompt, Reply
 from producers.gateway.chat.routing import Request, routed
-from producers.gateway.chat.settled import SettledHistory
+from producers.gateway.chat.settled import SettledHistory, reply_stored
 from producers.gateway.chat.watch import ReplyWatch
 from producers.gateway.conversations.protocol import Conversation, Message, provisional_title
 from producers.gateway.conversations.rows import from_ms, message_key
@@ -71,7 +71,7 @@ class ChatDeps:
 class ChatService:
     def __init__(self, deps: ChatDeps) -> None:
         self.deps = deps
-        self.inflight = InFlight(deps.redis)
+        self.inflight = InFlight(deps.redis, stored=reply_stored(deps.conversations))
         self.newest = NewestReply(deps.redis)
         self.history = SettledHistory(deps.conversations, self.newest)
         self.running = ReplyControl(

@@ -3,7 +3,8 @@ reply is stored (newest.py), and refused when full."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
+import functools
+from collections.abc import Awaitable, Callable
 
 from producers.gateway.chat.history import visible
 from producers.gateway.chat.newest import Newest, NewestReply
@@ -53,7 +54,14 @@ class SettledHistory:
         def read() -> Awaitable[ConversationWithMessages]:
             return conversations.get(caller.user_id, conversation_id)
 
-        def stored(newest: Newest) -> Awaitable[bool]:
-            return conversations.has_message(conversation_id, newest.slot, newest.request_id)
-
+        stored = functools.partial(reply_stored(conversations), conversation_id)
         return await self._newest.settled(conversation_id, read, stored)
+
+
+def reply_stored(conversations: ConversationService) -> Callable[[str, Newest], Awaitable[bool]]:
+    """Whether a conversation's reply is stored, probed by its one row's key."""
+
+    def stored(conversation_id: str, newest: Newest) -> Awaitable[bool]:
+        return conversations.has_message(conversation_id, newest.slot, newest.request_id)
+
+    return stored
