@@ -41,6 +41,10 @@ REDIS_CONNECT_TIMEOUT_S = 2.0
 # call timed out may still run when the server wakes (docs/architecture.md).
 REDIS_READ_TIMEOUT_S = 2.0
 REDIS_RETRIES = 2
+# Calls at once past this wait for a connection (up to the read timeout): redis-py's own
+# pool refused the 101st at once, and that read as Redis down (free tiers refused,
+# paid ones admitted uncounted) on a healthy but busy replica.
+REDIS_MAX_CONNECTIONS = 128
 
 
 def cassandra_cluster(settings: Settings) -> Cluster:
@@ -104,8 +108,10 @@ def redis_client(settings: Settings) -> aioredis.Redis:
     """Retries ride out a blip (a failover takes about a second) but give up within
     half a second: the callers have a Redis-down policy (docs/architecture.md "When Redis is down"),
     and redis-py's default backoff added seconds to every request during an outage."""
-    return aioredis.Redis.from_url(
+    pool = aioredis.BlockingConnectionPool.from_url(
         settings.redis_url,
+        max_connections=REDIS_MAX_CONNECTIONS,
+        timeout=REDIS_READ_TIMEOUT_S,
         decode_responses=False,
         socket_connect_timeout=REDIS_CONNECT_TIMEOUT_S,
         socket_timeout=REDIS_READ_TIMEOUT_S,
@@ -117,6 +123,7 @@ def redis_client(settings: Settings) -> aioredis.Redis:
             supported_errors=(RedisConnectionError,),
         ),
     )
+    return aioredis.Redis.from_pool(pool)
 
 
 def kafka_producer(settings: Settings, client_id: str) -> AIOKafkaProducer:
