@@ -107,14 +107,16 @@ async def test_replies_are_rendered_as_escaped_markdown(stack: Stack, page: Page
 async def test_numbered_steps_and_links_render_as_written(stack: Stack, page: Page) -> None:
     """A model's "1. ...", a blank line, "2. ..." showed "1. 1. 1." (each item its own
     list); a link to a page named with parentheses stayed raw Markdown, and a "*" in an
-    address became <em> inside the href, which then led elsewhere."""
+    address became <em> inside the href, which then led elsewhere; a link, digits and a
+    second link made a link to "undefined"."""
     await page.goto(stack.url)
-    steps, wiki, starred = await page.evaluate(
+    steps, wiki, starred, numbered = await page.evaluate(
         """async () => {
           const { renderMarkdown } = await import('/web/markdown.js');
           return [renderMarkdown('1. Heat\\n\\n2. Stir\\nslowly\\n\\n3. Serve'),
                   renderMarkdown('[Foo](https://en.wikipedia.org/wiki/Foo_(bar)) page'),
-                  renderMarkdown('[q](https://x.io/a*b*c) and *this*')];
+                  renderMarkdown('[q](https://x.io/a*b*c) and *this*'),
+                  renderMarkdown('[a](http://x.io)2[b](http://y.io)')];
         }"""
     )
     assert steps == (
@@ -124,6 +126,7 @@ async def test_numbered_steps_and_links_render_as_written(stack: Stack, page: Pa
     link = '<a href="{}" rel="noopener noreferrer nofollow" target="_blank">{}</a>'
     assert wiki == f"<p>{link.format('https://en.wikipedia.org/wiki/Foo_(bar)', 'Foo')} page</p>"
     assert starred == f"<p>{link.format('https://x.io/a*b*c', 'q')} and <em>this</em></p>"
+    assert numbered == f"<p>{link.format('http://x.io', 'a')}2{link.format('http://y.io', 'b')}</p>"
 
 
 async def test_a_reply_of_brackets_renders_in_linear_time(stack: Stack, page: Page) -> None:

@@ -12,8 +12,10 @@ export function escapeHtml(text) {
 // line's end (quadratic: 16,000 "[" took 227 ms a render, and a reply re-renders at
 // each token, freezing the page for most of a minute).
 const LINK = /\[([^[\]\n]+)\]\((https?:\/\/(?:[^\s()[\]]|\([^\s()[\]]*\))+)\)/g;
-const OPENS = /\u0000(\d+)\u0000/g; // where a link's tag goes once emphasis is marked
-const CLOSES = /\u0000\/\u0000/g;
+// Where a link's tags go once emphasis is marked: marks of their own, so that a link's
+// close, digits and the next link's open ("[a](..)2[b](..)") never read as an open.
+const OPENS = /\u0001(\d+)\u0002/g;
+const CLOSES = /\u0003/g;
 
 function inline(text) {
   // `text` is already escaped; code spans are cut out first so nothing inside them changes.
@@ -24,9 +26,9 @@ function inline(text) {
       // Links are held out while emphasis is marked: a "*" in an address put <em> inside
       // its href, which then led elsewhere.
       const hrefs = [];
-      const held = part.replaceAll("\u0000", "\ufffd").replace(LINK, (_, label, href) => {
+      const held = part.replace(/[\u0001-\u0003]/g, "\ufffd").replace(LINK, (_, label, href) => {
         hrefs.push(href);
-        return `\u0000${hrefs.length - 1}\u0000${label}\u0000/\u0000`;
+        return `\u0001${hrefs.length - 1}\u0002${label}\u0003`;
       });
       const opening = (_, n) =>
         `<a href="${hrefs[n]}" rel="noopener noreferrer nofollow" target="_blank">`;
