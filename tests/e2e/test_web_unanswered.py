@@ -70,3 +70,25 @@ async def test_a_message_that_never_reached_the_gateway_goes_back_to_the_compose
     await expect(page.locator("#notice")).to_contain_text("not sent")
     await expect(page.get_by_label("Message", exact=True)).to_have_value(text)
     await expect(page.locator(".message.user .body")).to_have_text(["Say hi."])
+
+
+async def test_a_message_sent_while_the_gateway_stays_unreachable_keeps_its_text(
+    stack: Stack, page: Page
+) -> None:
+    """Unanswered, then every try to find its reply failed too: the question stayed shown
+    as sent, the composer empty, and reopening the chat (as the notice said) lost it."""
+    await sign_in(page, stack)
+    await ask(page, "Say hi.")
+    await replies_over(page, 1)
+
+    async def unreachable(route: Route) -> None:
+        await route.abort("connectionreset")
+
+    for path in (MESSAGES, "**/v1/conversations/*", "**/v1/conversations/*/stream"):
+        await page.route(path, unreachable)
+    await ask(page, "Say bye.")
+    # After the page's resume tries (about 15 s of backing off).
+    composer = page.get_by_label("Message", exact=True)
+    await expect(composer).to_have_value("Say bye.", timeout=120_000)
+    await expect(page.locator("#notice")).to_contain_text("may not have been sent")
+    await expect(page.locator(".message.user .body")).to_have_text(["Say hi."])

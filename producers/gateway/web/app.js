@@ -329,6 +329,7 @@ async function send(text) {
   const userMessage = messageElement({ role: "user", content: text });
   $("messages").append(userMessage);
   scrollToEnd(true);
+  let refused = false;
   const reply = await streamReply(
     () => state.api.request("POST", path, { content: text }),
     (event) => {
@@ -337,6 +338,7 @@ async function send(text) {
       userMessage.replaceWith(messageElement({ role: "user", id: event.user_message_id, content: text }));
     },
     () => {
+      refused = true;
       if (!userMessage.isConnected) return; // started: sent, whatever came after
       userMessage.remove();
       restoreDraft(text);
@@ -351,6 +353,13 @@ async function send(text) {
       notify(new ApiError(0, "Your message was not sent: the gateway could not be reached."));
     },
   );
+  // Neither answered nor found stored (the gateway unreachable throughout): the text goes
+  // back to the composer, not lost; reopened later, the chat shows it if it was taken.
+  if (!refused && !reply.begun && !reply.reloaded && !reply.left && userMessage.isConnected) {
+    userMessage.remove();
+    restoreDraft(text);
+    notify(new ApiError(0, "Your message may not have been sent: the gateway could not be reached."));
+  }
   // Only an answered first reply gets a title job (producers/gateway/chat/jobs.py).
   if (created && ANSWERED.has(reply.finishReason)) {
     const named = await state.api.json("GET", `/v1/conversations/${created.id}`).catch(() => null);
