@@ -10,6 +10,7 @@ import signal
 from collections.abc import Callable, Iterator
 
 import httpx
+import openai
 import pytest
 
 from infra.roles import GatewayProcess
@@ -27,6 +28,7 @@ from tests.e2e.helpers import (
     streamed,
 )
 from tests.e2e.stack import Stack
+from tests.queued import queued
 from tests.waiting import eventually, until
 
 pytestmark = pytest.mark.integration
@@ -179,6 +181,9 @@ async def test_over_quota_is_a_429_before_anything_is_queued(
     conversation = await new_conversation(http, headers)
     for _ in range(2):
         await chat(http, headers, conversation, "Hi", max_tokens=4)
+    # The free band's prompts (a title job goes to the batch band).
+    band = stack.settings.tiers["free"].band
+    prompts_before = await queued(stack.settings, stack.model, band)
     refused = await http.post(
         f"/v1/conversations/{conversation}/messages", json={"content": "Hi again"}, headers=headers
     )
@@ -197,6 +202,14 @@ async def test_over_quota_is_a_429_before_anything_is_queued(
             f"/v1/conversations/{conversation}/{path}", json=body, headers=headers
         )
         assert again.status_code == 429, again.text
+    key = headers["Authorization"].removeprefix("Bearer ")
+    async with openai.AsyncOpenAI(api_key=key, base_url=f"{stack.url}/v1", max_retries=0) as api:
+        with pytest.raises(openai.RateLimitError) as over:
+            await api.chat.completions.create(
+                model=stack.model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4
+            )
+    assert over.value.status_code == 429 and over.value.response.headers["Retry-After"]
+    assert await queued(stack.settings, stack.model, band) == prompts_before, "a prompt queued"
     after = (await http.get(f"/v1/conversations/{conversation}", headers=headers)).json()
     assert [(m["id"], m["status"]) for m in after["messages"]] == [
         (m["id"], m["status"]) for m in before

@@ -265,16 +265,17 @@ async def test_a_stream_its_client_leaves_is_stopped_and_frees_the_slot(stack: S
             if any(choice.delta.content for choice in chunk.choices):
                 break
         await story.close()
+        async with httpx.AsyncClient(base_url=stack.url) as http:
 
-        async def another() -> Any:
-            try:
-                return await api.chat.completions.create(
-                    model=model, max_tokens=4, messages=[{"role": "user", "content": "Hi"}]
-                )
-            except openai.RateLimitError:
-                return None  # the slot still held
+            async def streams_held() -> int:
+                usage = (await http.get("/v1/usage", headers=headers)).json()
+                return int(usage["limits"]["concurrent_streams"]["used"])
 
-        answered = await eventually(another, what="a call once the left stream stopped")
+            # The tier has two: the slot is freed, not merely one of them left.
+            await eventually(streams_held, lambda held: held == 0, what="the stream slot freed")
+        answered = await api.chat.completions.create(
+            model=model, max_tokens=4, messages=[{"role": "user", "content": "Hi"}]
+        )
     assert answered.choices[0].finish_reason in ("stop", "length")
     async with httpx.AsyncClient(base_url=stack.url) as http:
         listed = (await http.get("/v1/conversations", headers=headers)).json()["data"]

@@ -8,12 +8,10 @@ import uuid
 from typing import Any
 
 import orjson
-from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.partitioner import DefaultPartitioner
 
 from producers.batch_topic import ResultsReader, chat_line
 from schemas import topics
-from schemas.topics import prompts_topic
 from tandoor.policies.api_keys import create_key
 from tandoor.settings import Settings, TierPolicy
 from tests.waiting import IDLE_S, eventually
@@ -30,18 +28,6 @@ def question(model: str, i: int, max_tokens: int = 4) -> bytes:
         "temperature": 0,
     }
     return orjson.dumps(chat_line(f"line-{i}", body))
-
-
-async def queued(settings: Settings, model: str) -> int:
-    """How many prompts were ever produced to the model's topic."""
-    consumer = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap)
-    await consumer.start()
-    try:
-        partitions = sum(band.partitions for band in settings.bands)
-        tps = [TopicPartition(prompts_topic(model), p) for p in range(partitions)]
-        return sum((await consumer.end_offsets(tps)).values())
-    finally:
-        await consumer.stop()
 
 
 async def batch_key(settings: Settings, name: str) -> tuple[str, str]:

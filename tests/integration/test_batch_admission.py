@@ -38,9 +38,9 @@ from tests.integration.batch_lines import (
     batch_key,
     batch_on_another_partition,
     question,
-    queued,
     slow_tenant,
 )
+from tests.queued import queued
 from tests.waiting import eventually
 
 pytestmark = pytest.mark.integration
