@@ -25,11 +25,18 @@ class Capacity:
         self._changed = asyncio.Condition()
         self._rank = {band: rank for rank, band in enumerate(bands)}
         self._waiting: Counter[tuple[int, int]] = Counter()  # token waiters: (rank, count)
+        self._taking_back = 0  # prompts waiting to take a slot back: they go first
         self._wakes: set[asyncio.Future[None]] = set()
 
     @property
     def free_seqs(self) -> int:
         return max(0, self.max_seqs - self.seqs)
+
+    @property
+    def free_for_new(self) -> int:
+        """Free slots past the ones prompts wait to take back: the intake, back at once
+        from each fetch, took every slot freed before a woken waiter could."""
+        return max(0, self.free_seqs - self._taking_back)
 
     def take_seq(self, count: int = 1) -> None:
         self.seqs += count
@@ -39,14 +46,36 @@ class Capacity:
         await self.wake()
 
     async def wait_for_free_seq(
-        self, give_up: Callable[[], bool] = lambda: False, wake_in_s: float | None = None
+        self,
+        give_up: Callable[[], bool] = lambda: False,
+        wake_in_s: float | None = None,
+        new: bool = False,
     ) -> bool:
-        """Until a slot is free (True), or `give_up` became true first (False; looked at
-        on each wake, and `wake_in_s` from now)."""
+        """Until a slot is free (True; for a `new` prompt, one nobody waits to take back),
+        or `give_up` became true first (False; looked at on each wake, and `wake_in_s`
+        from now)."""
+
+        def free() -> int:
+            return self.free_for_new if new else self.free_seqs
+
         with self._woken_in(wake_in_s):
             async with self._changed:
-                await self._changed.wait_for(lambda: self.free_seqs > 0 or give_up())
+                await self._changed.wait_for(lambda: free() > 0 or give_up())
         return not give_up()
+
+    async def take_seq_back(
+        self, give_up: Callable[[], bool] = lambda: False, wake_in_s: float | None = None
+    ) -> bool:
+        """A slot for a prompt that gave its own back, ahead of new prompts: held (True),
+        or not, as `give_up` became true first (False)."""
+        self._taking_back += 1
+        try:
+            if not await self.wait_for_free_seq(give_up, wake_in_s):
+                return False
+        finally:
+            self._taking_back -= 1
+        self.take_seq()
+        return True
 
     async def reserve_tokens(
         self,

@@ -44,9 +44,8 @@ class Slot:
     ) -> bool:
         if self.held:
             return True
-        if not await self.capacity.wait_for_free_seq(give_up, wake_in_s):
+        if not await self.capacity.take_seq_back(give_up, wake_in_s):
             return False
-        self.capacity.take_seq()
         self.intake.running_again(self.record)
         self.held = True
         return True

@@ -152,11 +152,11 @@ class Worker:
 
     async def _intake_loop(self) -> None:
         while not self._stopping.is_set():
-            if self.capacity.free_seqs == 0:
+            if self.capacity.free_for_new == 0:
                 await self.intake.poll_while_full()
                 self.metrics.lag(self.intake.backlog)
                 await _first_of(
-                    self.capacity.wait_for_free_seq(),
+                    self.capacity.wait_for_free_seq(new=True),
                     self._stopping.wait(),
                     asyncio.sleep(FULL_POLL_S),
                 )
@@ -172,7 +172,7 @@ class Worker:
         """Prompts for the free slots, held while they are fetched: a copy that took its
         slot back meanwhile made the engine hold more than max_num_seqs, and the one too
         many waited in vLLM's own queue, past the deadline checked before it."""
-        free = self.capacity.free_seqs
+        free = self.capacity.free_for_new
         self.capacity.take_seq(free)
         records: list[Record] = []
         try:

@@ -23,7 +23,7 @@ from workers.capacity import Capacity
 from workers.engine import EngineOptions
 from workers.ledger import UNLEASED, Arrival, Busy, Finished
 from workers.request import NO_SLOT, RequestRunner, RunnerConfig
-from workers.slot import Waiter
+from workers.slot import Slot, Waiter
 from workers.worker import Worker
 
 MODEL = "smollm2"
@@ -304,36 +304,83 @@ async def test_a_copy_of_a_prompt_its_original_found_done_is_not_run() -> None:
         await closed(worker)
 
 
+class QuietIntake:
+    """The worker's intake loop over a stand-in fetch: the first fetch brings `first`
+    prompts once a copy waits to take its slot back; later ones bring none."""
+
+    def __init__(self, worker: Worker, first: int) -> None:
+        self.worker, self.first = worker, first
+        self.fetches = 0
+        self.most: list[int] = []  # slots held as each fetched prompt is handled
+        self.copy_waits = asyncio.Event()
+        self.loop: asyncio.Task[None] | None = None
+        worker.intake.take = self.take  # type: ignore[method-assign]
+        worker.intake.poll_while_full = self.poll_while_full  # type: ignore[method-assign]
+        worker._handle = self.handle  # type: ignore[method-assign]
+
+    async def take(self, free_slots: int) -> list[ConsumerRecord[bytes, bytes]]:
+        self.fetches += 1
+        if self.fetches == 1:
+            await self.copy_waits.wait()
+            return [prompt_record(7 + i) for i in range(min(self.first, free_slots))]
+        await asyncio.sleep(0.01)  # Kafka's long poll, on a quiet topic
+        return []
+
+    async def poll_while_full(self) -> None:
+        return None  # the real one keeps the group membership: no Kafka here
+
+    async def handle(self, record: ConsumerRecord[bytes, bytes]) -> None:
+        self.most.append(self.worker.capacity.seqs)
+
+    async def copy_takes_its_slot_back(self) -> bool:
+        given_back = Slot(self.worker.capacity, self.worker.intake, prompt_record(3), held=False)
+        waiting = asyncio.ensure_future(given_back.take_again())
+        self.copy_waits.set()
+        return await waiting
+
+
+async def copy_beside_the_intake(first: int) -> tuple[Worker, QuietIntake, asyncio.Task[bool]]:
+    worker = Worker(Settings(), MODEL, EngineOptions(model_dir=Path(".")))
+    worker.capacity.take_seq(worker.capacity.max_seqs - 1)  # one slot free
+    intake = QuietIntake(worker, first)
+    intake.loop = asyncio.create_task(worker._intake_loop())
+    await until(lambda: intake.fetches, bool, what="a fetch", idle_s=10)
+    return worker, intake, asyncio.create_task(intake.copy_takes_its_slot_back())
+
+
+async def stop_intake(worker: Worker, intake: QuietIntake) -> None:
+    worker.request_stop()
+    if intake.loop is not None:
+        await asyncio.wait_for(intake.loop, 40)
+    await asyncio.gather(*worker._tasks)
+    await closed(worker)
+
+
 async def test_a_copy_taking_its_slot_back_while_prompts_are_fetched_waits() -> None:
-    """The intake read the free slots, then fetched for up to 100 ms; a copy that took its
-    slot back meanwhile, and every prompt fetched then took one too: the engine held
+    """The intake read the free slots, then fetched for up to 100 ms: a copy that took its
+    slot back meanwhile, and every prompt fetched then took one too. The engine held
     more than max_num_seqs, and the one too many waited in vLLM's queue past its
     deadline."""
-    worker = Worker(Settings(), MODEL, EngineOptions(model_dir=Path(".")))
-    capacity = worker.capacity
-    capacity.take_seq(capacity.max_seqs - 1)  # one slot free
-    most: list[int] = []
-
-    async def copy_takes_its_slot_back() -> None:
-        await capacity.wait_for_free_seq()
-        capacity.take_seq()
-        most.append(capacity.seqs)
-
-    async def take(free_slots: int) -> list[ConsumerRecord[bytes, bytes]]:
-        copy = asyncio.create_task(copy_takes_its_slot_back())
-        await asyncio.sleep(0.05)  # the fetch's wait, as long as the copy needs
-        worker.request_stop()
-        copy.cancel()
-        return [prompt_record(7 + i) for i in range(free_slots)]
-
-    async def handle(record: ConsumerRecord[bytes, bytes]) -> None:
-        most.append(capacity.seqs)
-
-    worker.intake.take = take  # type: ignore[method-assign]
-    worker._handle = handle  # type: ignore[method-assign]
+    worker, intake, copy = await copy_beside_the_intake(first=1)
     try:
-        await asyncio.wait_for(worker._intake_loop(), 10)
-        await asyncio.gather(*worker._tasks)
-        assert most and max(most) <= capacity.max_seqs, most
+        await until(lambda: intake.most, bool, what="the fetched prompt handled", idle_s=10)
+        assert max(intake.most) <= worker.capacity.max_seqs, intake.most
+        assert not copy.done(), "it waits for a reply to end"
+        await worker.capacity.release_seq()  # one does: the copy gets its slot
+        await until(lambda: copy.done(), bool, what="the copy's slot", idle_s=10, poll_s=0.01)
     finally:
-        await closed(worker)
+        copy.cancel()
+        await stop_intake(worker, intake)
+
+
+async def test_a_copy_taking_its_slot_back_goes_before_new_prompts() -> None:
+    """Held while each fetch ran, the free slots were taken again by the next fetch
+    before a copy woken by their release could take one: on a quiet worker it waited
+    until its reply expired."""
+    worker, intake, copy = await copy_beside_the_intake(first=0)
+    try:
+        await until(lambda: copy.done(), bool, what="the copy's slot", idle_s=10, poll_s=0.01)
+        assert copy.result() and worker.capacity.seqs == worker.capacity.max_seqs
+    finally:
+        copy.cancel()
+        await stop_intake(worker, intake)
