@@ -98,8 +98,8 @@ DEFAULT_TIERS = {
 
 
 class Fallback(BaseModel):
-    """Load shedding: while a model's backlog is past `backlog` prompts, the listed
-    tiers are answered by `model` instead."""
+    """Load shedding: while a model's backlog in a listed tier's band and the bands
+    above it is at or past `backlog` prompts, that tier is answered by `model` instead."""
 
     model: str
     backlog: int = Field(ge=0)

@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import datetime as dt
 import re
+import signal
 from typing import Any
 
 import httpx
 import pytest
 from playwright.async_api import Page, expect
 
-from tests.e2e.browser import shot, sign_in
-from tests.e2e.helpers import auth
+from tests.e2e.browser import ask, replies_over, shot, sign_in
+from tests.e2e.helpers import auth, stored_reply
 from tests.e2e.stack import Stack
 from tests.waiting import eventually
 
@@ -126,3 +127,29 @@ async def test_the_usage_page_shows_what_the_api_says(stack: Stack, page: Page) 
     # Read a moment before the API's answer: the sliding minute can only have let go since.
     assert used["Requests per minute"] >= api["limits"]["requests_per_minute"]["used"]
     assert used["Requests per minute"] <= len(QUESTIONS)
+
+
+async def test_escape_closes_the_usage_view_and_leaves_the_reply_running(
+    stack: Stack, page: Page
+) -> None:
+    """Escape on the usage view stopped the reply streaming out of sight behind it."""
+    headers = await sign_in(page, stack, tier="brief")
+    await page.get_by_label("Model", exact=True).select_option(stack.second)
+    worker = stack.second_worker
+    assert worker.proc is not None
+    worker.proc.send_signal(signal.SIGSTOP)  # the reply runs on while the view is open
+    try:
+        await ask(page, "Name a colour.")
+        await expect(page.locator(".message.assistant.streaming")).to_have_count(1)
+        await page.get_by_role("button", name="Your usage").click()
+        await expect(page.locator("#usage-title")).to_be_visible()
+        await page.keyboard.press("Escape")
+        await expect(page.locator("#usage")).to_be_hidden()
+    finally:
+        worker.proc.send_signal(signal.SIGCONT)
+    await replies_over(page, 1)
+    await expect(page.locator(".message.assistant .meta")).not_to_contain_text("stopped")
+    async with httpx.AsyncClient(base_url=stack.url, timeout=120) as http:
+        listed = (await http.get("/v1/conversations", headers=headers)).json()["data"]
+        stored = await stored_reply(http, headers, listed[0]["id"])
+    assert stored[-1]["role"] == "assistant" and stored[-1]["status"] == "complete", stored

@@ -139,3 +139,26 @@ async def test_a_very_long_word_stays_inside_its_bubble(stack: Stack, page: Page
         }"""
     )
     assert overflow == [0, 0], "the word ran out of its bubble, and the list scrolled sideways"
+
+
+async def test_a_chat_deleted_in_another_tab_is_left_for_a_new_one(
+    stack: Stack, page: Page
+) -> None:
+    """It stayed open, and every message sent to it was a 404 with its text put back,
+    until the user thought of "New chat"."""
+    headers = await sign_in(page, stack, tier="brief")
+    await ask(page, "Say hi.")
+    await replies_over(page, 1)
+    opened = page.locator('#conversation-list button[aria-current="true"]')
+    conversation = await opened.get_attribute("data-id")
+    async with httpx.AsyncClient(base_url=stack.url, timeout=120) as http:  # the other tab
+        deleted = await http.delete(f"/v1/conversations/{conversation}", headers=headers)
+        assert deleted.status_code == 204, deleted.text
+    await ask(page, "Say bye.")
+    await expect(page.locator("#notice")).to_contain_text("not found")
+    await expect(page.locator(".message")).to_have_count(0)  # a new chat's empty page
+    await expect(page.get_by_label("Message", exact=True)).to_have_value("Say bye.")
+    await page.get_by_role("button", name="Send").click()  # sent again: to a new chat
+    await replies_over(page, 1)
+    await expect(page.locator(".message.user .body")).to_have_text(["Say bye."])
+    await expect(page.locator("#conversation-list button")).to_have_count(1)

@@ -353,9 +353,11 @@ async function send(text) {
       notify(new ApiError(0, "Your message was not sent: the gateway could not be reached."));
     },
   );
-  // Neither answered nor found stored (the gateway unreachable throughout): the text goes
-  // back to the composer, not lost; reopened later, the chat shows it if it was taken.
-  if (!refused && !reply.begun && !reply.reloaded && !reply.left && userMessage.isConnected) {
+  // Neither answered nor found stored, the stream never answered either (the gateway
+  // unreachable throughout): the text goes back to the composer, not lost; reopened
+  // later, the chat shows it if it was taken.
+  const unreached = !refused && !reply.begun && !reply.done && !reply.reloaded && !reply.left;
+  if (unreached && userMessage.isConnected) {
     userMessage.remove();
     restoreDraft(text);
     notify(new ApiError(0, "Your message may not have been sent: the gateway could not be reached."));
@@ -727,6 +729,11 @@ function setBusy(busy) {
 
 function notify(error) {
   if (error instanceof ApiError && error.status === 401) signOut();
+  // Deleted in another tab: it stayed open, and every message sent to it failed so.
+  if (error instanceof ApiError && error.status === 404 && error.message === "conversation not found") {
+    showConversation(null); // before the notice: a chat shown hides it
+    loadConversations(true).catch(() => {});
+  }
   $("notice").textContent = explain(error);
   $("notice").hidden = false;
 }
@@ -831,6 +838,8 @@ function wire() {
     }
   });
   document.addEventListener("keydown", (e) => {
+    // On the usage view Escape closes it: it stopped a reply the user could not see.
+    if (e.key === "Escape" && !$("usage").hidden) return closeUsage();
     // Busy without a reply: its new chat is being created (stop() remembers it).
     if (e.key === "Escape" && (state.reply || state.busy) && !composing(e)) {
       stop().catch(notify);
