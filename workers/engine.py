@@ -44,6 +44,8 @@ if TYPE_CHECKING:  # vLLM imports torch: loaded only when an engine starts
 
 log = logging.getLogger(__name__)
 
+TEMPLATE_ERROR_CHARS = 300  # of a chat template's refusal, in the reply's error
+
 ENGINE_REASONS: dict[str | None, FinishReason] = {
     "stop": "stop",
     "length": "length",
@@ -163,7 +165,10 @@ class Engine:
         except (TemplateError, ValueError, TypeError) as exc:
             # A template's own refusal ("roles must alternate", Mistral's, Gemma's) is
             # this conversation's: raised on, it stopped every worker that took it.
-            raise RequestFailed(f"{TEMPLATE_REFUSED}{exc}") from exc
+            # Its first line, shortened: transformers' own errors go on with the whole
+            # rendered chat, system prompt included, which went to the client and was stored.
+            reason = str(exc).split("\n", 1)[0][:TEMPLATE_ERROR_CHARS]
+            raise RequestFailed(f"{TEMPLATE_REFUSED}{reason}") from exc
         assert isinstance(text, str)
         return list(self._tokenizer.encode(text, add_special_tokens=False))
 

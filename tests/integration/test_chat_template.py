@@ -261,3 +261,28 @@ async def test_the_gateway_counts_with_the_template_the_config_names(
 
     pasted = f"{marker} " * 100
     assert counted(pasted) - counted("x") == rendered(pasted) - rendered("x")
+
+
+async def test_a_template_refusal_says_why_without_the_rendered_prompt(settings: Settings) -> None:
+    """A template that rewrites assistant text (Qwen3's `</think>` split) refuses to
+    continue a reply; transformers' error went on with the whole rendered chat, system
+    prompt included, and the client got it as the reply's error (and it was stored)."""
+    from transformers import AutoTokenizer
+
+    from workers.engine import TEMPLATE_ERROR_CHARS, RequestFailed
+
+    folder = await asyncio.to_thread(resolve_model_dir, "smollm2", settings)
+    tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, folder)
+    thinking = (
+        "{% for m in messages %}{{ m.role }}: "
+        "{{ m.content.split('</think>')[-1] if m.role == 'assistant' else m.content }}\n"
+        "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
+    )
+    engine = Engine(cast(Any, None), tokenizer, 2048, thinking)
+    secret = "The launch code is 0000. " * 50
+    chat = [ChatMessage(role="system", content=secret), ChatMessage(role="user", content="Hi")]
+    with pytest.raises(RequestFailed) as refused:
+        engine.render_prompt(chat, "<think>\nok</think>\n\nThe answer")
+    message = str(refused.value)
+    assert "final message does not appear" in message
+    assert "launch code" not in message and len(message) <= 60 + TEMPLATE_ERROR_CHARS
