@@ -15,6 +15,7 @@ import orjson
 
 from schemas.codec import SchemaError, decode
 from schemas.events import MAX_ID_CHARS, ControlEvent, PromptRequest
+from tandoor.background import Background
 from tandoor.clients import kafka_producer, redis_client
 from tandoor.logs import bind_request_id
 from tandoor.ops import OpsServer
@@ -35,6 +36,7 @@ log = logging.getLogger(__name__)
 
 COMMIT_INTERVAL_S = 0.1
 ENGINE_STATS_S = 10.0
+NOTING_S = 2.0  # at shutdown, for cancels still being noted in Redis (its read timeout)
 
 
 class WorkerFailed(RuntimeError):
@@ -63,6 +65,7 @@ class Worker:
         self._runner: RequestRunner | None = None
         self._tracked: dict[str, Tracked] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._noting = Background()  # cancels noted in Redis for a copy yet to arrive
         self._stopping = asyncio.Event()
         self._joined = False  # start() went as far as joining the group
         self._failure: BaseException | None = None
@@ -93,6 +96,7 @@ class Worker:
             self.capacity,
             self.metrics,
         )
+        self._resources.push_async_callback(self._noting.finish, NOTING_S)  # after control's
         await self.control.start()
         self._resources.push_async_callback(self.control.stop)
         assert self.control.task is not None
@@ -234,8 +238,9 @@ class Worker:
         self.metrics.finished("error")
 
     async def _on_cancel(self, event: ControlEvent) -> None:
-        """Stopped here first, then noted for a copy yet to arrive: a slow Redis held each
-        Stop up to its timeout, one after the other, while the replies ran on."""
+        """Stopped here first, then noted for a copy yet to arrive, in the background:
+        a slow Redis held each Stop up to its timeout behind the cancels before it (every
+        worker sees every cancel), while the replies ran on."""
         tracked = self._tracked.get(event.request_id)
         if tracked is not None:
             tracked.cancelled = True
@@ -244,7 +249,7 @@ class Worker:
             else:
                 await self.capacity.wake()
             log.info("cancelled %s (%s)", event.request_id, event.reason or "no reason given")
-        await self.ledger.mark_cancelled(event.request_id)
+        self._noting.start(self.ledger.mark_cancelled(event.request_id))
 
     async def _commit_loop(self) -> None:
         while True:

@@ -50,3 +50,28 @@ async def test_a_stop_aborts_the_reply_before_it_is_noted_in_redis() -> None:
     finally:
         stopping.cancel()
         await closed(worker)
+
+
+async def test_a_stop_is_not_held_behind_other_cancels_noted_in_redis() -> None:
+    """Every worker sees every cancel, and its listener awaited each one's Redis write in
+    turn: with Redis slow, a Stop for a reply running here waited behind cancels of
+    replies running elsewhere."""
+    worker = Worker(Settings(), MODEL, EngineOptions(model_dir=Path(".")))
+    ledger, engine = StalledRedis(), Engine()
+    worker.ledger, worker._engine = ledger, engine  # type: ignore[assignment]
+    worker._tracked["r_1"] = Tracked("r_1", in_engine=True)
+
+    async def listener() -> None:  # as workers/control.py hands them over: in turn
+        for request_id in ("r_elsewhere", "r_1"):
+            await worker._on_cancel(
+                ControlEvent(command="cancel", request_id=request_id, issued_at_ms=1)
+            )
+
+    listening = asyncio.create_task(listener())
+    try:
+        await until(lambda: engine.aborted, what="the engine's abort", idle_s=10, poll_s=0.01)
+        assert engine.aborted == ["r_1"]
+        await until(lambda: len(ledger.marked), lambda n: n == 2, what="both noted", idle_s=10)
+    finally:
+        listening.cancel()
+        await closed(worker)

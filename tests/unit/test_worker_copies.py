@@ -72,7 +72,9 @@ async def stopped(worker: Worker, runner: HeldRunner, handled: list[asyncio.Task
 
 
 async def closed(worker: Worker) -> None:
-    """The clients a Worker makes on creation, never started here."""
+    """The clients a Worker makes on creation, never started here, and its cancels being
+    noted in Redis."""
+    await worker._noting.cancel()
     await worker._producer.stop()
     await worker.intake.consumer.stop()
     await worker.control.stop()
