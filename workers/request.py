@@ -293,21 +293,28 @@ class RequestRunner:
             return "cancelled"
         reason: FinishReason = "stop"
         aborted = False
-        async with aclosing(self.engine.generate(request_id, token_ids, sampling)) as outputs:
-            async for out in outputs:
-                if tracked.cancelled and not aborted:  # the cancel came before the engine
-                    aborted = True
-                    await self.engine.abort(request_id)
-                self._count(attempt, out.new_tokens, out.cached_tokens)
-                chunk = coalescer.add(out.delta, out.new_tokens, time.time())
-                if chunk is not None:
-                    await self._send_tokens(attempt, *chunk)
-                if out.finished:
-                    reason = finish_reason_of(out.finish_reason)
+        try:
+            async with aclosing(self.engine.generate(request_id, token_ids, sampling)) as outputs:
+                async for out in outputs:
+                    if tracked.cancelled and not aborted:  # the cancel came before the engine
+                        aborted = True
+                        await self.engine.abort(request_id)
+                    self._count(attempt, out.new_tokens, out.cached_tokens)
+                    chunk = coalescer.add(out.delta, out.new_tokens, time.time())
+                    if chunk is not None:
+                        await self._send_tokens(attempt, *chunk)
+                    if out.finished:
+                        reason = finish_reason_of(out.finish_reason)
+        except RequestFailed:  # what it made before failing is the reply's: shown, as charged
+            await self._send_rest(attempt, coalescer)
+            raise
+        await self._send_rest(attempt, coalescer)
+        return reason
+
+    async def _send_rest(self, attempt: Attempt, coalescer: Coalescer) -> None:
         rest = coalescer.flush(time.time())
         if rest is not None:
             await self._send_tokens(attempt, *rest)
-        return reason
 
     def _submitted(self, attempt: Attempt) -> None:
         attempt.submitted_ms = time.time() * 1000

@@ -4,13 +4,16 @@ than what was published (workers/request.py)."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, cast
 
 import pytest
 
 from schemas.events import ChatMessage, PromptRequest, now_ms
 from workers.attempt import Attempt, LeaseLost, Tracked, usage_of
+from workers.engine import EngineOutput, RequestFailed
 from workers.ledger import Recorded, Recording, RequestLedger
+from workers.metrics import WorkerMetrics
 from workers.request import RequestRunner, RunnerConfig
 
 
@@ -109,3 +112,42 @@ async def test_a_continued_reply_that_ends_before_its_engine_counts_its_prompt()
     await runner._republish(continuing)
     usage = usage_of(continuing)
     assert (usage.prompt_tokens, usage.completion_tokens) == (20, 5)
+
+
+class FailsAfterThreeTokens:
+    async def generate(self, request_id: str, token_ids: object, sampling: object) -> Any:
+        yield EngineOutput("Hello", 1, False, None, 3, 0)
+        yield EngineOutput(" world", 1, False, None, 3, 0)  # the first word ended: sent
+        yield EngineOutput(" again", 1, False, None, 3, 0)  # held for the window
+        raise RequestFailed("engine dead")
+
+
+class Delivering:
+    async def token(self, event: object, key: str, partition: int | None) -> Any:
+        delivered = asyncio.get_running_loop().create_future()
+        delivered.set_result(None)
+        return delivered
+
+
+class RecordsAll:
+    async def record(self, request_id: str, attempt: int, entry: Recorded) -> str:
+        return "ok"
+
+
+async def test_text_made_before_the_engine_fails_is_sent_as_it_is_charged() -> None:
+    """Its coalesced tokens not yet sent were dropped when the engine failed the request,
+    but counted in the usage: the stored reply lacked text its user was charged for."""
+    config = RunnerConfig("m", 60.0, 16)  # nothing sent before the failure
+    engine, publisher = cast(Any, FailsAfterThreeTokens()), cast(Any, Delivering())
+    runner = RequestRunner(
+        config,
+        engine,
+        publisher,
+        cast(RequestLedger, RecordsAll()),
+        cast(Any, None),
+        WorkerMetrics("m"),
+    )
+    current = attempt()
+    with pytest.raises(RequestFailed):
+        await runner._stream(current, [1, 2, 3], 16)
+    assert "".join(current.text) == "Hello world again" and current.completion_tokens == 3
