@@ -134,3 +134,10 @@ def batch_cancel_of(prompt: PromptRequest) -> str | None:
     if prompt.kind != "batch" or not prompt.batch_id:
         return None
     return batch_cancel_key(prompt.user_id, prompt.batch_id)
+
+
+async def not_delivered(attempt: Attempt) -> str | None:
+    """Why some token event of the attempt never reached Kafka, or None when all did."""
+    results = await asyncio.gather(*attempt.deliveries, return_exceptions=True)
+    errors = [r for r in results if isinstance(r, BaseException)]
+    return f"{len(errors)} token events were not delivered: {errors[0]!r}" if errors else None

@@ -33,6 +33,7 @@ from workers.attempt import (
     LeaseLost,
     Tracked,
     batch_cancel_of,
+    not_delivered,
     since_created,
     token_event,
     usage_of,
@@ -292,7 +293,7 @@ class RequestRunner:
         if tracked.cancelled:
             return "cancelled"
         reason: FinishReason = "stop"
-        aborted = False
+        aborted, failed = False, None
         try:
             async with aclosing(self.engine.generate(request_id, token_ids, sampling)) as outputs:
                 async for out in outputs:
@@ -305,16 +306,13 @@ class RequestRunner:
                         await self._send_tokens(attempt, *chunk)
                     if out.finished:
                         reason = finish_reason_of(out.finish_reason)
-        except RequestFailed:  # what it made before failing is the reply's: shown, as charged
-            await self._send_rest(attempt, coalescer)
-            raise
-        await self._send_rest(attempt, coalescer)
-        return reason
-
-    async def _send_rest(self, attempt: Attempt, coalescer: Coalescer) -> None:
-        rest = coalescer.flush(time.time())
-        if rest is not None:
+        except RequestFailed as exc:  # what it made before failing is the reply's, as charged
+            failed = exc
+        if (rest := coalescer.flush(time.time())) is not None:
             await self._send_tokens(attempt, *rest)
+        if failed is not None:
+            raise failed
+        return reason
 
     def _submitted(self, attempt: Attempt) -> None:
         attempt.submitted_ms = time.time() * 1000
@@ -352,15 +350,9 @@ class RequestRunner:
     async def _record(self, attempt: Attempt, entry: Recorded) -> None:
         await record(self.ledger, attempt, entry)
 
-    async def _undelivered(self, attempt: Attempt) -> str | None:
-        """Why some token event never reached Kafka, or None when all did."""
-        results = await asyncio.gather(*attempt.deliveries, return_exceptions=True)
-        errors = [r for r in results if isinstance(r, BaseException)]
-        return f"{len(errors)} token events were not delivered: {errors[0]!r}" if errors else None
-
     async def _finish(self, attempt: Attempt, reason: FinishReason, error: str | None) -> None:
         prompt = attempt.prompt
-        undelivered = await self._undelivered(attempt)
+        undelivered = await not_delivered(attempt)
         if undelivered is not None:  # readers miss text: say so, not end as if complete
             reason, error = "error", undelivered
         final = FinalEvent(
