@@ -19,6 +19,10 @@ from infra.roles import RoleProcess, prune_role_logs, terminate_all
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
+# A role's exit code once asked to stop: its own 0, or SIGTERM re-raised (the gateway).
+CLEAN = (0, -signal.SIGTERM)
+
+
 class Stopped(Exception):
     """A stop signal arrived."""
 
@@ -41,10 +45,12 @@ def run_main_job(
     poll_s: float = 1.0,
     pids: RolePids | None = None,
 ) -> int:
-    """0 once stopped by a signal, 1 if a role or a server died. Servers someone else
-    had running are left running: only those this job started are stopped. With `pids`, each role's
-    pid is noted on disk, and roles a killed job left running are stopped first."""
+    """0 once stopped by a signal, 1 if a role or a server died, or a role did not stop
+    cleanly. Servers someone else had running are left running: only those this job
+    started are stopped. With `pids`, each role's pid is noted on disk, and roles a
+    killed job left running are stopped first."""
     stop_on_signals()
+    codes: list[int] = []
     try:
         for orphan in pids.stop_orphans() if pids else []:
             say(f"stopped {orphan}: left running by a job that was killed")
@@ -63,16 +69,20 @@ def run_main_job(
         return 1
     except Stopped as stop:
         say(f"{stop}: stopping…")
-        return 0
     finally:
         ignore_stop_signals()  # a second Ctrl-C must not cut the teardown short
         try:
-            asyncio.run(terminate_all(roles))
+            codes = asyncio.run(terminate_all(roles))
             if pids:
                 for role in roles:
                     pids.forget(role)
         finally:  # whatever a role did, the servers this job started are stopped
             servers.down(started_only=True)
+    # Stopped by a signal: a role that failed on its way out (or was killed) says so.
+    unclean = [f"{r.name} (code {c})" for r, c in zip(roles, codes, strict=True) if c not in CLEAN]
+    if unclean:
+        say(f"error: {', '.join(unclean)} did not stop cleanly")
+    return 1 if unclean else 0
 
 
 def stop_on_signals() -> None:

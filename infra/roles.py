@@ -251,13 +251,14 @@ async def running(roles: Sequence[RoleProcess]) -> AsyncIterator[None]:
         await terminate_all(roles)
 
 
-async def terminate_all(roles: Sequence[RoleProcess], timeout_s: float = 120) -> None:
+async def terminate_all(roles: Sequence[RoleProcess], timeout_s: float = 120) -> list[int]:
     """SIGTERM every role at once and wait for them all: their drains overlap. A thread
-    each: asyncio's default pool (cores + 4) told a seventh role only once one had ended."""
+    each: asyncio's default pool (cores + 4) told a seventh role only once one had ended.
+    Their exit codes, in order."""
     loop = asyncio.get_running_loop()
     with ThreadPoolExecutor(max_workers=max(1, len(roles))) as pool:
         waits = (loop.run_in_executor(pool, role.terminate, timeout_s) for role in roles)
-        await asyncio.gather(*waits)
+        return list(await asyncio.gather(*waits))
 
 
 async def model_alias(

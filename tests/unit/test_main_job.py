@@ -84,6 +84,28 @@ def test_a_stop_signal_stops_every_role_and_only_the_servers_it_started(
     assert f"{sig.name}: stopping…" in said
 
 
+FAILS_ON_STOP = """
+import signal, sys, time
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
+print("toy ready", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_role_that_fails_as_it_stops_makes_the_job_fail(toys: Path) -> None:
+    """Its exit code was dropped: a worker that failed its drain (prompts not handed
+    back) ended a job that said 0."""
+    (toys / "failing_role.py").write_text(FAILS_ON_STOP)
+    failing = ToyRole(toys, "failing", 0)
+    failing.module = "failing_role"
+    roles = [ToyRole(toys, "steady", 600), failing]
+    said: list[str] = []
+    signal_when_ready(roles, signal.SIGTERM)
+    code = run_main_job(Servers(), roles, lambda: None, lambda: None, said.append, 0.05)
+    assert code == 1 and not any(role.alive for role in roles)
+    assert "error: failing (code 1) did not stop cleanly" in said
+
+
 def test_a_stop_signal_during_start_up_stops_what_has_started(toys: Path) -> None:
     roles = [ToyRole(toys, "a", 600)]
     servers = Servers()
