@@ -147,7 +147,12 @@ class Worker:
         return task
 
     def _background_ended(self, task: asyncio.Task[None]) -> None:
-        if task.cancelled() or self._stopping.is_set():
+        if task.cancelled():
+            return
+        if self._stopping.is_set():  # on the way out: a failure is said, no more
+            if (failure := task.exception()) is not None:
+                name = task.get_name()
+                log.warning("background task %s failed while stopping: %r", name, failure)
             return
         error = task.exception() or RuntimeError(f"{task.get_name()} ended")
         log.error("background task %s ended: %r; stopping", task.get_name(), error)

@@ -4,7 +4,10 @@ handling, stand-ins for the ledger and the engine)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
+
+import pytest
 
 from schemas.events import ControlEvent
 from tandoor.settings import Settings
@@ -74,4 +77,25 @@ async def test_a_stop_is_not_held_behind_other_cancels_noted_in_redis() -> None:
         await until(lambda: len(ledger.marked), lambda n: n == 2, what="both noted", idle_s=10)
     finally:
         listening.cancel()
+        await closed(worker)
+
+
+async def test_a_background_task_failing_while_the_worker_stops_is_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Its failure was dropped unsaid once the worker was stopping: a broken drain left
+    nothing to go on."""
+    worker = Worker(Settings(), MODEL, EngineOptions(model_dir=Path(".")))
+
+    async def commit_loop() -> None:
+        raise RuntimeError("Kafka refused the commit")
+
+    worker.request_stop()
+    failing = worker._watch(asyncio.create_task(commit_loop(), name="commit-loop"))
+    try:
+        with caplog.at_level(logging.WARNING, logger="workers.worker"):
+            await asyncio.gather(failing, return_exceptions=True)
+        assert "commit-loop failed while stopping" in caplog.text
+        assert "Kafka refused the commit" in caplog.text and worker._failure is None
+    finally:
         await closed(worker)
