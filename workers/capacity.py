@@ -69,13 +69,16 @@ class Capacity:
         """A slot for a prompt that gave its own back, ahead of new prompts: held (True),
         or not, as `give_up` became true first (False)."""
         self._taking_back += 1
+        taken = False
         try:
-            if not await self.wait_for_free_seq(give_up, wake_in_s):
-                return False
+            taken = await self.wait_for_free_seq(give_up, wake_in_s)
         finally:
             self._taking_back -= 1
-        self.take_seq()
-        return True
+            if not taken:  # gave up: the slot kept for it may go to a new prompt now
+                self._wake_soon()
+        if taken:
+            self.take_seq()
+        return taken
 
     async def reserve_tokens(
         self,

@@ -135,3 +135,20 @@ async def test_lower_bands_leave_the_top_band_its_share_of_the_tokens() -> None:
     assert sum(line.done() for line in lines) == 15, "a batch line takes the room freed"
     for line in lines:
         line.cancel()
+
+
+async def test_a_slot_kept_for_a_prompt_that_stops_waiting_goes_to_a_new_one() -> None:
+    """A prompt waiting to take its slot back keeps a freed slot from new prompts. Freed
+    as it stopped waiting (cancelled, past its deadline), the intake looked first, saw
+    the slot kept, and slept on it until its next poll (30 s): nothing woke it again."""
+    capacity = Capacity(max_seqs=1, max_tokens=1000)
+    capacity.take_seq()
+    new_prompt = asyncio.create_task(capacity.wait_for_free_seq(new=True))  # the intake
+    await asyncio.sleep(0)  # waiting first
+    stopped = False
+    taking_back = asyncio.create_task(capacity.take_seq_back(lambda: stopped))
+    await asyncio.sleep(0)
+    stopped = True  # its deadline passes as a reply ends
+    await capacity.release_seq()
+    assert await asyncio.wait_for(taking_back, 10) is False
+    assert await asyncio.wait_for(new_prompt, 10) is True  # woken, not left asleep
