@@ -37,6 +37,7 @@ from typing import Literal
 
 import orjson
 import redis.asyncio as aioredis
+from redis.exceptions import NoScriptError
 
 from tandoor.clients import REDIS_DOWN
 from tandoor.policies.redis_keys import (
@@ -270,6 +271,9 @@ class RequestLedger:
                 answers = await pipe.execute()
         except REDIS_DOWN as exc:
             log.warning("leases not renewed, Redis unreachable (%s)", exc)
+            return set()
+        except NoScriptError as exc:  # restarted between the script check and the calls
+            log.warning("leases not renewed, Redis lost its scripts (%s); loaded next time", exc)
             return set()
         return {rid for rid, ok in zip(held, answers, strict=True) if not int(ok)}
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript
+from redis.exceptions import NoScriptError
 from redis.typing import EncodableT, KeyT
 
 Call = tuple[Sequence[KeyT], Sequence[EncodableT], "asyncio.Future[Any]"]
@@ -38,10 +39,7 @@ class BatchedScript:
     async def _flush(self) -> None:
         calls, self._waiting = self._waiting, []
         try:
-            async with self._client.pipeline(transaction=False) as pipe:
-                for keys, args, _ in calls:
-                    await self._script(keys=keys, args=args, client=pipe)
-                replies = await pipe.execute(raise_on_error=False)
+            replies = await self._sent_again_if_scripts_lost(calls, await self._send(calls))
         except asyncio.CancelledError:  # the worker is stopping: so are its callers
             for *_, future in calls:
                 future.cancel()
@@ -58,3 +56,19 @@ class BatchedScript:
                 future.set_exception(reply)
             else:
                 future.set_result(reply)
+
+    async def _sent_again_if_scripts_lost(self, calls: list[Call], replies: list[Any]) -> list[Any]:
+        """Redis restarted (or failed over) between the pipeline's check of its scripts
+        and the calls: each answered NOSCRIPT, which is no "Redis down", and stopped the
+        worker. Loaded again (the pipeline checks each time), they are tried once more."""
+        lost = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+        if lost:
+            for i, reply in zip(lost, await self._send([calls[i] for i in lost]), strict=True):
+                replies[i] = reply
+        return replies
+
+    async def _send(self, calls: list[Call]) -> list[Any]:
+        async with self._client.pipeline(transaction=False) as pipe:
+            for keys, args, _ in calls:
+                await self._script(keys=keys, args=args, client=pipe)
+            return list(await pipe.execute(raise_on_error=False))

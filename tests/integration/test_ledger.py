@@ -390,3 +390,30 @@ async def test_a_delivering_arrival_sent_again_after_its_answer_was_lost_deliver
     await client.delete(lease_key(rid))  # w1 died: its lease lapsed
     retrying = AnswerLostOnce(connection_pool=client.connection_pool)
     assert await ledger(retrying, "w2").arrive(rid) == Finished(b"the final")
+
+
+async def test_scripts_redis_lost_between_their_check_and_the_calls_are_loaded_again(
+    client: aioredis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pipeline checks its scripts, then sends the calls: Redis restarted (or failed
+    over) in between answered each call NOSCRIPT, which is no "Redis down", and the
+    worker stopped (a record) or its lease renewal did (then the worker)."""
+    worker, rids = ledger(client, "w1"), [request() for _ in range(3)]
+    for rid in rids:
+        assert isinstance(await worker.arrive(rid), Arrival)
+    checked, looks = Pipeline.load_scripts, 0
+
+    async def then_lost(pipe: Pipeline) -> None:
+        nonlocal looks
+        await checked(pipe)  # type: ignore[no-untyped-call]
+        looks += 1
+        if looks in (1, 3):  # the records' first try, the renewal's
+            await client.script_flush()  # as a restart leaves them
+
+    monkeypatch.setattr(Pipeline, "load_scripts", then_lost)
+    outcomes = await asyncio.gather(
+        *(worker.record(rid, 1, Recorded(1, 0, "x", 1)) for rid in rids)
+    )
+    assert outcomes == ["ok"] * 3
+    assert await worker.renew({rid: 1 for rid in rids}) == set()  # not renewed this time
+    assert await worker.renew({rid: 1 for rid in rids}) == set() and looks == 4
