@@ -7,13 +7,14 @@ while a message is being sent, and the streaming chat clicked again while anothe
 from __future__ import annotations
 
 import asyncio
+import signal
 
 import httpx
 import pytest
 from playwright.async_api import Page, Route, expect
 
 from tests.e2e.browser import ask, replies, replies_over, reply_streaming, sign_in
-from tests.e2e.helpers import chat, new_conversation
+from tests.e2e.helpers import chat, new_conversation, stored_reply
 from tests.e2e.stack import Stack
 from tests.e2e.test_web_switching import LONG, count_stops, stops
 from tests.waiting import eventually
@@ -321,3 +322,63 @@ async def test_the_streaming_chat_clicked_again_before_another_loads_stays_shown
     await expect(page.locator(".message.user .body")).to_have_text([LONG])
     await expect(current).to_have_attribute("data-id", str(streaming))
     await page.get_by_role("button", name="Stop").click()
+
+
+async def test_a_message_refused_while_another_tabs_reply_runs_shows_that_reply_and_stop(
+    stack: Stack, page: Page
+) -> None:
+    """The other tab's reply ran in this chat: sending here was a 409 "stop it first",
+    with no Stop to press and the reply nowhere in sight."""
+    headers = await sign_in(page, stack, tier="brief")
+    async with httpx.AsyncClient(base_url=stack.url, timeout=120) as http:
+        conversation = await new_conversation(http, headers, stack.second)
+        await page.reload()
+        await page.locator(f'#conversation-list button[data-id="{conversation}"]').click()
+        worker = stack.second_worker
+        assert worker.proc is not None
+        worker.proc.send_signal(signal.SIGSTOP)  # the other tab's reply runs on meanwhile
+        try:
+            path = f"/v1/conversations/{conversation}/messages"
+            body = {"content": "Name a colour.", "max_tokens": 8}
+            async with http.stream("POST", path, json=body, headers=headers) as other_tab:
+                assert other_tab.status_code == 200  # its start event came: the tab closes
+            await ask(page, "Name a fruit.")
+            await expect(page.locator("#notice")).to_contain_text("being generated")
+            await expect(page.get_by_role("button", name="Stop")).to_be_visible()
+            await expect(page.locator(".message.assistant.streaming")).to_have_count(1)
+        finally:
+            worker.proc.send_signal(signal.SIGCONT)
+    await replies_over(page, 1)
+    await expect(page.locator(".message.user .body")).to_have_text(["Name a colour."])
+    await expect(page.get_by_label("Message", exact=True)).to_have_value("Name a fruit.")
+
+
+async def test_a_message_sent_while_the_chat_clicked_loads_goes_to_that_chat(
+    stack: Stack, page: Page
+) -> None:
+    """Sent before the chat clicked had loaded (no chat open yet), it started a new chat
+    instead."""
+    headers = await sign_in(page, stack)
+    async with httpx.AsyncClient(base_url=stack.url, timeout=120) as http:
+        chosen = await new_conversation(http, headers)
+    await page.reload()
+    await expect(page.locator("#app")).to_be_visible()
+    let_go = asyncio.Event()
+
+    async def held(route: Route) -> None:
+        if route.request.method == "GET":
+            await let_go.wait()
+        await route.continue_()
+
+    await page.route(f"**/v1/conversations/{chosen}", held)
+    await page.locator(f'#conversation-list button[data-id="{chosen}"]').click()
+    composer = page.get_by_label("Message", exact=True)
+    await composer.fill("Say hi.")
+    await composer.press("Enter")
+    let_go.set()
+    await replies_over(page, 1)
+    async with httpx.AsyncClient(base_url=stack.url, timeout=120) as http:
+        listed = (await http.get("/v1/conversations", headers=headers)).json()["data"]
+        stored = await stored_reply(http, headers, chosen)
+    assert [c["id"] for c in listed] == [chosen], "a new chat took the message"
+    assert [m["content"] for m in stored if m["role"] == "user"] == ["Say hi."]

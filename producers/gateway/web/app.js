@@ -181,11 +181,17 @@ function markCurrent() {
 
 // Shown only if it is still the chat last chosen: picked B then C, B's slower answer
 // showed B, and the composer sent to it.
-async function openConversation(id, resume = true) {
+async function openConversation(id, resume = true, notice = null) {
   const conversation = await state.api.json("GET", `/v1/conversations/${id}`);
   if (state.wanted !== id) return;
   showConversation(conversation);
+  if (notice) notify(notice); // after: showing a chat hides the notice
   if (resume && awaitsReply(conversation)) await resumeReply();
+}
+
+// Another tab's reply runs in this chat: refused here, where no Stop showed.
+function runsElsewhere(error) {
+  return error instanceof ApiError && error.status === 409 && error.message.startsWith("a reply is being generated");
 }
 
 // By what is shown: a regenerated reply's question was followed by the reply it replaces
@@ -316,6 +322,8 @@ function restoreDraft(text) {
 }
 
 async function send(text) {
+  // A chat clicked and still loading: the message is for it (it went to a new chat).
+  if (state.wanted && state.wanted !== state.conversation?.id) await openConversation(state.wanted, false);
   let created = null;
   if (!state.conversation) {
     created = await state.api.json("POST", "/v1/conversations", { model: $("model-picker").value });
@@ -337,11 +345,13 @@ async function send(text) {
       if (!event.user_message_id) return;
       userMessage.replaceWith(messageElement({ role: "user", id: event.user_message_id, content: text }));
     },
-    () => {
+    (error) => {
       refused = true;
       if (!userMessage.isConnected) return; // started: sent, whatever came after
       userMessage.remove();
       restoreDraft(text);
+      // Shown as it runs, with its Stop: the refusal alone left no way to stop it.
+      if (runsElsewhere(error)) openConversation(state.conversation.id, true, error).catch(notify);
     },
     (conversationId) => {
       // Sent without an answer, no reply ran, and the chat was reloaded as stored: one
@@ -623,8 +633,7 @@ async function regenerate() {
     // Reopened, then told why (showing a chat hides the notice).
     async (error) => {
       if (state.wanted !== id) return;
-      await openConversation(id, false).catch(notify);
-      if (state.wanted === id) notify(error);
+      await openConversation(id, runsElsewhere(error), error).catch(notify);
     },
     () => {}, // unanswered: the chat as stored says whether it was taken
   );
