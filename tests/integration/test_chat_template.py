@@ -102,24 +102,30 @@ async def test_the_bundled_gemma_renders_its_turns_and_stops_at_their_end(
     assert GEMMA_END_OF_TURN in generation["eos_token_id"]
 
 
+async def smollm2_rendering_with(settings: Settings, template: str) -> tuple[Engine, Any]:
+    """An engine of the bundled SmolLM2 (its tokenizer only) rendering with `template`,
+    and the tokenizer."""
+    from transformers import AutoTokenizer
+
+    folder = await asyncio.to_thread(resolve_model_dir, "smollm2", settings)
+    tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, folder)
+    return Engine(cast(Any, None), tokenizer, 2048, template), tokenizer
+
+
 async def test_a_template_that_refuses_the_conversation_fails_that_request_only(
     settings: Settings,
 ) -> None:
     """Templates raise on conversations they do not take (Mistral's and Gemma's "roles
     must alternate", which the OpenAI API lets through): raised on, it stopped every
     worker that took the prompt, until its deadline."""
-    from transformers import AutoTokenizer
-
     from workers.engine import RequestFailed
 
-    folder = await asyncio.to_thread(resolve_model_dir, "smollm2", settings)
-    tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, folder)
     strict = (
         "{% for m in messages %}{% if loop.index0 % 2 == 1 and m.role == 'user' %}"
         "{{ raise_exception('Conversation roles must alternate user/assistant') }}"
         "{% endif %}{{ m.content }}{% endfor %}"
     )
-    engine = Engine(cast(Any, None), tokenizer, 2048, strict)
+    engine, tokenizer = await smollm2_rendering_with(settings, strict)
     twice = [ChatMessage(role="user", content="Hi"), ChatMessage(role="user", content="Hi?")]
     with pytest.raises(RequestFailed, match="roles must alternate"):
         engine.render_prompt(twice)
@@ -267,18 +273,14 @@ async def test_a_template_refusal_says_why_without_the_rendered_prompt(settings:
     """A template that rewrites assistant text (Qwen3's `</think>` split) refuses to
     continue a reply; transformers' error went on with the whole rendered chat, system
     prompt included, and the client got it as the reply's error (and it was stored)."""
-    from transformers import AutoTokenizer
-
     from workers.engine import TEMPLATE_ERROR_CHARS, RequestFailed
 
-    folder = await asyncio.to_thread(resolve_model_dir, "smollm2", settings)
-    tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, folder)
     thinking = (
         "{% for m in messages %}{{ m.role }}: "
         "{{ m.content.split('</think>')[-1] if m.role == 'assistant' else m.content }}\n"
         "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
     )
-    engine = Engine(cast(Any, None), tokenizer, 2048, thinking)
+    engine, _ = await smollm2_rendering_with(settings, thinking)
     secret = "The launch code is 0000. " * 50
     chat = [ChatMessage(role="system", content=secret), ChatMessage(role="user", content="Hi")]
     with pytest.raises(RequestFailed) as refused:
