@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import asyncio
 
+from tests.waiting import until
 from workers.capacity import Capacity
 
 
@@ -144,10 +145,10 @@ async def test_a_slot_kept_for_a_prompt_that_stops_waiting_goes_to_a_new_one() -
     capacity = Capacity(max_seqs=1, max_tokens=1000)
     capacity.take_seq()
     new_prompt = asyncio.create_task(capacity.wait_for_free_seq(new=True))  # the intake
-    await asyncio.sleep(0)  # waiting first
+    await until(lambda: len(capacity._changed._waiters), lambda n: n == 1, what="the intake")
     stopped = False
     taking_back = asyncio.create_task(capacity.take_seq_back(lambda: stopped))
-    await asyncio.sleep(0)
+    await until(lambda: len(capacity._changed._waiters), lambda n: n == 2, what="the prompt")
     stopped = True  # its deadline passes as a reply ends
     await capacity.release_seq()
     assert await asyncio.wait_for(taking_back, 10) is False

@@ -4,9 +4,10 @@ reply is stored (newest.py), and refused when full."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 
 from producers.gateway.chat.history import visible
+from producers.gateway.chat.inflight import StoredReply
 from producers.gateway.chat.newest import Newest, NewestReply
 from producers.gateway.conversations.protocol import ConversationWithMessages, Message
 from producers.gateway.conversations.service import ConversationService
@@ -58,7 +59,7 @@ class SettledHistory:
         return await self._newest.settled(conversation_id, read, stored)
 
 
-def reply_stored(conversations: ConversationService) -> Callable[[str, Newest], Awaitable[bool]]:
+def reply_stored(conversations: ConversationService) -> StoredReply:
     """Whether a conversation's reply is stored, probed by its one row's key."""
 
     def stored(conversation_id: str, newest: Newest) -> Awaitable[bool]:
