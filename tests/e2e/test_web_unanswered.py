@@ -11,6 +11,7 @@ from playwright.async_api import Page, Route, expect
 
 from tests.e2e.browser import ask, replies, replies_over, sign_in
 from tests.e2e.stack import Stack
+from tests.e2e.stalling_proxy import StallingProxy
 
 pytestmark = pytest.mark.integration
 
@@ -92,3 +93,24 @@ async def test_a_message_sent_while_the_gateway_stays_unreachable_keeps_its_text
     await expect(composer).to_have_value("Say bye.", timeout=120_000)
     await expect(page.locator("#notice")).to_contain_text("may not have been sent")
     await expect(page.locator(".message.user .body")).to_have_text(["Say hi."])
+
+
+async def test_a_reply_whose_connection_went_silent_is_resumed_and_shown_whole(
+    stack: Stack, page: Page
+) -> None:
+    """The stream stopped mid-reply without closing (a laptop's sleep, a NAT's dropped
+    mapping): the page waited on it for good, the reply streaming with no end. After a
+    silence longer than the gateway's keep-alives it gives the stream up and resumes."""
+    async with StallingProxy(stack.url, marker=b'"type":"token"').serving() as proxy:
+        await sign_in(page, stack, url=proxy.url)
+        await ask(page, "Tell me about the sea.")
+        await replies_over(page, 1)  # 45 s of silence, then the resume
+        assert proxy.stalled == 1, "the reply's stream was never silenced"
+        await expect(page.locator("#notice")).to_be_hidden()
+        shown = await page.locator(".message.assistant .body").inner_text()
+        await page.reload()  # the stored reply, as the page shows it
+        await page.locator("#conversation-list button").first.click()
+        stored = page.locator(".message.assistant .body")
+        await expect(stored).to_have_count(1)
+        await expect(stored).not_to_have_text("")
+        assert shown == await stored.inner_text()

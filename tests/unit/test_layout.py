@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from producers.gateway.chat.watch import KEEPALIVE_S
 from producers.gateway.conversations.protocol import AUTO_TITLE_CHARS
 from tandoor import PROJECT_ROOT
 
@@ -84,6 +85,22 @@ def test_the_chat_page_makes_provisional_titles_as_the_gateway_does() -> None:
     app_js = (PROJECT_ROOT / "producers/gateway/web/app.js").read_text()
     found = re.search(r"const AUTO_TITLE_CHARS = (\d+);", app_js)
     assert found and int(found[1]) == AUTO_TITLE_CHARS
+
+
+def test_the_chat_page_waits_for_several_keep_alives_before_giving_a_stream_up() -> None:
+    sse_js = (PROJECT_ROOT / "producers/gateway/web/sse.js").read_text()
+    found = re.search(r"export const STALLED_MS = (\d+);", sse_js)
+    assert found and int(found[1]) >= 3 * KEEPALIVE_S * 1000
+
+
+def test_the_documentation_names_no_file_outside_the_project() -> None:
+    """The project carries its own documentation: no page or comment sends a reader to
+    the founders' notes, which a clone does not have."""
+    listed = ["git", "ls-files", "README.md", "docs", "*.py", "*.js", "*.sh", "*.yaml"]
+    tracked = subprocess.run(listed, cwd=PROJECT_ROOT, capture_output=True, text=True, check=True)
+    pointing = re.compile(r"DESIGN\.md|ENVIRONMENT\.md|STYLE\.md|\.\./shared")
+    named = [n for n in tracked.stdout.split() if pointing.search((PROJECT_ROOT / n).read_text())]
+    assert not named, f"pointing outside the project: {named}"
 
 
 def test_the_readme_stays_a_front_door_and_its_links_resolve() -> None:
