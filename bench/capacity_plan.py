@@ -23,7 +23,7 @@ from infra.topics import declared_topics
 from schemas import topics
 from tandoor.settings import Settings
 
-# --- The target (DESIGN.md: "Scale beyond one machine") ---------------------------------
+# --- The product's scale target, beyond one machine (docs/CAPACITY.md) -------------------
 TARGET_MESSAGES_PER_S = 35_000  # chat messages answered per second at peak
 TARGET_TOKENS_PER_S = 5_800_000  # generated tokens per second, fleet-wide
 
