@@ -12,7 +12,7 @@ from typing import TypeVar
 import faust
 
 from schemas.codec import SchemaError, decode, is_final
-from schemas.events import SERVICE_JOBS, Event, FinalEvent, UsageRecord
+from schemas.events import MAX_ID_CHARS, SERVICE_JOBS, Event, FinalEvent, UsageRecord
 from streams.outputs import Outputs
 from streams.rollups import counted_id, restart_keys, rollup_keys
 from streams.tables import Counting, RollupTables, not_ahead
@@ -68,7 +68,7 @@ async def on_token_event(payload: bytes, rollups: RollupTables, out: Outputs) ->
     if not is_final(payload):
         return
     final = _decoded(FinalEvent, payload, rollups)
-    if final is not None and final.attempt > 1:
+    if final is not None and final.attempt > 1 and _ids_plausible(final, rollups):
         await out.by_model(final.model.encode(), payload)
 
 
@@ -102,7 +102,7 @@ def _plausible(record: UsageRecord | None, rollups: RollupTables) -> UsageRecord
     ahead made a window ending past 64 bits, and the app crashed at each publish, for
     good); None for counts no reply has (summed, they passed 64 bits, and no rollup of
     the user or model could be written for the rest of the window)."""
-    if record is None:
+    if record is None or not _ids_plausible(record, rollups):
         return None
     counts = (record.prompt_tokens, record.completion_tokens, record.charged_tokens)
     if max(*counts, record.cached_tokens) >= MAX_COUNT:
@@ -110,6 +110,17 @@ def _plausible(record: UsageRecord | None, rollups: RollupTables) -> UsageRecord
         rollups.passed_over["implausible"] += 1
         return None
     return record.model_copy(update={"finished_at_ms": not_ahead(record.finished_at_ms)})
+
+
+def _ids_plausible(record: UsageRecord | FinalEvent, rollups: RollupTables) -> bool:
+    """Ids no worker writes (they refuse prompts with longer ones): a user id of 500 KB
+    made a rollup past Kafka's record limit, and the failed send crashed the whole app."""
+    ids = (record.request_id, record.user_id, record.model, record.tier)
+    if max(map(len, ids)) <= MAX_ID_CHARS:
+        return True
+    log.error("passing over a record with an id of %d characters", max(map(len, ids)))
+    rollups.passed_over["implausible"] += 1
+    return False
 
 
 def _decoded(model: type[E], payload: bytes, rollups: RollupTables) -> E | None:

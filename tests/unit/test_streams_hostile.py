@@ -52,6 +52,24 @@ async def test_token_counts_no_reply_has_are_passed_over_and_counting_goes_on(
     assert rollup_tables(app).passed_over["implausible"] == 1
 
 
+@pytest.mark.parametrize("field", ["user_id", "model", "request_id"])
+async def test_a_record_with_an_id_no_worker_writes_is_passed_over(
+    short_memory: tuple[faust.App, Sink], field: str
+) -> None:
+    """A user id of 500 KB made a rollup (its key and its value) past Kafka's record
+    limit: the failed send crashed the whole streams app."""
+    app, sink = short_memory
+    now = now_ms()
+    forged = usage("forged", at=now).model_copy(update={field: "x" * 300})
+    async with app.agents["rollups-by-user"].test_context() as agent:
+        for record in (forged, usage("a", at=now)):
+            await agent.put(encode(record))
+    await count_per_model(app, sink)
+    assert not [key for key in sink.rollups if "x" * 300 in key]
+    assert sink.rollups[f"user/ada/1m/{now // 60_000 * 60_000}"]["requests"] == 1
+    assert rollup_tables(app).passed_over["implausible"] == 1
+
+
 async def test_a_record_for_a_window_already_closed_and_dropped_does_not_replace_it(
     short_memory: tuple[faust.App, Sink], monkeypatch: pytest.MonkeyPatch
 ) -> None:
