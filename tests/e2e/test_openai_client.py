@@ -46,6 +46,8 @@ async def plain_completion(api: openai.AsyncOpenAI, stack: Stack) -> None:
         messages=[{"role": "user", "content": "What is the capital of France?"}],
     )
     assert "Paris" in (completion.choices[0].message.content or "")
+    # The id the gateway logs it under, as the SDK reads it for a support ticket.
+    assert completion._request_id == completion.id.removeprefix("chatcmpl-")
     assert completion.choices[0].finish_reason in ANSWERED
     assert completion.usage is not None and completion.usage.completion_tokens > 0
 
@@ -101,6 +103,7 @@ async def streamed_completion(api: openai.AsyncOpenAI, stack: Stack) -> tuple[st
             {"role": "user", "content": "What is the capital of France?"},
         ],
     )
+    assert stream.response.headers.get("X-Request-Id")
     text, usage, reasons = "", None, list[str]()
     async for chunk in stream:
         if chunk.usage is not None:
@@ -284,3 +287,45 @@ async def test_a_stream_its_client_leaves_is_stopped_and_frees_the_slot(stack: S
             m for m in await stored_reply(http, headers, first["id"]) if m["role"] == "assistant"
         ]
     assert reply["status"] == "stopped", reply
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["unstreamed", "streamed"])
+async def test_a_completion_stopped_from_its_chat_is_an_error_not_an_answer(
+    stack: Stack, streamed: bool
+) -> None:
+    """Stopped from the chat page (the sidebar lists stored API calls), the call got
+    finish_reason "stop": a cut-off answer its client could not tell from a whole one."""
+    headers = await auth(stack)
+    key = headers["Authorization"].removeprefix("Bearer ")
+    async with client(stack, key) as api, httpx.AsyncClient(base_url=stack.url) as http:
+
+        async def stop_once_writing() -> None:
+            async def conversations() -> list[Any]:
+                return list((await http.get("/v1/conversations", headers=headers)).json()["data"])
+
+            (conversation,) = await eventually(conversations, what="the call's conversation")
+            path = f"/v1/conversations/{conversation['id']}"
+            async with http.stream("GET", f"{path}/stream", headers=headers) as followed:
+                async for _, data in sse(followed):
+                    if isinstance(data, dict) and data.get("type") == "token":
+                        break
+            assert (await http.post(f"{path}/stop", headers=headers)).status_code == 202
+
+        call = api.chat.completions.create(
+            model=stack.settings.served_models[0],
+            max_tokens=400,
+            stream=streamed,
+            extra_body={"ignore_eos": True},
+            messages=[{"role": "user", "content": "Write a long story about a dragon."}],
+        )
+        stopping = asyncio.create_task(stop_once_writing())
+        with pytest.raises(openai.APIError) as stopped:
+            answer = await call
+            if isinstance(answer, openai.AsyncStream):
+                async for _ in answer:
+                    pass
+        await stopping
+    assert stopped.value.code == "cancelled", stopped.value
+    if not streamed:
+        assert isinstance(stopped.value, openai.ConflictError)
+        assert stopped.value.request_id  # the id it is logged under

@@ -6,10 +6,11 @@ from functools import partial
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request, Response
+from fastapi.responses import JSONResponse
 
 from producers.gateway.auth import Caller
 from producers.gateway.chat.router import SSE_HEADERS, Chat
-from producers.gateway.errors import unknown_model
+from producers.gateway.errors import ApiError, unknown_model
 from producers.gateway.json_body import StrictJsonRoute
 from producers.gateway.openai_api.protocol import ChatCompletionRequest
 from producers.gateway.openai_api.service import (
@@ -57,15 +58,22 @@ def _model(deps: Services, name: str) -> dict[str, Any]:
 @router.post("/chat/completions", response_model=None)
 async def chat_completions(
     body: ChatCompletionRequest, caller: Caller, svc: Chat, request: Request
-) -> dict[str, Any] | Response:
+) -> Response:
     moderator = svc.deps.checks.moderator
     if not body.stream:  # its connection is held as long as a stream's: counted alike
         slot = svc.deps.streams.take()
         try:
             reply = await start_completion(svc, caller, body)
             stop = partial(svc.running.stop_left, caller, reply.conversation.id, reply.request_id)
-            answer = await unless_left(completion_body(reply, moderator), request.receive, stop)
-            return Response(status_code=CLIENT_LEFT) if answer is None else answer
+            tagged = {"X-Request-Id": reply.request_id}  # as the SDK reads it, errors too
+            try:
+                answer = await unless_left(completion_body(reply, moderator), request.receive, stop)
+            except ApiError as refused:
+                refused.headers.update(tagged)
+                raise
+            if answer is None:
+                return Response(status_code=CLIENT_LEFT)
+            return JSONResponse(answer, headers=tagged)
         finally:
             slot.release()
     with svc.deps.streams.reserve() as slot:
@@ -77,6 +85,7 @@ async def chat_completions(
             partial(svc.running.stop_left, caller, reply.conversation.id, reply.request_id),
         )
         timeout = svc.deps.settings.gateway_write_timeout_s
+        headers = {**SSE_HEADERS, "X-Request-Id": reply.request_id}
         return ReplyStream(
-            chunks, slot, timeout, SSE_HEADERS, resumable=False, queued=reply.watch.queued
+            chunks, slot, timeout, headers, resumable=False, queued=reply.watch.queued
         )

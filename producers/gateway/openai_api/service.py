@@ -35,7 +35,11 @@ RESTARTED = (
     "could not continue it; the text above is incomplete: please retry"
 )
 
-FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}
+FINISH = {"stop": "stop", "length": "length"}
+STOPPED = (
+    "the reply was stopped before its end (Stop on the chat page, the conversation "
+    "deleted, or a cancel); the text is incomplete"
+)
 
 
 async def start_completion(
@@ -221,6 +225,8 @@ def _refusal(final: FinalEvent) -> ApiError | None:
         )
     if final.failed_with(TEMPLATE_REFUSED):
         return ApiError(400, final.error or "", param="messages")
+    if final.finish_reason == "cancelled":  # not "stop": a cut-off answer is no answer
+        return ApiError(409, STOPPED, code="cancelled")
     if final.finish_reason not in FINISH:  # not the request's fault: an SDK retries a 5xx
         return ApiError(
             502,
