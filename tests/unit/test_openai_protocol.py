@@ -115,6 +115,35 @@ def test_a_stop_of_the_wrong_kind_is_refused_as_stop(stop: object) -> None:
     assert [e["loc"] for e in refused.value.errors()] == [("stop",)]
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("max_tokens", True),  # was a one-token reply
+        ("max_tokens", "16"),
+        ("seed", True),
+        ("n", True),
+        ("stream", "true"),
+        ("temperature", "1"),
+        ("store", "false"),  # was a conversation kept: "false" is not false
+    ],
+)
+def test_a_value_of_the_wrong_type_is_refused_not_converted(field: str, value: object) -> None:
+    """As OpenAI answers them: a 400 naming the field, not a request with another meaning."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], field: value}
+    with pytest.raises(ValidationError) as refused:
+        ChatCompletionRequest.model_validate(body)
+    assert [e["loc"] for e in refused.value.errors()] == [(field,)]
+    if field in PostMessage.model_fields:  # the chat API's message, alike
+        with pytest.raises(ValidationError):
+            PostMessage.model_validate({"content": "hi", field: value})
+
+
+def test_a_whole_number_is_taken_where_a_fraction_may_be() -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    taken = ChatCompletionRequest.model_validate({**body, "temperature": 0, "top_p": 1})
+    assert (taken.temperature, taken.top_p) == (0.0, 1.0)
+
+
 def test_a_length_is_refused_under_the_name_it_was_sent_with() -> None:
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     asked = ChatCompletionRequest.model_validate({**body, "max_completion_tokens": 9})

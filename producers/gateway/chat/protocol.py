@@ -19,7 +19,9 @@ CONTENT_MAX_CHARS = 32_000
 class SamplingOptions(BaseModel):
     """How the model picks its tokens, the same on every surface (unset: its default)."""
 
-    model_config = ConfigDict(extra="forbid")
+    # Strict on every surface, as OpenAI's server: `"max_tokens": true` was a one-token
+    # reply, `"store": "false"` a conversation kept. A whole number is taken for a fraction.
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     temperature: float | None = Field(default=None, ge=0.0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
