@@ -67,6 +67,9 @@ class TierPolicy(BaseModel):
         return self.max_enqueued_batch_lines or self.requests_per_minute * 60
 
 
+# The band admission feeds batch lines into, tenant by tenant (title and summary jobs
+# go there too): interactive routes refuse tiers placed in it (routing.py).
+BATCH_BAND = "batch"
 DEFAULT_TIERS = {
     "free": TierPolicy(
         band="interactive-free",
@@ -89,7 +92,7 @@ DEFAULT_TIERS = {
         concurrent_streams=32,
     ),
     "batch": TierPolicy(
-        band="batch",
+        band=BATCH_BAND,
         requests_per_minute=6_000,
         tokens_per_minute=10_000_000,
         concurrent_streams=256,
@@ -109,7 +112,7 @@ class Fallback(BaseModel):
 DEFAULT_BANDS = [
     Band(name="interactive-paid", partitions=4),
     Band(name="interactive-free", partitions=4),
-    Band(name="batch", partitions=4),
+    Band(name=BATCH_BAND, partitions=4),
 ]
 
 

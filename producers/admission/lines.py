@@ -19,10 +19,9 @@ from schemas.batch import MAX_CUSTOM_ID_CHARS, custom_line_request_id
 from schemas.errors import MAX_MESSAGE_CHARS, shortened
 from schemas.events import PromptRequest, now_ms
 from tandoor.policies.api_keys import Principal
+from tandoor.settings import BATCH_BAND
 
 log = logging.getLogger(__name__)
-
-BATCH_BAND = "batch"
 
 
 class BatchInputLine(BaseModel):
@@ -118,8 +117,9 @@ async def _prompt(
         raise ApiError(400, "the last message must be from the user", param="body.messages")
     options = body.reply_options()
     max_tokens = checks.max_tokens(caller, options, body.model)
-    context = checks.context(body.model, messages, max_tokens, client_context=True)
-    checks.affordable(caller.tier, context.prompt_tokens + max_tokens)  # else held for good
+    length = options.length_param
+    context = checks.context(body.model, messages, max_tokens, True, length_param=length)
+    checks.affordable(caller.tier, context.prompt_tokens + max_tokens, length)  # else held for good
     request_id = custom_line_request_id(caller.user_id, batch_id, line.custom_id)
     return PromptRequest(
         request_id=request_id,

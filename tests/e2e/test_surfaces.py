@@ -92,3 +92,26 @@ async def test_every_surface_shows_the_reply_redacted_as_it_is_stored(
     for name, text in seen.items():
         assert not EMAIL.search(text), f"{name} showed an address: {text!r}"
     assert any("[email]" in text for text in seen.values()), f"no address to redact: {seen}"
+
+
+async def test_a_batch_tier_key_asks_as_a_batch_on_every_surface(
+    stack: Stack, http: httpx.AsyncClient
+) -> None:
+    """Straight to the batch band, a batch key's chat prompts went past admission's fair
+    share: a flood of them held every other tenant's batch lines (the band looked full)."""
+    headers = await auth(stack, "batch")
+    conversation = await new_conversation(http, headers)
+    posted = await http.post(
+        f"/v1/conversations/{conversation}/messages", json={"content": "Hi"}, headers=headers
+    )
+    assert posted.status_code == 403 and posted.json()["error"]["code"] == "batch_tier"
+    opened = (await http.get(f"/v1/conversations/{conversation}", headers=headers)).json()
+    assert opened["messages"] == []
+    async with api(stack, headers) as client:
+        for stream in (False, True):
+            with pytest.raises(openai.PermissionDeniedError, match="as a batch") as refused:
+                await client.chat.completions.create(
+                    model=stack.model, messages=[{"role": "user", "content": "Hi"}], stream=stream
+                )
+            assert refused.value.code == "batch_tier"
+    assert [c["id"] for c in await conversations(http, headers)] == [conversation]

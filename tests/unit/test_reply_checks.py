@@ -104,13 +104,18 @@ def test_a_long_chat_on_a_wide_model_drops_its_oldest_turns_within_the_tiers_min
     asked = [
         ChatMessage(role="user" if i % 2 == 0 else "assistant", content=turn) for i in range(25)
     ]
-    request = Request("free", "wide", asked, 512, client_context=False, summary=None)
+    request = Request("free", "wide", asked, 512, "max_tokens", client_context=False, summary=None)
     chosen, context = routed(cast(Any, Serves()), reply_checks, request)
     assert chosen == "wide" and context.dropped > 0
     assert context.prompt_tokens + 512 <= settings.tiers["free"].tokens_per_minute
     assert context.messages[-1].content == turn  # the new message kept
-    alone = Request(
-        "free", "wide", [ChatMessage(role="user", content="word " * 25_000)], 512, False, None
-    )
+    huge = [ChatMessage(role="user", content="word " * 25_000)]
+    alone = Request("free", "wide", huge, 512, "max_tokens", False, None)
     with pytest.raises(ApiError, match="allows 20000 a minute"):
         routed(cast(Any, Serves()), reply_checks, alone)
+    # Refused under the name the caller set the length with (an SDK's newer field).
+    newer = Request("free", "wide", huge, 512, "max_completion_tokens", True, None)
+    with pytest.raises(ApiError) as refused:
+        routed(cast(Any, Serves()), reply_checks, newer)
+    assert refused.value.param == "max_completion_tokens", refused.value.message
+    assert "max_tokens" not in refused.value.message.replace("max_completion_tokens", "")

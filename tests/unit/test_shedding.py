@@ -265,7 +265,9 @@ def test_a_request_that_can_never_pass_is_refused_as_such_while_the_model_is_bus
         route = router({"big": busy_load} if busy_load else {})
         checks = ReplyChecks(route.settings, DefaultModerator(), None)  # type: ignore[arg-type]
         with pytest.raises(ApiError) as caught:
-            routed(route, checks, Request(tier, "big", asked, 256, client_context, None))
+            routed(
+                route, checks, Request(tier, "big", asked, 256, "max_tokens", client_context, None)
+            )
         assert caught.value.status == status, caught.value.message
 
 
@@ -275,5 +277,16 @@ def test_a_conversation_on_a_model_no_longer_configured_is_a_404_on_every_way_in
     checks = ReplyChecks(route.settings, DefaultModerator(), None)  # type: ignore[arg-type]
     asked = [ChatMessage(role="user", content="hi")]
     with pytest.raises(ApiError) as caught:
-        routed(route, checks, Request("plus", "retired", asked, 256, False, None))
+        routed(route, checks, Request("plus", "retired", asked, 256, "max_tokens", False, None))
     assert caught.value.status == 404 and "retired" in caught.value.message
+
+
+def test_a_tier_in_the_batch_band_is_refused_on_interactive_routes() -> None:
+    """Its prompts went to the batch band past admission's fair share."""
+    route = router({})
+    checks = ReplyChecks(route.settings, DefaultModerator(), None)  # type: ignore[arg-type]
+    asked = [ChatMessage(role="user", content="hi")]
+    with pytest.raises(ApiError) as caught:
+        routed(route, checks, Request("batch", "big", asked, 256, "max_tokens", True, None))
+    assert (caught.value.status, caught.value.code) == (403, "batch_tier")
+    assert routed(route, checks, Request("plus", "big", asked, 256, "max_tokens", True, None))

@@ -82,6 +82,7 @@ class ReplyChecks:
         client_context: bool,
         summary: str | None = None,
         tier: str | None = None,
+        length_param: str = "max_tokens",
     ) -> Context:
         """The chat page's history is trimmed to fit, oldest first, under the configured
         system prompt, within the model's window and the tier's minute of tokens (a chat
@@ -93,15 +94,15 @@ class ReplyChecks:
         if max_tokens >= window and not client_context:
             raise ApiError(
                 400,
-                f"max_tokens {max_tokens} leaves no room for the message in {model}'s "
+                f"{length_param} {max_tokens} leaves no room for the message in {model}'s "
                 f"{window}-token context window",
-                param="max_tokens",
+                param=length_param,
             )
         too_long = ApiError(  # OpenAI's answer to a context that does not fit
             400,
-            f"context_length_exceeded: the messages and max_tokens {max_tokens} need more "
-            f"than the model's {window}-token context; send fewer messages or a smaller "
-            "max_tokens",
+            f"context_length_exceeded: the messages and {length_param} {max_tokens} need "
+            f"more than the model's {window}-token context; send fewer messages or a "
+            f"smaller {length_param}",
             param="messages",
             code="context_length_exceeded",
         )
@@ -117,7 +118,7 @@ class ReplyChecks:
             if client_context:
                 raise too_long from exc
             if tier is not None:  # past the tier's minute, not the window: said so
-                self.affordable(tier, exc.needed + max_tokens)
+                self.affordable(tier, exc.needed + max_tokens, length_param)
             raise ApiError(413, str(exc), param="content") from exc
         if client_context and context.dropped:
             raise too_long
@@ -134,17 +135,18 @@ class ReplyChecks:
             return False
         return True
 
-    def affordable(self, tier: str, tokens: int) -> None:
+    def affordable(self, tier: str, tokens: int, length_param: str = "max_tokens") -> None:
         """A request above the tier's whole minute of tokens never fits: a 413 now, not
-        a 429 retried forever (nor a batch line held back for good)."""
+        a 429 retried forever (nor a batch line held back for good). `length_param`: the
+        field the caller set the reply's length with, as the refusal names it."""
         per_minute = self.settings.tiers[tier].tokens_per_minute
         if tokens > per_minute:
             raise ApiError(
                 413,
-                f"this request needs {tokens} tokens (its prompt and max_tokens); tier "
+                f"this request needs {tokens} tokens (its prompt and {length_param}); tier "
                 f"{tier!r} allows {per_minute} a minute: send a shorter context or a "
-                "smaller max_tokens",
-                param="max_tokens",
+                f"smaller {length_param}",
+                param=length_param,
             )
 
     async def admit(self, caller: Principal, request_id: str, tokens: int, now: int) -> Admission:

@@ -47,10 +47,10 @@ from schemas.events import (
 )
 from tandoor.background import Background
 from tandoor.policies.redis_keys import TITLED_TTL_S, titled_key
+from tandoor.settings import BATCH_BAND
 
 log = logging.getLogger(__name__)
 
-JOB_BAND = "batch"
 JOB_WAIT_S = 600.0  # the batch band may be busy; nobody waits on a job
 SUMMARY_WRITE_MARGIN_S = 60.0  # the post's steps before the job, and the write itself
 TITLE_INSTRUCTION = (
@@ -247,7 +247,7 @@ class ConversationJobs:
                     model=conversation.model,
                     user_id=user_id,
                     tier="batch",
-                    band=JOB_BAND,
+                    band=BATCH_BAND,
                     conversation_id=conversation.id,
                     messages=[
                         ChatMessage(role="system", content=job.instruction),

@@ -9,6 +9,19 @@ from producers.gateway.errors import ApiError
 from producers.gateway.shedding import ModelRouter
 from schemas.events import ChatMessage
 from tandoor.policies.context import Context
+from tandoor.settings import BATCH_BAND
+
+
+def batch_only(tier: str) -> ApiError:
+    """A tier in the batch band asks as a batch: straight to the band, its prompts went
+    past admission's fair share, and a flood of them held every tenant's batch lines."""
+    return ApiError(
+        403,
+        f"tier {tier!r} runs in the batch band: submit its prompts as a batch (the Batches "
+        "API, `tandoor batch` or the batch.requests topic), where each tenant gets a fair share",
+        kind="permission_error",
+        code="batch_tier",
+    )
 
 
 @dataclass(frozen=True)
@@ -17,6 +30,7 @@ class Request:
     model: str  # the one asked for
     asked: list[ChatMessage]
     max_tokens: int
+    length_param: str  # the field the caller set max_tokens with, as refusals name it
     client_context: bool  # an API client's whole context: refused, never cut, if too long
     summary: str | None
 
@@ -37,6 +51,7 @@ def routed(router: ModelRouter, checks: ReplyChecks, request: Request) -> tuple[
                 request.client_context,
                 request.summary,
                 request.tier,
+                request.length_param,
             )
         return contexts[model]
 
@@ -49,8 +64,10 @@ def routed(router: ModelRouter, checks: ReplyChecks, request: Request) -> tuple[
 
     # What can never pass is refused as such first: busy, it was a 503 to retry, and an
     # SDK retries it for ever.
+    if checks.settings.tiers[request.tier].band == BATCH_BAND:
+        raise batch_only(request.tier)
     router.served(request.model)
     asked = context_on(request.model)
-    checks.affordable(request.tier, asked.prompt_tokens + request.max_tokens)
+    checks.affordable(request.tier, asked.prompt_tokens + request.max_tokens, request.length_param)
     model = router.answering(request.model, request.tier, takes)
     return model, context_on(model)

@@ -186,11 +186,11 @@ class ChatService:
             *history,
             *([ChatMessage(role="user", content=new_text)] if new_text is not None else []),
         ]
-        model, context = routed(
-            d.router,
-            d.checks,
-            Request(caller.tier, conversation.model, asked, max_tokens, client_context, summary),
+        length = options.length_param
+        request = Request(
+            caller.tier, conversation.model, asked, max_tokens, length, client_context, summary
         )
+        model, context = routed(d.router, d.checks, request)
         return await self._start(
             PlannedPrompt(
                 caller,
