@@ -23,7 +23,9 @@ import httpx
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from schemas.events import MAX_REPLY_TOKENS, MAX_TEMPERATURE, ChatMessage
+from producers.gateway.chat.protocol import CONTENT_MAX_CHARS
+from producers.gateway.openai_api.protocol import ChatCompletionRequest, InputMessage
+from schemas.events import MAX_REPLY_TOKENS, MAX_TEMPERATURE
 
 Progress = Callable[[int, int], None]  # (done, total)
 FINAL = {"completed", "cancelled", "expired", "failed"}
@@ -31,10 +33,12 @@ POLL_S = 1.0
 
 
 class BatchLine(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # as the API takes its fields
 
-    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
-    prompt: str | None = Field(default=None, min_length=1)
+    # The API's own message and request models: a line the gateway would refuse (a
+    # message past its length, a key it does not take) is refused here, before upload.
+    messages: list[InputMessage] | None = Field(default=None, min_length=1)
+    prompt: str | None = Field(default=None, min_length=1, max_length=CONTENT_MAX_CHARS)
     max_tokens: int = Field(default=256, ge=1, le=MAX_REPLY_TOKENS)
     temperature: float = Field(default=0.0, ge=0.0, le=MAX_TEMPERATURE)
 
@@ -42,19 +46,25 @@ class BatchLine(BaseModel):
     def _one_input(self) -> BatchLine:
         if (self.messages is None) == (self.prompt is None):
             raise ValueError("give exactly one of 'messages' or 'prompt'")
+        if self.chat()[-1].role != "user":  # as the gateway refuses it
+            raise ValueError("the last message must be from the user")
+        ChatCompletionRequest.model_validate(self.body("any"))  # as the gateway checks it
         return self
 
-    def chat(self) -> list[ChatMessage]:
-        return self.messages or [ChatMessage(role="user", content=self.prompt or "")]
+    def chat(self) -> list[InputMessage]:
+        return self.messages or [InputMessage(role="user", content=self.prompt or "")]
 
-    def request(self, number: int, model: str) -> dict[str, Any]:
-        """The line as OpenAI batch input."""
-        body = {
+    def body(self, model: str) -> dict[str, Any]:
+        return {
             "model": model,
-            "messages": [m.model_dump() for m in self.chat()],
+            "messages": [m.model_dump(exclude_none=True) for m in self.chat()],
             "max_tokens": self.max_tokens,
             "temperature": self.temperature,
         }
+
+    def request(self, number: int, model: str) -> dict[str, Any]:
+        """The line as OpenAI batch input."""
+        body = self.body(model)
         return {"custom_id": f"line-{number}", "method": "POST", "url": CHAT, "body": body}
 
 

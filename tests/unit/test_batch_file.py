@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import codecs
+import json
 from pathlib import Path
 
 import pytest
 
 from producers.batch import BatchError, read_batch
+
+ASKED = {"role": "user", "content": "a"}
+
+
+def jsonl(**line: object) -> str:
+    return json.dumps(line)
 
 
 def test_lines_take_a_prompt_or_messages(tmp_path: Path) -> None:
@@ -37,6 +44,13 @@ def test_a_file_saved_with_a_byte_order_mark_is_read(tmp_path: Path) -> None:
         ('{"prompt": "a", "max_tokens": 0}', "in.jsonl:1: max_tokens"),
         ('{"prompt": "a", "colour": "red"}', "colour"),
         ("\n\n", "no prompts"),
+        # What the gateway refuses is refused before the upload, not answered line by
+        # line after the batch was made and charged.
+        (jsonl(prompt="x" * 32_001), "in.jsonl:1: prompt: String should have at most"),
+        (jsonl(messages=[ASKED, {"role": "assistant", "content": "b"}]), "from the user"),
+        (jsonl(messages=[{**ASKED, "tool_calls": [{}]}]), "tool_calls"),
+        (jsonl(messages=[ASKED] * 501), "at most 500"),
+        (jsonl(prompt="a", max_tokens=True), "max_tokens: Input should be a valid integer"),
     ],
 )
 def test_a_bad_line_is_named(tmp_path: Path, text: str, problem: str) -> None:
@@ -44,6 +58,21 @@ def test_a_bad_line_is_named(tmp_path: Path, text: str, problem: str) -> None:
     path.write_text(text)
     with pytest.raises(BatchError, match=problem):
         read_batch(path)
+
+
+def test_a_line_the_api_takes_is_taken(tmp_path: Path) -> None:
+    """A `developer` message and content as text parts were refused here, not there."""
+    path = tmp_path / "in.jsonl"
+    parts = '[{"type": "text", "text": "Hi"}]'
+    path.write_text(
+        '{"messages": [{"role": "developer", "content": "Be brief."}, '
+        f'{{"role": "user", "content": {parts}}}]}}\n'
+    )
+    ((_, line),) = read_batch(path)
+    assert line.request(1, "m")["body"]["messages"] == [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+    ]
 
 
 def test_lines_become_openai_batch_input_named_by_their_number(tmp_path: Path) -> None:
