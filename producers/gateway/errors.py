@@ -37,10 +37,13 @@ class ApiError(Exception):
         self.code = code
 
 
-def unavailable(what: str, retry_after_s: int = UNREACHABLE_RETRY_S) -> ApiError:
+def unavailable(
+    what: str, retry_after_s: int = UNREACHABLE_RETRY_S, changed: bool = False
+) -> ApiError:
+    done = "" if changed else "nothing was changed, "
     return ApiError(
         503,
-        f"{what}; nothing was changed, please retry in {retry_after_s} s",
+        f"{what}; {done}please retry in {retry_after_s} s",
         kind="service_unavailable",
         headers={"Retry-After": str(retry_after_s)},
     )

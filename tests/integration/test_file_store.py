@@ -16,10 +16,12 @@ from typing import Any
 
 import orjson
 import pytest
+import redis.asyncio as aioredis
 from cassandra import OperationTimedOut
 from cassandra.cluster import NoHostAvailable
 
 from consumers.history import INSERT_BATCH_OUTPUT, batch_output_row
+from infra.process import free_port
 from producers.gateway.batches.service import BatchService
 from producers.gateway.batches.store import (
     CHUNK_BYTES,
@@ -33,6 +35,7 @@ from producers.gateway.batches.store import (
 from producers.gateway.errors import ApiError
 from tandoor.clients import cql
 from tandoor.policies.api_keys import Principal
+from tandoor.policies.redis_keys import batch_cancel_key
 
 NO_KAFKA: Any = None  # reads and stores only: no batch is queued
 
@@ -88,6 +91,43 @@ async def test_batch_pages_list_every_batch_once_newest_first(session: Any, limi
         seen += page
     same_ms = [f"b-same-{i}" for i in range(4)]  # within a millisecond: by id
     assert seen == ["b-late", *same_ms, "b-early"]
+
+
+async def test_a_listed_batch_whose_row_is_gone_leaves_the_page_whole(session: Any) -> None:
+    """Listed but withdrawn meanwhile (a create whose Kafka send failed), or a write
+    seen half: the whole page was a 404, which the SDK does not retry."""
+    user = f"u-{uuid.uuid4().hex[:8]}"
+    service = BatchService(session, make_producer=NO_KAFKA, redis=None)
+    made = [
+        StoredBatch(f"b-{i}-{user}", user, "f", "/v1/chat/completions", "24h", 1, None, AT, None)
+        for i in range(3)
+    ]
+    for batch in made:
+        await service.batches.create(batch)
+    await cql(session, "DELETE FROM api_batches WHERE batch_id = %s", (made[1].batch_id,))
+    listed = await service.list(Principal(user, "plus", "k"), limit=10, after=None)
+    assert sorted(b["id"] for b in listed["data"]) == [made[0].batch_id, made[2].batch_id]
+
+
+async def test_a_cancel_redis_missed_says_it_is_stored_and_takes_effect_when_retried(
+    session: Any, redis: aioredis.Redis
+) -> None:
+    """Stored, then not told to admission (Redis unreachable): the 503 said "nothing was
+    changed" while the batch showed `cancelling` and every line ran on."""
+    user = f"u-{uuid.uuid4().hex[:8]}"
+    caller = Principal(user, "batch", "k")
+    made = StoredBatch(f"b-{user}", user, "f", "/v1/chat/completions", "24h", 1, None, AT, None)
+    unreachable = aioredis.Redis(port=free_port(), socket_connect_timeout=1)
+    await BatchService(session, make_producer=NO_KAFKA, redis=unreachable).batches.create(made)
+    with pytest.raises(ApiError) as refused:
+        await BatchService(session, NO_KAFKA, redis=unreachable).cancel(caller, made.batch_id)
+    assert refused.value.status == 503 and "nothing was changed" not in refused.value.message
+    assert "retried" in refused.value.message
+    await unreachable.aclose()
+    service = BatchService(session, make_producer=NO_KAFKA, redis=redis)
+    assert (await service.retrieve(caller, made.batch_id))["status"] == "cancelling"
+    assert (await service.cancel(caller, made.batch_id))["status"] == "cancelling"
+    assert await redis.exists(batch_cancel_key(user, made.batch_id))  # admission is told
 
 
 def answer(session: Any, batch: StoredBatch, custom_id: str, status: int) -> None:
