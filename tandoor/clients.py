@@ -30,6 +30,7 @@ from redis.exceptions import ResponseError as RedisResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from schemas import topics
+from tandoor.redis_breaker import GuardedConnection, RedisBreaker
 from tandoor.settings import Settings
 
 CASSANDRA_RECONNECT_MAX_S = 5.0
@@ -110,6 +111,8 @@ def redis_client(settings: Settings) -> aioredis.Redis:
     and redis-py's default backoff added seconds to every request during an outage."""
     pool = aioredis.BlockingConnectionPool.from_url(
         settings.redis_url,
+        connection_class=GuardedConnection,  # a Redis gone quiet: the next calls fail at once
+        breaker=RedisBreaker(),
         max_connections=REDIS_MAX_CONNECTIONS,
         timeout=REDIS_READ_TIMEOUT_S,
         decode_responses=False,

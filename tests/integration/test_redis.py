@@ -1,13 +1,23 @@
-"""Redis is real: a Lua script runs atomically under concurrent callers."""
+"""Redis is real: a Lua script runs atomically under concurrent callers; calls past the
+pool wait for a connection; calls to a Redis gone quiet fail at once after one timed out."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import uuid
+from pathlib import Path
 
+import pytest
 import redis.asyncio as aioredis
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from tandoor.clients import REDIS_MAX_CONNECTIONS
+from infra.process import free_port
+from infra.redis_server import RedisServer
+from tandoor.clients import REDIS_DOWN, REDIS_MAX_CONNECTIONS, redis_client
+from tandoor.settings import Settings
+from tests.waiting import eventually
 
 # Fixed-window counter: admit while the window's count stays within the limit,
 # otherwise answer with the milliseconds left in the window.
@@ -43,3 +53,40 @@ async def test_more_calls_at_once_than_connections_wait_for_one(redis: aioredis.
     held_s = 0.2  # each call holds its connection this long
     calls = [redis.blpop([key], timeout=held_s) for _ in range(3 * REDIS_MAX_CONNECTIONS // 2)]
     assert await asyncio.gather(*calls) == [None] * len(calls)
+
+
+async def test_calls_to_a_redis_gone_quiet_fail_at_once_after_one_timed_out(
+    tmp_path: Path,
+) -> None:
+    """Stopped with its port open, Redis cost every call the whole read timeout: a paid
+    chat message, some seven calls, waited 14 s before its Redis-down policy applied."""
+    settings = Settings(home=tmp_path, redis_port=free_port())
+    server = RedisServer(settings)  # its own: the suite's Redis is not stopped under it
+    server.launch()
+    server.wait_ready()
+    client = redis_client(settings)
+    try:
+        await client.set("answer", "42")
+        pid = server.process.pid()
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(RedisTimeoutError) as waited:
+                await client.get("answer")
+            assert "not asked" not in str(waited.value)  # sent, and waited for
+            for _ in range(5):  # not sent
+                with pytest.raises(RedisTimeoutError, match="not asked"):
+                    await client.get("answer")
+        finally:
+            os.kill(pid, signal.SIGCONT)
+
+        async def answer() -> bytes | str | None:
+            try:
+                return await client.get("answer")
+            except REDIS_DOWN:
+                return None
+
+        assert await eventually(answer, what="Redis answering again") == b"42"
+    finally:
+        await client.aclose()
+        server.stop()
