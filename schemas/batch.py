@@ -109,7 +109,7 @@ def final_output(final: FinalEvent, text: str) -> dict[str, Any]:
         return refused_output(custom_id, request_id, 400, final.error or "", param="body.messages")
     if final.finish_reason not in ANSWERED:
         message = final.error or "the model could not answer"
-        failed = {"error": {"message": message, "type": "server_error"}}
+        failed = error_body(message, "server_error")
         return batch_output(
             custom_id, request_id, {"status_code": 500, "request_id": request_id, "body": failed}
         )

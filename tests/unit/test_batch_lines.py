@@ -128,6 +128,16 @@ def test_a_line_cancelled_before_it_started_says_so() -> None:
     assert final_output(never_started, "")["error"]["code"] == "batch_cancelled"
 
 
+def test_a_line_the_model_failed_has_openais_whole_error_body() -> None:
+    """It lacked `param` and `code`, which every other error body has."""
+    failed = final("error").model_copy(update={"error": "the engine died"})
+    response = final_output(failed, "")["response"]
+    assert response["status_code"] == 500
+    assert response["body"] == {
+        "error": {"message": "the engine died", "type": "server_error", "param": None, "code": None}
+    }
+
+
 def test_a_prompt_the_engine_finds_too_long_is_a_400_not_a_500() -> None:
     too_long = final("error").model_copy(
         update={"error": f"{TOO_LONG_FOR_ENGINE}2100 tokens; the model takes at most 2048"}
