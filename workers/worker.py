@@ -67,6 +67,7 @@ class Worker:
         self._tasks: set[asyncio.Task[None]] = set()
         self._noting = Background()  # cancels noted in Redis for a copy yet to arrive
         self._stopping = asyncio.Event()
+        self._hurry = asyncio.Event()
         self._joined = False  # start() went as far as joining the group
         self._failure: BaseException | None = None
         self._resources = contextlib.AsyncExitStack()  # what start() opened, closed in reverse
@@ -126,6 +127,10 @@ class Worker:
             raise WorkerFailed(str(self._failure)) from self._failure
 
     def request_stop(self) -> None:
+        """The first stop signal: finish what is in flight within the grace period. A
+        second (Ctrl-C pressed again): hand it back now, as when the grace runs out."""
+        if self._stopping.is_set():
+            self._hurry.set()
         self._stopping.set()
 
     async def close(self) -> None:
@@ -288,14 +293,27 @@ class Worker:
     async def _drain(self) -> None:
         """Give in-flight prompts the grace period, then hand back the rest uncommitted."""
         if self._tasks:
-            log.info("finishing %d in-flight prompts", len(self._tasks))
-            _, pending = await asyncio.wait(set(self._tasks), timeout=self.settings.worker_grace_s)
+            log.info(
+                "finishing %d in-flight prompts (stop again to hand them back now)",
+                len(self._tasks),
+            )
+            pending = await unfinished(set(self._tasks), self.settings.worker_grace_s, self._hurry)
             for task in pending:
                 task.cancel()
             if pending:
                 log.info("handing back %d prompts to other workers", len(pending))
                 await asyncio.gather(*pending, return_exceptions=True)
         await self.intake.commit()
+
+
+async def unfinished(
+    tasks: set[asyncio.Task[None]], grace_s: float, hurry: asyncio.Event
+) -> set[asyncio.Task[None]]:
+    """The tasks still running once they all finish, `grace_s` passes or `hurry` is set."""
+    if tasks:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(_first_of(asyncio.wait(tasks), hurry.wait()), grace_s)
+    return {task for task in tasks if not task.done()}
 
 
 async def _first_of(*waits: Coroutine[Any, Any, Any]) -> None:
