@@ -19,7 +19,9 @@ LogFormat = Literal["text", "json"]
 # Set by whoever handles one request; asyncio tasks started from there inherit it.
 current_request_id: ContextVar[str | None] = ContextVar("request_id", default=None)
 
-NOISY = ("aiokafka", "cassandra", "httpx")  # httpx: a line per request (a poll a second)
+# httpx: a line per request (a poll a second); the gateway's errors and shedding: a line
+# per request refused while a store is down, or shed while a model is busy.
+NOISY = ("aiokafka", "cassandra", "httpx", "producers.gateway.errors", "producers.gateway.shedding")
 REPEAT_EVERY_S = 5.0
 TEXT_FORMAT = "%(asctime)s %(levelname)-5s %(name)s: %(message)s%(request_suffix)s"
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -9,6 +11,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from schemas.errors import error_body, shortened
 from tandoor.clients import CASSANDRA_DOWN, REDIS_DOWN
+
+log = logging.getLogger(__name__)  # held to a line per 5 s (tandoor/logs.py, NOISY)
 
 # A store that cannot be reached (restarting, overloaded): a 503 the client may retry,
 # never a bare 500. Where a request can be served without it, the route handles it first.
@@ -94,7 +98,11 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(exc)
 
     async def _unreachable(request: Request, exc: Exception) -> JSONResponse:
-        return error_response(store_unreachable(exc))
+        """Said in the log too, with the driver's exception: the 503 alone left a bad
+        partition (a read failure on tombstones) looking like an outage."""
+        refused = store_unreachable(exc)
+        log.warning("%s %s: %s (%r)", request.method, request.url.path, refused.message, exc)
+        return error_response(refused)
 
     for unreachable in UNREACHABLE:
         app.add_exception_handler(unreachable, _unreachable)

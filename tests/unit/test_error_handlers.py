@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import logging
+
+import pytest
+from cassandra import ReadFailure
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
@@ -21,6 +25,25 @@ def test_an_unexpected_exception_is_a_json_500() -> None:
     assert answer.status_code == 500
     error = answer.json()["error"]
     assert error["type"] == "api_error" and "RecursionError" in error["message"]
+
+
+def test_a_store_unreachable_is_a_503_and_a_log_line_naming_the_failure(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The 503 went unlogged: an operator saw only a status count, whether Cassandra
+    was down or one partition failed every read."""
+    app = FastAPI()
+    install_error_handlers(app)
+
+    @app.get("/v1/conversations")
+    async def conversations() -> None:
+        raise ReadFailure("Operation failed - received 0 responses and 1 failures")
+
+    with caplog.at_level(logging.WARNING, logger="producers.gateway.errors"):
+        answer = TestClient(app).get("/v1/conversations")
+    assert answer.status_code == 503 and "Cassandra" in answer.json()["error"]["message"]
+    (logged,) = [r.getMessage() for r in caplog.records]
+    assert "GET /v1/conversations" in logged and "ReadFailure" in logged
 
 
 def test_an_unknown_model_says_so_in_openais_code() -> None:
