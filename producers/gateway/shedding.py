@@ -41,6 +41,13 @@ BUSY = Counter(
     registry=None,  # registered with the gateway's registry (producers/gateway/metrics.py)
 )
 
+SHED = Counter(
+    "tandoor_gateway_shed_requests",
+    "Prompts answered by the model's fallback instead (TANDOOR_FALLBACKS)",
+    ["model", "fallback", "reason"],  # reason: backlog (past the rule's) or busy
+    registry=None,
+)
+
 
 @dataclass(frozen=True)
 class Busy:
@@ -105,6 +112,7 @@ class ModelRouter:
             and self.busy(rule.model, tier) is None  # it can start it in time
             and takes(rule.model)
         ):
+            SHED.labels(model, rule.model, "backlog").inc()
             log.info(
                 "shedding %s: backlog %d >= %d, %s answers", model, ahead, rule.backlog, rule.model
             )
@@ -113,6 +121,7 @@ class ModelRouter:
         if verdict is None:
             return model
         if rule is not None and self.busy(rule.model, tier) is None and takes(rule.model):
+            SHED.labels(model, rule.model, "busy").inc()
             log.info("shedding %s: busy (%s), %s answers", model, verdict.detail, rule.model)
             return rule.model
         BUSY.labels(model, verdict.reason).inc()
