@@ -297,7 +297,9 @@ async def test_a_completion_stopped_from_its_chat_is_an_error_not_an_answer(
     finish_reason "stop": a cut-off answer its client could not tell from a whole one."""
     headers = await auth(stack)
     key = headers["Authorization"].removeprefix("Bearer ")
-    async with client(stack, key) as api, httpx.AsyncClient(base_url=stack.url) as http:
+    # The SDK's own retries, as a caller has them: a 409 is retried unless marked not to.
+    retrying = openai.AsyncOpenAI(base_url=f"{stack.url}/v1", api_key=key)
+    async with retrying as api, httpx.AsyncClient(base_url=stack.url) as http:
 
         async def stop_once_writing() -> None:
             async def conversations() -> list[Any]:
@@ -325,6 +327,8 @@ async def test_a_completion_stopped_from_its_chat_is_an_error_not_an_answer(
                 async for _ in answer:
                     pass
         await stopping
+        listed = (await http.get("/v1/conversations", headers=headers)).json()["data"]
+    assert len(listed) == 1, "the stopped completion was sent again"
     assert stopped.value.code == "cancelled", stopped.value
     if not streamed:
         assert isinstance(stopped.value, openai.ConflictError)

@@ -138,6 +138,24 @@ def test_a_value_of_the_wrong_type_is_refused_not_converted(field: str, value: o
             PostMessage.model_validate({"content": "hi", field: value})
 
 
+@pytest.mark.parametrize(
+    ("nested", "where"),
+    [
+        ({"stream": True, "stream_options": {"include_usage": "false"}}, "include_usage"),
+        ({"stream": True, "stream_options": {"include_usage": 1}}, "include_usage"),
+        ({"messages": [{"role": "user", "content": "hi", "name": 7}]}, "name"),
+    ],
+)
+def test_a_nested_value_of_the_wrong_type_is_refused_too(
+    nested: dict[str, object], where: str
+) -> None:
+    """ "false" was taken as false, 1 as true: strict stopped at the top level."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **nested}
+    with pytest.raises(ValidationError) as refused:
+        ChatCompletionRequest.model_validate(body)
+    assert where in str(refused.value.errors()[0]["loc"])
+
+
 def test_a_whole_number_is_taken_where_a_fraction_may_be() -> None:
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     taken = ChatCompletionRequest.model_validate({**body, "temperature": 0, "top_p": 1})

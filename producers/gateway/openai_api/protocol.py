@@ -24,7 +24,7 @@ RESPONSE_ONLY_KEYS = ("refusal", "annotations", "audio", "function_call", "tool_
 
 
 class InputMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # as the request: no conversions
 
     role: Literal["system", "developer", "user", "assistant"]
     name: str | None = Field(
@@ -93,7 +93,7 @@ ASKING_NOTHING: dict[str, tuple[object, ...]] = {
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # as the request: no conversions
 
     include_usage: bool = False
     include_obfuscation: bool = Field(
@@ -102,7 +102,7 @@ class StreamOptions(BaseModel):
 
 
 class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # as the request: no conversions
 
     type: Literal["text"] = Field(
         description="Only plain text: structured output (json_object, json_schema) is refused."

@@ -226,7 +226,9 @@ def _refusal(final: FinalEvent) -> ApiError | None:
     if final.failed_with(TEMPLATE_REFUSED):
         return ApiError(400, final.error or "", param="messages")
     if final.finish_reason == "cancelled":  # not "stop": a cut-off answer is no answer
-        return ApiError(409, STOPPED, code="cancelled")
+        # Not retried: the SDKs retry any 409 ("a lock timeout") unless told not to, and
+        # the retry ran the stopped completion again, to its end, charged twice.
+        return ApiError(409, STOPPED, code="cancelled", headers={"x-should-retry": "false"})
     if final.finish_reason not in FINISH:  # not the request's fault: an SDK retries a 5xx
         return ApiError(
             502,
