@@ -43,11 +43,26 @@ class RedisBreaker:
 
 
 class GuardedConnection(aioredis.Connection):
-    """redis-py's connection, refusing commands while its pool's breaker is open."""
+    """redis-py's connection, refusing to connect or send while its pool's breaker is
+    open, and opening it on a timeout."""
 
     def __init__(self, *, breaker: RedisBreaker, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.breaker = breaker
+
+    async def connect_check_health(
+        self, check_health: bool = True, retry_socket_connect: bool = True
+    ) -> None:
+        """A reconnect is guarded too: a call timed out drops its connection, and a host
+        gone quiet at the network (paused, partitioned) times out the connect instead."""
+        if self.is_connected:
+            return
+        self.breaker.check()
+        try:
+            await super().connect_check_health(check_health, retry_socket_connect)
+        except RedisTimeoutError:
+            self.breaker.timed_out()
+            raise
 
     async def send_packed_command(
         self, command: bytes | str | Iterable[bytes], check_health: bool = True

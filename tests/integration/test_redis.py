@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import uuid
 from pathlib import Path
 
@@ -90,3 +91,24 @@ async def test_calls_to_a_redis_gone_quiet_fail_at_once_after_one_timed_out(
     finally:
         await client.aclose()
         server.stop()
+
+
+async def test_calls_to_a_redis_host_gone_quiet_fail_at_once_after_one_connect_timed_out() -> None:
+    """A host that stops answering at the network (paused, partitioned) times out the
+    connect, not a read: each call still waited its two seconds. A listener whose queue
+    is full drops the handshake as such a host does."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(0)
+        port = silent.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port)):  # all the queue holds
+            client = redis_client(Settings(redis_port=port))
+            try:
+                with pytest.raises(RedisTimeoutError) as waited:
+                    await client.get("answer")
+                assert "not asked" not in str(waited.value)  # tried, and waited for
+                for _ in range(5):
+                    with pytest.raises(RedisTimeoutError, match="not asked"):
+                        await client.get("answer")
+            finally:
+                await client.aclose()
