@@ -116,7 +116,8 @@ async def test_a_cancel_redis_missed_says_it_is_stored_and_takes_effect_when_ret
     changed" while the batch showed `cancelling` and every line ran on."""
     user = f"u-{uuid.uuid4().hex[:8]}"
     caller = Principal(user, "batch", "k")
-    made = StoredBatch(f"b-{user}", user, "f", "/v1/chat/completions", "24h", 1, None, AT, None)
+    now = dt.datetime.now(dt.UTC).replace(tzinfo=None)  # within its window: cancellable
+    made = StoredBatch(f"b-{user}", user, "f", "/v1/chat/completions", "24h", 1, None, now, None)
     unreachable = aioredis.Redis(port=free_port(), socket_connect_timeout=1)
     await BatchService(session, make_producer=NO_KAFKA, redis=unreachable).batches.create(made)
     with pytest.raises(ApiError) as refused:
