@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import logging.config
 import time
 from collections.abc import Callable
 from contextvars import ContextVar
-from typing import Literal
+from typing import Any, Literal
 
 import orjson
 
@@ -98,17 +99,41 @@ class JsonFormatter(logging.Formatter):
 
 
 def configure_logging(level: str = "INFO", role: str = "tandoor", fmt: LogFormat = "text") -> None:
-    handler = logging.StreamHandler()
-    handler.addFilter(RequestContext(role))
-    handler.addFilter(RepeatLimit())
-    if fmt == "json":
-        handler.setFormatter(JsonFormatter())
-    else:
-        handler.setFormatter(logging.Formatter(TEXT_FORMAT, datefmt="%H:%M:%S"))
-    root = logging.getLogger()
-    for old in list(root.handlers):
-        root.removeHandler(old)
-    root.addHandler(handler)
-    root.setLevel(level)
+    global engine_logging
+    logging.config.dictConfig(role_logging(level, role, fmt))
+    engine_logging = role_logging(level, role, fmt, logger="vllm")
     for noisy in NOISY:
         logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def role_logging(level: str, role: str, fmt: LogFormat, logger: str = "") -> dict[str, Any]:
+    """The role's handler, as `logging.config.dictConfig` takes it, for `logger` (the
+    root when empty)."""
+    text = {"format": TEXT_FORMAT, "datefmt": "%H:%M:%S"}
+    target = {"handlers": ["role"], "level": level}
+    config: dict[str, Any] = {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "filters": {
+            "context": {"()": f"{__name__}.RequestContext", "role": role},
+            "repeats": {"()": f"{__name__}.RepeatLimit"},
+        },
+        "formatters": {"role": {"()": f"{__name__}.JsonFormatter"} if fmt == "json" else text},
+        "handlers": {
+            "role": {
+                "class": "logging.StreamHandler",
+                "formatter": "role",
+                "filters": ["context", "repeats"],
+            }
+        },
+    }
+    if logger:
+        config["loggers"] = {logger: {**target, "propagate": False}}
+    else:
+        config["root"] = target
+    return config
+
+
+# The role's handler for vLLM's loggers, for its engine process: Python starts that one
+# afresh, and vLLM's own set-up there wrote text lines past a JSON log pipeline.
+engine_logging: dict[str, Any] = role_logging("INFO", "tandoor", "text", logger="vllm")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import tempfile
 import time
 import warnings
 from collections.abc import AsyncGenerator, Sequence
@@ -27,9 +28,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import orjson
 from jinja2 import TemplateError
 
 from schemas.events import TEMPLATE_REFUSED, ChatMessage, FinishReason, Sampling
+from tandoor import logs
 from tandoor.models import Dtype, Executor
 from workers.control_tokens import ControlTokens
 from workers.dtype import resolve_dtype
@@ -128,10 +131,13 @@ class Engine:
         log.info("engine dtype %s: %s", dtype.dtype, dtype.reason)
         executor = resolve_executor(options.executor, options.tensor_parallel_size)
         log.info("engine executor %s", executor or "vLLM's choice")
-        args = _engine_args(options, dtype.dtype, executor)
-        # In a thread: loading takes tens of seconds and must not stall the event loop.
-        # AsyncLLM binds its asyncio tasks and zmq sockets to a loop lazily, on first use.
-        llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
+        with tempfile.TemporaryDirectory(prefix="tandoor-engine-") as folder:
+            logging_file = Path(folder) / "logging.json"  # read as the engine process starts
+            logging_file.write_bytes(orjson.dumps(logs.engine_logging))
+            args = _engine_args(options, dtype.dtype, executor, logging_file)
+            # In a thread: loading takes tens of seconds and must not stall the event loop.
+            # AsyncLLM binds its asyncio tasks and zmq sockets to a loop lazily, on first use.
+            llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
         log.info("vLLM engine ready in %.1f s", time.monotonic() - started)
         tokenizer, length = llm.get_tokenizer(), llm.model_config.max_model_len
         return cls(llm, tokenizer, length, options.chat_template)
@@ -246,11 +252,19 @@ def _import_vllm() -> None:
     import vllm.v1.engine.async_llm  # noqa: F401
 
 
-def _engine_args(options: EngineOptions, dtype: str, executor: str | None) -> AsyncEngineArgs:
+def _engine_args(
+    options: EngineOptions, dtype: str, executor: str | None, logging_file: Path | None = None
+) -> AsyncEngineArgs:
+    from vllm.config.logging import LoggingConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     return AsyncEngineArgs(
         model=str(options.model_dir),
+        # vLLM's lines, its engine process's too, through the role's own handler
+        # (TANDOOR_LOG_FORMAT): its own set-up wrote text past a JSON log pipeline.
+        logging_config=LoggingConfig(
+            pylogging_config_file=None if logging_file is None else str(logging_file)
+        ),
         # The Hugging Face tokenizer, as the gateway counts with (tokenizer.json): "auto"
         # picks vLLM's Mistral one for a folder with tekken.json, whose text encoding
         # makes no control tokens, and which ignores a chat-template override.

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import logging.config
+from collections.abc import Iterator
 
-from tandoor.logs import RepeatLimit
+import orjson
+import pytest
+
+from tandoor.logs import RepeatLimit, role_logging
 
 
 def record(name: str, msg: str, *args: object) -> logging.LogRecord:
@@ -48,3 +54,28 @@ def test_other_templates_and_other_loggers_are_never_held() -> None:
     assert limit.filter(record("aiokafka", "Failed fetch messages from %s", 1))
     ours = [limit.filter(record("workers.request", "stored %s", n)) for n in range(50)]
     assert all(ours)
+
+
+@pytest.fixture
+def vllm_logger() -> Iterator[logging.Logger]:
+    logger = logging.getLogger("vllm")
+    yield logger
+    logger.handlers.clear()
+    logger.propagate = True
+
+
+def test_vllms_lines_are_the_roles_json_lines(
+    vllm_logger: logging.Logger, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """vLLM's own set-up, in the worker and in its engine process, wrote text lines to
+    stdout: a JSON log pipeline got lines it could not parse, with no role. Its engine
+    process reads this configuration from a file, so it goes through JSON too."""
+    written = orjson.dumps(role_logging("INFO", "worker", "json", logger="vllm"))
+    logging.config.dictConfig(json.loads(written))
+    logging.getLogger("vllm.v1.engine.core").info("engine ready")
+    line = json.loads(capsys.readouterr().err.strip().splitlines()[-1])
+    assert (line["role"], line["logger"], line["msg"]) == (
+        "worker",
+        "vllm.v1.engine.core",
+        "engine ready",
+    )
