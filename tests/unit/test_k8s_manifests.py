@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import shlex
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ import yaml  # type: ignore[import-untyped]
 from infra.topics import declared_topics
 from schemas import topics
 from tandoor.cli import app
+from tandoor.clients import TRANSACTION_TIMEOUT_MS
 from tandoor.settings import Settings, unknown_variables
 from tests.unit.k8s_manifests import (
     CRD_SCHEMAS,
@@ -357,3 +359,16 @@ def test_each_roles_grace_period_covers_its_own_shutdown(monkeypatch: pytest.Mon
         }.get(role, 0)
         needed = pause + own + CLOSE_S
         assert pod.get("terminationGracePeriodSeconds", 30) >= needed, (role, needed)  # k8s: 30
+
+
+def test_brokers_cap_transactions_near_the_gateways_own() -> None:
+    """An open transaction hides every later batch line of its partition from
+    admission (read_committed): a client's left open held them for the broker's
+    default cap, 15 minutes."""
+    properties = (K8S.parent / "templates" / "kafka-server.properties").read_text()
+    local = re.search(r"^transaction\.max\.timeout\.ms=(\d+)$", properties, re.MULTILINE)
+    assert local, "the local broker sets no cap"
+    (kafka,) = of_kind("Kafka")
+    caps = [int(local[1]), kafka["spec"]["kafka"]["config"]["transaction.max.timeout.ms"]]
+    for cap in caps:
+        assert TRANSACTION_TIMEOUT_MS <= cap <= 5 * 60_000, caps
