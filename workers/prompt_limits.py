@@ -16,6 +16,7 @@ from schemas.events import (
     Usage,
     now_ms,
 )
+from tandoor.policies.redis_keys import ATTEMPT_TTL_S
 
 # Each answer carries these again (the schema cannot bound them without a new version):
 # a 600 KB one made every answer too large for Kafka, and every worker given the
@@ -54,6 +55,17 @@ def _check_stops(stop: list[str]) -> None:
         raise SchemaError(f"field 'stop': more than {MAX_STOP_SEQUENCES} strings", "stop")
     if any(len(s) > MAX_STOP_CHARS for s in stop):
         raise SchemaError(f"field 'stop': a string longer than {MAX_STOP_CHARS}", "stop")
+
+
+def outlived_its_marks(prompt: PromptRequest, now: int | None = None) -> bool:
+    """Read more than a day after it was made (ATTEMPT_TTL_S, the life of its done mark)
+    with its deadline past: whether it was answered can no longer be told (finished but
+    not committed behind a longer prompt, then its model stopped for a weekend), and an
+    `expired` final sent again replaced its stored reply. A line with no deadline (a
+    Kafka client's batch line) still runs."""
+    now = now_ms() if now is None else now
+    old = now - prompt.created_at_ms > ATTEMPT_TTL_S * 1000
+    return old and prompt.deadline_ms is not None and prompt.deadline_ms < now
 
 
 def malformed_final(request_id: str, model: str, error: str) -> FinalEvent:

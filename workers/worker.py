@@ -27,7 +27,7 @@ from workers.engine import Engine, EngineOptions
 from workers.intake import FULL_POLL_S, PromptIntake, Record
 from workers.ledger import RequestLedger
 from workers.metrics import WorkerMetrics
-from workers.prompt_limits import answerable, malformed_final
+from workers.prompt_limits import answerable, malformed_final, outlived_its_marks
 from workers.publisher import Publisher
 from workers.request import RequestRunner, RunnerConfig
 from workers.slot import Slot
@@ -226,6 +226,11 @@ class Worker:
 
     async def _run(self, prompt: PromptRequest, band: str, slot: Slot) -> None:
         assert self._runner is not None
+        if outlived_its_marks(prompt):
+            log.warning(
+                "%s: made over a day ago, past its deadline: passed over", prompt.request_id
+            )
+            return
         tracked = self._tracked.setdefault(prompt.request_id, Tracked(prompt.request_id))
         try:
             await self._runner.run(prompt, tracked, band, slot)

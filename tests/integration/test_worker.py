@@ -18,12 +18,12 @@ from infra.roles import WorkerProcess
 from producers.prompts import PromptSubmitter
 from schemas import topics
 from schemas.codec import decode, encode
-from schemas.events import ANSWERED, MessageKey, UsageRecord
+from schemas.events import ANSWERED, MessageKey, UsageRecord, now_ms
 from tandoor.clients import assign_from_end, redis_client
-from tandoor.policies.redis_keys import attempt_key, lease_key, reply_key
+from tandoor.policies.redis_keys import ATTEMPT_TTL_S, attempt_key, lease_key, reply_key
 from tandoor.settings import Settings
 from tests.integration.conftest import COALESCE_TOKENS, CONTEXT_TOKENS, MAX_SEQS
-from tests.integration.pipeline import prompt
+from tests.integration.pipeline import all_committed, caught_up, prompt
 from tests.ops import samples
 from tests.waiting import eventually
 from workers.coalesce import OPENING_EVENTS
@@ -275,3 +275,24 @@ async def _usage_for(consumer: AIOKafkaConsumer, request_id: str) -> UsageRecord
     usage = await eventually(read, what=f"the usage record of {request_id}")
     assert usage is not None
     return usage
+
+
+async def test_a_prompt_read_after_its_done_mark_is_gone_is_passed_over(
+    worker: WorkerProcess, producer: AIOKafkaProducer, settings: Settings
+) -> None:
+    """Finished but not committed (behind a longer prompt), then read again over a day
+    later, when its done mark had expired: it was answered a second time, `expired`,
+    and that empty final could replace the stored reply. Its deadline long past, it is
+    passed over; a prompt after it on its partition is answered as usual."""
+    made = now_ms() - (ATTEMPT_TTL_S + 3600) * 1000
+    old = prompt(worker.model, "Hi", deadline_ms=made + 60_000)
+    old = old.model_copy(update={"created_at_ms": made})
+    after = prompt(worker.model, "What is 2 + 2?", conversation_id=old.conversation_id)
+    async with TokenCollector(settings) as stream:
+        submitter = PromptSubmitter(settings, producer)
+        for request in (old, after):
+            await submitter.submit(request)
+        assert (await stream.final(after.request_id)).finish_reason in ANSWERED
+        await all_committed(settings, worker.model)  # the old one was handled, before
+        await caught_up(stream, producer, settings)  # all published since: read
+    assert not stream.finals(old.request_id)
