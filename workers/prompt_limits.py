@@ -57,13 +57,13 @@ def _check_stops(stop: list[str]) -> None:
         raise SchemaError(f"field 'stop': a string longer than {MAX_STOP_CHARS}", "stop")
 
 
-def outlived_its_marks(prompt: PromptRequest, now: int | None = None) -> bool:
+def outlived_its_marks(prompt: PromptRequest) -> bool:
     """Read more than a day after it was made (ATTEMPT_TTL_S, the life of its done mark)
     with its deadline past: whether it was answered can no longer be told (finished but
     not committed behind a longer prompt, then its model stopped for a weekend), and an
     `expired` final sent again replaced its stored reply. A line with no deadline (a
     Kafka client's batch line) still runs."""
-    now = now_ms() if now is None else now
+    now = now_ms()
     old = now - prompt.created_at_ms > ATTEMPT_TTL_S * 1000
     return old and prompt.deadline_ms is not None and prompt.deadline_ms < now
 
