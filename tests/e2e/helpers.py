@@ -11,6 +11,9 @@ from typing import Any
 
 import httpx
 
+from producers.gateway.conversations.service import ConversationService
+from schemas.events import now_ms
+from tandoor.clients import cassandra_session
 from tandoor.policies.api_keys import create_key
 from tests.e2e.stack import Stack
 from tests.waiting import eventually
@@ -92,3 +95,16 @@ async def streamed(
     async with http.stream("POST", path, json=body, headers=headers) as response:
         assert response.status_code == 200, await response.aread()
         return [data async for _, data in sse(response)]
+
+
+async def unanswered(stack: Stack, conversation_id: str, message_id: str, text: str) -> str:
+    """A question stored, as by a gateway that died before queueing it: no reply comes.
+    Its owner's user id."""
+    with cassandra_session(stack.settings, stack.settings.keyspace) as session:
+        owner = session.execute(
+            "SELECT user_id FROM conversations WHERE conversation_id = %s", (conversation_id,)
+        ).one()
+        conversations = ConversationService(session, stack.settings.served_models)
+        opened = await conversations.owned(owner.user_id, conversation_id)
+        await conversations.add_user_message(owner.user_id, opened, message_id, text, now_ms())
+    return str(owner.user_id)

@@ -1,5 +1,5 @@
 """The chat page's finish, in headless Chromium against the whole stack: the header
-follows the title the model gives, a reply stopped before any text says so, copy
+follows the title the model gives, a reply stopped before any text or expired says so, copy
 buttons copy what was stored, the dark theme follows the system, the page does not
 scroll a reader away from what they read, each message shows its time on hover, and a
 chat whose reply never came is asked for it once."""
@@ -16,12 +16,12 @@ import httpx
 import pytest
 from playwright.async_api import Page, Route, expect
 
+from consumers.history import HistoryWriter
 from producers.gateway.conversations.protocol import provisional_title
-from producers.gateway.conversations.service import ConversationService
-from schemas.events import now_ms
+from schemas.events import FinalEvent, Usage, now_ms
 from tandoor.clients import cassandra_session
 from tests.e2e.browser import ask, replies, replies_over, shot, sign_in
-from tests.e2e.helpers import chat, new_conversation, stored_reply
+from tests.e2e.helpers import chat, new_conversation, stored_reply, unanswered
 from tests.e2e.stack import Stack
 from tests.waiting import eventually
 
@@ -92,6 +92,40 @@ async def test_a_reply_stopped_before_any_text_says_so(stack: Stack, page: Page)
     await page.reload()  # the stored reply says the same
     await page.locator("#conversation-list button").first.click()
     await expect(page.locator(".message.assistant .body")).to_have_text("Stopped before any text.")
+
+
+async def test_a_reply_that_expired_in_the_queue_says_so(stack: Stack, page: Page) -> None:
+    """No worker took the prompt before its deadline: the reply is stored "expired",
+    without text. Opened again, the chat showed an empty bubble and no word of why."""
+    headers = await sign_in(page, stack)
+    async with httpx.AsyncClient(base_url=stack.url, timeout=30) as http:
+        conversation_id = await new_conversation(http, headers, stack.model)
+    user_id = await unanswered(stack, conversation_id, "m_late", "Name a colour.")
+    asked_at = now_ms()
+    expired = FinalEvent(
+        request_id="m_late",
+        attempt=1,
+        seq=0,
+        finish_reason="expired",
+        error="the deadline passed before the worker took the prompt",
+        text="",
+        usage=Usage(prompt_tokens=0, completion_tokens=0, queue_ms=30_000, decode_ms=0),
+        model=stack.model,
+        user_id=user_id,
+        tier="plus",
+        conversation_id=conversation_id,
+        created_at_ms=asked_at,
+        prompt_created_at_ms=asked_at,
+    )
+    with cassandra_session(stack.settings, stack.settings.keyspace) as session:
+        await HistoryWriter(session).store(expired)  # as the persistence consumer does
+    await page.reload()
+    await page.locator(f'#conversation-list button[data-id="{conversation_id}"]').click()
+    reply = page.locator(".message.assistant")
+    await expect(reply.locator(".body")).to_have_text(
+        "No reply: the model was too busy to start it in time."
+    )
+    await expect(reply.locator(".meta")).to_contain_text("expired")
 
 
 async def test_copy_buttons_and_message_times(stack: Stack, page: Page) -> None:
@@ -218,17 +252,6 @@ async def test_every_error_is_said_once(stack: Stack, page: Page) -> None:
 async def alerts(page: Page) -> list[str]:
     """The alerts showing, by their text."""
     return [t for t in await page.get_by_role("alert").all_inner_texts() if t.strip()]
-
-
-async def unanswered(stack: Stack, conversation_id: str, message_id: str, text: str) -> None:
-    """A question stored, as by a gateway that died before queueing it: no reply comes."""
-    with cassandra_session(stack.settings, stack.settings.keyspace) as session:
-        owner = session.execute(
-            "SELECT user_id FROM conversations WHERE conversation_id = %s", (conversation_id,)
-        ).one()
-        conversations = ConversationService(session, stack.settings.served_models)
-        opened = await conversations.owned(owner.user_id, conversation_id)
-        await conversations.add_user_message(owner.user_id, opened, message_id, text, now_ms())
 
 
 async def test_a_chat_whose_reply_never_came_asks_for_it_once(stack: Stack, page: Page) -> None:

@@ -253,8 +253,8 @@ function messageElement(message) {
   const meta = document.createElement("div");
   meta.className = "meta";
   meta.textContent = message.role === "user" ? "You" : `Assistant${message.model ? ` · ${modelName(message.model)}` : ""}`;
-  if (message.status === "stopped") meta.append(" · stopped");
-  if (message.status === "failed") meta.append(message.role === "user" ? " · not sent" : " · failed");
+  if (message.role === "user" && message.status === "failed") meta.append(" · not sent");
+  else if (ENDINGS[message.status]) meta.append(ENDINGS[message.status].note);
   if (message.role === "user" && message.id && message.status !== "failed") {
     const edit = document.createElement("button");
     edit.type = "button";
@@ -286,9 +286,16 @@ function timeElement(createdAt) {
   return time;
 }
 
-// A reply that ended with no text says why instead of showing an empty bubble.
+// A reply that ended early is noted beside its author and, with no text, says why
+// instead of showing an empty bubble. Keyed by the stored status.
+const ENDINGS = {
+  stopped: { note: " · stopped", empty: "Stopped before any text." },
+  expired: { note: " · expired", empty: "No reply: the model was too busy to start it in time." },
+  failed: { note: " · failed", empty: "No reply: it failed." },
+};
+
 function explainEmpty(body, status) {
-  const reason = { stopped: "Stopped before any text.", failed: "No reply: it failed." }[status];
+  const reason = ENDINGS[status]?.empty;
   if (!reason) return;
   const note = document.createElement("p");
   note.className = "placeholder";
@@ -561,9 +568,9 @@ function handle(reply, event) {
     const element = ensureReplyElement(reply, event.model);
     element.classList.remove("streaming");
     reply.finishReason = event.finish_reason;
-    const stopped = event.finish_reason === "cancelled";
-    if (stopped) addMetaNote(element, " · stopped");
-    if (!reply.text) explainEmpty(element.querySelector(".body"), stopped ? "stopped" : event.error ? "failed" : "");
+    const ending = { cancelled: "stopped", expired: "expired" }[event.finish_reason] ?? (event.error ? "failed" : "");
+    if (ending) addMetaNote(element, ENDINGS[ending].note);
+    if (!reply.text) explainEmpty(element.querySelector(".body"), ending);
     if (event.error) notify(new Error(event.error));
     scrollToEnd();
   } else if (event.type === "error") {
