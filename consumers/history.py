@@ -2,12 +2,12 @@
 
 An assistant message is keyed by its request id and clustered just after its
 prompt's creation time, which every attempt shares. Its writes carry the Cassandra
-timestamp `prompt time (µs) + 100 µs x attempt + a digest of the final (under 100
-µs)`: a replayed event rewrites the same cells with the same timestamp (a no-op), the
+timestamp `prompt time (µs) + 100 µs x attempt + a rank and a digest of the final (under
+100 µs)`: a replayed event rewrites the same cells with the same timestamp (a no-op), the
 highest attempt wins whatever order attempts arrive in, and of two different finals of
-one attempt one wins whole (their cells mixed before; now only 1 time in 100). Anything
-written for the message before a reply exists (a placeholder) uses attempt 0, so every
-reply overrides it.
+one attempt the one that keeps more of the reply wins whole (of two that keep as much,
+their cells mix 1 time in 25). Anything written for the message before a reply exists
+(a placeholder) uses attempt 0, so every reply overrides it.
 """
 
 from __future__ import annotations
@@ -100,11 +100,25 @@ def reply_time_ms(final: FinalEvent) -> int:
 
 
 def write_timestamp_us(final: FinalEvent) -> int:
-    """Later attempts win; within one attempt, a digest of the final picks one of two
-    that differ (two runs of one attempt, leased by nobody while Redis was down): with
-    one timestamp, Cassandra merged their cells (one's text, the other's token counts)."""
-    digest = zlib.crc32(f"{final.finish_reason}\0{final.text}".encode()) % ATTEMPT_US
-    return reply_time_ms(final) * 1000 + final.attempt * ATTEMPT_US + digest
+    """Later attempts win. Two runs of one attempt (leased by nobody while Redis was
+    down) are ranked by what the user keeps, a whole reply over a partial one over an
+    empty one, then told apart by a digest: with one timestamp, Cassandra merged their
+    cells (one's text, the other's token counts); by the digest alone, an empty
+    "expired" rerun past the deadline erased a finished reply 1 time in 4."""
+    digest = zlib.crc32(f"{final.finish_reason}\0{final.text}".encode()) % DIGEST_SPAN
+    within = _kept_rank(final) * DIGEST_SPAN + digest
+    return reply_time_ms(final) * 1000 + final.attempt * ATTEMPT_US + within
+
+
+DIGEST_SPAN = ATTEMPT_US // 4  # four ranks in an attempt's span
+
+
+def _kept_rank(final: FinalEvent) -> int:
+    if final.finish_reason in ("stop", "length"):
+        return 3
+    if final.text:
+        return 2  # stopped or failed part way: what was said is kept
+    return 1 if final.finish_reason == "error" else 0  # an error at least says why
 
 
 class HistoryWriter:
