@@ -8,7 +8,12 @@ from typing import Any, cast
 
 import pytest
 
-from producers.gateway.chat.jobs import ConversationJobs, clean_title, transcript
+from producers.gateway.chat.jobs import (
+    SHORTEST_EXCERPT,
+    ConversationJobs,
+    clean_title,
+    transcript,
+)
 from producers.gateway.conversations.protocol import (
     AUTO_TITLE_CHARS,
     ConversationWithMessages,
@@ -52,6 +57,8 @@ def test_a_transcript_too_long_for_the_window_is_shortened_then_its_oldest_turns
     assert fewer.splitlines()[-1].startswith("User: q29 x")  # the newest turn stays
     kept = [line.split()[1] for line in fewer.splitlines()[1:]]
     assert kept == [f"q{i}" for i in range(30 - len(kept), 30)], kept  # no gap
+    # Each turn kept as long as the shortest excerpt: halving went past it, to 46 chars.
+    assert {len(line) for line in fewer.splitlines()[1:]} == {len("User: ") + SHORTEST_EXCERPT}
 
 
 class Conversations:

@@ -86,7 +86,7 @@ def transcript(
     prompt the worker refused, and each later job covered more: none ever ran again."""
     excerpt = EXCERPT_CHARS
     while excerpt > SHORTEST_EXCERPT and not fits(_lines(turns, previous_summary, excerpt)):
-        excerpt //= 2
+        excerpt = max(SHORTEST_EXCERPT, excerpt // 2)
     text = _lines(turns, previous_summary, excerpt)
     if fits(text) or len(turns) < 2:
         return text
