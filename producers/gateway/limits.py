@@ -14,8 +14,10 @@ metrics would not see them.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
+import httptools
 import orjson
 from prometheus_client import Counter
 from starlette.datastructures import Headers
@@ -65,6 +67,7 @@ class RequestLimits:
         if refused is not None:
             await refused(scope, receive, send)
             return
+        scope["headers"] = _without_leading_zeros(scope["headers"])
         guard = _BodyGuard(receive, send, limit)
         try:
             await self.app(scope, guard.receive, guard.send)
@@ -88,11 +91,24 @@ class RequestLimits:
         for name, value in headers:
             if name != b"content-length":
                 continue
-            if not value.strip().isdigit():
+            digits = value.strip()
+            if not digits.isdigit():
                 return refusal(400, "Content-Length is not a number", "content_length")
-            if int(value) > limit:
+            # Measured before it is converted: past 4,300 digits (leading zeros, which
+            # the parser lets through) int() raises, a 500 anyone could ask for.
+            significant = digits.lstrip(b"0")
+            if len(significant) > len(str(limit)) or int(significant or b"0") > limit:
                 return refusal(413, f"request body larger than {limit} bytes", "body")
         return None
+
+
+def _without_leading_zeros(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """Content-Length as the digits that count: what reads it after us (the metrics'
+    int() among them) would fail on thousands of zeros."""
+    return [
+        (name, value.strip().lstrip(b"0") or b"0") if name == b"content-length" else (name, value)
+        for name, value in headers
+    ]
 
 
 class _BodyGuard:
@@ -184,11 +200,22 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             self.transport.close()  # mid-response: a status line now would corrupt it
             return
         message = f"request line and headers larger than {self.max_head_bytes} bytes"
+        self._answer_and_close(b"431 Request Header Fields Too Large", message)
+
+    def send_400_response(self, msg: str) -> None:
+        """A request the parser refused (a malformed head, Content-Length with
+        Transfer-Encoding): a JSON error naming the fault, as every other error is, not
+        uvicorn's text/plain "Invalid HTTP request received.\""""
+        fault = sys.exc_info()[1]  # called from the parser error's except clause
+        if isinstance(fault, httptools.HttpParserError) and str(fault):
+            msg = f"the request is not valid HTTP/1.1: {fault}"
+        self._answer_and_close(b"400 Bad Request", msg)
+
+    def _answer_and_close(self, status: bytes, message: str) -> None:
         body = orjson.dumps(error_body(message, "invalid_request_error"))
         head = (
-            b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
-            b"content-type: application/json\r\n"
-            b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body)
+            b"HTTP/1.1 %s\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\nconnection: close\r\n\r\n" % (status, len(body))
         )
         self.transport.write(head + body)
         self.transport.close()

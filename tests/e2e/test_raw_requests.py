@@ -49,7 +49,7 @@ def exchange(port: int, data: bytes, half_close: bool = False) -> int | None:
     return int(answer.split(b" ", 2)[1]) if answer.startswith(b"HTTP/1.1 ") else None
 
 
-LENGTHS = ["right", "short", "long", "junk", "none"]
+LENGTHS = ["right", "zeros", "short", "long", "junk", "none"]
 
 
 def raw(
@@ -59,10 +59,12 @@ def raw(
     body: bytes = b"",
     length: str = "right",
 ) -> bytes:
-    """A raw request whose Content-Length is right, one short, ten long (the server
-    waits for the rest), not a number, or missing (the body reads as a next request)."""
+    """A raw request whose Content-Length is right, right after 5,000 zeros (past
+    int()'s 4,300 digits), one short, ten long (the server waits for the rest), not a
+    number, or missing (the body reads as a next request)."""
     declared = {
         "right": str(len(body)).encode(),
+        "zeros": b"0" * 5000 + str(len(body)).encode(),
         "short": str(max(len(body) - 1, 0)).encode(),
         "long": str(len(body) + 10).encode(),
         "junk": b"12abc",

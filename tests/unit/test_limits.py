@@ -10,6 +10,7 @@ from contextlib import asynccontextmanager
 
 import httpx
 import orjson
+import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 from starlette.types import Message
@@ -101,6 +102,17 @@ async def test_a_content_length_that_is_not_a_number_is_400() -> None:
     assert start["status"] == 400
     assert body["error"]["message"] == "Content-Length is not a number"
     assert calls == []
+
+
+async def test_a_content_length_of_thousands_of_leading_zeros_is_measured_not_converted() -> None:
+    """Past 4,300 digits int() raises: the gateway answered 500 and logged a traceback."""
+    app, calls = echo_app()
+    zeros = b"0" * 5000
+    served = await call_asgi(app, [(b"content-length", zeros + b"2")])
+    assert served[0]["status"] == 200 and calls == [2]
+    refused = await call_asgi(app, [(b"content-length", zeros + b"9" * 5000)])
+    assert refused[0]["status"] == 413
+    assert b"larger than 1000 bytes" in refused[1]["body"]
 
 
 async def call_asgi(app: FastAPI, headers: list[tuple[bytes, bytes]]) -> list[Message]:
@@ -263,3 +275,29 @@ async def test_large_bodies_and_keep_alive_requests_are_not_mistaken_for_heads()
     assert answer.count(b"HTTP/1.1 200 OK") == 3
     assert b'{"length":500000}' in answer
     assert b'{"length":10}' in answer
+
+
+@pytest.mark.parametrize(
+    ("extra", "fault"),
+    [
+        (b"Content-Length: 12abc\r\n", b"Content-Length"),
+        (b"Content-Length: 2\r\nContent-Length: 3\r\n", b"Content-Length"),
+        (b"Transfer-Encoding: chunked\r\nContent-Length: 2\r\n", b"Transfer-Encoding"),
+    ],
+    ids=["junk-length", "two-lengths", "length-and-chunked"],
+)
+async def test_a_head_the_parser_refuses_is_a_json_400_naming_the_fault(
+    extra: bytes, fault: bytes
+) -> None:
+    """It was uvicorn's text/plain "Invalid HTTP request received.": a client reading
+    every error as JSON failed on it, and learnt nothing of what was wrong."""
+    raw = b"POST /echo HTTP/1.1\r\nHost: gw\r\n%s\r\n{}" % extra
+    async with server() as port:
+        answer = await exchange(port, [raw])
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 "), answer
+    assert b"content-type: application/json" in head and b"connection: close" in head
+    error = orjson.loads(body)["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["message"].startswith("the request is not valid HTTP/1.1: ")
+    assert fault.decode() in error["message"], error
