@@ -270,11 +270,21 @@ async def partition_reader(
         consumer.seek(tp, offset)
         yield consumer
     finally:
-        try:
-            with contextlib.suppress(Exception):
-                await consumer.stop()
-        finally:
-            ReaderCount.open -= 1
+        # Stopped in a task of its own: Starlette cancels a stream whose client left
+        # again and again, and a second cancel cut the stop short (fetcher and
+        # connections left running, the metric counting the reader closed).
+        await asyncio.shield(_STOPPING.start(_stop_reader(consumer)))
+
+
+_STOPPING = Background()  # a reader's stop, kept referenced however its caller ends
+
+
+async def _stop_reader(consumer: AIOKafkaConsumer) -> None:
+    try:
+        with contextlib.suppress(Exception):
+            await consumer.stop()
+    finally:
+        ReaderCount.open -= 1
 
 
 async def read_request(

@@ -20,6 +20,7 @@ from tandoor.settings import Settings
 from tests.unit.test_resume_slot import Released
 from tests.unit.test_sse import final, token
 from tests.unit.test_streaming import gc_off
+from tests.waiting import until
 
 RECORD = {"request_id": "r", "partition": 0, "offset": 0}
 
@@ -110,3 +111,59 @@ async def test_a_reader_whose_client_left_while_it_connected_is_stopped(
     reading.cancel()
     await asyncio.gather(reading, return_exceptions=True)
     assert Connecting.stopped == 1 and ReaderCount.open == before
+
+
+class SlowToStop:
+    """A consumer whose stop takes a while (its coordinator's close, its connections)."""
+
+    reading = asyncio.Event()
+    stopping = asyncio.Event()
+    may_finish = asyncio.Event()
+    stopped = 0
+
+    def __init__(self, **_: Any) -> None:
+        pass
+
+    async def start(self) -> None:
+        pass
+
+    def assign(self, _: Any) -> None:
+        pass
+
+    def seek(self, *_: Any) -> None:
+        pass
+
+    def __aiter__(self) -> SlowToStop:
+        return self
+
+    async def __anext__(self) -> Any:
+        SlowToStop.reading.set()
+        await asyncio.Event().wait()  # no event for this request yet
+
+    async def stop(self) -> None:
+        SlowToStop.stopping.set()
+        await SlowToStop.may_finish.wait()
+        SlowToStop.stopped += 1
+
+
+async def test_a_reader_cancelled_again_while_it_stops_still_stops(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Starlette cancels a stream whose client left again and again (anyio's cancel
+    scope) until it ends: the second cancel cut the consumer's stop short, its fetcher
+    and connections left running, while the readers metric counted it closed."""
+    monkeypatch.setattr(fanout, "AIOKafkaConsumer", SlowToStop)
+    for name in ("reading", "stopping", "may_finish"):
+        monkeypatch.setattr(SlowToStop, name, asyncio.Event())
+    monkeypatch.setattr(SlowToStop, "stopped", 0)
+    before = ReaderCount.open
+    reading = asyncio.ensure_future(anext(fanout.read_request(Settings(), "r", 0, 0)))
+    await asyncio.wait_for(SlowToStop.reading.wait(), 10)
+    reading.cancel()
+    await asyncio.wait_for(SlowToStop.stopping.wait(), 10)
+    reading.cancel()  # again, while it stops
+    await asyncio.gather(reading, return_exceptions=True)
+    assert ReaderCount.open == before + 1  # not stopped yet: still counted
+    SlowToStop.may_finish.set()
+    await until(lambda: SlowToStop.stopped, what="the reader's stop", idle_s=10)
+    assert ReaderCount.open == before
