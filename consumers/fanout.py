@@ -24,7 +24,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
-from aiokafka.errors import IllegalStateError, KafkaError
+from aiokafka.errors import IllegalStateError, KafkaConnectionError, KafkaError
 from aiokafka.structs import ConsumerRecord
 
 from schemas import topics
@@ -70,7 +70,7 @@ class ReaderCount:
 
 
 HANDOVER_POLL_MS = 1000  # how soon a hand-over reader sees its last stream gone
-HANDOVER_RETRY_S = 1.0  # a hand-over reader failing (Kafka unreachable): again after this
+READER_RETRY_S = 1.0  # a reader failing (Kafka unreachable): again after this
 
 
 class NotRouting(KafkaError):  # type: ignore[misc]
@@ -205,10 +205,10 @@ class TokenFanout(ConsumerRebalanceListener):  # type: ignore[misc]
                         partition,
                         len(waiting),
                         exc,
-                        HANDOVER_RETRY_S,
+                        READER_RETRY_S,
                         exc_info=not isinstance(exc, KafkaError),  # a bug's traceback
                     )
-                    await asyncio.sleep(HANDOVER_RETRY_S)
+                    await asyncio.sleep(READER_RETRY_S)
                     waiting = self._still_followed(waiting)
         finally:
             self._carried.subtract(sub.request_id for sub in subs)
@@ -290,17 +290,28 @@ async def _stop_reader(consumer: AIOKafkaConsumer) -> None:
 async def read_request(
     settings: Settings, request_id: str, partition: int, offset: int
 ) -> AsyncGenerator[Delivered, None]:
-    """One request's events from one partition, from `offset` until its final event."""
-    async with partition_reader(settings, partition, offset) as consumer:
-        async for record in consumer:
-            if record.key != request_id.encode():
-                continue
-            item = _delivered(record)
-            if item is None:
-                continue
-            yield item
-            if isinstance(item.event, FinalEvent):
-                return
+    """One request's events from one partition, from `offset` until its final event.
+    Kafka unreachable: tried again, from past the last event read, for as long as the
+    caller waits (a resumed stream keeps its client with keep-alives until its silence
+    limit); the error ended the stream with a traceback, its start frame sent."""
+    while True:
+        try:
+            async with partition_reader(settings, partition, offset) as consumer:
+                async for record in consumer:
+                    if record.key != request_id.encode():
+                        continue
+                    item = _delivered(record)
+                    if item is None:
+                        continue
+                    offset = item.offset + 1
+                    yield item
+                    if isinstance(item.event, FinalEvent):
+                        return
+        except KafkaConnectionError as exc:
+            log.warning(
+                "%s: events unreadable (%s), again in %.0f s", request_id, exc, READER_RETRY_S
+            )
+            await asyncio.sleep(READER_RETRY_S)
 
 
 def _request_id(record: ConsumerRecord[bytes, bytes]) -> str:

@@ -207,7 +207,7 @@ async def test_a_hand_over_reader_that_fails_to_start_is_started_again(
         yield handover
 
     monkeypatch.setattr(fanout_module, "partition_reader", reader)
-    monkeypatch.setattr(fanout_module, "HANDOVER_RETRY_S", 0)
+    monkeypatch.setattr(fanout_module, "READER_RETRY_S", 0)
     fanout = TokenFanout(Settings())
     sub = Subscription(REQUEST, PARTITION, next_offset=10)
     fanout._subs[REQUEST] = sub

@@ -5,18 +5,24 @@ reader): left to it, a gateway kept three readers fetching long after their stre
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, cast
 
 import pytest
+from aiokafka.errors import KafkaConnectionError
 
 import consumers.fanout as fanout
 from consumers.fanout import Delivered, ReaderCount
 from producers.gateway.chat.control import ReplyControl
 from producers.gateway.chat.router import resumed_frames
+from schemas.events import FinalEvent
 from tandoor.policies.api_keys import Principal
 from tandoor.policies.moderation import StreamRedactor
 from tandoor.settings import Settings
+from tests.unit.test_fanout_handback import REQUEST, record
+from tests.unit.test_fanout_handback import final as handback_final
+from tests.unit.test_fanout_handback import token as handback_token
 from tests.unit.test_resume_slot import Released
 from tests.unit.test_sse import final, token
 from tests.unit.test_streaming import gc_off
@@ -167,3 +173,34 @@ async def test_a_reader_cancelled_again_while_it_stops_still_stops(
     SlowToStop.may_finish.set()
     await until(lambda: SlowToStop.stopped, what="the reader's stop", idle_s=10)
     assert ReaderCount.open == before
+
+
+async def test_a_resume_while_kafka_is_unreachable_reads_on_once_it_answers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The reader's start failing (KafkaConnectionError) ended the stream with a
+    traceback, its start frame sent; now it is tried again, from past what was read."""
+    started_at: list[int] = []
+    lost = KafkaConnectionError("Unable to bootstrap from [('127.0.0.1', 19092)]")
+
+    @contextlib.asynccontextmanager
+    async def reader(_: object, partition: int, offset: int) -> AsyncIterator[Any]:
+        started_at.append(offset)
+        if len(started_at) == 1:
+            raise lost
+
+        async def records() -> AsyncIterator[Any]:
+            if len(started_at) == 2:  # two events, then the connection drops
+                yield record(0, handback_token(0))
+                yield record(1, handback_token(1))
+                raise lost
+            yield record(2, handback_final(2))
+
+        yield records()
+
+    monkeypatch.setattr(fanout, "partition_reader", reader)
+    monkeypatch.setattr(fanout, "READER_RETRY_S", 0)
+    read = [item async for item in fanout.read_request(Settings(), REQUEST, 0, 0)]
+    assert [item.offset for item in read] == [0, 1, 2]
+    assert isinstance(read[-1].event, FinalEvent)
+    assert started_at == [0, 0, 2]
