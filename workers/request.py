@@ -1,5 +1,4 @@
-"""One prompt's life in a worker: its lease, checks, the engine, token events, the
-final event.
+"""One prompt's life in a worker: its lease, checks, the engine, token events, the final.
 
 A worker that takes a request over from one that died continues the reply: it
 republishes the token events the transcript holds (same attempt number and `seq`, so
@@ -352,6 +351,8 @@ class RequestRunner:
 
     async def _finish(self, attempt: Attempt, reason: FinishReason, error: str | None) -> None:
         prompt = attempt.prompt
+        if attempt.tracked.lost:  # as for tokens: the ledger does not say so with Redis down
+            raise LeaseLost(prompt.request_id)
         undelivered = await not_delivered(attempt)
         if undelivered is not None:  # readers miss text: say so, not end as if complete
             reason, error = "error", undelivered

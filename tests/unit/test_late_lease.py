@@ -91,3 +91,38 @@ async def test_a_reply_begun_whose_text_is_unknown_restarts_past_its_deadline() 
         attempt = await runner(LateRedis())._attempt(late, Tracked("r_1"), arrival)
         assert not attempt.carried and attempt.epoch == 2
         assert attempt.expired() is expired, transcript
+
+
+class RedisDownAtTheEnd(LateRedis):
+    """Redis does not answer the finish: the ledger lets the final go out unrecorded."""
+
+    async def finish(self, request_id: str, attempt: int, final: bytes) -> bool:
+        return True
+
+
+class Finals:
+    def __init__(self) -> None:
+        self.sent: list[Any] = []
+
+    async def final(self, final: Any, partition: int) -> None:
+        self.sent.append(final)
+
+
+async def test_an_attempt_that_knows_its_lease_was_lost_publishes_no_final() -> None:
+    """Its renewal heard "not ours" (another worker runs the request) and the engine
+    was stopped, ending the attempt "cancelled"; with Redis silent at the finish, that
+    final went out while the other worker still streamed the reply."""
+    ledger, finals = RedisDownAtTheEnd(), Finals()
+    attempt = Attempt(prompt(), Tracked("r_1", leased=True), 1, 1)
+    attempt.tracked.lost = True
+    run = RequestRunner(
+        RunnerConfig("m", 0.05, 16),
+        cast(Any, None),
+        cast(Any, finals),
+        cast(RequestLedger, ledger),
+        cast(Any, None),
+        cast(Any, None),
+    )
+    with pytest.raises(LeaseLost):
+        await run._finish(attempt, "cancelled", None)
+    assert finals.sent == []
