@@ -62,8 +62,8 @@ class TopicReport:
 async def ensure_topics(bootstrap: str, specs: list[TopicSpec]) -> TopicReport:
     """Create missing topics and add partitions where a declaration grew."""
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=15_000)
-    await admin.start()
     try:
+        await admin.start()  # within: a start that fails leaves its connections open too
         existing = await partition_counts(admin)
         report = TopicReport()
         missing = [spec for spec in specs if spec.name not in existing]

@@ -15,7 +15,7 @@ from infra.errors import InfraError
 from tandoor.batch_cli import batch_app
 from tandoor.lifecycle import serve
 from tandoor.logs import configure_logging
-from tandoor.settings import get_settings
+from tandoor.settings import BATCH_BAND, Settings, get_settings
 
 if TYPE_CHECKING:  # the local-server tooling: imported by the commands that use it only,
     # so a role's process (`tandoor worker`, ...) never loads it
@@ -118,6 +118,7 @@ def run() -> None:
     from infra.stack import Stack
 
     settings = get_settings()
+    tier = _guard(lambda: local_tier(settings))  # before anything starts: its key's tier
     if settings.analytics_token is None:  # this run's, for reading the rollups
         settings = settings.model_copy(update={"analytics_token": secrets.token_urlsafe(24)})
     stack = Stack(settings)
@@ -132,7 +133,7 @@ def run() -> None:
         _print_status(stack)
         from tandoor.policies.api_keys import create_key
 
-        key, _ = asyncio.run(create_key(settings, "local", "plus"))
+        key, _ = asyncio.run(create_key(settings, "local", tier))
         address = f"http://{settings.host}:{settings.gateway_port}"
         typer.echo(f"chat page: {address}/")
         typer.echo(f"API: {address}/v1 (API key {key})")
@@ -175,9 +176,14 @@ def ask(
     """Send one prompt through Kafka and a worker; print the reply as it streams."""
     from producers.ask import ask as ask_once
 
-    final = _stack_guard(
-        lambda: asyncio.run(ask_once(get_settings(), text, model, band, max_tokens))
-    )
+    settings = get_settings()
+    # Checked before connecting: an unknown model waited 40 s for its topic, then
+    # blamed the stack; an unknown band was a traceback.
+    if model not in settings.models:
+        raise typer.BadParameter(f"no model {model!r}; served: {sorted(settings.models)}")
+    if band not in (bands := [b.name for b in settings.bands]):
+        raise typer.BadParameter(f"no band {band!r}; bands: {bands}")
+    final = _stack_guard(lambda: asyncio.run(ask_once(settings, text, model, band, max_tokens)))
     usage = final.usage
     typer.echo(
         f"[{final.finish_reason}] {usage.prompt_tokens} prompt + {usage.completion_tokens} "
@@ -271,7 +277,12 @@ def prepare_model(name: str = typer.Argument("smollm2", help="A model in TANDOOR
     """Make a model's Hugging Face folder ready (converts the bundled one once)."""
     from workers.model_store import resolve_model_dir
 
-    typer.echo(f"{name}: {resolve_model_dir(name, get_settings())}")
+    try:
+        folder = resolve_model_dir(name, get_settings())
+    except ValueError as exc:  # not a model of the settings, or not a model folder
+        typer.secho(f"error: {exc}", err=True, fg=typer.colors.RED)
+        raise typer.Exit(2) from exc
+    typer.echo(f"{name}: {folder}")
 
 
 @app.command("cancel")
@@ -285,10 +296,20 @@ def cancel(
     typer.echo(f"cancel sent for {request_id}")
 
 
+def local_tier(settings: Settings) -> str:
+    """The tier of the key the main job prints: plus, else the first interactive one (a
+    key of the batch band is refused on the chat page). With TANDOOR_TIERS lacking
+    plus, the job started everything, then failed with a traceback."""
+    interactive = [name for name, policy in settings.tiers.items() if policy.band != BATCH_BAND]
+    if not interactive:
+        raise InfraError("TANDOOR_TIERS has no interactive tier: the chat page's key needs one")
+    return "plus" if "plus" in interactive else interactive[0]
+
+
 def _bootstrap() -> None:
     from infra.stack import bootstrap
 
-    report = _guard(lambda: asyncio.run(bootstrap(get_settings())))
+    report = _guard(lambda: _stack_guard(lambda: asyncio.run(bootstrap(get_settings()))))
     typer.echo(f"bootstrap: {report.describe()}")
 
 

@@ -10,11 +10,11 @@ import pytest
 from typer.testing import CliRunner
 
 from infra.cassandra_server import CassandraServer
-from infra.errors import StartError
+from infra.errors import InfraError, StartError
 from infra.kafka_server import KafkaServer
 from infra.process import free_port
 from infra.server import LocalServer
-from tandoor.cli import app
+from tandoor.cli import app, local_tier
 from tandoor.settings import Settings, get_settings
 
 
@@ -57,3 +57,42 @@ def test_without_java_a_server_says_so_in_one_line(
     local.data_dir.mkdir(parents=True)
     with pytest.raises(StartError, match="java is not on PATH"):
         local.prepare()
+
+
+def test_bootstrap_with_nothing_listening_says_to_start_the_stack(nothing_listening: None) -> None:
+    """`tandoor bootstrap` (README's, the Kubernetes job's) printed a traceback."""
+    result = CliRunner().invoke(app, ["bootstrap"])
+    assert result.exit_code == 2, result.output
+    assert "is the stack up?" in result.output and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize(
+    ("option", "words"),
+    [(["--model", "smolm2"], "no model 'smolm2'"), (["--band", "interactive-pai"], "no band")],
+)
+def test_ask_refuses_an_unknown_model_or_band_before_connecting(
+    nothing_listening: None, option: list[str], words: str
+) -> None:
+    """A model's typo waited 40 s for its topic, then asked whether the stack was up;
+    a band's was a traceback after Kafka answered."""
+    result = CliRunner().invoke(app, ["ask", "hi", *option])
+    assert result.exit_code == 2, result.output
+    assert words in result.output and "stack up" not in result.output
+
+
+def test_prepare_model_of_a_model_not_served_says_so_in_one_line() -> None:
+    result = CliRunner().invoke(app, ["prepare-model", "nosuch"])
+    assert result.exit_code == 2, result.output
+    assert "nosuch" in result.output and "Traceback" not in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+def test_the_main_jobs_key_is_of_a_tier_the_settings_have() -> None:
+    """With TANDOOR_TIERS lacking plus, the job started everything, then raised
+    "unknown tier 'plus'" as a traceback; with no interactive tier it says so first."""
+    policy = Settings().tiers["plus"]
+    pro = {"pro": policy, "batch": Settings().tiers["batch"]}
+    assert local_tier(Settings()) == "plus"
+    assert local_tier(Settings(tiers=pro)) == "pro"
+    with pytest.raises(InfraError, match="no interactive tier"):
+        local_tier(Settings(tiers={"batch": Settings().tiers["batch"]}))
