@@ -23,6 +23,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 
 from schemas.topics import BandLayout, prompts_topic, worker_group
+from tandoor.clients import group_members
 from tandoor.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -216,15 +217,3 @@ async def count_backlog(
 ) -> int:
     """Prompts in the model's topic past its workers' commits."""
     return sum((await partition_backlog(admin, offsets, partitions, model))[0].values())
-
-
-async def group_members(admin: AIOKafkaAdminClient, group: str) -> int:
-    """Members of a consumer group (0 when it is empty or unknown to Kafka)."""
-    for response in await admin.describe_consumer_groups([group]):
-        for error_code, group_id, _state, _kind, _protocol, members, *_ in response.groups:
-            if group_id != group:
-                continue
-            if error_code:
-                raise KafkaError(f"describing group {group}: error code {error_code}")
-            return len(members)
-    return 0

@@ -10,7 +10,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from aiokafka.errors import MessageSizeTooLargeError
+from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.errors import KafkaError, MessageSizeTooLargeError
 from aiokafka.structs import ConsumerRecord
 from cassandra import ConsistencyLevel, OperationTimedOut, RequestExecutionException
 from cassandra.cluster import EXEC_PROFILE_DEFAULT, Cluster, ExecutionProfile, NoHostAvailable
@@ -262,3 +263,15 @@ async def send_dead_letter(
     except MessageSizeTooLargeError:
         headers = topics.dead_letter_headers(*where, f"{reason} (value too large)")
         await producer.send_and_wait(topics.DEAD_LETTER, b"", key=record.key, headers=headers)
+
+
+async def group_members(admin: AIOKafkaAdminClient, group: str) -> int:
+    """Members of a consumer group (0 when it is empty or unknown to Kafka)."""
+    for response in await admin.describe_consumer_groups([group]):
+        for error_code, group_id, _state, _kind, _protocol, members, *_ in response.groups:
+            if group_id != group:
+                continue
+            if error_code:
+                raise KafkaError(f"describing group {group}: error code {error_code}")
+            return len(members)
+    return 0

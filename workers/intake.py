@@ -15,11 +15,13 @@ from collections import defaultdict
 from typing import TypeAlias
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.coordinator.assignors.roundrobin import RoundRobinPartitionAssignor
 from aiokafka.errors import IllegalStateError, KafkaError
 from aiokafka.structs import ConsumerRecord
 
 from schemas.topics import BandLayout, prompts_topic, worker_group
+from tandoor.clients import group_members
 from tandoor.offsets import OffsetTracker, commit_finished
 from tandoor.settings import Settings
 from workers.scheduler import BandScheduler
@@ -35,6 +37,7 @@ BACKLOG_WHILE_FULL_S = 1.0  # what measuring the backlog may take then
 
 class PromptIntake(ConsumerRebalanceListener):  # type: ignore[misc]
     def __init__(self, settings: Settings, model: str) -> None:
+        self.settings, self.model = settings, model
         self.topic = prompts_topic(model)
         slots = settings.models[model].max_num_seqs
         self.layout = BandLayout([(band.name, band.partitions) for band in settings.bands])
@@ -70,6 +73,28 @@ class PromptIntake(ConsumerRebalanceListener):  # type: ignore[misc]
     async def stop(self) -> None:
         await self.commit()
         await self.consumer.stop()
+
+    async def leave_for_others(self) -> bool:
+        """A stopping worker's partitions, to the other workers of its group now, not
+        once its grace period is over: new prompts on them waited it out (up to a
+        minute in Kubernetes). What finished is committed; what still runs, the next
+        owner fetches again and waits on its lease. False, and kept, with no other
+        worker in the group (nobody would take them, and what finishes here could not
+        be committed) or Kafka not answering."""
+        admin = AIOKafkaAdminClient(bootstrap_servers=self.settings.kafka_bootstrap)
+        try:
+            await admin.start()
+            others = await group_members(admin, worker_group(self.model)) - 1
+        except KafkaError as exc:
+            log.info("the group's members unknown (%s): partitions kept while finishing", exc)
+            return False
+        finally:
+            await admin.close()
+        if others < 1:
+            return False
+        await self.on_partitions_revoked(list(self.consumer.assignment()))
+        self.consumer.unsubscribe()  # sends LeaveGroup: the others rebalance at once
+        return True
 
     async def take(self, free_slots: int) -> list[Record]:
         """Up to `free_slots` prompts, higher bands first, lower bands never starved."""

@@ -16,7 +16,7 @@ import orjson
 from schemas.codec import SchemaError, decode
 from schemas.events import MAX_ID_CHARS, ControlEvent, PromptRequest
 from tandoor.background import Background
-from tandoor.clients import kafka_producer, redis_client
+from tandoor.clients import REDIS_DOWN, kafka_producer, redis_client
 from tandoor.logs import bind_request_id
 from tandoor.ops import OpsServer
 from tandoor.settings import Settings
@@ -297,6 +297,8 @@ class Worker:
 
     async def _drain(self) -> None:
         """Give in-flight prompts the grace period, then hand back the rest uncommitted."""
+        if self._tasks and await self._all_leasable():
+            await self.intake.leave_for_others()
         if self._tasks:
             log.info(
                 "finishing %d in-flight prompts (stop again to hand them back now)",
@@ -309,6 +311,17 @@ class Worker:
                 log.info("handing back %d prompts to other workers", len(pending))
                 await asyncio.gather(*pending, return_exceptions=True)
         await self.intake.commit()
+
+    async def _all_leasable(self) -> bool:
+        """Every prompt in flight holds its lease, or will take it: another worker that
+        fetches it again waits for this one. One run while Redis was down (no lease) it
+        would run a second time."""
+        if any(t.attempt and not t.leased for t in self._tracked.values()):
+            return False
+        try:
+            return bool(await self._redis.ping())
+        except REDIS_DOWN:
+            return False
 
 
 async def unfinished(

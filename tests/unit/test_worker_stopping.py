@@ -6,9 +6,15 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any, cast
 
+import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from tandoor.clients import redis_client
 from tandoor.settings import Settings
 from tests.unit.test_worker_start import MODEL, closed
+from workers.attempt import Tracked
 from workers.engine import EngineOptions
 from workers.worker import Worker, unfinished
 
@@ -50,4 +56,36 @@ async def test_the_second_stop_signal_is_the_one_that_hurries() -> None:
         worker.request_stop()  # Ctrl-C again
         assert worker._hurry.is_set()
     finally:
+        await closed(worker)
+
+
+class Answering:
+    def __init__(self, up: bool) -> None:
+        self.up = up
+
+    async def ping(self) -> bool:
+        if not self.up:
+            raise RedisConnectionError("Redis is down")
+        return True
+
+
+@pytest.mark.parametrize(
+    ("leased", "attempt", "redis_up", "leaves"),
+    [
+        (True, 1, True, True),  # running under its lease: the next owner waits on it
+        (False, 0, True, True),  # fetched, not yet arrived: it will take its lease
+        (False, 1, True, False),  # run while Redis was down: it would run twice
+        (False, 0, False, False),  # Redis down now: it would arrive unleased twice
+    ],
+)
+async def test_a_stopping_worker_leaves_its_group_early_only_where_nothing_runs_twice(
+    leased: bool, attempt: int, redis_up: bool, leaves: bool
+) -> None:
+    worker = Worker(Settings(worker_metrics_port=0), MODEL, EngineOptions(model_dir=Path(".")))
+    try:
+        worker._tracked["r"] = Tracked("r", leased=leased, attempt=attempt)
+        worker._redis = cast(Any, Answering(redis_up))
+        assert await worker._all_leasable() is leaves
+    finally:
+        worker._redis = redis_client(worker.settings)
         await closed(worker)
