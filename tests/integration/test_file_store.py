@@ -278,6 +278,28 @@ async def test_uploads_beyond_what_one_user_may_keep_are_refused(session: Any) -
     await service.upload(other, "e.jsonl", "batch", b"x" * 100)  # each user's own
 
 
+async def test_an_empty_file_and_files_past_the_count_a_user_may_keep_are_refused(
+    session: Any,
+) -> None:
+    """Nothing refused them: each empty upload was one more row, all of them read at
+    every upload to sum what the user holds, without end."""
+    caller = Principal(f"u-{uuid.uuid4().hex[:8]}", "batch", "k")
+    service = BatchService(session, make_producer=NO_KAFKA, redis=None, max_user_files=2)
+    for empty in (b"", pieces(b"", 7)):
+        with pytest.raises(ApiError) as refused:
+            await service.upload(caller, "empty.jsonl", "batch", empty, size=0)
+        assert (refused.value.status, refused.value.param) == (400, "file")
+        assert "empty" in refused.value.message
+    kept = [await service.upload(caller, f"{n}.jsonl", "batch", b"x\n") for n in range(2)]
+    with pytest.raises(ApiError) as refused:
+        await service.upload(caller, "third.jsonl", "batch", b"x\n")
+    assert refused.value.status == 409 and "delete some" in refused.value.message
+    await service.delete_file(caller, kept[0]["id"])
+    await service.upload(caller, "third.jsonl", "batch", b"x\n")  # room again
+    listed = await service.list_files(caller, 100, "asc", None, None)
+    assert [f["filename"] for f in listed["data"]] == ["1.jsonl", "third.jsonl"]
+
+
 async def test_a_batchs_output_file_is_read_a_page_of_lines_at_a_time(session: Any) -> None:
     """Each line holds a whole reply: read in the driver's pages of 5,000 lines, one
     download of a long batch held ~100 MB, a few at once ran a replica out of memory."""

@@ -73,6 +73,7 @@ class CreateBatch(BaseModel):
 MARK_RETRY_S = (1, 2, 4, 8, 16, 32)  # 63 s in all: within QUEUING_LIMIT
 BATCHES_CREATED_AT_ONCE = 2  # per replica; more wait their turn
 CREATE_WAIT_S = 30.0  # for a turn, then a 503 (the SDK retries it)
+MAX_USER_FILES = 10_000  # kept at once by one user: ten pages of rows read at each upload
 
 
 class BatchService:
@@ -83,9 +84,11 @@ class BatchService:
         redis: Any,
         max_user_bytes: int = MAX_USER_FILE_BYTES,
         tiers: Mapping[str, TierPolicy] = DEFAULT_TIERS,
+        max_user_files: int = MAX_USER_FILES,
     ) -> None:
         self.files = FileStore(session)
         self._max_user_bytes = max_user_bytes
+        self._max_user_files = max_user_files
         # Batches created at once: each holds up to twice its input file in memory (its
         # bytes, then its lines) until its lines are sent; many ran a replica out of it.
         self._creating = asyncio.Semaphore(BATCHES_CREATED_AT_ONCE)
@@ -111,13 +114,21 @@ class BatchService:
             raise ApiError(400, "only purpose 'batch' is supported", param="purpose")
         if not _is_unicode(filename):  # a multipart charset may decode to half a pair
             raise ApiError(400, "the file's name is not valid Unicode text", param="file")
+        size = len(data) if isinstance(data, bytes) else size
+        if size == 0:  # stored, each was a row more to read at every upload, for nothing
+            raise ApiError(400, "the file is empty: a batch needs a request a line", param="file")
         held = await self.files.held_by(caller.user_id)
-        size = len(data) if isinstance(data, bytes) else size or 0
-        if held + size > self._max_user_bytes:  # each upload was more storage, without end
+        if held.files >= self._max_user_files:  # its rows are read at every upload
+            raise ApiError(
+                409,
+                f"you keep {held.files} files, the most one user may: delete some first",
+                param="file",
+            )
+        if held.bytes + (size or 0) > self._max_user_bytes:  # storage without end
             raise ApiError(
                 413,
-                f"your files hold {held} bytes and this one {size}; the most one user may "
-                f"keep is {self._max_user_bytes}: delete some first",
+                f"your files hold {held.bytes} bytes and this one {size or 0}; the most one "
+                f"user may keep is {self._max_user_bytes}: delete some first",
                 param="file",
             )
         created = utc_now()

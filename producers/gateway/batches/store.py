@@ -10,7 +10,7 @@ import datetime as dt
 from collections import Counter
 from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from cassandra import Unavailable
 from cassandra.cluster import NoHostAvailable
@@ -71,6 +71,11 @@ class StoredBatch:
     cancelled_at: dt.datetime | None
     settled: Answered | None = None  # its final counts, once no answer can change them
     queuing: bool = False  # its lines not yet all in Kafka (a gateway died meanwhile?)
+
+
+class Held(NamedTuple):
+    files: int
+    bytes: int
 
 
 class FileStore:
@@ -146,18 +151,14 @@ class FileStore:
             for row in rows:
                 yield row.data
 
-    async def held_by(self, user_id: str) -> int:
-        """The bytes of every file the user has uploaded and not deleted."""
+    async def held_by(self, user_id: str) -> Held:
+        """The files the user has uploaded and not deleted: how many, and their bytes."""
         statement = SimpleStatement(
             "SELECT bytes FROM files_by_user WHERE user_id = %s", fetch_size=1000
         )
-        return sum(
-            [
-                row.bytes
-                async for rows in cql_pages(self._session, statement, (user_id,))
-                for row in rows
-            ]
-        )
+        pages = cql_pages(self._session, statement, (user_id,))
+        sizes = [row.bytes async for rows in pages for row in rows]
+        return Held(len(sizes), sum(sizes))
 
     async def of_user(
         self, user_id: str, limit: int, order: Order, after: StoredFile | None
