@@ -5,6 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 log() { printf '[bootstrap] %s %s\n' "$(date +%T)" "$*"; }
+for_tests=no
+[ "${1:-}" = --tests ] && for_tests=yes  # scripts/test.sh's: what the tests need too
 UV_VERSION=0.13.8
 
 install_system_packages() {
@@ -12,7 +14,8 @@ install_system_packages() {
     command -v java >/dev/null || missing+=(openjdk-17-jre-headless)
     command -v mvn >/dev/null || missing+=(maven)
     command -v redis-server >/dev/null || missing+=(redis-server)
-    command -v chromium >/dev/null || missing+=(chromium)  # the browser tests
+    # The browser tests' alone: the main job starts without it.
+    [ "$for_tests" = no ] || command -v chromium >/dev/null || missing+=(chromium)
     # Debian's python3 has no venv without it: `python3 -m venv` fails half-way.
     python3 -c 'import ensurepip' 2>/dev/null || missing+=(python3-venv)
     [ ${#missing[@]} -eq 0 ] && return

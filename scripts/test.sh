@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
 
-scripts/bootstrap.sh
+scripts/bootstrap.sh --tests
 source scripts/test_env.sh
 # Engine speed, and so every duration below, depends on these (docs/testing.md).
 cpu=$(grep -m1 '^model name' /proc/cpuinfo | cut -d: -f2 | xargs || true)
