@@ -7,6 +7,7 @@ import contextlib
 import itertools
 import logging
 import time
+from collections.abc import Awaitable, Callable
 
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError, KafkaTimeoutError
@@ -20,7 +21,7 @@ from tandoor.clients import send_dead_letter
 log = logging.getLogger(__name__)
 METADATA_WAIT_S = 10.0
 ABSENT_RECHECK_S = 30.0  # a partition found missing is looked up again after this
-USAGE_RETRY_S = (1.0, 2.0, 5.0, 10.0, 30.0)  # between tries of a usage record, the last kept
+RESEND_AFTER_S = (1.0, 2.0, 5.0, 10.0, 30.0)  # between tries of a final or usage, the last kept
 
 
 class Publisher:
@@ -41,12 +42,16 @@ class Publisher:
         return delivery
 
     async def final(self, event: FinalEvent, reply_partition: int | None) -> None:
-        """Deliver the final event (and so every token event before it) before returning."""
+        """Deliver the final event (and so every token event before it) before returning,
+        however long Kafka takes: a `tokens` partition with no leader failed it, the
+        worker stopped, and so did each worker the prompt went to next."""
         partition = await self._reply_partition(reply_partition)
-        delivery = await self._producer.send(
-            topics.TOKENS, encode(event), key=event.request_id.encode(), partition=partition
-        )
-        await delivery
+        value, key = encode(event), event.request_id.encode()
+
+        async def send() -> None:
+            await self._producer.send_and_wait(topics.TOKENS, value, key=key, partition=partition)
+
+        await _until_sent(send, f"{event.request_id}: final event")
 
     async def _reply_partition(self, wanted: int | None) -> int | None:
         """`wanted` where `tokens` has it. A partition this producer does not know yet
@@ -73,25 +78,29 @@ class Publisher:
         is unfinished (its offset uncommitted): a worker stopped meanwhile leaves it to
         the next, which sends both again."""
         value, key = encode(record), record.user_id.encode()
-        for attempt in itertools.count(1):
-            try:
-                await self._producer.send_and_wait(topics.USAGE, value, key=key)
-                return
-            except KafkaError as exc:
-                if not _passing(exc):
-                    raise  # refused for good (no ACL, too large): the worker stops, loudly
-                wait_s = USAGE_RETRY_S[min(attempt, len(USAGE_RETRY_S)) - 1]
-                log.warning(
-                    "%s: usage record not sent (%r, try %d); again in %.0f s",
-                    record.request_id,
-                    exc,
-                    attempt,
-                    wait_s,
-                )
-                await asyncio.sleep(wait_s)
+
+        async def send() -> None:
+            await self._producer.send_and_wait(topics.USAGE, value, key=key)
+
+        await _until_sent(send, f"{record.request_id}: usage record")
 
     async def dead_letter(self, record: ConsumerRecord[bytes, bytes], reason: str) -> None:
         await send_dead_letter(self._producer, record, reason)
+
+
+async def _until_sent(send: Callable[[], Awaitable[None]], what: str) -> None:
+    """`send` tried again through an outage that may end; one refused for good (no ACL,
+    too large) raises: the worker stops, loudly."""
+    for attempt in itertools.count(1):
+        try:
+            await send()
+            return
+        except KafkaError as exc:
+            if not _passing(exc):
+                raise
+            wait_s = RESEND_AFTER_S[min(attempt, len(RESEND_AFTER_S)) - 1]
+            log.warning("%s not sent (%r, try %d); again in %.0f s", what, exc, attempt, wait_s)
+            await asyncio.sleep(wait_s)
 
 
 def _passing(exc: KafkaError) -> bool:

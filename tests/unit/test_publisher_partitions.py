@@ -1,16 +1,21 @@
 """The reply partition a prompt names, as the worker's producer sends to it: a partition
 `tokens` grew is looked up once more, one that does not exist gives way to the key's
-hash, and is not looked up again for every token event (workers/publisher.py). Pure
-logic: a stand-in producer that knows some partitions."""
+hash, and is not looked up again for every token event; a final or usage record
+Kafka refuses for a while is sent again (workers/publisher.py). Pure logic: a stand-in
+producer that knows some partitions."""
 
 from __future__ import annotations
 
 from typing import Any, cast
 
 import pytest
-from aiokafka.errors import KafkaTimeoutError, TopicAuthorizationFailedError
+from aiokafka.errors import (
+    KafkaTimeoutError,
+    NotLeaderForPartitionError,
+    TopicAuthorizationFailedError,
+)
 
-from tests.unit.test_rollups import usage
+from tests.unit.test_rollups import final_event, usage
 from workers.publisher import Publisher
 
 
@@ -66,7 +71,7 @@ async def test_a_usage_record_kafka_refuses_is_sent_again_not_a_worker_failure(
 ) -> None:
     """Its final was out: the worker stopped, and each worker after it published the
     final again and stopped too, while the partition had no leader."""
-    monkeypatch.setattr("workers.publisher.USAGE_RETRY_S", (0.0,))
+    monkeypatch.setattr("workers.publisher.RESEND_AFTER_S", (0.0,))
     producer = UsageDown(failures=3)
     await Publisher(cast(Any, producer)).usage(usage("r_1"))
     assert producer.sent == 1 and producer.failures == 0
@@ -82,3 +87,29 @@ async def test_a_usage_record_kafka_refuses_for_good_stops_the_worker() -> None:
 
     with pytest.raises(TopicAuthorizationFailedError):
         await Publisher(cast(Any, Forbidden(failures=0))).usage(usage("r_1"))
+
+
+class TokensDown(Producer):
+    """`tokens` has no leader for the first `failures` sends of a final event."""
+
+    def __init__(self, failures: int) -> None:
+        super().__init__({0, 1}, {0, 1})
+        self.failures, self.sent = failures, 0
+
+    async def send_and_wait(self, topic: str, value: bytes, key: bytes, partition: Any) -> None:
+        if self.failures:
+            self.failures -= 1
+            raise NotLeaderForPartitionError()
+        self.sent += 1
+
+
+async def test_a_final_kafka_refuses_for_a_while_is_sent_again_not_a_worker_failure(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A `tokens` partition without a leader past the request timeout: the worker
+    stopped, handing back every reply it ran, and so did each worker the prompt went to
+    next (it found the final recorded, published it, failed) until the leader was back."""
+    monkeypatch.setattr("workers.publisher.RESEND_AFTER_S", (0.0,))
+    producer = TokensDown(failures=3)
+    await Publisher(cast(Any, producer)).final(final_event("r_1", 1), 1)
+    assert producer.sent == 1 and producer.failures == 0
