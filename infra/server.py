@@ -70,6 +70,7 @@ class LocalServer(ABC):
 
     def _launch_unless_running(self) -> bool:
         if self.process.pid() is not None:
+            self._check_address()
             return False
         if port_open(self.settings.host, self.port):
             raise StartError(
@@ -80,7 +81,25 @@ class LocalServer(ABC):
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.conf_dir.mkdir(parents=True, exist_ok=True)
         self.process.launch(self.prepare(), cwd=self.data_dir)
+        self._address_file.write_text(self.address)
         return True
+
+    @property
+    def _address_file(self) -> Path:
+        return self.process.pid_file.with_suffix(".address")
+
+    def _check_address(self) -> None:
+        """The running server listens where these settings look for it: started with
+        another port or host, it was waited on for the whole start timeout (180 s),
+        then said not ready above a log of a healthy server."""
+        if not self._address_file.exists():  # started before addresses were noted
+            return
+        running = self._address_file.read_text().strip()
+        if running != self.address:
+            raise StartError(
+                f"{self.name} runs on {running}, started with other settings than these "
+                f"({self.address}): stop it first (`tandoor infra down` with those settings)"
+            )
 
     def wait_ready(self) -> None:
         self.process.wait_ready(self.is_ready, self.settings.start_timeout_s)

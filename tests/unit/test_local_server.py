@@ -1,5 +1,5 @@
 """LocalServer's launch against real child processes (a sleeping Python stands in for a
-server): two `infra up` at once."""
+server): two `infra up` at once, and one with other settings than the running server's."""
 
 from __future__ import annotations
 
@@ -8,6 +8,9 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
+from infra.errors import StartError
 from infra.process import free_port
 from infra.server import LocalServer
 from tandoor.settings import Settings
@@ -54,3 +57,18 @@ def test_two_ups_at_once_start_one_server(tmp_path: Path) -> None:
     finally:  # the one that launched reaps its child
         for n in sorted(launched, key=lambda n: not launched[n]):
             servers[n].stop()
+
+
+def test_a_server_running_on_another_port_is_said_at_once(tmp_path: Path) -> None:
+    """Started with other settings (TANDOOR_KAFKA_PORT changed since): `infra up` waited
+    the whole start timeout on the new port, then said the server was not ready."""
+    settings = Settings(home=tmp_path)
+    running = ToyServer(settings, free_port())
+    assert running.launch()
+    try:
+        moved = ToyServer(settings, free_port())
+        with pytest.raises(StartError, match=f"toy runs on {running.address}, started with"):
+            moved.launch()
+        assert not running.launch()  # the same settings: found running, nothing said
+    finally:
+        running.stop()
