@@ -1,8 +1,8 @@
 """The chat page's finish, in headless Chromium against the whole stack: the header
-follows the title the model gives, a reply stopped before any text or expired says so, copy
-buttons copy what was stored, the dark theme follows the system, the page does not
-scroll a reader away from what they read, each message shows its time on hover, and a
-chat whose reply never came is asked for it once."""
+follows the title the model gives, a reply stopped before any text, expired or cut at
+the length limit says so, copy buttons copy what was stored, the dark theme follows the
+system, the page does not scroll a reader away from what they read, each message shows
+its time on hover, and a chat whose reply never came is asked for it once."""
 
 from __future__ import annotations
 
@@ -126,6 +126,19 @@ async def test_a_reply_that_expired_in_the_queue_says_so(stack: Stack, page: Pag
         "No reply: the model was too busy to start it in time."
     )
     await expect(reply.locator(".meta")).to_contain_text("expired")
+
+
+async def test_a_reply_cut_at_the_length_limit_says_so(stack: Stack, page: Page) -> None:
+    """Stopped by its token limit mid-sentence, it looked like a finished reply."""
+    await sign_in(page, stack, tier="brief")  # replies of at most 8 tokens
+    await ask(page, "Tell me a long story about a lighthouse keeper and the sea.")
+    await replies_over(page, 1)
+    cut = "cut at the length limit"
+    await expect(page.locator(".message.assistant .meta")).to_contain_text(cut)
+    await page.reload()
+    await page.locator("#conversation-list button").first.click()
+    await expect(page.locator(".message.assistant .meta")).to_contain_text(cut)
+    await expect(page.locator(".message.assistant .body")).not_to_have_text("")
 
 
 async def test_copy_buttons_and_message_times(stack: Stack, page: Page) -> None:

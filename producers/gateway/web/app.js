@@ -254,7 +254,7 @@ function messageElement(message) {
   meta.className = "meta";
   meta.textContent = message.role === "user" ? "You" : `Assistant${message.model ? ` · ${modelName(message.model)}` : ""}`;
   if (message.role === "user" && message.status === "failed") meta.append(" · not sent");
-  else if (ENDINGS[message.status]) meta.append(ENDINGS[message.status].note);
+  else if (ENDINGS[endingOf(message)]) meta.append(ENDINGS[endingOf(message)].note);
   if (message.role === "user" && message.id && message.status !== "failed") {
     const edit = document.createElement("button");
     edit.type = "button";
@@ -292,7 +292,14 @@ const ENDINGS = {
   stopped: { note: " · stopped", empty: "Stopped before any text." },
   expired: { note: " · expired", empty: "No reply: the model was too busy to start it in time." },
   failed: { note: " · failed", empty: "No reply: it failed." },
+  cut: { note: " · cut at the length limit" }, // else it looked finished, mid-sentence
 };
+// How a reply ended, live (its final event's finish_reason) or stored (its status).
+const LIVE_ENDINGS = { cancelled: "stopped", expired: "expired", length: "cut" };
+
+function endingOf(message) {
+  return message.role === "assistant" && message.finish_reason === "length" ? "cut" : message.status;
+}
 
 function explainEmpty(body, status) {
   const reason = ENDINGS[status]?.empty;
@@ -568,7 +575,7 @@ function handle(reply, event) {
     const element = ensureReplyElement(reply, event.model);
     element.classList.remove("streaming");
     reply.finishReason = event.finish_reason;
-    const ending = { cancelled: "stopped", expired: "expired" }[event.finish_reason] ?? (event.error ? "failed" : "");
+    const ending = LIVE_ENDINGS[event.finish_reason] ?? (event.error ? "failed" : "");
     if (ending) addMetaNote(element, ENDINGS[ending].note);
     if (!reply.text) explainEmpty(element.querySelector(".body"), ending);
     if (event.error) notify(new Error(event.error));
