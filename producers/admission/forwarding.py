@@ -54,7 +54,7 @@ class Forwarding(LineSteps):
                 # Lines answered instead (cancelled, expired, key revoked) or held by a
                 # quota are bounded per pass too: 50,000 of a cancelled batch, answered
                 # one by one, held up the sweep and every other model for minutes.
-                while room > 0 and unsent < UNSENT_PER_PASS and not self._stopping.is_set():
+                while room > 0 and unsent < UNSENT_PER_PASS and self._forwarding(model):
                     picked = queue.pop(time.monotonic())
                     if picked is None:
                         break
@@ -67,6 +67,11 @@ class Forwarding(LineSteps):
             self._arrived.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._arrived.wait(), POLL_S)
+
+    def _forwarding(self, model: str) -> bool:
+        """Its topic took the last line: a failed try may take Kafka's request timeout
+        (40 s), and the next tenant's line was tried at once, and the next."""
+        return self._writable(model) and not self._stopping.is_set()
 
     def _writable(self, model: str) -> bool:
         """Not refused by Kafka in the last RETRY_S: retried in the same loop, one line

@@ -294,7 +294,9 @@ class OneTopicUnwritable:
 async def test_a_model_whose_topic_refuses_writes_holds_up_only_its_own_lines() -> None:
     """Its line was retried every second, for ever, in the one loop that forwards every
     model's lines and sweeps cancelled batches: the other model's lines, and cancels,
-    waited as long."""
+    waited as long. Then, its tenants' lines were each tried in one pass (a failed try
+    can take Kafka's 40 s request timeout: twenty minutes for 32 lines), until it
+    was held back only as the pass began."""
     admission = Admission(Settings())
     first, second = admission.settings.served_models[:2]
     submitter = OneTopicUnwritable(first)
@@ -302,12 +304,13 @@ async def test_a_model_whose_topic_refuses_writes_holds_up_only_its_own_lines() 
     admission.submitter, admission.band = cast(Any, submitter), cast(Any, Room())
     admission.quotas, admission.callers = cast(Any, AdmitsAll()), cast(Any, Valid())
     admission._why_unrun = lambda waiting: _none()  # type: ignore[method-assign]
-    for n, model in enumerate((first, second)):
+    lines = [(first, "u1"), (first, "u2"), (first, "u3"), (second, "u1")]
+    for n, (model, tenant) in enumerate(lines):
         prompt = batch_prompt(admission).model_copy(
-            update={"request_id": f"bl_{model}", "model": model}
+            update={"request_id": f"bl_{model}_{tenant}", "model": model}
         )
         admission.queued.add(prompt.request_id, f"0:{n}")
-        admission.queues[model].push("u", Waiting(0, n, prompt), 0.0)
+        admission.queues[model].push(tenant, Waiting(0, n, prompt), 0.0)
     forwarding = asyncio.create_task(admission._forward_lines())
     try:
         await asyncio.wait_for(submitter.other_sent.wait(), 10)  # a failure guard only
@@ -316,5 +319,6 @@ async def test_a_model_whose_topic_refuses_writes_holds_up_only_its_own_lines() 
         await forwarding
         await admission.consumer.stop()  # never started: closed for their finalizers
         await admission.producer.stop()
-    assert submitter.sent == [f"bl_{second}"]
-    assert admission.queues[first].size == 1, "the refused line is kept, to go later"
+    assert submitter.sent == [f"bl_{second}_u1"]
+    assert submitter.tried[:2] == [first, second], "one try, then the model waits its turn"
+    assert admission.queues[first].size == 3, "the refused lines are kept, to go later"
