@@ -1,16 +1,18 @@
 """The chat page when a message's answer never reaches it (a dropped connection, a
-proxy's 502): shown sent where the gateway took it, back in the composer where not. In
-headless Chromium against the whole stack."""
+proxy's 502, or a refusal that comes once the chat was left): shown sent where the
+gateway took it, back in the composer where not. In headless Chromium against the whole
+stack."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
 from playwright.async_api import Page, Route, expect
 
 from tests.e2e.browser import ask, replies, replies_over, sign_in
-from tests.e2e.stack import Stack
+from tests.e2e.stack import BLOCKED_TERM, Stack
 from tests.e2e.stalling_proxy import StallingProxy
 
 pytestmark = pytest.mark.integration
@@ -114,3 +116,31 @@ async def test_a_reply_whose_connection_went_silent_is_resumed_and_shown_whole(
         await expect(stored).to_have_count(1)
         await expect(stored).not_to_have_text("")
         assert shown == await stored.inner_text()
+
+
+async def test_a_message_refused_after_its_chat_was_left_comes_back_and_is_said(
+    stack: Stack, page: Page
+) -> None:
+    """The refusal came once "New chat" was clicked: the page dropped it, and the text
+    typed was gone without a word (nothing was stored either)."""
+    await sign_in(page, stack)
+    await ask(page, "Say hi.")
+    await replies_over(page, 1)
+    left = asyncio.Event()
+
+    async def answered_late(route: Route) -> None:
+        if route.request.method != "POST":
+            await route.continue_()
+            return
+        refusal = await route.fetch()  # the gateway's own answer: moderation's 400
+        await left.wait()
+        await route.fulfill(response=refusal)
+
+    await page.route(MESSAGES, answered_late)
+    text = f"Tell me about {BLOCKED_TERM}."
+    await ask(page, text)
+    await page.get_by_role("button", name="New chat").click()
+    left.set()
+    await expect(page.locator("#notice")).to_contain_text("Not sent to the chat you left")
+    await expect(page.get_by_label("Message", exact=True)).to_have_value(text)
+    await expect(page.locator(".message")).to_have_count(0)  # the new chat stays empty

@@ -352,20 +352,22 @@ async function send(text) {
   $("messages").append(userMessage);
   scrollToEnd(true);
   let refused = false;
+  let taken = false;
   const reply = await streamReply(
     () => state.api.request("POST", path, { content: text }),
     (event) => {
       // Now it has an id: shown again, with its Edit button.
       if (!event.user_message_id) return;
+      taken = true;
       userMessage.replaceWith(messageElement({ role: "user", id: event.user_message_id, content: text }));
     },
-    (error) => {
+    (error, left) => {
       refused = true;
-      if (!userMessage.isConnected) return; // started: sent, whatever came after
+      if (taken || (!left && !userMessage.isConnected)) return; // started: sent, whatever came after
       userMessage.remove();
       restoreDraft(text);
       // Shown as it runs, with its Stop: the refusal alone left no way to stop it.
-      if (runsElsewhere(error)) openConversation(state.conversation.id, true, error).catch(notify);
+      if (!left && runsElsewhere(error)) openConversation(state.conversation.id, true, error).catch(notify);
     },
     (conversationId) => {
       // Sent without an answer, no reply ran, and the chat was reloaded as stored: one
@@ -396,7 +398,8 @@ async function send(text) {
   }
 }
 
-// `started(event)` when the gateway took the message; `refused(error)` on an API error.
+// `started(event)` when the gateway took the message; `refused(error, left)` on an API
+// error (`left`: the page had left the chat meanwhile).
 // With `unanswered`, a message sent without an answer is not taken as refused: the
 // stream is asked, and `unanswered(conversationId)` is told when no reply ran and the
 // chat was reloaded as stored.
@@ -415,8 +418,16 @@ async function streamReply(open, started = () => {}, refused = () => {}, unanswe
       unanswered(reply.conversationId);
     }
   } catch (error) {
-    if (reply.left) return reply;
-    if (error instanceof ApiError) refused(error);
+    if (reply.left) {
+      // Refused once the page had left the chat: its text given back and the refusal
+      // said, not lost without a word (the chat shown hears none of its events).
+      if (error instanceof ApiError && !reply.begun && !noAnswer(error)) {
+        refused(error, true);
+        notify(new ApiError(error.status, `Not sent to the chat you left: ${explain(error)}`));
+      }
+      return reply;
+    }
+    if (error instanceof ApiError) refused(error, false);
     endUnfinished(reply); // else it kept blinking, half written
     notify(error);
   } finally {
@@ -698,7 +709,7 @@ function startEdit(item, message, draft = null) {
       },
       // The edit is stored as a new message: a second edit names that one.
       (event) => event.user_message_id && (item.dataset.id = event.user_message_id),
-      () => startEdit(item, message, text),
+      (error, left) => (left ? restoreDraft(text) : startEdit(item, message, text)),
       () => {
         // No reply ran; the message edited still shown (not replaced): not taken.
         const kept = shown();
