@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 METADATA_WAIT_S = 10.0
 ABSENT_RECHECK_S = 30.0  # a partition found missing is looked up again after this
 RESEND_AFTER_S = (1.0, 2.0, 5.0, 10.0, 30.0)  # between tries of a final or usage, the last kept
+FINAL_TRIES_S = 120.0  # a leader elected, a broker restarted: seconds; past this, not soon
 
 
 class Publisher:
@@ -43,15 +44,17 @@ class Publisher:
 
     async def final(self, event: FinalEvent, reply_partition: int | None) -> None:
         """Deliver the final event (and so every token event before it) before returning,
-        however long Kafka takes: a `tokens` partition with no leader failed it, the
-        worker stopped, and so did each worker the prompt went to next."""
+        tried again for FINAL_TRIES_S: a `tokens` partition with no leader for a moment
+        failed it, the worker stopped, and so did each worker the prompt went to next.
+        Past that it raises (the worker stops): its slot and token budget are held
+        meanwhile, unlike a usage record's, and a worker full of them takes nothing."""
         partition = await self._reply_partition(reply_partition)
         value, key = encode(event), event.request_id.encode()
 
         async def send() -> None:
             await self._producer.send_and_wait(topics.TOKENS, value, key=key, partition=partition)
 
-        await _until_sent(send, f"{event.request_id}: final event")
+        await _until_sent(send, f"{event.request_id}: final event", FINAL_TRIES_S)
 
     async def _reply_partition(self, wanted: int | None) -> int | None:
         """`wanted` where `tokens` has it. A partition this producer does not know yet
@@ -88,15 +91,18 @@ class Publisher:
         await send_dead_letter(self._producer, record, reason)
 
 
-async def _until_sent(send: Callable[[], Awaitable[None]], what: str) -> None:
-    """`send` tried again through an outage that may end; one refused for good (no ACL,
-    too large) raises: the worker stops, loudly."""
+async def _until_sent(
+    send: Callable[[], Awaitable[None]], what: str, within_s: float = float("inf")
+) -> None:
+    """`send` tried again through an outage that may end, for `within_s` at most; one
+    refused for good (no ACL, too large) raises: the worker stops, loudly."""
+    give_up_at = time.monotonic() + within_s
     for attempt in itertools.count(1):
         try:
             await send()
             return
         except KafkaError as exc:
-            if not _passing(exc):
+            if not _passing(exc) or time.monotonic() >= give_up_at:
                 raise
             wait_s = RESEND_AFTER_S[min(attempt, len(RESEND_AFTER_S)) - 1]
             log.warning("%s not sent (%r, try %d); again in %.0f s", what, exc, attempt, wait_s)

@@ -1,7 +1,7 @@
 """The chat page when a message's answer never reaches it (a dropped connection, a
 proxy's 502, or a refusal that comes once the chat was left): shown sent where the
-gateway took it, back in the composer where not. In headless Chromium against the whole
-stack."""
+gateway took it, back in the composer where not; and a sign-in whose chats could not be
+listed says why. In headless Chromium against the whole stack."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 from playwright.async_api import Page, Route, expect
 
 from tests.e2e.browser import ask, replies, replies_over, sign_in
+from tests.e2e.helpers import auth
 from tests.e2e.stack import BLOCKED_TERM, Stack
 from tests.e2e.stalling_proxy import StallingProxy
 
@@ -144,3 +145,23 @@ async def test_a_message_refused_after_its_chat_was_left_comes_back_and_is_said(
     await expect(page.locator("#notice")).to_contain_text("Not sent to the chat you left")
     await expect(page.get_by_label("Message", exact=True)).to_have_value(text)
     await expect(page.locator(".message")).to_have_count(0)  # the new chat stays empty
+
+
+async def test_a_sign_in_whose_chats_cannot_be_listed_says_why(stack: Stack, page: Page) -> None:
+    """The key was taken and the app shown, then the list of chats failed (a proxy's
+    502 in a rolling restart): its error went into the hidden sign-in form, and the
+    user saw an app with no chats and no word of why."""
+    headers = await auth(stack)
+
+    async def list_fails(route: Route) -> None:
+        await route.fulfill(status=502, body="Bad Gateway")
+
+    await page.route("**/v1/conversations?*", list_fails)
+    await page.goto(stack.url)
+    await page.get_by_label("API key").fill(headers["Authorization"].removeprefix("Bearer "))
+    await page.get_by_role("button", name="Sign in").click()
+    await expect(page.locator("#signin-error")).to_contain_text("Bad Gateway")
+    await expect(page.locator("#app")).to_be_hidden()
+    await page.unroute("**/v1/conversations?*")
+    await page.get_by_role("button", name="Sign in").click()
+    await expect(page.locator("#app")).to_be_visible()

@@ -113,3 +113,14 @@ async def test_a_final_kafka_refuses_for_a_while_is_sent_again_not_a_worker_fail
     producer = TokensDown(failures=3)
     await Publisher(cast(Any, producer)).final(final_event("r_1", 1), 1)
     assert producer.sent == 1 and producer.failures == 0
+
+
+async def test_a_final_kafka_refuses_past_its_tries_stops_the_worker(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Retried for ever, each such reply held its engine slot and token budget: a worker
+    full of them took no prompt at all, and said nothing."""
+    monkeypatch.setattr("workers.publisher.RESEND_AFTER_S", (0.0,))
+    monkeypatch.setattr("workers.publisher.FINAL_TRIES_S", 0.0)
+    with pytest.raises(NotLeaderForPartitionError):
+        await Publisher(cast(Any, TokensDown(failures=2))).final(final_event("r_1", 1), 1)

@@ -423,7 +423,8 @@ async function streamReply(open, started = () => {}, refused = () => {}, unanswe
       // said, not lost without a word (the chat shown hears none of its events).
       if (error instanceof ApiError && !reply.begun && !noAnswer(error)) {
         refused(error, true);
-        notify(new ApiError(error.status, `Not sent to the chat you left: ${explain(error)}`));
+        // Status 0: the page's own words, shown whole (explained again, twice prefixed).
+        notify(error.status === 401 ? error : new ApiError(0, `Not sent to the chat you left: ${explain(error)}`));
       }
       return reply;
     }
@@ -837,6 +838,14 @@ function closeUsage() {
 
 const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
 
+// A sign-in that failed once the app showed (its chats' list refused): the form again,
+// with why. Written into the hidden form, the error showed nowhere, the chats empty.
+function showSignInError(error) {
+  $("app").hidden = true;
+  $("signin").hidden = false;
+  $("signin-error").textContent = explain(error);
+}
+
 // ---- wiring --------------------------------------------------------------------------
 
 function wire() {
@@ -846,7 +855,7 @@ function wire() {
     try {
       await signIn($("api-key").value.trim());
     } catch (error) {
-      $("signin-error").textContent = explain(error);
+      showSignInError(error);
     }
   });
   $("composer").addEventListener("submit", (e) => {
@@ -902,10 +911,8 @@ if (saved) {
     // Only a key refused is forgotten: a gateway restarting (503) or a dropped
     // connection signed the user out, the key gone with it.
     if (error instanceof ApiError && error.status === 401) return signOut();
-    $("app").hidden = true;
-    $("signin").hidden = false;
     $("api-key").value = saved;
-    $("signin-error").textContent = explain(error);
+    showSignInError(error);
   });
 } else {
   $("signin").hidden = false;
