@@ -291,6 +291,13 @@ async def test_a_chat_whose_reply_never_came_asks_for_it_once(stack: Stack, page
     assert await opened_times() == 6, asked
     assert sum(url.endswith("/stream") for url in asked) == 1, asked
     await expect(page.get_by_role("button", name="Send")).to_be_visible()
+    # Said, and Regenerate offered: with no reply to regenerate it was hidden, and the
+    # question, sent again, was stored twice.
+    await expect(page.locator("#notice")).to_contain_text("No reply to your last message yet")
+    await page.get_by_role("button", name="Regenerate").click()
+    await replies_over(page, 1)
+    messages = (await stored(stack, headers, conversation_id))["messages"]
+    assert [m["role"] for m in messages if m["status"] != "replaced"] == ["user", "assistant"]
 
 
 async def reply_running(http: httpx.AsyncClient, headers: dict[str, str]) -> str:

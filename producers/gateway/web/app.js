@@ -210,7 +210,11 @@ async function showWhenStored(id) {
     if (!awaitsReply(state.conversation)) return;
     await sleep(1000);
   }
+  // Left with the question and no word of why, sending it again stored it twice.
+  if (state.wanted === id) notify(new ApiError(0, NO_REPLY_YET));
 }
+
+const NO_REPLY_YET = "No reply to your last message yet. Reopen the chat later to see it, or press Regenerate.";
 
 function showConversation(conversation) {
   state.wanted = conversation ? conversation.id : null;
@@ -757,8 +761,9 @@ function setBusy(busy) {
   state.busy = busy;
   $("send").hidden = busy;
   $("stop").hidden = !busy;
-  const hasReply = $("messages").querySelector(".message.assistant") !== null;
-  $("regenerate").hidden = busy || !hasReply;
+  // A reply to regenerate, or a question sent and never answered: regenerate answers it.
+  const answerable = $("messages").querySelector(".message.assistant, .message.user[data-sent]") !== null;
+  $("regenerate").hidden = busy || !answerable;
   for (const edit of $("messages").querySelectorAll("button.edit")) edit.hidden = busy;
 }
 
