@@ -81,7 +81,10 @@ class PromptIntake(ConsumerRebalanceListener):  # type: ignore[misc]
         owner fetches again and waits on its lease. False, and kept, with no other
         worker in the group (nobody would take them, and what finishes here could not
         be committed) or Kafka not answering."""
-        admin = AIOKafkaAdminClient(bootstrap_servers=self.settings.kafka_bootstrap)
+        # Asked with a short timeout: the grace period's wait starts after this.
+        admin = AIOKafkaAdminClient(
+            bootstrap_servers=self.settings.kafka_bootstrap, request_timeout_ms=5000
+        )
         try:
             await admin.start()
             others = await group_members(admin, worker_group(self.model)) - 1
