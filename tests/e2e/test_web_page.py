@@ -45,13 +45,19 @@ async def test_chat_stop_regenerate_and_reload(stack: Stack, page: Page) -> None
     assert len({n for n in lengths if n}) >= 2, f"the reply did not stream: {lengths}"
     await shot(page, "02-reply")
 
-    # Stop mid-answer: the partial reply stays, marked stopped.
+    # Stop mid-answer, from the keyboard: the partial reply stays, marked stopped. While
+    # it streams it is busy (a screen reader read the whole reply again at each token);
+    # once over, the keyboard is back in the composer (it was on the page's top).
     await ask(page, "Write a very long story about the sea, with many chapters.")
     await reply_streaming(page)
-    await page.get_by_role("button", name="Stop").click()
     stopped = page.locator(".message.assistant").last
+    await expect(stopped).to_have_attribute("aria-busy", "true")
+    await page.get_by_role("button", name="Stop").focus()
+    await page.keyboard.press("Enter")
     await replies_over(page, 2)
     await expect(stopped.locator(".meta")).to_contain_text("stopped")
+    await expect(stopped).not_to_have_attribute("aria-busy", "true")
+    await expect(page.get_by_label("Message", exact=True)).to_be_focused()
     await shot(page, "03-stopped")
 
     # Regenerate: the stopped reply is replaced by a fresh one.

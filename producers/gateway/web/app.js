@@ -589,7 +589,7 @@ function handle(reply, event) {
   } else if (event.type === "final") {
     if (reply.finishReason) return; // again, in a resumed stream: noted once
     const element = ensureReplyElement(reply, event.model);
-    element.classList.remove("streaming");
+    markStreaming(element, false);
     reply.finishReason = event.finish_reason;
     const ending = LIVE_ENDINGS[event.finish_reason] ?? (event.error ? "failed" : "");
     if (ending) addMetaNote(element, ENDINGS[ending].note);
@@ -612,14 +612,22 @@ function addMetaNote(element, note) {
 // cursor left blinking, and no empty bubble.
 function endUnfinished(reply) {
   if (!reply.element) return;
-  reply.element.classList.remove("streaming");
+  markStreaming(reply.element, false);
   if (!reply.text) explainEmpty(reply.element.querySelector(".body"), "failed");
+}
+
+// Busy while it streams: the list is a live region, and each token's new nodes had a
+// screen reader read the whole reply again; it is read once, when it is over.
+function markStreaming(element, streaming) {
+  element.classList.toggle("streaming", streaming);
+  if (streaming) element.setAttribute("aria-busy", "true");
+  else element.removeAttribute("aria-busy");
 }
 
 function ensureReplyElement(reply, model) {
   if (!reply.element) {
     reply.element = messageElement({ role: "assistant", content: "", model });
-    reply.element.classList.add("streaming");
+    markStreaming(reply.element, true);
     $("messages").append(reply.element);
   }
   return reply.element;
@@ -759,8 +767,13 @@ async function remove() {
 
 function setBusy(busy) {
   state.busy = busy;
+  const focused = document.activeElement;
   $("send").hidden = busy;
   $("stop").hidden = !busy;
+  // The button pressed from the keyboard hides: its twin, or the composer, takes the
+  // focus (it fell to the page's top, the next Tab starting from the sidebar).
+  if (focused === $("send") && busy) $("stop").focus();
+  if (focused === $("stop") && !busy) $("prompt").focus();
   // A reply to regenerate, or a question sent and never answered: regenerate answers it.
   const answerable = $("messages").querySelector(".message.assistant, .message.user[data-sent]") !== null;
   $("regenerate").hidden = busy || !answerable;
