@@ -80,6 +80,11 @@ class RoleProcess:
         self.proc: subprocess.Popen[bytes] | None = None
         self._group_killed = False
 
+    @property
+    def env(self) -> dict[str, str]:
+        """The environment it runs with: its settings, for a command run beside it."""
+        return dict(self._env)
+
     def start(self) -> None:
         self._group_killed = False
         with self.log_file.open("wb") as log:

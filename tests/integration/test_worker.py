@@ -184,8 +184,9 @@ async def test_bad_input_gets_errors_and_the_worker_keeps_running(
 
 async def test_ask_command_streams_a_reply(worker: WorkerProcess) -> None:
     argv = ["tandoor", "ask", "What is the capital of France?", "--model", worker.model]
+    # With the worker's settings: the command refuses a model they do not serve.
     result = await asyncio.to_thread(
-        subprocess.run, argv, capture_output=True, text=True, timeout=120
+        subprocess.run, argv, capture_output=True, text=True, timeout=120, env=worker.env
     )
     assert result.returncode == 0, result.stderr
     reply, summary = result.stdout.strip().splitlines()[-2:]
