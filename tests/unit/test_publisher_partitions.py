@@ -53,16 +53,17 @@ async def test_a_partition_that_does_not_exist_is_looked_up_once() -> None:
     assert producer.client.updates == 1
 
 
-class UsageDown:
-    """A producer whose `usage` partition has no leader for its first `failures` sends."""
+class LeaderlessFor(Producer):
+    """A producer whose partitions have no leader for its first `failures` sends."""
 
-    def __init__(self, failures: int) -> None:
-        self.failures, self.sent = failures, 0
+    def __init__(self, failures: int, error: type[Exception] = KafkaTimeoutError) -> None:
+        super().__init__({0, 1}, {0, 1})
+        self.failures, self.sent, self.error = failures, 0, error
 
-    async def send_and_wait(self, topic: str, value: bytes, key: bytes) -> None:
+    async def send_and_wait(self, topic: str, value: bytes, key: bytes, **_: Any) -> None:
         if self.failures:
             self.failures -= 1
-            raise KafkaTimeoutError()
+            raise self.error()
         self.sent += 1
 
 
@@ -72,7 +73,7 @@ async def test_a_usage_record_kafka_refuses_is_sent_again_not_a_worker_failure(
     """Its final was out: the worker stopped, and each worker after it published the
     final again and stopped too, while the partition had no leader."""
     monkeypatch.setattr("workers.publisher.RESEND_AFTER_S", (0.0,))
-    producer = UsageDown(failures=3)
+    producer = LeaderlessFor(failures=3)
     await Publisher(cast(Any, producer)).usage(usage("r_1"))
     assert producer.sent == 1 and producer.failures == 0
 
@@ -81,26 +82,12 @@ async def test_a_usage_record_kafka_refuses_for_good_stops_the_worker() -> None:
     """No write permission on `usage` (ACLs added): retried, every reply's prompt stayed
     unfinished for good, and the workers stalled without a word."""
 
-    class Forbidden(UsageDown):
-        async def send_and_wait(self, topic: str, value: bytes, key: bytes) -> None:
+    class Forbidden(LeaderlessFor):
+        async def send_and_wait(self, topic: str, value: bytes, key: bytes, **_: Any) -> None:
             raise TopicAuthorizationFailedError()
 
     with pytest.raises(TopicAuthorizationFailedError):
         await Publisher(cast(Any, Forbidden(failures=0))).usage(usage("r_1"))
-
-
-class TokensDown(Producer):
-    """`tokens` has no leader for the first `failures` sends of a final event."""
-
-    def __init__(self, failures: int) -> None:
-        super().__init__({0, 1}, {0, 1})
-        self.failures, self.sent = failures, 0
-
-    async def send_and_wait(self, topic: str, value: bytes, key: bytes, partition: Any) -> None:
-        if self.failures:
-            self.failures -= 1
-            raise NotLeaderForPartitionError()
-        self.sent += 1
 
 
 async def test_a_final_kafka_refuses_for_a_while_is_sent_again_not_a_worker_failure(
@@ -110,7 +97,7 @@ async def test_a_final_kafka_refuses_for_a_while_is_sent_again_not_a_worker_fail
     stopped, handing back every reply it ran, and so did each worker the prompt went to
     next (it found the final recorded, published it, failed) until the leader was back."""
     monkeypatch.setattr("workers.publisher.RESEND_AFTER_S", (0.0,))
-    producer = TokensDown(failures=3)
+    producer = LeaderlessFor(failures=3, error=NotLeaderForPartitionError)
     await Publisher(cast(Any, producer)).final(final_event("r_1", 1), 1)
     assert producer.sent == 1 and producer.failures == 0
 
@@ -122,5 +109,6 @@ async def test_a_final_kafka_refuses_past_its_tries_stops_the_worker(
     full of them took no prompt at all, and said nothing."""
     monkeypatch.setattr("workers.publisher.RESEND_AFTER_S", (0.0,))
     monkeypatch.setattr("workers.publisher.FINAL_TRIES_S", 0.0)
+    refused = LeaderlessFor(failures=2, error=NotLeaderForPartitionError)
     with pytest.raises(NotLeaderForPartitionError):
-        await Publisher(cast(Any, TokensDown(failures=2))).final(final_event("r_1", 1), 1)
+        await Publisher(cast(Any, refused)).final(final_event("r_1", 1), 1)
