@@ -19,6 +19,9 @@ log = logging.getLogger(__name__)  # held to a line per 5 s (tandoor/logs.py, NO
 UNREACHABLE = (*CASSANDRA_DOWN, *REDIS_DOWN)
 UNREACHABLE_RETRY_S = 5
 QUEUE_RETRY_S = 2  # Kafka did not take a prompt or a stop: a broker restart takes seconds
+# On a 409 that the same request meets again: the OpenAI SDKs retry every 409 (a lock
+# timeout, to them) twice unless told not to, a whole upload each time.
+NOT_RETRIED = {"x-should-retry": "false"}
 
 
 class ApiError(Exception):
@@ -37,7 +40,7 @@ class ApiError(Exception):
         self.message = message
         self.kind = kind
         self.param = param
-        self.headers = headers or {}
+        self.headers = dict(headers or {})  # its own: a shared one may be passed
         self.code = code
 
 

@@ -158,6 +158,12 @@ async def test_bad_files_and_other_peoples_batches_are_refused(stack: Stack) -> 
     async with owner, stranger:
         with pytest.raises(openai.BadRequestError, match="purpose"):
             await owner.files.create(file=("in.jsonl", good), purpose="fine-tune")
+        with pytest.raises(openai.BadRequestError, match="expires_after is not supported"):
+            await owner.files.create(
+                file=("in.jsonl", good),
+                purpose="batch",
+                expires_after={"anchor": "created_at", "seconds": 3600},
+            )
         for content, problem in (
             (good + b"{not json\n", "line 2 is not JSON"),
             (good + good, "used twice"),
@@ -185,6 +191,9 @@ async def test_bad_files_and_other_peoples_batches_are_refused(stack: Stack) -> 
         with pytest.raises(openai.NotFoundError):
             await stranger.files.content(f"file-out-{batch.id}")
         await finished(owner, batch.id)
+        with pytest.raises(openai.ConflictError) as ended:  # the SDK asks it once only
+            await owner.batches.cancel(batch.id)
+        assert ended.value.response.headers.get("x-should-retry") == "false"
 
 
 async def test_the_openai_client_lists_the_callers_own_files_page_by_page(stack: Stack) -> None:

@@ -294,6 +294,8 @@ async def test_an_empty_file_and_files_past_the_count_a_user_may_keep_are_refuse
     with pytest.raises(ApiError) as refused:
         await service.upload(caller, "third.jsonl", "batch", b"x\n")
     assert refused.value.status == 409 and "delete some" in refused.value.message
+    # Or the SDK sent the whole file twice more before giving up.
+    assert refused.value.headers == {"x-should-retry": "false"}
     await service.delete_file(caller, kept[0]["id"])
     await service.upload(caller, "third.jsonl", "batch", b"x\n")  # room again
     listed = await service.list_files(caller, 100, "asc", None, None)

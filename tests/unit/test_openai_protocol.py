@@ -178,6 +178,7 @@ def test_a_length_is_refused_under_the_name_it_was_sent_with() -> None:
         {"metadata": None},
         {"service_tier": None},
         {"reasoning_effort": None},
+        {"reasoning_effort": "none"},
         {"tools": None},
         {"tool_choice": None},
         {"parallel_tool_calls": None},

@@ -33,7 +33,17 @@ async def upload_file(
     deps: Annotated[Services, Depends(services)],
     file: Annotated[UploadFile, File(description="JSONL, one request per line")],
     purpose: Annotated[str, Form()],
+    expires_anchor: Annotated[str | None, Form(alias="expires_after[anchor]")] = None,
+    expires_seconds: Annotated[str | None, Form(alias="expires_after[seconds]")] = None,
 ) -> dict[str, Any]:
+    if expires_anchor is not None or expires_seconds is not None:  # the SDK's expires_after
+        # Refused by name: dropped as an unknown field, a file meant to expire was kept
+        # for good, until the user's file cap refused every upload.
+        raise ApiError(
+            400,
+            "expires_after is not supported: a file is kept until it is deleted",
+            param="expires_after",
+        )
     limit = deps.settings.gateway_max_file_bytes
     if file.size is not None and file.size > limit:
         raise ApiError(413, f"the file is {file.size} bytes: at most {limit}", param="file")

@@ -46,7 +46,7 @@ from producers.gateway.batches.store import (
     StoredBatch,
     StoredFile,
 )
-from producers.gateway.errors import ApiError, not_found, unavailable
+from producers.gateway.errors import NOT_RETRIED, ApiError, not_found, unavailable
 from tandoor.background import Background
 from tandoor.clients import CASSANDRA_DOWN, REDIS_DOWN
 from tandoor.policies.api_keys import Principal
@@ -123,6 +123,7 @@ class BatchService:
                 409,
                 f"you keep {held.files} files, the most one user may: delete some first",
                 param="file",
+                headers=NOT_RETRIED,
             )
         if held.bytes + (size or 0) > self._max_user_bytes:  # storage without end
             raise ApiError(
@@ -270,7 +271,10 @@ class BatchService:
             shown["status"] == "failed" and not batch.queuing
         ):
             raise ApiError(
-                409, f"the batch is {shown['status']}: nothing to cancel", kind="conflict_error"
+                409,
+                f"the batch is {shown['status']}: nothing to cancel",
+                kind="conflict_error",
+                headers=NOT_RETRIED,
             )
         return await self._object(await self._cancel(batch))
 

@@ -83,7 +83,7 @@ ASKING_NOTHING: dict[str, tuple[object, ...]] = {
     "logit_bias": (None, {}),
     "metadata": (None, {}),
     "service_tier": (None, "auto", "default"),
-    "reasoning_effort": (None,),
+    "reasoning_effort": (None, "none"),
     "modalities": (None, ["text"]),
     "audio": (None,),
     "prediction": (None,),

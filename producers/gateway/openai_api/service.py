@@ -16,7 +16,7 @@ from producers.gateway.chat.service import ChatService
 from producers.gateway.chat.sse import KEEPALIVE, NO_ANSWER
 from producers.gateway.chat.watch import ReplyWatch
 from producers.gateway.conversations.protocol import provisional_title
-from producers.gateway.errors import ApiError, unknown_model
+from producers.gateway.errors import NOT_RETRIED, ApiError, unknown_model
 from producers.gateway.openai_api.protocol import ChatCompletionRequest
 from schemas.errors import error_body
 from schemas.events import (
@@ -226,9 +226,9 @@ def _refusal(final: FinalEvent) -> ApiError | None:
     if final.failed_with(TEMPLATE_REFUSED):
         return ApiError(400, final.error or "", param="messages")
     if final.finish_reason == "cancelled":  # not "stop": a cut-off answer is no answer
-        # Not retried: the SDKs retry any 409 ("a lock timeout") unless told not to, and
-        # the retry ran the stopped completion again, to its end, charged twice.
-        return ApiError(409, STOPPED, code="cancelled", headers={"x-should-retry": "false"})
+        # Not retried (NOT_RETRIED): the retry ran the stopped completion again, to its
+        # end, charged twice.
+        return ApiError(409, STOPPED, code="cancelled", headers=NOT_RETRIED)
     if final.finish_reason not in FINISH:  # not the request's fault: an SDK retries a 5xx
         return ApiError(
             502,
