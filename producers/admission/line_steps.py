@@ -52,13 +52,10 @@ class LineSteps:
 
     async def _key_revoked(self, waiting: Waiting) -> bool:
         """A line may wait hours (its tenant's quota): a key revoked meanwhile stops it.
-        A key that cannot be looked up now (Cassandra down) was good when it was read:
-        forwarding goes on, as it needs only Redis and Kafka."""
-        try:
-            return await self.callers.resolve_again(waiting.key) is None
-        except UNREACHABLE as exc:
-            log.warning("key of a waiting line not checked again (%r); taken as good", exc)
-            return False
+        A key that cannot be looked up now (Cassandra down) raises, unless it was found
+        good within the key store's minute (CallerCache.resolve_again): the line is put
+        back until it can be checked, and the other lines go on."""
+        return await self.callers.resolve_again(waiting.key) is None
 
     async def _answer_revoked(self, waiting: Waiting) -> None:
         message = "the API key was revoked before this line ran"

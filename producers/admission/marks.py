@@ -8,10 +8,12 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
+from tandoor.clients import CASSANDRA_DOWN, REDIS_DOWN
 from tandoor.policies.api_keys import KeyStore, Principal
 from tandoor.policies.redis_keys import BATCH_LINE_TTL_S, batch_cancel_key, batch_line_key
 
 KEY_CACHE_S = 30.0  # a revoked key stops being honoured within this
+KEY_TRUSTED_S = 60.0  # the key store's own delay (its Redis cache): unreadable, found good
 KEY_CACHE_SIZE = 10_000
 T = TypeVar("T")
 
@@ -67,7 +69,16 @@ class CallerCache:
         the key store's own minute of a revocation, not that and KEY_CACHE_S more."""
         if not key:
             return None
-        principal = await self._keys.resolve(key)
+        try:
+            principal = await self._keys.resolve(key)
+        except (*CASSANDRA_DOWN, *REDIS_DOWN):
+            # Found good within the key store's minute: still good, as far as a revocation
+            # is honoured anyway. Older, it is not taken on trust (a revoked key's lines
+            # ran for as long as Cassandra was away): the line waits for the store.
+            checked_at, cached = self._callers.get(key, (0.0, None))
+            if cached is not None and time.monotonic() - checked_at <= KEY_TRUSTED_S:
+                return cached
+            raise
         self._callers[key] = (time.monotonic(), principal)
         return principal
 

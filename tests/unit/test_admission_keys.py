@@ -5,6 +5,7 @@ tenants (the real ones: tests/integration/test_batch_keys.py)."""
 from __future__ import annotations
 
 from typing import Any, cast
+from unittest.mock import patch
 
 from aiokafka.structs import ConsumerRecord
 from cassandra.cluster import NoHostAvailable
@@ -24,13 +25,6 @@ from tests.unit.test_admission_forward import (
 class Revoked:
     async def resolve(self, key: str | None) -> None:
         return None  # the key was revoked while its line waited
-
-    resolve_again = resolve
-
-
-class KeysUnreadable:
-    async def resolve(self, key: str | None) -> None:
-        raise NoHostAvailable("Cassandra is unreachable", {})
 
     resolve_again = resolve
 
@@ -74,11 +68,42 @@ async def test_a_refusal_whose_mark_fails_is_sent_once() -> None:
     assert len(answers.sent) == 1, answers.sent
 
 
-async def test_a_key_that_cannot_be_read_again_does_not_stop_forwarding() -> None:
-    """Cassandra down (the key's cache run out): the line is forwarded, as it was read
-    with a good key; retried instead, it stopped forwarding for every model."""
-    submitter, answers, prompt, _ = await forward_once(KeysUnreadable())
+class UnreadableFromNowOn:
+    """The key store: the key good when its line was read, then Cassandra away."""
+
+    def __init__(self) -> None:
+        self.down = False
+
+    async def resolve(self, key: str) -> object:
+        if self.down:
+            raise NoHostAvailable("Cassandra is unreachable", {})
+        return object()
+
+
+async def test_a_key_found_good_within_the_minute_is_not_stopped_by_cassandra_away() -> None:
+    """Cassandra down (the key's Redis cache run out) just after the line was read: the
+    key is as good as a revocation's minute allows, and the line runs."""
+    keys = UnreadableFromNowOn()
+    callers = CallerCache(cast(Any, keys))
+    assert await callers.resolve("tdr_key") is not None  # as the line was read
+    keys.down = True
+    submitter, answers, prompt, _ = await forward_once(callers)
     assert submitter.sent == [prompt.request_id] and answers.sent == []
+
+
+async def test_a_key_not_checked_within_the_minute_is_not_taken_on_trust() -> None:
+    """A line read an hour ago, its key unreadable now: it ran, and was charged, under a
+    key that may have been revoked since (the docs promise within a minute). It waits,
+    put back in its tenant's queue, and nothing is answered for it."""
+    keys = UnreadableFromNowOn()
+    callers = CallerCache(cast(Any, keys))
+    assert await callers.resolve("tdr_key") is not None
+    keys.down = True
+    with patch("producers.admission.marks.KEY_TRUSTED_S", 0.0):
+        submitter, answers, prompt, admission = await forward_once(callers)
+    assert submitter.sent == [] and answers.sent == [], "it ran or was answered"
+    assert admission.queues[prompt.model].size == 1, "the line was dropped"
+    assert admission.queued.where(prompt.request_id) == "0:3"
 
 
 class NoOwner:
