@@ -70,6 +70,7 @@ class ReaderCount:
 
 
 HANDOVER_POLL_MS = 1000  # how soon a hand-over reader sees its last stream gone
+DISPATCH_POLL_MS = 1000  # an empty poll's length: records end it as they arrive
 READER_RETRY_S = 1.0  # a reader failing (Kafka unreachable): again after this
 
 
@@ -233,15 +234,21 @@ class TokenFanout(ConsumerRebalanceListener):  # type: ignore[misc]
         return {k: s for k, s in waiting.items() if self._subs.get(k) is s}
 
     async def _dispatch(self) -> None:
-        async for record in self._consumer:
-            sub = self._subs.get(_request_id(record))
-            if sub is None or sub.partition != record.partition:
-                continue
-            if sub.request_id in self._carried:
-                continue
-            item = _delivered(record)
-            if item is not None:
-                sub.push(item)
+        while True:  # a fetch's records at once: one at a time cost a fifth of the loop
+            batch = await self._consumer.getmany(timeout_ms=DISPATCH_POLL_MS)
+            for records in batch.values():
+                for record in records:
+                    self._route(record)
+
+    def _route(self, record: ConsumerRecord[bytes, bytes]) -> None:
+        sub = self._subs.get(_request_id(record))
+        if sub is None or sub.partition != record.partition:
+            return
+        if sub.request_id in self._carried:
+            return
+        item = _delivered(record)
+        if item is not None:
+            sub.push(item)
 
 
 READER_FETCH_BYTES = 256 * 1024  # aiokafka's default: 1 MiB a stream, 1 GiB at 1,000
