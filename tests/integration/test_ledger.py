@@ -4,7 +4,6 @@ it is delivered (workers/ledger.py)."""
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from collections.abc import AsyncIterator
 
@@ -58,7 +57,9 @@ async def test_one_holder_at_a_time_and_the_next_takes_over_when_it_lapses(
     assert isinstance(busy, Busy) and 0 < busy.wait_ms <= LEASE_S * 1000
     assert isinstance(await first.arrive(rid), Busy), "not even its holder runs it twice"
     assert await first.record(rid, 1, Recorded(1, 0, "Once", 1)) == "ok"
-    await asyncio.sleep(LEASE_S * 1.5)  # w1 stalls past its lease
+    await eventually(  # w1 stalls past its lease: Redis lets it lapse
+        lambda: client.exists(lease_key(rid)), lambda held: not held, what="w1's lease lapsed"
+    )
     again = await second.arrive(rid)
     assert isinstance(again, Arrival) and again.attempt == 2
     assert again.transcript == (Recorded(1, 0, "Once", 1),)

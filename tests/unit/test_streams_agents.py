@@ -134,6 +134,7 @@ async def test_a_record_whose_copy_per_model_was_cut_short_is_counted_per_model(
     async with app.agents["rollups-by-user"].test_context() as agent:
         with contextlib.suppress(RuntimeError, TimeoutError):
             await asyncio.wait_for(agent.put(encode(usage("a"))), 2)
+    assert sink.fail_forwards == 0, "the forward never failed: no crash was tested"
     async with app.agents["rollups-by-user"].test_context() as agent:
         await agent.put(encode(usage("a")))  # read again after the restart
     await count_per_model(app, sink)
@@ -189,14 +190,18 @@ async def test_a_record_whose_counting_was_cut_short_is_counted_when_read_again(
     app, sink = app_and_sink
     real_add = Rollup.add
 
+    crashed: list[str] = []
+
     def crash_once(rollup: Rollup, record: UsageRecord) -> None:
         monkeypatch.setattr(Rollup, "add", real_add)
+        crashed.append(record.request_id)
         raise RuntimeError("killed mid-count")
 
     monkeypatch.setattr(Rollup, "add", crash_once)
     async with app.agents["rollups-by-user"].test_context() as agent:
         with contextlib.suppress(RuntimeError, TimeoutError):
             await asyncio.wait_for(agent.put(encode(usage("a"))), 2)
+    assert crashed == ["a"], "the count never crashed: no crash was tested"
     async with app.agents["rollups-by-user"].test_context() as agent:
         await agent.put(encode(usage("a")))  # read again after the restart
     await rollup_tables(app).publish_changes()
