@@ -21,9 +21,11 @@ from __future__ import annotations
 import weakref
 
 import faust
+from aiokafka.admin import AIOKafkaAdminClient
 
-from infra.topics import DAY_MS, TopicSpec
+from infra.topics import DAY_MS, TopicSpec, partition_counts
 from schemas import topics
+from schemas.topics import USAGE_PARTITIONS
 from streams.agents import register_agents
 from streams.outputs import Outputs, kafka_outputs
 from streams.tables import RollupTables
@@ -74,6 +76,38 @@ def by_model_topic(settings: Settings) -> TopicSpec:
         topics.USAGE_PARTITIONS,
         {"retention.ms": str(30 * DAY_MS)},
         settings.kafka_replication_factor,
+    )
+
+
+async def partitions_refused(settings: Settings) -> str | None:
+    """Why the app cannot count `usage` as its topics are, if it cannot: its tables are
+    co-partitioned with `usage` (USAGE_PARTITIONS), and their changelogs keep the count
+    they were made with. `usage` grown in place (as CAPACITY.md once advised) stopped
+    every count (faust's PartitionsMismatch at each record), and a window's records and
+    its changelog partition no longer matched."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
+    try:
+        await admin.start()
+        counts = await partition_counts(admin)
+    finally:
+        await admin.close()
+    ours = [settings.streams_usage_topic] + [
+        name
+        for name in counts
+        if name.startswith(f"{settings.streams_app_id}-") and name.endswith("-changelog")
+    ]
+    wrong = {
+        name: counts[name]
+        for name in ours
+        if counts.get(name, USAGE_PARTITIONS) != USAGE_PARTITIONS
+    }
+    if not wrong:
+        return None
+    found = ", ".join(f"{name} has {n}" for name, n in sorted(wrong.items()))
+    return (
+        f"the rollups' tables are made for {USAGE_PARTITIONS} partitions of "
+        f"{settings.streams_usage_topic}, but {found}: after changing the usage partitions, "
+        "start the app under a new TANDOOR_STREAMS_APP_ID (new tables; docs/CAPACITY.md)"
     )
 
 

@@ -224,9 +224,12 @@ def streams() -> None:
     from faust import Worker
 
     from infra.topics import ensure_topics
-    from streams.app import by_model_topic, create_app
+    from streams.app import by_model_topic, create_app, partitions_refused
 
     settings = get_settings()
+    if refused := asyncio.run(partitions_refused(settings)):
+        typer.secho(f"error: {refused}", err=True, fg=typer.colors.RED)
+        raise typer.Exit(2)
     asyncio.run(ensure_topics(settings.kafka_bootstrap, [by_model_topic(settings)]))
     Worker(create_app(settings), loglevel="INFO").execute_from_commandline()
 

@@ -4,6 +4,7 @@ and a kill -9 and restart (with a replayed record) counts nothing twice."""
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import uuid
 from pathlib import Path
@@ -17,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from infra.process import free_port
 from infra.roles import StreamsProcess
+from infra.topics import TopicSpec, ensure_topics
 from schemas import topics
 from schemas.codec import encode
 from schemas.events import FinalEvent, FinishReason, Usage, UsageRecord, now_ms
@@ -317,3 +319,40 @@ async def test_a_window_open_at_a_restart_is_published_closed_with_no_record_aft
         assert latest[key]["requests"] == 1
     finally:
         app.terminate()
+
+
+async def streams_refused(env: dict[str, str]) -> tuple[int, str]:
+    """`tandoor streams` with `env` on top of this one's: its exit code and stderr."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "tandoor",
+        "streams",
+        env={**os.environ, **env},
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        _, stderr = await process.communicate()
+    finally:
+        if process.returncode is None:
+            process.kill()
+    assert process.returncode is not None
+    return process.returncode, stderr.decode()
+
+
+async def test_streams_refuse_usage_partitions_their_tables_were_not_made_for(
+    settings: Settings, kafka: str
+) -> None:
+    """`usage` grown in place, as the capacity plan advised, left the tables' changelogs
+    at their old count: faust refused every record (PartitionsMismatch), and the rollups
+    stopped without a word at start. Now the app does not start, and says what to do."""
+    app_id, grown = f"streams-{uuid.uuid4().hex[:6]}", f"usage-{uuid.uuid4().hex[:6]}"
+    changelog = f"{app_id}-rollups-by-user-changelog"
+    await ensure_topics(kafka, [TopicSpec(grown, 8), TopicSpec(changelog, 2)])
+    code, said = await streams_refused(
+        {"TANDOOR_STREAMS_APP_ID": app_id, "TANDOOR_STREAMS_USAGE_TOPIC": grown}
+    )
+    assert code == 2, said
+    assert f"{grown} has 8" in said and f"{changelog} has 2" in said, said
+    assert "TANDOOR_STREAMS_APP_ID" in said
