@@ -233,17 +233,19 @@ async def test_a_message_too_long_for_the_model_is_a_413(
 async def test_users_cannot_chat_in_each_others_conversations(
     stack: Stack, http: httpx.AsyncClient
 ) -> None:
+    """With a reply of alice's running (on the model whose worker takes nothing): with
+    none, following it was a 404 for alice too, and proved nothing."""
     alice, bob = await auth(stack), await auth(stack)
-    conversation = await new_conversation(http, alice)
-    post = await http.post(
-        f"/v1/conversations/{conversation}/messages", json={"content": "hi"}, headers=bob
-    )
+    base = f"/v1/conversations/{await new_conversation(http, alice, stack.big)}"
+    async with http.stream("POST", f"{base}/messages", json={"content": "hi"}, headers=alice) as r:
+        assert r.status_code == 200, await r.aread()  # queued; leaving it is not stop
+    post = await http.post(f"{base}/messages", json={"content": "hi"}, headers=bob)
     assert post.status_code == 404
-    stop = await http.post(f"/v1/conversations/{conversation}/stop", headers=bob)
-    assert stop.status_code == 404
-    assert (
-        await http.get(f"/v1/conversations/{conversation}/stream", headers=bob)
-    ).status_code == 404
+    assert (await http.post(f"{base}/stop", headers=bob)).status_code == 404
+    for caller, status in ((bob, 404), (alice, 200)):  # alice follows her running reply
+        async with http.stream("GET", f"{base}/stream", headers=caller) as followed:
+            assert followed.status_code == status
+    assert (await http.post(f"{base}/stop", headers=alice)).status_code == 202
 
 
 def reads(gateway: GatewayProcess) -> set[int]:

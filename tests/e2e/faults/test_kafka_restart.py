@@ -23,6 +23,8 @@ async def test_kafka_restarted_mid_stream_loses_nothing(stack: Stack) -> None:
         async with chatting(users, 2) as chats:
             await mid_stream(users, 3)
             await stop_server(stack.settings, "kafka")
+            crossing = [turn for user in users for turn in user.turns if not turn.done]
+            assert crossing, "every reply ended before Kafka was down: none crossed it"
             chats.create_task(late.chat(1))
             await until(lambda: bool(late.turns and late.turns[0].refused), what="a 503")
             await servers_back(stack.settings)

@@ -219,8 +219,10 @@ async def chaos(
 async def streaming_from(
     worker: RoleProcess, chat_users: list[ChatClient], api_users: list[ApiClient]
 ) -> set[str]:
-    """Once some client shows text of a reply this worker holds (its lease in Redis
-    names the worker's process), the ids of all such replies."""
+    """Once a chat client shows text of a reply this worker holds (its lease in Redis
+    names the worker's process), the ids of all such replies, the API's too. A chat
+    reply among them: only chat clients' continued streams are checked event by event
+    (check_continued_stream), and a kill among API streams alone checked none."""
     assert worker.proc is not None
     mark = f":{worker.proc.pid}:".encode()
     redis = redis_client(Settings())
@@ -232,8 +234,13 @@ async def streaming_from(
         owners = await redis.mget([lease_key(i) for i in ids]) if ids else []
         return {i for i, owner in zip(ids, owners, strict=True) if owner and mark in owner}
 
+    def with_a_chat(ids: set[str]) -> bool:
+        return bool(ids & {turn.request_id for user in chat_users for turn in user.turns})
+
     try:
-        return await eventually(held, bool, what=f"{worker.name} streaming", poll_s=0.05)
+        return await eventually(
+            held, with_a_chat, what=f"{worker.name} streaming a chat", poll_s=0.05
+        )
     finally:
         await redis.aclose()
 
