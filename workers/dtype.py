@@ -24,10 +24,14 @@ class DtypeChoice:
 
 
 def choose_dtype(
-    requested: Dtype, gpu_capability: tuple[int, int] | None, cpu_flags: frozenset[str]
+    requested: Dtype,
+    gpu_capability: tuple[int, int] | None,
+    cpu_flags: frozenset[str],
+    quantized: bool = False,
 ) -> DtypeChoice:
     """`requested` as is, or for `auto` what this hardware computes natively.
-    `gpu_capability` is None on a CPU."""
+    `gpu_capability` is None on a CPU; `quantized`: the model's weights are (vLLM runs
+    AWQ, GPTQ, fp8 and the like in float16 or bfloat16 only)."""
     if requested != "auto":
         return DtypeChoice(requested, "configured")
     if gpu_capability is not None:
@@ -44,6 +48,10 @@ def choose_dtype(
     native = sorted(NATIVE_BF16_CPU_FLAGS & cpu_flags)
     if native:
         return DtypeChoice("bfloat16", f"CPU computes bf16 natively ({', '.join(native)})")
+    if quantized:  # float32 made vLLM refuse to start ("not supported for quantization")
+        return DtypeChoice(
+            "bfloat16", "quantized model: 16-bit only, though this CPU emulates bf16 (slow)"
+        )
     return DtypeChoice("float32", "CPU without native bf16 (no AVX-512 BF16, AMX or BF16)")
 
 
@@ -60,13 +68,13 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
     return frozenset()
 
 
-def resolve_dtype(requested: Dtype) -> DtypeChoice:
+def resolve_dtype(requested: Dtype, quantized: bool = False) -> DtypeChoice:
     """choose_dtype on the platform vLLM runs on here (imports vLLM: call it where an
     engine starts)."""
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
-        return choose_dtype(requested, None, cpu_flags())
+        return choose_dtype(requested, None, cpu_flags(), quantized)
     capability = current_platform.get_device_capability()
     if capability is None:  # an accelerator that reports none: vLLM's own rule
         auto = DtypeChoice("auto", f"vLLM's choice on {current_platform.device_name}")

@@ -82,6 +82,7 @@ class EngineOptions:
     # Exact KV-cache size, on CPU and GPU alike; None sizes it from gpu_memory_utilization.
     kv_cache_memory_bytes: int | None = None
     quantization: str | None = None
+    quantized: bool = False  # `quantization` set, or found in the model's config.json
     tensor_parallel_size: int = 1
     executor: Executor = "auto"  # auto: "uni" on a CPU (workers/executor.py)
     speculative: dict[str, Any] | None = None  # vLLM's speculative_config
@@ -127,7 +128,7 @@ class Engine:
         await asyncio.to_thread(_import_vllm)
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        dtype = resolve_dtype(options.dtype)
+        dtype = resolve_dtype(options.dtype, options.quantized)
         log.info("engine dtype %s: %s", dtype.dtype, dtype.reason)
         executor = resolve_executor(options.executor, options.tensor_parallel_size)
         log.info("engine executor %s", executor or "vLLM's choice")

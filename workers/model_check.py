@@ -68,6 +68,7 @@ def engine_options(name: str, config: ModelConfig, model_dir: Path) -> EngineOpt
         gpu_memory_utilization=config.memory_share,
         kv_cache_memory_bytes=None if kv_mib is None else kv_mib * 1024 * 1024,
         quantization=config.quantization,
+        quantized=config.quantization is not None or "quantization_config" in hf_config,
         tensor_parallel_size=config.tensor_parallel_size,
         executor=config.executor,
         speculative=None if config.speculative is None else config.speculative.vllm_config(),
@@ -88,29 +89,46 @@ def _hf_config(name: str, model_dir: Path) -> dict[str, Any]:
 
 def _check_length(name: str, max_model_len: int, hf_config: dict[str, Any]) -> None:
     text_config = hf_config.get("text_config") or hf_config  # multimodal models nest it
-    if _rope_scaled(text_config):  # longer than its positions, by a factor: vLLM's rule
-        return
     limits = [text_config[k] for k in _LENGTH_KEYS if isinstance(text_config.get(k), int)]
-    if limits and max_model_len > min(limits):
+    if not limits:
+        return
+    longest = int(min(limits) * _rope_factor(hf_config, text_config))
+    if max_model_len > longest:
         raise ModelError(
             f"model {name!r}: max_model_len {max_model_len} is longer than the model's "
-            f"{min(limits)} positions; set max_model_len to at most {min(limits)}"
+            f"{longest} positions; set max_model_len to at most {longest}"
         )
 
 
-def _rope_scaled(text_config: dict[str, Any]) -> bool:
-    """Whether its positions are scaled: `rope_scaling`, or transformers 5's
-    `rope_parameters` (written for every model; per layer type in some) of a type other
-    than the default."""
-    if text_config.get("rope_scaling"):
-        return True
-    found = text_config.get("rope_parameters")
+# RoPE types whose max_position_embeddings is the stretched length already (vLLM's rule).
+_STRETCHED_ALREADY = frozenset(
+    {"su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling"}
+)
+
+
+def _rope_factor(hf_config: dict[str, Any], text_config: dict[str, Any]) -> float:
+    """How far RoPE scaling stretches the positions, as vLLM reads it: by `factor`, but
+    not for the types that count it in already, nor for Gemma 3. Any scaling skipped the
+    check: Llama 3.x, Qwen and the like (yarn, llama3) then failed in vLLM at start, with
+    a traceback, on a window too long."""
+    families = f"{hf_config.get('model_type', '')} {text_config.get('model_type', '')}"
+    if "gemma3" in families:
+        return 1.0
+    factor = 1.0
+    for params in _rope_parameters(text_config):
+        if (params.get("rope_type") or params.get("type")) not in _STRETCHED_ALREADY:
+            factor = params.get("factor", factor)
+    return float(factor or 1.0)  # a null factor: vLLM takes 1
+
+
+def _rope_parameters(text_config: dict[str, Any]) -> list[dict[str, Any]]:
+    """`rope_scaling`, or transformers 5's `rope_parameters` (written for every model;
+    per layer type in some)."""
+    found = text_config.get("rope_scaling") or text_config.get("rope_parameters")
     if not isinstance(found, dict):
-        return False
+        return []
     nested = [v for v in found.values() if isinstance(v, dict)]
-    return any(
-        (p.get("rope_type") or p.get("type") or "default") != "default" for p in (nested or [found])
-    )
+    return nested or [found]
 
 
 def _check_quantization(name: str, method: str | None) -> None:

@@ -35,6 +35,14 @@ def test_auto_follows_the_hardware(
     assert choice.reason  # the worker logs why
 
 
+def test_a_quantized_model_on_a_cpu_without_bf16_gets_16_bits() -> None:
+    """float32 there: vLLM refused to start an AWQ, GPTQ or fp8 model (16 bits only),
+    with a traceback."""
+    assert choose_dtype("auto", None, AVX2_EPYC, quantized=True).dtype == "bfloat16"
+    assert choose_dtype("auto", None, SAPPHIRE_RAPIDS, quantized=True).dtype == "bfloat16"
+    assert choose_dtype("auto", None, AVX2_EPYC, quantized=False).dtype == "float32"
+
+
 def test_a_configured_dtype_is_kept() -> None:
     assert choose_dtype("bfloat16", None, AVX2_EPYC).dtype == "bfloat16"
     assert choose_dtype("float32", (9, 0), frozenset()).dtype == "float32"

@@ -156,29 +156,40 @@ def test_a_window_longer_than_the_model_is_refused(folder: Path) -> None:
         engine_options("m", config, folder)
 
 
-def test_a_window_a_rope_scaling_allows_is_left_to_the_engine(folder: Path) -> None:
-    """Refused as longer than the positions, though the scaling makes it fit."""
-    scaled = {"max_position_embeddings": 4096, "rope_scaling": {"type": "linear", "factor": 4}}
-    (folder / "config.json").write_text(json.dumps(scaled))
-    engine_options("m", ModelConfig(source=str(folder), max_model_len=16384), folder)
-
-
-def test_a_window_transformers_5s_rope_parameters_allow_is_left_to_the_engine(
-    folder: Path,
+@pytest.mark.parametrize(
+    ("config", "longest"),
+    [
+        ({"rope_scaling": {"type": "linear", "factor": 4}}, 16384),
+        ({"rope_parameters": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e4}}, 16384),
+        ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, 8192),
+        # transformers 5, per layer type
+        ({"rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 4.0}}}, 16384),
+        ({"rope_parameters": {"rope_type": "default"}}, 4096),
+        # Stretched in max_position_embeddings already: vLLM applies no factor (any
+        # scaling skipped the check, and vLLM refused the window with a traceback).
+        ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0}}, 4096),
+        ({"rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 4.0}}}, 4096),
+        ({"rope_scaling": {"type": "longrope", "factor": 4}}, 4096),
+        ({"model_type": "gemma3", "rope_scaling": {"rope_type": "linear", "factor": 8}}, 4096),
+    ],
+)
+def test_the_window_a_rope_scaling_allows_is_the_one_vllm_allows(
+    folder: Path, config: dict[str, Any], longest: int
 ) -> None:
-    """transformers 5 writes `rope_parameters` (for every model): a scaled one was not
-    read, and a window the scaling allows was refused; an unscaled one still limits."""
-    for params in (
-        {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
-        {"full_attention": {"rope_type": "yarn", "factor": 4.0}, "sliding_attention": {}},
-    ):
-        scaled = {"max_position_embeddings": 4096, "rope_parameters": params}
-        (folder / "config.json").write_text(json.dumps(scaled))
-        engine_options("m", ModelConfig(source=str(folder), max_model_len=16384), folder)
-    plain = {"max_position_embeddings": 4096, "rope_parameters": {"rope_type": "default"}}
-    (folder / "config.json").write_text(json.dumps(plain))
-    with pytest.raises(ModelError, match="longer than the model's 4096"):
-        engine_options("m", ModelConfig(source=str(folder), max_model_len=16384), folder)
+    (folder / "config.json").write_text(json.dumps({"max_position_embeddings": 4096, **config}))
+    engine_options("m", ModelConfig(source=str(folder), max_model_len=longest), folder)
+    with pytest.raises(ModelError, match=f"longer than the model's {longest} positions"):
+        engine_options("m", ModelConfig(source=str(folder), max_model_len=longest + 1), folder)
+
+
+def test_a_quantized_model_is_known_by_its_setting_or_its_config(folder: Path) -> None:
+    """dtype auto needs to know (16 bits only: workers/dtype.py)."""
+    assert not engine_options("m", ModelConfig(source=str(folder)), folder).quantized
+    awq = ModelConfig(source=str(folder), quantization="awq")
+    assert engine_options("m", awq, folder).quantized
+    quantized = {"max_position_embeddings": 4096, "quantization_config": {"quant_method": "gptq"}}
+    (folder / "config.json").write_text(json.dumps(quantized))
+    assert engine_options("m", ModelConfig(source=str(folder)), folder).quantized
 
 
 def test_a_memory_share_given_alone_sizes_the_kv_cache(folder: Path) -> None:
