@@ -117,7 +117,7 @@ DEFAULT_BANDS = [
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="TANDOOR_", env_nested_delimiter="__")
+    model_config = SettingsConfigDict(env_prefix="TANDOOR_")
 
     env: Literal["development", "test", "production"] = "development"
     # Servers' data, logs and pid files (git-ignored).
@@ -347,7 +347,13 @@ def unknown_variables(environ: Mapping[str, str]) -> list[str]:
     known = {f"TANDOOR_{name.upper()}" for name in Settings.model_fields}
     problems = []
     for name in sorted(n.upper() for n in environ if n.upper().startswith("TANDOOR_")):
-        if name.split("__")[0] in known or name in OTHER_VARIABLES:
+        if name in known or name in OTHER_VARIABLES:
+            continue
+        if (whole := name.split("__")[0]) in known:  # read, it replaced the whole default
+            problems.append(
+                f"{name}: a part of a setting is not read alone; set {whole} as one JSON "
+                "value (TANDOOR_MODELS__SMOLLM2__MAX_MODEL_LEN served smollm2 alone)"
+            )
             continue
         close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
         meant = f" (did you mean {close[0]}?)" if close else ""

@@ -72,6 +72,16 @@ def test_a_misspelt_setting_is_refused_with_the_one_meant(
     assert name.upper() in str(refused.value) and hint in str(refused.value)
 
 
+def test_a_part_of_a_setting_is_refused_with_the_whole_one_to_set(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Read as a nested setting, it replaced the whole default: the second bundled model
+    was no longer served, and its conversations were a 404, without a word."""
+    monkeypatch.setenv("TANDOOR_MODELS__SMOLLM2__MAX_MODEL_LEN", "4096")
+    with pytest.raises(ValidationError, match="set TANDOOR_MODELS as one JSON value"):
+        Settings()
+
+
 def test_variables_of_the_other_tools_are_not_settings_and_pass(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
