@@ -19,6 +19,7 @@ from bench.loadgen import Probe, RunStats, openai_sender, run_level, warm_up
 from infra.process import free_port
 from tandoor.settings import Settings
 from workers.dtype import resolve_dtype
+from workers.engine import choose_eager
 from workers.executor import resolve_executor
 
 
@@ -58,7 +59,7 @@ def start_vllm_server(
         resolve_dtype(config.dtype).dtype,  # what a worker here computes in
         "--max-model-len",
         "2048",
-        "--enforce-eager",
+        *(["--enforce-eager"] if choose_eager(config.enforce_eager) else []),  # as a worker
         "--enable-prefix-caching",
         "--max-num-seqs",
         str(args.max_seqs),

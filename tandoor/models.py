@@ -87,8 +87,12 @@ class ModelConfig(BaseModel):
     # start, faster decoding), vLLM's choice elsewhere (workers/executor.py).
     executor: Executor = "auto"
     speculative: Speculative | None = None
+    # None: eager on a CPU, compiled with CUDA graphs on a GPU (workers/engine.py).
+    enforce_eager: bool | None = None
     max_num_seqs: int = Field(default=32, ge=1)  # prompts in flight per worker
-    # KV cache per worker (SmolLM2: ~22.5 KiB a token, so 1 GiB is ~46k tokens).
+    # KV cache per worker, on each of its GPUs with tensor parallelism (vLLM's
+    # kv_cache_memory_bytes is per GPU). SmolLM2: ~22.5 KiB a token in bf16, so 1 GiB is
+    # ~46k tokens; twice that in float32 (~23k).
     # None sizes it from memory_share instead (the usual choice on a GPU), and so does a
     # config that sets memory_share but not this (_memory_share_sizes_the_cache).
     kv_cache_mib: int | None = Field(default=1024, ge=1)

@@ -24,7 +24,7 @@ import time
 import warnings
 from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -64,6 +64,20 @@ def finish_reason_of(engine_reason: str | None) -> FinishReason:
     return ENGINE_REASONS.get(engine_reason, "error")
 
 
+def choose_eager(requested: bool | None, on_cpu: bool | None = None) -> bool:
+    """`requested`, or: eager on a CPU (compiling took 171 s at start there and decoded
+    no faster: vLLM's CPU backend leaves Inductor off), compiled with CUDA graphs on a
+    GPU (always eager, every GPU worker decoded without them). `on_cpu` None: this
+    platform's (imports vLLM)."""
+    if requested is not None:
+        return requested
+    if on_cpu is None:
+        from vllm.platforms import current_platform
+
+        on_cpu = current_platform.is_cpu()
+    return on_cpu
+
+
 class RequestFailed(RuntimeError):
     """The engine could not serve this one request; it goes on serving others."""
 
@@ -77,7 +91,7 @@ class EngineOptions:
     # On CPU: the share of the machine's memory for the worker, KV cache included; vLLM's
     # default 0.92 fails at start-up there. Ignored when kv_cache_memory_bytes is set.
     gpu_memory_utilization: float = 0.3
-    enforce_eager: bool = True
+    enforce_eager: bool | None = None  # None: choose_eager's choice
     enable_prefix_caching: bool = True
     # Exact KV-cache size, on CPU and GPU alike; None sizes it from gpu_memory_utilization.
     kv_cache_memory_bytes: int | None = None
@@ -132,6 +146,8 @@ class Engine:
         log.info("engine dtype %s: %s", dtype.dtype, dtype.reason)
         executor = resolve_executor(options.executor, options.tensor_parallel_size)
         log.info("engine executor %s", executor or "vLLM's choice")
+        options = replace(options, enforce_eager=choose_eager(options.enforce_eager))
+        log.info("engine %s", "eager" if options.enforce_eager else "compiled, CUDA graphs")
         with tempfile.TemporaryDirectory(prefix="tandoor-engine-") as folder:
             logging_file = Path(folder) / "logging.json"  # read as the engine process starts
             logging_file.write_bytes(orjson.dumps(logs.engine_logging))

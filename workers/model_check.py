@@ -72,6 +72,7 @@ def engine_options(name: str, config: ModelConfig, model_dir: Path) -> EngineOpt
         tensor_parallel_size=config.tensor_parallel_size,
         executor=config.executor,
         speculative=None if config.speculative is None else config.speculative.vllm_config(),
+        enforce_eager=config.enforce_eager,
         chat_template=_chat_template(name, config.chat_template),
     )
 

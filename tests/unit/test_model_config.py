@@ -123,8 +123,10 @@ def test_every_option_reaches_the_engine(folder: Path) -> None:
         memory_share=0.5,
         speculative=Speculative(method="ngram", num_speculative_tokens=3, prompt_lookup_max=4),
         chat_template=template,
+        enforce_eager=False,
     )
     options = engine_options("m", config, folder)
+    assert options.enforce_eager is False
     assert options.model_dir == folder
     assert (options.max_model_len, options.max_num_seqs, options.dtype) == (3000, 7, "float32")
     assert options.kv_cache_memory_bytes == 256 * 1024 * 1024
@@ -180,6 +182,15 @@ def test_the_window_a_rope_scaling_allows_is_the_one_vllm_allows(
     engine_options("m", ModelConfig(source=str(folder), max_model_len=longest), folder)
     with pytest.raises(ModelError, match=f"longer than the model's {longest} positions"):
         engine_options("m", ModelConfig(source=str(folder), max_model_len=longest + 1), folder)
+
+
+def test_eager_by_default_on_a_cpu_and_compiled_on_a_gpu(folder: Path) -> None:
+    """Hard-wired eager: every GPU worker decoded without CUDA graphs."""
+    from workers.engine import choose_eager
+
+    assert choose_eager(None, on_cpu=True) and not choose_eager(None, on_cpu=False)
+    assert not choose_eager(False, on_cpu=True) and choose_eager(True, on_cpu=False)
+    assert engine_options("m", ModelConfig(source=str(folder)), folder).enforce_eager is None
 
 
 def test_a_quantized_model_is_known_by_its_setting_or_its_config(folder: Path) -> None:
