@@ -158,7 +158,8 @@ def tandoor_containers() -> Iterator[tuple[Doc, Doc]]:
 
 
 def container_env(container: Doc) -> dict[str, str]:
-    return {item["name"]: item["value"] for item in container.get("env", [])}
+    """The literal values (a Secret's are not in the manifests)."""
+    return {item["name"]: item["value"] for item in container.get("env", []) if "value" in item}
 
 
 def role_settings(container: Doc, monkeypatch: pytest.MonkeyPatch) -> Settings:

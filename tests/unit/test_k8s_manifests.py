@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import re
 import shlex
 from pathlib import Path
@@ -18,6 +19,7 @@ import typer
 import yaml  # type: ignore[import-untyped]
 
 from infra.topics import declared_topics
+from producers.gateway.server import CANCELLED_REQUESTS_WAIT_S
 from schemas import topics
 from tandoor.cli import app
 from tandoor.clients import TRANSACTION_TIMEOUT_MS
@@ -290,11 +292,13 @@ def test_disruption_budgets_and_scalers_point_at_workloads() -> None:
 def test_consumers_fit_the_partitions_they_share(monkeypatch: pytest.MonkeyPatch) -> None:
     settings = settings_from(config_env(), monkeypatch)
     partitions = {spec.name: spec.partitions for spec in declared_topics(settings)}
-    # A gateway replica without a `tokens` partition cannot serve replies.
-    assert (
-        named("HorizontalPodAutoscaler", "gateway")["spec"]["maxReplicas"]
-        <= partitions[topics.TOKENS]
-    )
+    # A gateway replica without a `tokens` partition cannot serve replies (unready), and
+    # a rollout at the most replicas surges past them: at 10 % (69 over 690 of 696
+    # partitions), the old pods could go 6 at a time, a rollout of ~115 steps.
+    most = named("HorizontalPodAutoscaler", "gateway")["spec"]["maxReplicas"]
+    surge = named("Deployment", "gateway")["spec"]["strategy"]["rollingUpdate"]["maxSurge"]
+    surge = math.ceil(most * int(surge[:-1]) / 100) if isinstance(surge, str) else surge
+    assert most + surge <= partitions[topics.TOKENS], (most, surge)
     assert named("Deployment", "persist")["spec"]["replicas"] <= partitions[topics.TOKENS]
     assert named("Deployment", "streams")["spec"]["replicas"] <= partitions[topics.USAGE]
 
@@ -348,15 +352,17 @@ CLOSE_S = 10  # a role's own close after its drain: producer flush, LeaveGroup, 
 def test_each_roles_grace_period_covers_its_own_shutdown(monkeypatch: pytest.MonkeyPatch) -> None:
     """The gateway's was 45 s for a 10 s preStop pause, 2 s unready and a 30 s drain:
     3 s left to close, and a replica killed before its LeaveGroup left its `tokens`
-    partitions unread until the group's session timed out."""
+    partitions unread until the group's session timed out. Then 60 s, which left out the
+    waits for the requests its drain cut: 8 s left to close."""
     for workload, container in tandoor_containers():
         pod, settings = pod_spec(workload), role_settings(container, monkeypatch)
         pause = container.get("lifecycle", {}).get("preStop", {}).get("sleep", {}).get("seconds", 0)
         role = container["command"][1]
-        own = {
-            "gateway": settings.gateway_unready_s + settings.gateway_drain_s,
-            "worker": settings.worker_grace_s,
-        }.get(role, 0)
+        # The gateway's: unready, its drain, then the requests its drain cut (their
+        # Redis releases) and their stops to Kafka, each waited for up to a limit.
+        gateway = settings.gateway_unready_s + settings.gateway_drain_s
+        gateway += CANCELLED_REQUESTS_WAIT_S + settings.kafka_send_timeout_s
+        own = {"gateway": gateway, "worker": settings.worker_grace_s}.get(role, 0)
         needed = pause + own + CLOSE_S
         assert pod.get("terminationGracePeriodSeconds", 30) >= needed, (role, needed)  # k8s: 30
 
