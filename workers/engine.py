@@ -133,6 +133,21 @@ class Engine:
         self._control = ControlTokens(tokenizer, chat_template)
         self._max_model_len = max_model_len
         self._chat_template = chat_template
+        # Gemma 2's, Mistral 0.1's: every chat (the gateway's system prompt) and every
+        # title job was refused. Their system text goes to the first user turn instead.
+        self._system_in_user = not self._takes_a_system_message()
+        if self._system_in_user:
+            log.info("the chat template refuses a system message: it opens the first user turn")
+
+    def _takes_a_system_message(self) -> bool:
+        asked = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+        try:
+            self._tokenizer.apply_chat_template(
+                asked, tokenize=False, add_generation_prompt=True, chat_template=self._chat_template
+            )
+        except (TemplateError, ValueError, TypeError):
+            return False
+        return True
 
     @classmethod
     async def start(cls, options: EngineOptions) -> Engine:
@@ -163,6 +178,13 @@ class Engine:
     def max_model_len(self) -> int:
         return self._max_model_len
 
+    @property
+    def cache_tokens(self) -> int | None:
+        """The tokens its KV cache holds, as the engine sized it (None: not known)."""
+        config = self._llm.vllm_config.cache_config if self._llm is not None else None
+        blocks = getattr(config, "num_gpu_blocks", None)
+        return int(blocks * config.block_size) if blocks and config else None
+
     async def prompt_tokens(self, messages: Sequence[ChatMessage], partial: str = "") -> list[int]:
         """render_prompt off the event loop: a long conversation takes the template and
         the tokenizer tens of milliseconds, which every reply streaming here waited."""
@@ -175,6 +197,8 @@ class Engine:
         # them, and this gives plain token ids whatever apply_chat_template returns.
         defused = self._control.defused  # a message's text never spells a turn's token
         conversation = [{"role": m.role, "content": defused(m.content)} for m in messages]
+        if self._system_in_user:
+            conversation = _system_in_first_user_turn(conversation)
         if partial:
             conversation.append({"role": "assistant", "content": defused(partial)})
         try:
@@ -267,6 +291,19 @@ def _import_vllm() -> None:
     """
     import vllm.engine.arg_utils
     import vllm.v1.engine.async_llm  # noqa: F401
+
+
+def _system_in_first_user_turn(conversation: list[dict[str, str]]) -> list[dict[str, str]]:
+    """The system messages' text at the start of the first user turn (a turn of its own
+    where none follows them)."""
+    system = [m["content"] for m in conversation if m["role"] == "system"]
+    if not system:
+        return conversation
+    rest = [m for m in conversation if m["role"] != "system"]
+    text = "\n\n".join(system)
+    if rest and rest[0]["role"] == "user":
+        return [{"role": "user", "content": f"{text}\n\n{rest[0]['content']}"}, *rest[1:]]
+    return [{"role": "user", "content": text}, *rest]
 
 
 def _engine_args(

@@ -52,6 +52,25 @@ def _check_budget(name: str, max_model_len: int, worker_max_tokens: int) -> None
         )
 
 
+def check_cache(name: str, worker_max_tokens: int, cache_tokens: int | None) -> None:
+    """Said once the engine has sized its KV cache: a token budget past what it holds
+    admits more than fits, and the engine preempts replies and computes them again, on
+    the cores it is short of (1 GiB holds ~46k tokens of SmolLM2 in bf16, ~23k in the
+    float32 that `auto` takes on a CPU without bf16, against a budget of 40,000)."""
+    if cache_tokens is None:
+        return
+    log.info("model %r: the KV cache holds %d tokens", name, cache_tokens)
+    if worker_max_tokens > cache_tokens:
+        log.warning(
+            "model %r: TANDOOR_WORKER_MAX_TOKENS %d is more than its KV cache holds (%d "
+            "tokens): when it fills, the engine preempts replies and computes them again; "
+            "raise its kv_cache_mib or lower the budget",
+            name,
+            worker_max_tokens,
+            cache_tokens,
+        )
+
+
 def engine_options(name: str, config: ModelConfig, model_dir: Path) -> EngineOptions:
     """The engine's options for model `name` served from `model_dir`, once its
     configuration is checked against the folder and this machine."""

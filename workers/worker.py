@@ -27,6 +27,7 @@ from workers.engine import Engine, EngineOptions
 from workers.intake import FULL_POLL_S, PromptIntake, Record
 from workers.ledger import RequestLedger
 from workers.metrics import WorkerMetrics
+from workers.model_check import check_cache
 from workers.prompt_limits import answerable, malformed_final, outlived_its_marks
 from workers.publisher import Publisher
 from workers.request import RequestRunner, RunnerConfig
@@ -81,6 +82,7 @@ class Worker:
         self._resources.push_async_callback(self._redis.aclose)
         self._engine = await Engine.start(self.options)
         self._resources.push_async_callback(self._engine.shutdown)
+        check_cache(self.model, self.settings.worker_max_tokens, self._engine.cache_tokens)
         if self._stopping.is_set():  # asked while loading: joining now is two rebalances
             log.info("worker for %s stopping before it joins its group", self.model)
             return

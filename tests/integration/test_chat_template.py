@@ -288,3 +288,37 @@ async def test_a_template_refusal_says_why_without_the_rendered_prompt(settings:
     message = str(refused.value)
     assert "final message does not appear" in message
     assert "launch code" not in message and len(message) <= 60 + TEMPLATE_ERROR_CHARS
+
+
+REFUSES_SYSTEM = (
+    "{% for m in messages %}{% if m.role == 'system' %}"
+    "{{ raise_exception('System role not supported') }}{% endif %}"
+    "[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}[assistant] {% endif %}"
+)
+
+
+async def test_a_template_that_refuses_a_system_message_gets_it_in_the_first_user_turn(
+    settings: Settings,
+) -> None:
+    """Gemma 2's, Mistral 0.1's: the gateway puts its system prompt first, and every chat
+    and every title job was refused ("System role not supported")."""
+    from transformers import AutoTokenizer
+
+    folder = await asyncio.to_thread(resolve_model_dir, "smollm2", settings)
+    tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, folder)
+    engine = Engine(cast(Any, None), tokenizer, 2048, REFUSES_SYSTEM)
+    asked = [
+        ChatMessage(role="system", content="Be brief."),
+        ChatMessage(role="user", content="Hello there"),
+        ChatMessage(role="assistant", content="Hi."),
+        ChatMessage(role="user", content="Bye"),
+    ]
+    rendered = tokenizer.decode(engine.render_prompt(asked))
+    assert rendered == (
+        "[user] Be brief.\n\nHello there\n[assistant] Hi.\n[user] Bye\n[assistant] "
+    )
+    alone = tokenizer.decode(engine.render_prompt(asked[:1]))  # a job's instructions alone
+    assert alone == "[user] Be brief.\n[assistant] "
+    plain = Engine(cast(Any, None), tokenizer, 2048, TEMPLATE)  # takes one: left as it is
+    assert tokenizer.decode(plain.render_prompt(asked[:2])).startswith("[system] Be brief.")

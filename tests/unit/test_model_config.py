@@ -193,6 +193,22 @@ def test_eager_by_default_on_a_cpu_and_compiled_on_a_gpu(folder: Path) -> None:
     assert engine_options("m", ModelConfig(source=str(folder)), folder).enforce_eager is None
 
 
+def test_a_token_budget_past_the_kv_cache_is_said_at_start(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The budget (40,000) admitted more than a float32 cache of 1 GiB holds (~23k
+    tokens of SmolLM2), and nothing said so: the engine preempted and recomputed."""
+    from workers.model_check import check_cache
+
+    check_cache("m", 40_000, 23_301)
+    (said,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "40000 is more than its KV cache holds (23301 tokens)" in said
+    caplog.clear()
+    check_cache("m", 40_000, 46_603)
+    check_cache("m", 40_000, None)  # the engine did not say
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+
+
 def test_a_quantized_model_is_known_by_its_setting_or_its_config(folder: Path) -> None:
     """dtype auto needs to know (16 bits only: workers/dtype.py)."""
     assert not engine_options("m", ModelConfig(source=str(folder)), folder).quantized
