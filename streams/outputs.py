@@ -15,6 +15,7 @@ from redis.exceptions import RedisError
 from schemas.events import UsageRecord
 from tandoor.clients import redis_client
 from tandoor.policies.quota import Quotas, charged
+from tandoor.policies.redis_keys import quota_account
 from tandoor.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -70,8 +71,7 @@ async def settle_quota(quotas: Quotas, record: UsageRecord) -> None:
     that followed the reply). A gateway that died mid-reply frees neither: the slot was
     held until its lease ran out, 15 minutes of a free user's only one."""
     if record.charged_tokens and record.charged_at_ms is not None and record.user_id:
-        admission = charged(
-            record.user_id, record.request_id, record.charged_at_ms, record.charged_tokens
-        )
+        account = quota_account(record.user_id, record.tier)
+        admission = charged(account, record.request_id, record.charged_at_ms, record.charged_tokens)
         await quotas.release(admission)
         await quotas.settle(admission, record.prompt_tokens + record.completion_tokens)

@@ -23,6 +23,7 @@ from producers.admission.waiting import Waiting
 from producers.prompts import PromptSubmitter, PromptTooLarge
 from schemas.events import now_ms
 from tandoor.policies.quota import Admission, QuotaExceeded, Quotas, QuotaUnavailable
+from tandoor.policies.redis_keys import quota_account
 from tandoor.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -116,7 +117,7 @@ class Forwarding(LineSteps):
         policy = self.settings.tiers[prompt.tier]
         try:
             admission = await self.quotas.admit(
-                prompt.user_id,
+                quota_account(prompt.user_id, prompt.tier),
                 policy,
                 prompt.request_id,
                 prompt.charged_tokens,

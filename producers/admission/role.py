@@ -76,6 +76,7 @@ from tandoor.policies.api_keys import KeyStore
 from tandoor.policies.moderation import DefaultModerator
 from tandoor.policies.quota import Admission as QuotaAdmission
 from tandoor.policies.quota import Quotas
+from tandoor.policies.redis_keys import quota_account
 from tandoor.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -230,8 +231,11 @@ class Admission(Forwarding, ConsumerRebalanceListener):  # type: ignore[misc]
         if await self._answered_unrun(waiting) or self._revokes != read_in:
             return  # answered, or revoked while it was checked: not queued
         self.queued.add(prompt.request_id, position, len(record.value or b""))
+        # A tenant is what a quota counts (the user, in its key's tier): a tier over its
+        # quota holds its own lines back, not those of the user's key of another tier.
         fair = self.settings.admission_fairness == "vtc"
-        self.queues[prompt.model].push(owner if fair else "everyone", waiting, time.monotonic())
+        tenant = quota_account(owner, prompt.tier) if fair else "everyone"
+        self.queues[prompt.model].push(tenant, waiting, time.monotonic())
 
     async def _seen_elsewhere(self, request_id: str, position: str) -> bool:
         """Another record of the batch already has this custom_id."""

@@ -147,7 +147,7 @@ async def usage(caller: Caller, deps: Annotated[Services, Depends(services)]) ->
                 for i in range(DAYS)
             )
         ),
-        deps.chat.deps.quotas.in_use(caller.user_id, int(now * 1000)),
+        deps.chat.deps.quotas.in_use(caller.quota_account, int(now * 1000)),
     )
     policy = deps.settings.tiers[caller.tier]
     return Usage(

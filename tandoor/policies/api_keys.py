@@ -18,7 +18,7 @@ import redis.asyncio as aioredis
 
 from schemas.events import MAX_ID_CHARS
 from tandoor.clients import REDIS_DOWN, cassandra_session, cql, redis_client
-from tandoor.policies.redis_keys import api_key_cache_key
+from tandoor.policies.redis_keys import api_key_cache_key, quota_account
 from tandoor.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -36,6 +36,10 @@ class Principal:
     user_id: str
     tier: str
     key_id: str
+
+    @property
+    def quota_account(self) -> str:
+        return quota_account(self.user_id, self.tier)
 
 
 def new_key() -> str:

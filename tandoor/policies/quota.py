@@ -1,5 +1,7 @@
-"""Per-user quotas in Redis, checked and charged in one atomic step before anything
-reaches Kafka: requests per minute, tokens per minute, concurrent streams.
+"""Quotas in Redis, checked and charged in one atomic step before anything reaches
+Kafka: requests per minute, tokens per minute, concurrent streams. Each is counted per
+account: a user in the tier of the key the request came with (redis_keys.quota_account),
+held to that tier's limits.
 
 Requests per minute slide: a log of the last minute's requests, so no burst fits
 across a minute's boundary. Tokens per minute are fixed windows (keys expire with their
@@ -102,7 +104,7 @@ Limit = Literal["requests_per_minute", "tokens_per_minute", "concurrent_streams"
 class Admission:
     """A charged request: what to settle and release when it ends."""
 
-    user_id: str
+    account: str  # redis_keys.quota_account: the user, in the tier it was charged in
     request_id: str
     window_start_ms: int
     estimated_tokens: int
@@ -135,9 +137,9 @@ class QuotaExceeded(Exception):
         self.retry_after_s = max(1, -(-retry_after_ms // 1000))  # whole seconds, rounded up
 
 
-def charged(user_id: str, request_id: str, charged_at_ms: int, tokens: int) -> Admission:
+def charged(account: str, request_id: str, charged_at_ms: int, tokens: int) -> Admission:
     """The admission a usage record describes, for settling it from the usage stream."""
-    return Admission(user_id, request_id, charged_at_ms - charged_at_ms % WINDOW_MS, tokens)
+    return Admission(account, request_id, charged_at_ms - charged_at_ms % WINDOW_MS, tokens)
 
 
 class Quotas:
@@ -150,7 +152,7 @@ class Quotas:
 
     async def admit(
         self,
-        user_id: str,
+        account: str,
         policy: TierPolicy,
         request_id: str,
         tokens: int,
@@ -163,9 +165,9 @@ class Quotas:
         produce failed, and replays one after a crash)."""
         window = now_ms - now_ms % WINDOW_MS
         keys = [
-            requests_log_key(user_id),
-            tokens_window_key(user_id, window),
-            streams_key(user_id),
+            requests_log_key(account),
+            tokens_window_key(account, window),
+            streams_key(account),
         ]
         args: list[int | str] = [
             now_ms,
@@ -183,20 +185,20 @@ class Quotas:
         try:
             allowed, limit, retry_ms, *charged_at = await self._admit(keys=keys, args=args)
         except REDIS_DOWN as exc:
-            log.warning("quotas unreachable (%s): %s fails %s", exc, user_id, policy.redis_down)
+            log.warning("quotas unreachable (%s): %s fails %s", exc, account, policy.redis_down)
             return self._uncounted_admission(
-                user_id, policy, request_id, tokens, holds_stream, now_ms
+                account, policy, request_id, tokens, holds_stream, now_ms
             )
         if not allowed:
             name = limit.decode() if isinstance(limit, bytes) else str(limit)
             raise QuotaExceeded(cast(Limit, name), int(retry_ms))
         charged_ms = int(charged_at[0])
         window_start = charged_ms - charged_ms % WINDOW_MS
-        return Admission(user_id, request_id, window_start, tokens, charged_at_ms=charged_ms)
+        return Admission(account, request_id, window_start, tokens, charged_at_ms=charged_ms)
 
     def _uncounted_admission(
         self,
-        user_id: str,
+        account: str,
         policy: TierPolicy,
         request_id: str,
         tokens: int,
@@ -206,22 +208,22 @@ class Quotas:
         if policy.redis_down == "closed":
             raise QuotaUnavailable(policy.band)
         if holds_stream:
-            if self._uncounted[user_id] >= policy.concurrent_streams:
+            if self._uncounted[account] >= policy.concurrent_streams:
                 raise QuotaExceeded("concurrent_streams", BUSY_RETRY_MS)
-            self._uncounted[user_id] += 1
-        return Admission(user_id, request_id, 0, tokens, counted=False, charged_at_ms=now_ms)
+            self._uncounted[account] += 1
+        return Admission(account, request_id, 0, tokens, counted=False, charged_at_ms=now_ms)
 
-    async def in_use(self, user_id: str, now_ms: int) -> QuotaUse | None:
+    async def in_use(self, account: str, now_ms: int) -> QuotaUse | None:
         """What `admit` would count now; None while Redis is unreachable."""
         window = now_ms - now_ms % WINDOW_MS
         pipe = self._redis.pipeline(transaction=False)
-        pipe.zcount(requests_log_key(user_id), f"({now_ms - WINDOW_MS}", "+inf")
-        pipe.get(tokens_window_key(user_id, window))
-        pipe.zcount(streams_key(user_id), f"({now_ms}", "+inf")
+        pipe.zcount(requests_log_key(account), f"({now_ms - WINDOW_MS}", "+inf")
+        pipe.get(tokens_window_key(account, window))
+        pipe.zcount(streams_key(account), f"({now_ms}", "+inf")
         try:
             requests, tokens, streams = await pipe.execute()
         except (*REDIS_DOWN, RedisError) as exc:  # read-only in a failover too: unknown
-            log.warning("quota use of %s unknown, Redis unreachable (%s)", user_id, exc)
+            log.warning("quota use of %s unknown, Redis unreachable (%s)", account, exc)
             return None
         return QuotaUse(int(requests), int(tokens or 0), int(streams))
 
@@ -231,7 +233,7 @@ class Quotas:
         if not admission.counted:
             return
         keys = [
-            tokens_window_key(admission.user_id, admission.window_start_ms),
+            tokens_window_key(admission.account, admission.window_start_ms),
             settled_key(admission.request_id),
         ]
         delta = actual_tokens - admission.estimated_tokens
@@ -248,19 +250,19 @@ class Quotas:
         await self.release(admission)
         if admission.counted:
             try:
-                await self._redis.zrem(requests_log_key(admission.user_id), admission.request_id)
+                await self._redis.zrem(requests_log_key(admission.account), admission.request_id)
             except REDIS_DOWN as exc:
                 log.warning("%s: still counted this minute (%s)", admission.request_id, exc)
 
     async def release(self, admission: Admission) -> None:
         """The stream ended: free its concurrent-stream slot."""
         if not admission.counted:
-            self._uncounted[admission.user_id] -= 1
-            if self._uncounted[admission.user_id] <= 0:
-                del self._uncounted[admission.user_id]
+            self._uncounted[admission.account] -= 1
+            if self._uncounted[admission.account] <= 0:
+                del self._uncounted[admission.account]
             return
         try:
-            await self._redis.zrem(streams_key(admission.user_id), admission.request_id)
+            await self._redis.zrem(streams_key(admission.account), admission.request_id)
         except REDIS_DOWN as exc:  # the slot's lease frees it later
             self.unreachable += 1
             log.warning("%s: slot not released, Redis unreachable (%s)", admission.request_id, exc)

@@ -77,19 +77,26 @@ def titled_key(conversation_id: str) -> str:
 # Quotas (tandoor/policies/quota.py).
 
 
-def requests_log_key(user_id: str) -> str:
-    """The user's requests of the last minute (a sorted set: requests per minute)."""
-    return f"{PREFIX}:quota:rpm:{user_id}"
+def quota_account(user_id: str, tier: str) -> str:
+    """Whose counters a request is charged to: a user's, in the tier of the key it came
+    with (each tier's limits count its own requests: one counter per user, a batch key's
+    6,000 lines a minute refused the same user's chat key at its limit of 60)."""
+    return f"{user_id}:{tier}"
 
 
-def tokens_window_key(user_id: str, window_start_ms: int) -> str:
+def requests_log_key(account: str) -> str:
+    """The account's requests of the last minute (a sorted set: requests per minute)."""
+    return f"{PREFIX}:quota:rpm:{account}"
+
+
+def tokens_window_key(account: str, window_start_ms: int) -> str:
     """Tokens charged in one fixed minute window (tokens per minute)."""
-    return f"{PREFIX}:quota:tpm:{user_id}:{window_start_ms}"
+    return f"{PREFIX}:quota:tpm:{account}:{window_start_ms}"
 
 
-def streams_key(user_id: str) -> str:
-    """The user's open streams, each with its lease's end (concurrent streams)."""
-    return f"{PREFIX}:quota:streams:{user_id}"
+def streams_key(account: str) -> str:
+    """The account's open streams, each with its lease's end (concurrent streams)."""
+    return f"{PREFIX}:quota:streams:{account}"
 
 
 def settled_key(request_id: str) -> str:

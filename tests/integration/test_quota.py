@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
+from tandoor.policies.api_keys import Principal
 from tandoor.policies.quota import (
     STREAM_LEASE_MS,
     Admission,
@@ -116,6 +117,22 @@ async def test_the_same_request_admitted_again_is_charged_once(
     await quotas.admit(unique, policy(rpm=2, tpm=1000), "other", 400, t0)
     with pytest.raises(QuotaExceeded, match="requests per minute"):
         await quotas.admit(unique, policy(rpm=2, tpm=1000), "third", 1, t0)
+
+
+async def test_each_tier_a_user_holds_a_key_of_counts_its_own_requests(
+    quotas: Quotas, unique: str, t0: int
+) -> None:
+    """One counter per user, each key's tier's limits on it: a batch key's lines (6,000 a
+    minute) refused the same user's chat key at its 60, for as long as the batch ran,
+    with a Retry-After that never held."""
+    bulk, chat = Principal(unique, "batch", "k-bulk"), Principal(unique, "plus", "k-chat")
+    for i in range(3):
+        await quotas.admit(bulk.quota_account, policy(rpm=3, tpm=100), f"b{i}", 30, t0)
+    with pytest.raises(QuotaExceeded):
+        await quotas.admit(bulk.quota_account, policy(rpm=3, tpm=100), "b3", 1, t0)
+    await quotas.admit(chat.quota_account, policy(rpm=1, tpm=10), "c0", 10, t0)  # untouched
+    used = await quotas.in_use(chat.quota_account, t0)
+    assert used is not None and (used.requests, used.tokens) == (1, 10)
 
 
 async def test_a_refused_request_is_not_charged(quotas: Quotas, unique: str, t0: int) -> None:

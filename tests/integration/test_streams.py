@@ -24,7 +24,12 @@ from schemas.codec import encode
 from schemas.events import FinalEvent, FinishReason, Usage, UsageRecord, now_ms
 from tandoor.clients import kafka_producer, redis_client
 from tandoor.policies.quota import Quotas
-from tandoor.policies.redis_keys import settled_key, streams_key, tokens_window_key
+from tandoor.policies.redis_keys import (
+    quota_account,
+    settled_key,
+    streams_key,
+    tokens_window_key,
+)
 from tandoor.settings import Settings, TierPolicy
 from tests.waiting import eventually, while_progressing
 
@@ -159,7 +164,8 @@ async def test_rollups_match_by_hand_and_survive_a_kill_9(
     cache = redis_client(settings)
     admitted = now_ms() + HOUR_MS  # a quota window that outlives the test
     used = record(user, model, now_ms(), prompt=40, completion=20)
-    charge = await Quotas(cache).admit(user, POLICY, used.request_id, 500, admitted)
+    account = quota_account(user, used.tier)  # what the gateway charged (its key's tier)
+    charge = await Quotas(cache).admit(account, POLICY, used.request_id, 500, admitted)
     used = used.model_copy(update={"charged_tokens": 500, "charged_at_ms": admitted})
     await publish(settings, *first, second, used, used)  # and a replay of it
     rerun = rerun_final(model, hour + 5_000)  # a worker died: the token stream shows attempt 2
@@ -201,7 +207,7 @@ async def test_rollups_match_by_hand_and_survive_a_kill_9(
             what="the restart counted",
         )
         assert got[f"1m/{hour}"]["restarts"] == 1 and got[f"1h/{hour}"]["restarts"] == 1
-        tpm = tokens_window_key(user, charge.window_start_ms)
+        tpm = tokens_window_key(account, charge.window_start_ms)
 
         async def charged() -> int:
             return int(await cache.get(tpm) or 0)
@@ -213,7 +219,7 @@ async def test_rollups_match_by_hand_and_survive_a_kill_9(
         for key in (tpm, settled_key(used.request_id)):
             assert await cache.pexpire(key, HOUR_MS), key
         # And its stream slot freed before that: nobody followed the reply to free it.
-        assert await cache.zscore(streams_key(user), used.request_id) is None
+        assert await cache.zscore(streams_key(account), used.request_id) is None
         app.kill()
 
         # Replayed and new records while it is down: the replay must not count.

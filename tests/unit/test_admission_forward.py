@@ -105,11 +105,13 @@ class Counting:
 class AdmitsAll:
     def __init__(self) -> None:
         self.admitted: list[str] = []
+        self.accounts: list[str] = []
         self.refunded: list[str] = []
 
-    async def admit(self, user_id: str, policy: Any, request_id: str, *_: Any, **__: Any) -> Any:
+    async def admit(self, account: str, policy: Any, request_id: str, *_: Any, **__: Any) -> Any:
         self.admitted.append(request_id)
-        return charged(user_id, request_id, 1, 0)
+        self.accounts.append(account)
+        return charged(account, request_id, 1, 0)
 
     async def refund(self, admission: Any) -> None:
         self.refunded.append(admission.request_id)
@@ -322,3 +324,12 @@ async def test_a_model_whose_topic_refuses_writes_holds_up_only_its_own_lines() 
     assert submitter.sent == [f"bl_{second}_u1"]
     assert submitter.tried[:2] == [first, second], "one try, then the model waits its turn"
     assert admission.queues[first].size == 3, "the refused lines are kept, to go later"
+
+
+async def test_a_line_is_charged_to_its_user_in_its_keys_tier() -> None:
+    """Charged to the user alone, a batch key's lines counted against the same user's
+    chat key (and its 60 requests a minute refused every chat while the batch ran)."""
+    quotas = AdmitsAll()
+    submitter, _, prompt, _ = await forward_once(Valid(), quotas=quotas)
+    assert submitter.sent == [prompt.request_id]
+    assert quotas.accounts == [f"{prompt.user_id}:{prompt.tier}"]

@@ -18,10 +18,13 @@ from tests.unit.test_persist_retries import final
 class Released:
     def __init__(self) -> None:
         self.done: list[str] = []
+        self.accounts: list[str] = []
 
     async def release(self, *args: Any) -> None:  # (conversation, request) or (admission)
         found = args[0].request_id if isinstance(args[0], Admission) else args[1]
         self.done.append(found)
+        if isinstance(args[0], Admission):
+            self.accounts.append(args[0].account)
 
 
 async def test_a_resumed_replys_slot_is_free_before_its_end_is_sent() -> None:
@@ -71,3 +74,22 @@ async def test_a_client_leaving_while_its_end_is_settled_still_frees_its_slot() 
     go_on.set()
     await control.background.finish(within_s=10)
     assert inflight.done == ["r_1"] and quotas.done == ["r_1"]
+
+
+async def test_a_reply_resumed_with_a_key_of_another_tier_frees_the_slot_it_was_charged() -> None:
+    """Charged to the user's plus counters, resumed with their api key: the release went
+    to the api counters, and the plus slot stayed taken (a 429 on the next post)."""
+    inflight, quotas = Released(), Released()
+    stand_ins = cast(Any, None), cast(Any, None), cast(Any, inflight), cast(Any, quotas)
+    control = ReplyControl(Settings(), *stand_ins)
+
+    async def events() -> AsyncGenerator[Delivered, None]:
+        yield Delivered(0, 7, final("r_1"))
+
+    resumed = Resumed({"request_id": "r_1", "tier": "plus"})
+    async for _ in control._clearing_when_final(
+        Principal("u1", "api", "k"), "c", resumed, events()
+    ):
+        pass
+    await control.background.finish(within_s=10)
+    assert quotas.accounts == ["u1:plus"]

@@ -155,7 +155,7 @@ class ReplyChecks:
         self.affordable(caller.tier, tokens)
         policy = self.settings.tiers[caller.tier]
         try:
-            return await self.quotas.admit(caller.user_id, policy, request_id, tokens, now)
+            return await self.quotas.admit(caller.quota_account, policy, request_id, tokens, now)
         except QuotaUnavailable as exc:
             raise unavailable(
                 f"quotas cannot be checked right now and tier {caller.tier!r} is not served "

@@ -14,7 +14,7 @@ from aiokafka.errors import KafkaError
 
 from consumers.fanout import Delivered, read_request
 from producers.control import request_cancel
-from producers.gateway.chat.inflight import InFlight
+from producers.gateway.chat.inflight import InFlight, charged_tier
 from producers.gateway.chat.sse import reply_tag
 from producers.gateway.chat.watch import KEEPALIVE_S, with_keepalives
 from producers.gateway.conversations.service import ConversationService
@@ -26,6 +26,7 @@ from tandoor.background import Background
 from tandoor.clients import REDIS_DOWN
 from tandoor.policies.api_keys import Principal
 from tandoor.policies.quota import Admission, Quotas
+from tandoor.policies.redis_keys import quota_account
 from tandoor.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -174,16 +175,17 @@ class ReplyControl:
         free its concurrent-stream slot before the client hears the end (the streams app
         frees it once the usage record comes, after the final: a post right after the
         end was a 429 for a user of one stream). Its reader closes with it."""
-        request_id = resumed.record["request_id"]
         async with contextlib.aclosing(events):
             async for item in events:
                 if isinstance(item.event, FinalEvent):  # before the client may close it
                     resumed.ending = True
                     # Done even if the client leaves meanwhile (that cancels this read).
-                    freeing = self._free(caller, conversation_id, request_id)
+                    freeing = self._free(caller, conversation_id, resumed)
                     await asyncio.shield(self.background.start(freeing))
                 yield item
 
-    async def _free(self, caller: Principal, conversation_id: str, request_id: str) -> None:
+    async def _free(self, caller: Principal, conversation_id: str, resumed: Resumed) -> None:
+        request_id = resumed.record["request_id"]
         await self.inflight.release(conversation_id, request_id)
-        await self.quotas.release(Admission(caller.user_id, request_id, 0, 0))
+        account = quota_account(caller.user_id, charged_tier(resumed.record, caller.tier))
+        await self.quotas.release(Admission(account, request_id, 0, 0))

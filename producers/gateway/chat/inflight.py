@@ -46,6 +46,9 @@ class Queued:
     replaces: Sequence[MessageKey] = ()
     store: bool = True  # False: OpenAI's `store: false`, its cancelled final is not kept
     user_message_id: str | None = None  # a resumed stream's start event names it
+    # The tier it was charged in: a stop or a resume may come with the user's key of
+    # another tier, and its slot, settlement and final are this one's.
+    tier: str | None = None
 
 
 # A prompt no worker has taken yet, answered as done with `final` (KEYS: attempt, done,
@@ -86,6 +89,13 @@ return 0
 StoredReply = Callable[[str, Newest], Awaitable[bool]]
 
 
+def charged_tier(record: dict[str, Any], caller_tier: str) -> str:
+    """The tier a recorded reply was charged in (a record from before it was kept: the
+    caller's)."""
+    tier = record.get("tier")
+    return tier if isinstance(tier, str) else caller_tier
+
+
 class InFlight:
     def __init__(self, redis: aioredis.Redis, stored: StoredReply | None = None) -> None:
         self.redis = redis
@@ -112,6 +122,7 @@ class InFlight:
                 "replaces": [key.model_dump() for key in prompt.replaces],
                 "store": prompt.store,
                 "user_message_id": prompt.user_message_id,
+                "tier": prompt.tier,
                 "queued": False,  # until mark_queued: the request may still be refused
             }
         )
@@ -166,7 +177,7 @@ class InFlight:
         if it is queued after all, its cancel key stops it."""
         if "model" not in record or not record.get("queued", True):
             return None
-        final = _cancelled_in_queue(record, user_id, tier)
+        final = _cancelled_in_queue(record, user_id, charged_tier(record, tier))
         request_id = final.request_id
         keys = [attempt_key(request_id), done_key(request_id), final_key(request_id)]
         args: list[bytes | int] = [encode(final), ATTEMPT_TTL_S, FINAL_TTL_S]

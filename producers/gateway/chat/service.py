@@ -223,7 +223,7 @@ class ChatService:
             raise kafka_unreachable(f"{exc}; nothing was changed, please retry") from exc
         start_by = p.now + int(d.settings.silence_limit_s(p.caller.tier) * 1000)
         user_message_id = f"m_{uuid.uuid4().hex}" if p.text is not None and store else None
-        queued = Queued(p.model, p.now, p.replaces, store, user_message_id)
+        queued = Queued(p.model, p.now, p.replaces, store, user_message_id, p.caller.tier)
         if not await self.inflight.claim(conversation.id, sub, start_by, queued):  # one at a time
             d.fanout.unsubscribe(sub)
             raise ApiError(409, "a reply is being generated: stop it first", kind="conflict_error")
