@@ -256,8 +256,8 @@ async def test_a_cancelled_batch_answered_line_by_line_does_not_hold_up_other_te
 class AdmitsUncounted(AdmitsAll):
     """Redis refuses the charge; the tier is served uncounted then."""
 
-    async def admit(self, user_id: str, policy: Any, request_id: str, *_: Any, **__: Any) -> Any:
-        return replace(charged(user_id, request_id, 40, 0), counted=False)
+    async def admit(self, account: str, policy: Any, request_id: str, *_: Any, **__: Any) -> Any:
+        return replace(charged(account, request_id, 40, 0), counted=False)
 
 
 async def test_a_line_admitted_uncounted_carries_nothing_to_settle() -> None:
