@@ -97,7 +97,9 @@ class ReplyControl:
                 log.info("%s: stopped, its client went", request_id)
         except ApiError:
             return  # ended meanwhile
-        except (KafkaError, TimeoutError, *REDIS_DOWN) as exc:
+        except REDIS_DOWN:  # its record unreadable: the call's conversation is its own
+            await self._cancel(request_id, "its client went")
+        except (KafkaError, TimeoutError) as exc:
             log.warning("%s: not stopped when its client went (%r)", request_id, exc)
 
     async def stop_given_up(self, request_id: str) -> None:
