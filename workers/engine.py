@@ -18,6 +18,7 @@ it) with the same throughput and a start-up of 18 s instead of 27 s.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import tempfile
 import time
@@ -133,21 +134,21 @@ class Engine:
         self._control = ControlTokens(tokenizer, chat_template)
         self._max_model_len = max_model_len
         self._chat_template = chat_template
-        # Gemma 2's, Mistral 0.1's: every chat (the gateway's system prompt) and every
-        # title job was refused. Their system text goes to the first user turn instead.
-        self._system_in_user = not self._takes_a_system_message()
-        if self._system_in_user:
-            log.info("the chat template refuses a system message: it opens the first user turn")
 
-    def _takes_a_system_message(self) -> bool:
+    @functools.cached_property
+    def _system_in_user(self) -> bool:
+        """Gemma 2's, Mistral 0.1's template refuses a system message: every chat (the
+        gateway's system prompt) and every title job was refused. Their system text goes
+        to the first user turn instead. Found at the first prompt rendered."""
         asked = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
         try:
             self._tokenizer.apply_chat_template(
                 asked, tokenize=False, add_generation_prompt=True, chat_template=self._chat_template
             )
         except (TemplateError, ValueError, TypeError):
-            return False
-        return True
+            log.info("the chat template refuses a system message: it opens the first user turn")
+            return True
+        return False
 
     @classmethod
     async def start(cls, options: EngineOptions) -> Engine:

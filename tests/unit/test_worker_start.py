@@ -18,6 +18,7 @@ MODEL = "smollm2"
 
 class LoadedEngine:
     healthy = True
+    cache_tokens = None  # its cache size unknown: nothing said
 
     async def shutdown(self) -> None:
         return None
