@@ -4,14 +4,17 @@ cancelled, and the keys it has resolved lately."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
+from producers.admission.stored_cancels import StoredCancels
 from tandoor.clients import CASSANDRA_DOWN, REDIS_DOWN
 from tandoor.policies.api_keys import KeyStore, Principal
 from tandoor.policies.redis_keys import BATCH_LINE_TTL_S, batch_cancel_key, batch_line_key
 
+log = logging.getLogger(__name__)
 KEY_CACHE_S = 30.0  # a revoked key stops being honoured within this
 KEY_TRUSTED_S = 60.0  # the key store's own delay (its Redis cache): unreadable, found good
 KEY_CACHE_SIZE = 10_000
@@ -19,8 +22,9 @@ T = TypeVar("T")
 
 
 class LineMarks:
-    def __init__(self, redis: Any) -> None:
+    def __init__(self, redis: Any, stored: StoredCancels | None = None) -> None:
         self._redis = redis
+        self._stored = stored  # cancels as stored: Redis may have restarted empty
 
     async def where(self, request_id: str) -> str | None:
         """Where the line was read ("partition:offset") when it was handled, if it was."""
@@ -48,7 +52,27 @@ class LineMarks:
             for owner, batch_id in named:
                 pipe.exists(batch_cancel_key(owner, batch_id))
             found = await pipe.execute()
-        return {batch for batch, hit in zip(named, found, strict=True) if hit}
+        marked = {batch for batch, hit in zip(named, found, strict=True) if hit}
+        unmarked = [batch for batch in named if batch not in marked]
+        return marked | await self._marked_again(unmarked)
+
+    async def _marked_again(self, batches: list[tuple[str, str]]) -> set[tuple[str, str]]:
+        """Those of `batches` cancelled in the store, their Redis marks put back (the
+        workers look at them too). The store unreachable: Redis's marks alone."""
+        if self._stored is None or not batches:
+            return set()
+        try:
+            cancelled = await self._stored.cancelled(batches)
+        except CASSANDRA_DOWN as exc:
+            log.warning("batch cancels as stored not read (%r): Redis's alone", exc)
+            return set()
+        if cancelled:
+            log.warning("%d cancelled batches had no cancel in Redis: marked again", len(cancelled))
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for owner, batch_id in cancelled:
+                    pipe.set(batch_cancel_key(owner, batch_id), 1, ex=BATCH_LINE_TTL_S)
+                await pipe.execute()
+        return set(cancelled)
 
 
 class CallerCache:

@@ -51,6 +51,7 @@ from producers.admission.headers import (
 from producers.admission.lines import Refused, parse_line, prompt_for
 from producers.admission.marks import CallerCache, LineMarks
 from producers.admission.metrics import AdmissionMetrics
+from producers.admission.stored_cancels import StoredCancels
 from producers.admission.unreadable import UnreadableRecords
 from producers.admission.waiting import Waiting, WaitingLines
 from producers.gateway.chat.checks import ReplyChecks
@@ -127,7 +128,7 @@ class Admission(Forwarding, ConsumerRebalanceListener):  # type: ignore[misc]
         session = await asyncio.to_thread(self._cluster.connect, self.settings.keyspace)
         self._redis = redis_client(self.settings)
         self.callers = CallerCache(KeyStore(session, self._redis, set(self.settings.tiers)))
-        self.marks = LineMarks(self._redis)
+        self.marks = LineMarks(self._redis, StoredCancels(session))
         self.answers = Answers(self.producer, session)
         self.quotas = Quotas(self._redis)
         self.checks = ReplyChecks(
