@@ -15,6 +15,7 @@ from consumers.fanout import TokenFanout
 from producers.gateway.batches.service import BatchService
 from producers.gateway.chat.checks import ReplyChecks
 from producers.gateway.chat.jobs import ConversationJobs
+from producers.gateway.chat.keeper import keep_records
 from producers.gateway.chat.service import ChatDeps, ChatService
 from producers.gateway.conversations.service import ConversationService
 from producers.gateway.shedding import ModelRouter
@@ -105,6 +106,9 @@ async def open_services(settings: Settings, slots: StreamSlots) -> AsyncIterator
                 jobs=jobs,
             )
         )
+        keeping = Background()  # cancelled before Redis closes (callbacks run last first)
+        keeping.start(keep_records(chat.inflight))
+        stack.push_async_callback(keeping.cancel)
         keys = KeyStore(session, cache, set(settings.tiers))
         batches = BatchService(
             session,

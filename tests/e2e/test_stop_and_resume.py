@@ -11,6 +11,8 @@ import httpx
 import pytest
 
 from producers.gateway.conversations.protocol import provisional_title
+from tandoor.clients import redis_client
+from tandoor.policies.redis_keys import inflight_key
 from tests.e2e.helpers import (
     auth,
     chat,
@@ -57,6 +59,34 @@ async def test_stop_mid_answer_keeps_the_partial_reply(
     conversation = await new_conversation(http, headers)
     stop = functools.partial(http.post, f"/v1/conversations/{conversation}/stop", headers=headers)
     events = await long_story_until(http, headers, conversation, stop, 202)
+    messages = await stored_reply(http, headers, conversation)
+    assert messages[-1]["status"] == "stopped" and messages[-1]["content"] == reply_text(events)
+
+
+async def test_a_reply_whose_record_redis_lost_can_still_be_stopped(
+    stack: Stack, http: httpx.AsyncClient
+) -> None:
+    """Redis restarted empty mid-reply (its record gone): stop answered 409, no reply
+    running, while it ran on to max_tokens (and a regenerate could run beside it). Its
+    gateway writes the record back within seconds."""
+    headers = await auth(stack)
+    conversation = await new_conversation(http, headers)
+    redis = redis_client(stack.settings)
+    answers: list[httpx.Response] = []
+
+    async def stop_status() -> int:
+        answers.append(await http.post(f"/v1/conversations/{conversation}/stop", headers=headers))
+        return answers[-1].status_code
+
+    async def lose_the_record_then_stop() -> httpx.Response:
+        await redis.delete(inflight_key(conversation))
+        await eventually(stop_status, lambda status: status != 409, what="the reply found again")
+        return answers[-1]
+
+    try:
+        events = await long_story_until(http, headers, conversation, lose_the_record_then_stop, 202)
+    finally:
+        await redis.aclose()
     messages = await stored_reply(http, headers, conversation)
     assert messages[-1]["status"] == "stopped" and messages[-1]["content"] == reply_text(events)
 

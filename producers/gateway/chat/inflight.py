@@ -103,6 +103,9 @@ class InFlight:
         self._replace = redis.register_script(REPLACE)
         self._end_untaken = redis.register_script(END_UNTAKEN)
         self._release = redis.register_script(RELEASE)
+        # This gateway's running replies by conversation, as recorded: what rerecord
+        # writes back when Redis lost them (restarted empty, or down at the claim).
+        self._held: dict[str, bytes] = {}
 
     async def claim(
         self, conversation_id: str, sub: Subscription, start_by_ms: int, prompt: Queued
@@ -126,17 +129,22 @@ class InFlight:
                 "queued": False,  # until mark_queued: the request may still be refused
             }
         )
-        key = inflight_key(conversation_id)
         try:
-            if await self.redis.set(key, record, nx=True, ex=TTL_S):
-                return True
-            held = await self.redis.get(key)
-            if held is None or not await self._stale(orjson.loads(held)):
-                return False
-            return bool(await self._replace(keys=[key], args=[held, record, TTL_S]))
+            claimed = await self._claim(inflight_key(conversation_id), record)
         except REDIS_DOWN as exc:
             log.warning("%s: not marked in flight, Redis unreachable (%s)", sub.request_id, exc)
+            claimed = True
+        if claimed:
+            self._held[conversation_id] = record
+        return claimed
+
+    async def _claim(self, key: str, record: bytes) -> bool:
+        if await self.redis.set(key, record, nx=True, ex=TTL_S):
             return True
+        held = await self.redis.get(key)
+        if held is None or not await self._stale(orjson.loads(held)):
+            return False
+        return bool(await self._replace(keys=[key], args=[held, record, TTL_S]))
 
     async def mark_queued(self, conversation_id: str, request_id: str) -> None:
         """The prompt is in Kafka: from now on a stop may answer it itself. Redis down:
@@ -148,6 +156,9 @@ class InFlight:
                 return
             queued = orjson.dumps({**orjson.loads(held), "queued": True})
             await self._replace(keys=[key], args=[held, queued, TTL_S])
+        kept = self._held.get(conversation_id)
+        if kept is not None and orjson.loads(kept)["request_id"] == request_id:
+            self._held[conversation_id] = orjson.dumps({**orjson.loads(kept), "queued": True})
 
     async def _stale(self, record: dict[str, Any]) -> bool:
         """Its request is done, or nobody took it before it had to start, or its reply is
@@ -191,8 +202,24 @@ class InFlight:
 
     async def release(self, conversation_id: str, request_id: str) -> None:
         """Drop the record if it is still `request_id`'s (another reply's stays)."""
+        kept = self._held.get(conversation_id)
+        if kept is not None and orjson.loads(kept)["request_id"] == request_id:
+            del self._held[conversation_id]
         with contextlib.suppress(*REDIS_DOWN):  # then the record expires by itself
             await self._release(keys=[inflight_key(conversation_id)], args=[request_id])
+
+    async def rerecord(self) -> int:
+        """Write back this gateway's records that Redis no longer has (none is replaced:
+        a key that holds another reply's record keeps it); how many were missing. Without
+        it, a reply started while Redis was down, or running as it restarted empty, could
+        not be stopped (a 409) and a regenerate ran beside it."""
+        if not self._held:
+            return 0
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for conversation_id, record in list(self._held.items()):
+                pipe.set(inflight_key(conversation_id), record, nx=True, ex=TTL_S)
+            written = await pipe.execute()
+        return sum(1 for was_set in written if was_set)
 
     async def current(self, conversation_id: str) -> dict[str, Any] | None:
         """{"request_id", "partition", "offset"} of the running reply, or None."""
