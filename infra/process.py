@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -13,6 +14,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from infra.errors import StartError
+
+PORT_SPAN = 12_000  # ports below the outgoing range that free_port picks from
+PORT_TRIES = 50
 
 
 class ServerProcess:
@@ -179,7 +183,28 @@ def _wait_until(condition: Callable[[], bool], timeout_s: float) -> bool:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port nobody listens on right now (for child processes of tests and benchmarks)."""
-    with socket.socket() as probe:
+    """A port nobody listens on right now (for child processes of tests and benchmarks),
+    below the kernel's range for outgoing connections: one from that range (what binding
+    port 0 gives) was taken by a client connection, the child's own to Kafka or Redis
+    among them, before the child listened, and its start failed "address already in use"."""
+    below = outgoing_ports()[0]
+    for _ in range(PORT_TRIES):
+        port = random.randrange(max(1024, below - PORT_SPAN), below)
+        with socket.socket() as probe:
+            try:
+                probe.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as probe:  # all taken: the kernel's choice, as before
         probe.bind((host, 0))
         return int(probe.getsockname()[1])
+
+
+def outgoing_ports() -> tuple[int, int]:
+    """The range the kernel picks outgoing connections' local ports from."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from infra.errors import StartError
-from infra.process import ServerProcess, log_contains
+from infra.process import ServerProcess, free_port, log_contains, outgoing_ports
 
 
 def server(tmp_path: Path) -> ServerProcess:
@@ -101,3 +102,14 @@ def test_a_server_started_by_an_earlier_version_is_still_ours(tmp_path: Path) ->
     finally:
         earlier.kill()
         earlier.wait()
+
+
+def test_free_ports_lie_below_the_range_of_outgoing_connections() -> None:
+    """Port 0's pick came from that range: a client connection the child made before it
+    listened (the gateway's to Kafka) took the port, and its start failed."""
+    low, _ = outgoing_ports()
+    ports = {free_port() for _ in range(20)}
+    assert all(1024 <= port < low for port in ports), sorted(ports)
+    for port in ports:  # free to listen on
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", port))
