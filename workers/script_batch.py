@@ -58,17 +58,20 @@ class BatchedScript:
                 future.set_result(reply)
 
     async def _sent_again_if_scripts_lost(self, calls: list[Call], replies: list[Any]) -> list[Any]:
-        """Redis restarted (or failed over) between the pipeline's check of its scripts
-        and the calls: each answered NOSCRIPT, which is no "Redis down", and stopped the
-        worker. Loaded again (the pipeline checks each time), they are tried once more."""
+        """The calls name the script by its digest alone: Redis without it (just started,
+        restarted, failed over) answers each NOSCRIPT, which is no "Redis down" (it
+        stopped the worker). Loaded then, they are tried once more."""
         lost = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
         if lost:
+            await self._client.script_load(self._script.script)
             for i, reply in zip(lost, await self._send([calls[i] for i in lost]), strict=True):
                 replies[i] = reply
         return replies
 
     async def _send(self, calls: list[Call]) -> list[Any]:
+        """One round trip: a script registered on the pipeline made it ask Redis first
+        (SCRIPT EXISTS) whether it had the script, a second one before every event."""
         async with self._client.pipeline(transaction=False) as pipe:
             for keys, args, _ in calls:
-                await self._script(keys=keys, args=args, client=pipe)
+                pipe.evalsha(self._script.sha, len(keys), *keys, *args)
             return list(await pipe.execute(raise_on_error=False))
