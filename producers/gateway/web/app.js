@@ -82,7 +82,10 @@ async function loadConversations(reset) {
   $("more-conversations").hidden = !state.cursor;
   markCurrent();
   const current = state.conversation && rows.find((c) => c.id === state.conversation.id);
-  if (current) setTitle(current.title); // renamed, or titled by the model, meanwhile
+  // Renamed, or titled by the model, meanwhile. Untitled while its first reply runs: the
+  // list was read before the message (and its title) was stored; the header keeps the
+  // opening words typed.
+  if (current && (current.title || !state.busy)) setTitle(current.title);
 }
 
 async function conversationsPage(limit, cursor) {
@@ -163,7 +166,7 @@ function sidebarItem(conversation) {
     // Still chosen last: a chat clicked before it, loading yet, is not shown over it.
     state.wanted = conversation.id;
     if (state.busy && state.conversation?.id === conversation.id) return;
-    openConversation(conversation.id).catch(notify);
+    openConversation(conversation.id).catch((error) => notOpened(conversation.id, error));
   });
   const item = document.createElement("li");
   item.append(button);
@@ -175,6 +178,19 @@ function markCurrent() {
     const current = state.conversation && button.dataset.id === state.conversation.id;
     button.setAttribute("aria-current", current ? "true" : "false");
   }
+}
+
+// A chat clicked that did not open: the chat on screen stays the one the composer sends
+// to (the follow-up typed there went to the chat that failed). Gone meanwhile: it leaves
+// the sidebar, and the chat on screen stays open (it was closed, its reply cut).
+function notOpened(id, error) {
+  if (state.wanted === id) state.wanted = state.conversation?.id ?? null;
+  if (isGone(error) && state.conversation?.id !== id) {
+    loadConversations(true).catch(() => {});
+    say(error);
+    return;
+  }
+  notify(error);
 }
 
 // ---- one conversation ---------------------------------------------------------
@@ -648,7 +664,12 @@ async function stop() {
     return;
   }
   const id = reply?.conversationId ?? state.conversation.id;
-  await state.api.json("POST", `/v1/conversations/${id}/stop`);
+  try {
+    await state.api.json("POST", `/v1/conversations/${id}/stop`);
+  } catch (error) {
+    // Pressed as the reply ended (or twice): it has stopped, its end on its way here.
+    if (!(error instanceof ApiError && error.status === 409)) throw error;
+  }
 }
 
 async function regenerate() {
@@ -783,10 +804,18 @@ function setBusy(busy) {
 function notify(error) {
   if (error instanceof ApiError && error.status === 401) signOut();
   // Deleted in another tab: it stayed open, and every message sent to it failed so.
-  if (error instanceof ApiError && error.status === 404 && error.message === "conversation not found") {
+  if (isGone(error)) {
     showConversation(null); // before the notice: a chat shown hides it
     loadConversations(true).catch(() => {});
   }
+  say(error);
+}
+
+function isGone(error) {
+  return error instanceof ApiError && error.status === 404 && error.message === "conversation not found";
+}
+
+function say(error) {
   $("notice").textContent = explain(error);
   $("notice").hidden = false;
 }

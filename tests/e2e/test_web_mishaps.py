@@ -1,0 +1,126 @@
+"""The chat page when something goes wrong around the reader, in headless Chromium
+against the whole stack: a chat clicked that fails to open, or that another tab
+deleted; Stop pressed as the reply ends; and a new chat's header while its first reply
+runs."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+from playwright.async_api import Page, Route, expect
+
+from tests.e2e.browser import ask, replies_over, reply_streaming, sign_in
+from tests.e2e.helpers import chat, new_conversation
+from tests.e2e.stack import Stack
+from tests.e2e.test_web_switching import LONG, messages_of
+
+pytestmark = pytest.mark.integration
+
+# Every text the notice shows, as it shows it (one shown, then hidden, is still seen).
+WATCH_NOTICES = """() => {
+  window.notices = [];
+  const notice = document.getElementById('notice');
+  new MutationObserver(() => { if (!notice.hidden) window.notices.push(notice.textContent); })
+    .observe(notice, { attributes: true, childList: true, characterData: true, subtree: true });
+}"""
+
+
+async def two_chats(stack: Stack, headers: dict[str, str], page: Page) -> tuple[str, str]:
+    """Two chats with one answered question each; the page shows the first."""
+    async with httpx.AsyncClient(base_url=stack.url, timeout=120) as http:
+        shown, other = await new_conversation(http, headers), await new_conversation(http, headers)
+        await chat(http, headers, shown, "Say hi.", 4)
+        await chat(http, headers, other, "Name a colour.", 4)
+    await page.reload()
+    await page.locator(f'#conversation-list button[data-id="{shown}"]').click()
+    await expect(page.locator(".message.user .body")).to_have_text(["Say hi."])
+    return shown, other
+
+
+async def questions(stack: Stack, headers: dict[str, str], conversation: str) -> list[str]:
+    stored = await messages_of(stack, headers, conversation)
+    return [m["content"] for m in stored if m["role"] == "user"]
+
+
+async def test_a_chat_that_fails_to_open_leaves_the_next_message_to_the_chat_shown(
+    stack: Stack, page: Page
+) -> None:
+    """The chat clicked stayed the one chosen: the follow-up typed under the chat on
+    screen went to the chat that had failed to open."""
+    headers = await sign_in(page, stack, tier="brief")
+    shown, other = await two_chats(stack, headers, page)
+
+    async def unreachable(route: Route) -> None:
+        await (route.abort() if route.request.method == "GET" else route.continue_())
+
+    await page.route(f"**/v1/conversations/{other}", unreachable)
+    await page.locator(f'#conversation-list button[data-id="{other}"]').click()
+    await expect(page.locator("#notice")).to_contain_text("cannot be reached")
+    await ask(page, "Say bye.")
+    await replies_over(page, 2)
+    await expect(page.locator(".message.user .body")).to_have_text(["Say hi.", "Say bye."])
+    assert await questions(stack, headers, shown) == ["Say hi.", "Say bye."]
+    assert await questions(stack, headers, other) == ["Name a colour."]
+
+
+async def test_a_chat_deleted_elsewhere_and_clicked_leaves_the_chat_shown_open(
+    stack: Stack, page: Page
+) -> None:
+    """The 404 for the chat clicked closed the chat being read (and cut its reply)."""
+    headers = await sign_in(page, stack, tier="brief")
+    _, other = await two_chats(stack, headers, page)
+    async with httpx.AsyncClient(base_url=stack.url, timeout=120) as http:  # the other tab
+        deleted = await http.delete(f"/v1/conversations/{other}", headers=headers)
+        assert deleted.status_code == 204, deleted.text
+    await page.locator(f'#conversation-list button[data-id="{other}"]').click()
+    await expect(page.locator("#notice")).to_contain_text("not found")
+    await expect(page.locator(".message.user .body")).to_have_text(["Say hi."])
+    await expect(page.locator("#conversation-list button")).to_have_count(1)  # it left the list
+
+
+async def test_stop_pressed_as_the_reply_ends_says_nothing_went_wrong(
+    stack: Stack, page: Page
+) -> None:
+    """Its stop reached the gateway after the reply had ended: "no reply is being
+    generated" showed under a reply that had stopped."""
+    headers = await sign_in(page, stack)
+    await page.evaluate(WATCH_NOTICES)
+    let_go = asyncio.Event()
+
+    async def held(route: Route) -> None:
+        await let_go.wait()
+        await route.continue_()
+
+    await page.route("**/stop", held)
+    await ask(page, LONG)
+    await reply_streaming(page)
+    conversation = await page.locator(
+        '#conversation-list button[aria-current="true"]'
+    ).get_attribute("data-id")
+    await page.get_by_role("button", name="Stop").click()  # held on its way
+    async with httpx.AsyncClient(base_url=stack.url, timeout=120) as http:  # another tab's
+        stopped = await http.post(f"/v1/conversations/{conversation}/stop", headers=headers)
+        assert stopped.status_code == 202, stopped.text
+    await replies_over(page, 1)
+    async with page.expect_response("**/stop") as answered:
+        let_go.set()
+    assert (await answered.value).status == 409  # the gateway's word: none running
+    await ask(page, "Say bye.")  # the page has long handled that answer by its end
+    await replies_over(page, 2)
+    assert await page.evaluate("window.notices") == []
+
+
+async def test_a_new_chats_header_keeps_its_opening_words_while_its_first_reply_runs(
+    stack: Stack, page: Page
+) -> None:
+    """The sidebar, read before the message (and the title it gives) was stored, put
+    "New chat" back in the header for the whole first reply."""
+    await sign_in(page, stack)
+    await ask(page, LONG)
+    await reply_streaming(page)
+    await expect(page.locator('#conversation-list button[aria-current="true"]')).to_have_count(1)
+    await expect(page.locator("#chat-title")).to_have_text(LONG)
+    await page.get_by_role("button", name="Stop").click()
+    await replies_over(page, 1)
