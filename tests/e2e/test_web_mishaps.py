@@ -124,3 +124,38 @@ async def test_a_new_chats_header_keeps_its_opening_words_while_its_first_reply_
     await expect(page.locator("#chat-title")).to_have_text(LONG)
     await page.get_by_role("button", name="Stop").click()
     await replies_over(page, 1)
+
+
+async def test_a_phone_wide_page_leaves_room_to_write(stack: Stack, page: Page) -> None:
+    """The sidebar kept its 17em beside the chat: on a phone (or at 400% zoom) the
+    message box was left a few dozen pixels wide, and the header ran off the page."""
+    await page.set_viewport_size({"width": 360, "height": 740})
+    await sign_in(page, stack, tier="brief")
+    await ask(page, "Say hi.")
+    await replies_over(page, 1)
+    box = await page.get_by_label("Message", exact=True).bounding_box()
+    assert box is not None and box["width"] >= 250, box
+    for name in ("Send", "Regenerate", "Rename", "Delete"):
+        await expect(page.get_by_role("button", name=name)).to_be_in_viewport()
+    sideways = await page.evaluate(
+        "() => document.documentElement.scrollWidth - document.documentElement.clientWidth"
+    )
+    assert sideways == 0, "the page scrolls sideways"
+
+
+async def test_a_reply_is_read_out_once_it_ends_and_an_opened_chat_is_not(
+    stack: Stack, page: Page
+) -> None:
+    """The message list was a live region: a screen reader read the whole chat out each
+    time one was opened (and again at each of the page's reloads of it)."""
+    headers = await sign_in(page, stack, tier="brief")
+    _, other = await two_chats(stack, headers, page)
+    assert await page.locator("[aria-live] .message").count() == 0
+    await page.locator(f'#conversation-list button[data-id="{other}"]').click()
+    await expect(page.locator(".message.user .body")).to_have_text(["Name a colour."])
+    await expect(page.locator("#announcer")).to_have_text("")  # nothing read out
+    await ask(page, "Say bye.")
+    await replies_over(page, 2)
+    last = page.locator(".message.assistant .body").last
+    await expect(page.locator("#announcer")).to_contain_text(await last.inner_text())
+    await expect(page.locator("#announcer")).not_to_have_text("")

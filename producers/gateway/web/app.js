@@ -610,6 +610,7 @@ function handle(reply, event) {
     const ending = LIVE_ENDINGS[event.finish_reason] ?? (event.error ? "failed" : "");
     if (ending) addMetaNote(element, ENDINGS[ending].note);
     if (!reply.text) explainEmpty(element.querySelector(".body"), ending);
+    announce(element, ending);
     if (event.error) notify(new Error(event.error));
     scrollToEnd();
   } else if (event.type === "error") {
@@ -632,8 +633,14 @@ function endUnfinished(reply) {
   if (!reply.text) explainEmpty(reply.element.querySelector(".body"), "failed");
 }
 
-// Busy while it streams: the list is a live region, and each token's new nodes had a
-// screen reader read the whole reply again; it is read once, when it is over.
+// A reply is read out once, when it is over, from a live region of its own: the list
+// was one, and a screen reader read the whole chat each time one was opened (and each
+// token's new nodes read the reply again).
+function announce(element, ending) {
+  const text = element.querySelector(".body").textContent;
+  $("announcer").textContent = ending ? `${text} (${ending})` : text;
+}
+
 function markStreaming(element, streaming) {
   element.classList.toggle("streaming", streaming);
   if (streaming) element.setAttribute("aria-busy", "true");
