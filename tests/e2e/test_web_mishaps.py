@@ -14,6 +14,7 @@ from playwright.async_api import Page, Route, expect
 from tests.e2e.browser import ask, replies_over, reply_streaming, sign_in
 from tests.e2e.helpers import chat, new_conversation
 from tests.e2e.stack import Stack
+from tests.e2e.test_web_rerun import REGENERATE, posted_with
 from tests.e2e.test_web_switching import LONG, messages_of
 
 pytestmark = pytest.mark.integration
@@ -159,3 +160,23 @@ async def test_a_reply_is_read_out_once_it_ends_and_an_opened_chat_is_not(
     last = page.locator(".message.assistant .body").last
     await expect(page.locator("#announcer")).to_contain_text(await last.inner_text())
     await expect(page.locator("#announcer")).not_to_have_text("")
+
+
+async def test_the_keyboard_focus_stays_where_the_reader_is(stack: Stack, page: Page) -> None:
+    """Regenerate and Delete hide as they are pressed, and the sidebar is rebuilt as a
+    reply ends: each time the focus fell to the page's top, the next Tab starting over."""
+    headers = await sign_in(page, stack)
+    _, other = await two_chats(stack, headers, page)
+    await page.route(REGENERATE, posted_with({"max_tokens": 150, "ignore_eos": True}))
+    await page.get_by_role("button", name="Regenerate").focus()
+    await page.keyboard.press("Enter")
+    await expect(page.get_by_role("button", name="Stop")).to_be_focused()
+    listed = page.locator(f'#conversation-list button[data-id="{other}"]')
+    await listed.focus()  # moving through the chats while the reply runs
+    await expect(page.get_by_role("button", name="Stop")).to_be_visible()
+    await replies_over(page, 1)  # its end rebuilt the list
+    await expect(listed).to_be_focused()
+    page.once("dialog", lambda dialog: asyncio.ensure_future(dialog.accept()))
+    await page.get_by_role("button", name="Delete").focus()
+    await page.keyboard.press("Enter")
+    await expect(page.get_by_label("Message", exact=True)).to_be_focused()

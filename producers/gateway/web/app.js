@@ -73,8 +73,13 @@ async function loadConversations(reset) {
   // Read again (a reply ended, a chat renamed): as many as were listed, or the pages
   // "Load more" had added went, and it had to be clicked again.
   const rows = reset ? await firstConversations(shown.length) : await nextConversations();
-  if (reset) list.replaceChildren(...rows.map(sidebarItem)); // at once: no flicker
-  else {
+  if (reset) {
+    // Rebuilt when a reply ends: a keyboard reader moving through the list kept their
+    // place only if it is given back (the focus fell to the page's top).
+    const focused = list.contains(document.activeElement) ? document.activeElement.dataset.id : null;
+    list.replaceChildren(...rows.map(sidebarItem)); // at once: no flicker
+    if (focused) list.querySelector(`button[data-id="${CSS.escape(focused)}"]`)?.focus();
+  } else {
     // A page asked for before the list was reloaded (a reply ended) overlaps it.
     const listed = new Set(shown);
     list.append(...rows.filter((c) => !listed.has(c.id)).map(sidebarItem));
@@ -788,6 +793,7 @@ async function remove() {
   if (!confirm("Delete this chat? This cannot be undone.")) return;
   await state.api.json("DELETE", `/v1/conversations/${state.conversation.id}`);
   showConversation(null);
+  $("prompt").focus(); // Delete hid as it was pressed: the focus fell to the page's top
   await loadConversations(true);
 }
 
@@ -800,7 +806,7 @@ function setBusy(busy) {
   $("stop").hidden = !busy;
   // The button pressed from the keyboard hides: its twin, or the composer, takes the
   // focus (it fell to the page's top, the next Tab starting from the sidebar).
-  if (focused === $("send") && busy) $("stop").focus();
+  if ((focused === $("send") || focused === $("regenerate")) && busy) $("stop").focus();
   if (focused === $("stop") && !busy) $("prompt").focus();
   // A reply to regenerate, or a question sent and never answered: regenerate answers it.
   const answerable = $("messages").querySelector(".message.assistant, .message.user[data-sent]") !== null;
