@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
@@ -231,7 +232,11 @@ def streams() -> None:
         typer.secho(f"error: {refused}", err=True, fg=typer.colors.RED)
         raise typer.Exit(2)
     asyncio.run(ensure_topics(settings.kafka_bootstrap, [by_model_topic(settings)]))
-    Worker(create_app(settings), loglevel="INFO").execute_from_commandline()
+    # Our handlers kept (JSON, role, the flood limit): faust replaced them with its own.
+    level = logging.getLevelName(logging.getLogger().level)
+    worker = Worker(create_app(settings), loglevel=level, override_logging=False)
+    worker.spinner = None  # a terminal's: it said "OK ^" in place of logging "Ready"
+    worker.execute_from_commandline()
 
 
 @keys_app.command("create")

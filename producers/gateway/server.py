@@ -8,6 +8,7 @@ the lifespan releases Kafka, Redis and Cassandra."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 import socket
 from types import FrameType
@@ -70,7 +71,7 @@ def serve_gateway(settings: Settings, port: int) -> None:
         port=port,
         http=bounded_protocol(settings.gateway_max_header_bytes),
         log_config=None,  # our handlers: same format, role and request id as every role
-        log_level="info",
+        log_level=logging.getLogger().level,  # the role's (it logged each request at INFO)
         timeout_graceful_shutdown=int(settings.gateway_drain_s),
     )
     DrainingServer(config, app.state.slots, settings.gateway_unready_s).run()

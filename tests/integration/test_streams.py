@@ -4,6 +4,7 @@ and a kill -9 and restart (with a replayed record) counts nothing twice."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import sys
 import uuid
@@ -181,12 +182,16 @@ async def test_rollups_match_by_hand_and_survive_a_kill_9(
         "TANDOOR_STREAMS_PUBLISH_S": "1",
         # Minute windows of two hours ago outlive the record of now (48 would not).
         "TANDOOR_STREAMS_RETENTION_WINDOWS": "300",
+        "TANDOOR_LOG_FORMAT": "json",
     }
     url = f"http://127.0.0.1:{port}"
     app = StreamsProcess(tmp_path, env)
     app.start()
     try:
         await app.wait_ready()
+        # As every role logs (faust put its own text handler in place of ours).
+        ready = [line for line in app.log().splitlines() if app.ready_line in line]
+        assert json.loads(ready[0])["role"] == "streams", ready
         await check_rollups_need_the_token(url, user)
         for dimension, key in (("user", user), ("model", model)):
             got = await rollups(url, dimension, key, hour, expect=4)
