@@ -182,7 +182,9 @@ class RoleProcess:
             os.killpg(self.proc.pid, signal.SIGKILL)
 
 
-OPS_ADDRESS = re.compile(r"metrics on http://[\d.]+:(\d+)/metrics")
+# Any host the role was told to bind (a name too: a dotted address alone was read, and
+# `tandoor run` with TANDOOR_HOST=localhost failed once every role had started).
+OPS_ADDRESS = re.compile(r"metrics on http://[^\s/]+:(\d+)/metrics")
 
 
 class WorkerProcess(RoleProcess):

@@ -13,6 +13,7 @@ from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
 from infra.errors import InfraError
+from schemas.events import ANSWERED
 from tandoor.batch_cli import batch_app
 from tandoor.lifecycle import serve
 from tandoor.logs import configure_logging
@@ -191,6 +192,8 @@ def ask(
         f"completion tokens, first token after {usage.ttft_ms or 0:.0f} ms"
         + (f"; {final.error}" if final.error else "")
     )
+    if final.finish_reason not in ANSWERED:  # a script's smoke test must see it failed
+        raise typer.Exit(1)
 
 
 @app.command("gateway")
@@ -287,7 +290,8 @@ def prepare_model(name: str = typer.Argument("smollm2", help="A model in TANDOOR
 
     try:
         folder = resolve_model_dir(name, get_settings())
-    except ValueError as exc:  # not a model of the settings, or not a model folder
+    # Not a model of the settings, not a model folder, or its package not installed.
+    except (ValueError, FileNotFoundError) as exc:
         typer.secho(f"error: {exc}", err=True, fg=typer.colors.RED)
         raise typer.Exit(2) from exc
     typer.echo(f"{name}: {folder}")

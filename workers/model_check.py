@@ -31,7 +31,7 @@ def prepare_engine(settings: Settings, name: str) -> EngineOptions:
         raise ModelError(f"model {name!r} is not in TANDOOR_MODELS: {', '.join(settings.models)}")
     try:
         model_dir = resolve_model_dir(name, settings)
-    except ValueError as exc:
+    except (ValueError, FileNotFoundError) as exc:  # FileNotFoundError: its package missing
         raise ModelError(str(exc)) from exc
     _check_budget(name, config.max_model_len, settings.worker_max_tokens)
     return engine_options(name, config, model_dir)

