@@ -93,9 +93,12 @@ class Persister:
             for record, error in undecodable:  # kept where an operator can replay it
                 if not await self._dead_letter(record, f"undecodable final: {error}"):
                     return  # stopping before Kafka took it: replayed by the next owner
-            if finals and not await self._store(finals):
+            stored = await self._store(finals) if finals else []
+            if stored is None:
                 return  # stopping before the batch was stored: leave it uncommitted
-            if not await self._publish_batch_results([final for _, final in finals]):
+            # Not a dead-lettered one's: its line has no stored answer for the Batches
+            # API, and a replay of the dead letter would answer it again.
+            if not await self._publish_batch_results([final for _, final in stored]):
                 return  # stopping before the results were out: replayed by the next owner
             self._uncommitted |= bool(batch)
             if finals or (self._uncommitted and self._commit_due()):
@@ -148,17 +151,21 @@ class Persister:
             await asyncio.to_thread(self._cluster.shutdown)
             self._cluster = None
 
-    async def _store(self, finals: list[Stored]) -> bool:
-        """Write until each is stored or dead-lettered; False if told to stop first."""
+    async def _store(self, finals: list[Stored]) -> list[Stored] | None:
+        """Write until each is stored or dead-lettered; those stored, or None if told to
+        stop first."""
         assert self._writer is not None
         pending, tries, delay = finals, Counter[tuple[int, int]](), 0.1
+        stored: list[Stored] = []
         while pending and not self._stopping.is_set():
             started = time.perf_counter()
             results = await asyncio.gather(
                 *(self._writer.store(final) for _, final in pending), return_exceptions=True
             )
             failed = [(item, r) for item, r in zip(pending, results, strict=True) if r is not None]
-            self._stored([item for item, r in zip(pending, results, strict=True) if r is None])
+            written = [item for item, r in zip(pending, results, strict=True) if r is None]
+            self._stored(written)
+            stored += written
             self.metrics.write_seconds.observe(time.perf_counter() - started)
             pending = []
             for (record, final), error in failed:
@@ -183,7 +190,7 @@ class Persister:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stopping.wait(), delay)
                 delay = min(MAX_BACKOFF_S, delay * 2)
-        return not pending
+        return None if pending else stored
 
     async def _publish_batch_results(self, finals: list[FinalEvent]) -> bool:
         """Results of lines from `batch.requests`, once stored (again after a replay:
