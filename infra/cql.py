@@ -8,6 +8,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from infra.errors import InfraError
+
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
 # A schema change waits for every table's flush and the schema's agreement: on a busy
 # 2-core machine past the driver's 10 s (a test keyspace's migration failed so in CI).
@@ -49,6 +51,7 @@ def migrate(session: Any, keyspace: str, replication_factor: int = 1) -> list[st
         f"CREATE KEYSPACE IF NOT EXISTS {keyspace} WITH replication = "
         f"{{'class': 'SimpleStrategy', 'replication_factor': {replication_factor}}}"
     )
+    _check_replication(run, keyspace, replication_factor)
     session.set_keyspace(keyspace)
     run(
         "CREATE TABLE IF NOT EXISTS schema_migrations "
@@ -68,3 +71,22 @@ def migrate(session: Any, keyspace: str, replication_factor: int = 1) -> list[st
         )
         applied.append(f"{migration.version:04d}_{migration.name}")
     return applied
+
+
+def _check_replication(run: Any, keyspace: str, wanted: int) -> None:
+    """CREATE ... IF NOT EXISTS leaves a keyspace as it was made: one made with the
+    default factor of 1 stayed at 1 after the setting became 3, each row on one node
+    (lost with it), and bootstrap said nothing. Changed here it would be wrong too: rows
+    written before read as missing at LOCAL_QUORUM until a repair copies them."""
+    rows = run(
+        "SELECT replication FROM system_schema.keyspaces WHERE keyspace_name = %s", (keyspace,)
+    )
+    replication = dict(rows.one().replication)
+    have = replication.get("replication_factor")
+    if have is not None and int(have) != wanted:
+        raise InfraError(
+            f"keyspace {keyspace} has replication_factor {have}, the settings say {wanted} "
+            f"(TANDOOR_CASSANDRA_REPLICATION_FACTOR): run ALTER KEYSPACE {keyspace} WITH "
+            f"replication = {{'class': 'SimpleStrategy', 'replication_factor': {wanted}}}, "
+            "then `nodetool repair -full` on every node, or set the factor it has"
+        )

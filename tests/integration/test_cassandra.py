@@ -11,6 +11,7 @@ import pytest
 from cassandra.query import SimpleStatement
 
 from infra.cql import migrate
+from infra.errors import InfraError
 from tandoor.clients import cassandra_session, cql, cql_pages
 from tandoor.settings import Settings
 
@@ -58,6 +59,18 @@ def test_migrations_apply_once(cassandra: Settings, keyspace: str) -> None:
         "batch_outputs",
     } <= tables
     assert not {"batches", "batch_results"} & tables  # dropped with the old batch client
+
+
+def test_a_keyspace_made_with_another_replication_factor_is_named_not_passed_over(
+    cassandra: Settings, keyspace: str
+) -> None:
+    """Made with the default 1, the setting raised to 3 later: bootstrap kept it at 1
+    (each row on one node, lost with it) and said nothing."""
+    with cassandra_session(cassandra) as session:
+        migrate(session, keyspace, replication_factor=1)
+        with pytest.raises(InfraError, match="replication_factor 1, the settings say 2"):
+            migrate(session, keyspace, replication_factor=2)
+        assert migrate(session, keyspace, replication_factor=1) == []
 
 
 def test_write_is_read_back_after_reconnect(cassandra: Settings, keyspace: str) -> None:
