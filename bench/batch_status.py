@@ -27,8 +27,8 @@ from cassandra.concurrent import execute_concurrent_with_args
 
 from bench.machine import describe_machine
 from consumers.history import INSERT_BATCH_OUTPUT, batch_output_row
+from producers.gateway.batches.records import StoredBatch
 from producers.gateway.batches.service import BatchService
-from producers.gateway.batches.store import StoredBatch
 from tandoor.clients import cassandra_session
 from tandoor.policies.api_keys import Principal
 from tandoor.settings import Settings
@@ -44,7 +44,10 @@ def write_batch(session: object, batch: StoredBatch) -> None:
     for i in range(batch.total):
         status = 200 if i % 10 else 400
         output = {"custom_id": f"line-{i:06d}", "response": {"status_code": status, "body": {}}}
-        rows.append(batch_output_row(batch.user_id, batch.batch_id, output, WRITTEN_US))
+        row = batch_output_row(
+            batch.user_id, batch.batch_id, output, WRITTEN_US, WRITTEN_US // 1000
+        )
+        rows.append(row)
     execute_concurrent_with_args(session, insert, rows, concurrency=64)
 
 

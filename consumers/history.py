@@ -45,8 +45,8 @@ INSERT INTO usage_by_user_day (user_id, day, model, request_id, tier, prompt_tok
 VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) USING TIMESTAMP ?
 """
 INSERT_BATCH_OUTPUT = """
-INSERT INTO batch_outputs (user_id, batch_id, custom_id, status_code, output)
-VALUES (?, ?, ?, ?, ?) USING TIMESTAMP ?
+INSERT INTO batch_outputs (user_id, batch_id, custom_id, status_code, output, answered_at)
+VALUES (?, ?, ?, ?, ?, ?) USING TIMESTAMP ?
 """
 TOUCH_CONVERSATION = (
     "UPDATE conversations USING TIMESTAMP ? SET last_reply_at = ? WHERE conversation_id = ?"
@@ -79,15 +79,24 @@ async def mark_replaced(
 
 
 def batch_output_row(
-    user_id: str, batch_id: str, output: dict[str, Any], written_us: int
+    user_id: str, batch_id: str, output: dict[str, Any], written_us: int, answered_at_ms: int
 ) -> tuple[Any, ...]:
-    """INSERT_BATCH_OUTPUT's values for one output line of a batch. Its write time is
-    when the line was answered (the batch's completed_at is the latest): a replay of the
-    same answer passes the same time, so it does not move."""
+    """INSERT_BATCH_OUTPUT's values for one output line of a batch: when it was answered
+    (the batch's completed_at is the latest), and the write time that decides between
+    two answers (a replay of the same answer passes the same, so it does not move)."""
     response = output.get("response") or {}
     status = response.get("status_code")
     custom_id = output["custom_id"]
-    return (user_id, batch_id, custom_id, status, orjson.dumps(output).decode(), written_us)
+    answered_at = _utc(answered_at_ms)
+    return (
+        user_id,
+        batch_id,
+        custom_id,
+        status,
+        orjson.dumps(output).decode(),
+        answered_at,
+        written_us,
+    )
 
 
 def reply_slot_ms(prompt_created_at_ms: int) -> int:
@@ -147,8 +156,10 @@ class HistoryWriter:
 
     async def _store_batch_output(self, final: FinalEvent, batch_id: str) -> None:
         output = final_output(final, self._redact(final.text))
-        written_us = final.created_at_ms * 1000 + final.attempt  # the same in every replay
-        row = batch_output_row(final.user_id, batch_id, output, written_us)
+        # Ranked as a message is: by the answer's own time, an empty "expired" rerun of
+        # the line (its marks lost with Redis) replaced the answer it had.
+        written_us = write_timestamp_us(final)
+        row = batch_output_row(final.user_id, batch_id, output, written_us, final.created_at_ms)
         await cql(self._session, self._batch_output, row)
 
     async def _store_message(self, final: FinalEvent) -> None:

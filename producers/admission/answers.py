@@ -36,7 +36,8 @@ class Answers:
 
     async def send(self, owner: str | None, batch_id: str | None, output: dict[str, Any]) -> None:
         if owner is not None and batch_id and output.get("custom_id") is not None:
-            row = batch_output_row(owner, batch_id, output, time.time_ns() // 1000)
+            now_us = time.time_ns() // 1000
+            row = batch_output_row(owner, batch_id, output, now_us, now_us // 1000)
             await cql(self._session, self._insert, row)
         key, value = answer_key(batch_id), orjson.dumps(output)
         try:

@@ -38,6 +38,7 @@ def test_migrations_apply_once(cassandra: Settings, keyspace: str) -> None:
             "0009_batch_metadata_given",
             "0010_batch_queuing",
             "0011_api_key_lookups",
+            "0012_batch_output_answered_at",
         ]
         assert migrate(session, keyspace) == []
         rows = session.execute(

@@ -22,6 +22,7 @@ from cassandra.cluster import NoHostAvailable
 
 from consumers.history import INSERT_BATCH_OUTPUT, batch_output_row
 from infra.process import free_port
+from producers.gateway.batches.records import StoredBatch, StoredFile
 from producers.gateway.batches.service import BatchService
 from producers.gateway.batches.store import (
     CHUNK_BYTES,
@@ -29,8 +30,6 @@ from producers.gateway.batches.store import (
     BatchStore,
     FileStore,
     Order,
-    StoredBatch,
-    StoredFile,
 )
 from producers.gateway.errors import ApiError
 from tandoor.clients import cql
@@ -131,10 +130,15 @@ async def test_a_cancel_redis_missed_says_it_is_stored_and_takes_effect_when_ret
     assert await redis.exists(batch_cancel_key(user, made.batch_id))  # admission is told
 
 
+ANSWERED_MS = 1_780_000_000_000
+
+
 def answer(session: Any, batch: StoredBatch, custom_id: str, status: int) -> None:
     """An output row as the persistence consumer writes it."""
     output = {"custom_id": custom_id, "response": {"status_code": status, "body": {}}}
-    row = batch_output_row(batch.user_id, batch.batch_id, output, 1_796_000_000_000_000)
+    row = batch_output_row(
+        batch.user_id, batch.batch_id, output, 1_796_000_000_000_000, ANSWERED_MS
+    )
     session.execute(session.prepare(INSERT_BATCH_OUTPUT), row)
 
 
@@ -153,6 +157,8 @@ async def test_a_batchs_counts_are_kept_once_final_and_read_from_its_row(session
     finished = await service.retrieve(caller, "b-counts")
     assert finished["status"] == "completed"
     assert finished["request_counts"] == {"total": 3, "completed": 2, "failed": 1}
+    # When its last line was answered, not its output's write time (a rank now).
+    assert finished["completed_at"] == ANSWERED_MS // 1000
     stored = await service.batches.get("b-counts")
     assert stored is not None and stored.settled is not None
     # Read from the row now: an output row that could not come any more is not counted.

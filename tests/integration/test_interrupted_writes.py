@@ -19,14 +19,9 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaTimeoutError
 
 from producers.gateway.batches.objects import QUEUING_LIMIT, utc_now
+from producers.gateway.batches.records import StoredBatch, StoredFile
 from producers.gateway.batches.service import BatchService, CreateBatch
-from producers.gateway.batches.store import (
-    CHUNK_BYTES,
-    BatchStore,
-    FileStore,
-    StoredBatch,
-    StoredFile,
-)
+from producers.gateway.batches.store import CHUNK_BYTES, BatchStore, FileStore
 from producers.gateway.conversations.protocol import Conversation
 from producers.gateway.conversations.rows import from_ms
 from producers.gateway.conversations.service import BATCHED_MESSAGE_BYTES, ConversationService

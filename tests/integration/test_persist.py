@@ -198,17 +198,48 @@ async def test_a_replayed_batch_answer_keeps_its_write_time(
     await start_persist()
 
     def written() -> list[Any]:
-        query = (
-            "SELECT WRITETIME(output) AS at FROM batch_outputs "
-            "WHERE user_id = 'alice' AND batch_id = %s"
-        )
-        return select_rows(settings, keyspace, query, (batch_id,))
+        return batch_output_rows(settings, keyspace, batch_id)
 
     await publish(producer, answer)
     first = await eventually(lambda: asyncio.to_thread(written), bool, what="the answer stored")
     await publish(producer, answer)  # the replay: through Kafka, so later by milliseconds
     await settled_rows(settings, keyspace, producer, f"{conversation}-flush", 0)
-    assert [r.at for r in await asyncio.to_thread(written)] == [first[0].at]
+    assert await asyncio.to_thread(written) == first
+    assert first[0].answered_at == dt.datetime.fromtimestamp(
+        answer.created_at_ms / 1000, dt.UTC
+    ).replace(tzinfo=None)
+
+
+def batch_output_rows(settings: Settings, keyspace: str, batch_id: str) -> list[Any]:
+    query = (
+        "SELECT status_code, output, answered_at, WRITETIME(output) AS at FROM batch_outputs "
+        "WHERE user_id = 'alice' AND batch_id = %s"
+    )
+    return select_rows(settings, keyspace, query, (batch_id,))
+
+
+async def test_an_empty_rerun_of_a_batch_line_keeps_the_answer_it_had(
+    settings: Settings, keyspace: str, producer: AIOKafkaProducer, start_persist: StartPersist
+) -> None:
+    """Redis restarted empty (the line's done mark gone) and its prompt was delivered
+    again past its deadline: the rerun, attempt 1 again, answered it "expired" and
+    empty. Written at its own later time, it replaced the answer the line had, and a
+    200 moved to the batch's error file."""
+    conversation, batch_id = f"c-{uuid.uuid4().hex[:8]}", f"batch-{uuid.uuid4().hex[:8]}"
+    line = {"kind": "batch", "batch_id": batch_id, "custom_id": "line-1"}
+    prompt_at = now_ms() - 5000
+    answer = final(conversation, "42", request_id="r-b", prompt_at=prompt_at)
+    answer = answer.model_copy(update=line)
+    rerun = final(conversation, "", reason="expired", request_id="r-b", prompt_at=prompt_at)
+    rerun = rerun.model_copy(update={**line, "created_at_ms": answer.created_at_ms + 60_000})
+    await start_persist()
+    await publish(producer, answer, rerun)
+    await settled_rows(settings, keyspace, producer, f"{conversation}-flush", 0)
+    (stored,) = await asyncio.to_thread(batch_output_rows, settings, keyspace, batch_id)
+    assert stored.status_code == 200 and "42" in stored.output
+    assert stored.answered_at == dt.datetime.fromtimestamp(
+        answer.created_at_ms / 1000, dt.UTC
+    ).replace(tzinfo=None)
 
 
 async def test_the_first_question_of_a_chat_is_the_one_its_edit_left(session: Any) -> None:

@@ -12,7 +12,8 @@ import redis.asyncio as aioredis
 
 from producers.admission.marks import LineMarks
 from producers.admission.stored_cancels import StoredCancels
-from producers.gateway.batches.store import BatchStore, StoredBatch
+from producers.gateway.batches.records import StoredBatch
+from producers.gateway.batches.store import BatchStore
 from tandoor.policies.redis_keys import batch_cancel_key
 
 pytestmark = pytest.mark.integration

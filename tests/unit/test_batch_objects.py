@@ -12,7 +12,7 @@ import pytest
 
 from producers.gateway.batches.input_file import MAX_LINES, input_lines
 from producers.gateway.batches.objects import batch_object, is_settled
-from producers.gateway.batches.store import Answered, StoredBatch
+from producers.gateway.batches.records import Answered, StoredBatch
 from producers.gateway.errors import ApiError
 from schemas.batch import MAX_LINE_BYTES
 

@@ -18,8 +18,8 @@ from cassandra.cluster import NoHostAvailable
 
 from producers.batch_topic import CommitUnknown, send_all_or_none
 from producers.gateway.batches.objects import utc_now, window_end_ms
+from producers.gateway.batches.records import Answered, StoredBatch
 from producers.gateway.batches.service import BatchService
-from producers.gateway.batches.store import Answered, StoredBatch
 from tandoor.policies.api_keys import Principal
 
 

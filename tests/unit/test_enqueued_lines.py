@@ -13,7 +13,7 @@ import pytest
 
 from producers.gateway.batches.enqueued import QueueCap
 from producers.gateway.batches.objects import COMPLETION_WINDOW, utc_now
-from producers.gateway.batches.store import Answered, StoredBatch
+from producers.gateway.batches.records import Answered, StoredBatch
 from producers.gateway.errors import ApiError
 from tandoor.policies.api_keys import Principal
 from tandoor.settings import TierPolicy

@@ -20,7 +20,8 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 
 from producers.gateway.batches.objects import COMPLETION_WINDOW, lines_waiting, utc_now
-from producers.gateway.batches.store import BatchStore, StoredBatch
+from producers.gateway.batches.records import StoredBatch
+from producers.gateway.batches.store import BatchStore
 from producers.gateway.errors import ApiError
 from tandoor.policies.api_keys import Principal
 from tandoor.settings import TierPolicy

@@ -9,7 +9,7 @@ from typing import Any
 
 import re2
 
-from producers.gateway.batches.store import Answered, StoredBatch, StoredFile
+from producers.gateway.batches.records import Answered, StoredBatch, StoredFile
 from tandoor.clients import TRANSACTION_TIMEOUT_MS
 
 COMPLETION_WINDOW = dt.timedelta(hours=24)

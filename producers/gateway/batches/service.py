@@ -38,14 +38,8 @@ from producers.gateway.batches.objects import (
     utc_now,
     window_end_ms,
 )
-from producers.gateway.batches.store import (
-    Answered,
-    BatchStore,
-    FileStore,
-    Order,
-    StoredBatch,
-    StoredFile,
-)
+from producers.gateway.batches.records import Answered, StoredBatch, StoredFile
+from producers.gateway.batches.store import BatchStore, FileStore, Order
 from producers.gateway.errors import NOT_RETRIED, ApiError, not_found, unavailable
 from tandoor.background import Background
 from tandoor.clients import CASSANDRA_DOWN, REDIS_DOWN

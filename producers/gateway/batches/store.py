@@ -7,15 +7,14 @@ import asyncio
 import contextlib
 import dataclasses
 import datetime as dt
-from collections import Counter
-from collections.abc import AsyncIterable, AsyncIterator, Iterable
-from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple
+from collections.abc import AsyncIterable, AsyncIterator
+from typing import Any, Literal
 
 from cassandra import Unavailable
 from cassandra.cluster import NoHostAvailable
 from cassandra.query import SimpleStatement
 
+from producers.gateway.batches.records import Answered, Held, StoredBatch, StoredFile
 from tandoor.clients import cql, cql_pages, cql_together
 
 NOT_WRITTEN = (NoHostAvailable, Unavailable)  # refused before any replica wrote
@@ -26,56 +25,6 @@ CHUNKS_A_PAGE = 2  # read back a megabyte at a time
 # ~100 MB for each download at once.
 OUTPUT_LINES_A_PAGE = 100
 Order = Literal["asc", "desc"]
-
-
-@dataclass(frozen=True)
-class StoredFile:
-    file_id: str
-    user_id: str
-    purpose: str
-    filename: str
-    bytes: int
-    created_at: dt.datetime
-
-
-@dataclass(frozen=True)
-class Answered:
-    """A batch's lines answered so far, by outcome, and when the last was answered."""
-
-    succeeded: int = 0  # HTTP 200
-    failed: int = 0  # any other answer, `unstatused` included
-    unstatused: int = 0  # errors without an HTTP status (the window ended them)
-    last_at: dt.datetime | None = None
-
-    @classmethod
-    def of(cls, codes: Iterable[int | None], last_at: dt.datetime | None = None) -> Answered:
-        counted = Counter("ok" if c == 200 else "none" if c is None else "failed" for c in codes)
-        unstatused = counted["none"]
-        return cls(counted["ok"], counted["failed"] + unstatused, unstatused, last_at)
-
-    @property
-    def count(self) -> int:
-        return self.succeeded + self.failed
-
-
-@dataclass(frozen=True)
-class StoredBatch:
-    batch_id: str
-    user_id: str
-    input_file_id: str
-    endpoint: str
-    completion_window: str
-    total: int
-    metadata: dict[str, str] | None
-    created_at: dt.datetime
-    cancelled_at: dt.datetime | None
-    settled: Answered | None = None  # its final counts, once no answer can change them
-    queuing: bool = False  # its lines not yet all in Kafka (a gateway died meanwhile?)
-
-
-class Held(NamedTuple):
-    files: int
-    bytes: int
 
 
 class FileStore:
@@ -334,13 +283,14 @@ class BatchStore:
         last_us = 0
         pages = cql_pages(
             self._session,
-            "SELECT status_code, WRITETIME(output) AS written FROM batch_outputs "
+            "SELECT status_code, toUnixTimestamp(answered_at) AS answered_ms, "
+            "WRITETIME(output) AS written FROM batch_outputs "
             "WHERE user_id = %s AND batch_id = %s",
             (user_id, batch_id),
         )
         async for page in pages:
             codes += (row.status_code for row in page)
-            last_us = max([last_us, *(row.written or 0 for row in page)])
+            last_us = max([last_us, *(_answered_us(row) for row in page)])
         last = dt.datetime.fromtimestamp(last_us / 1e6, dt.UTC) if last_us else None
         return Answered.of(codes, last)
 
@@ -398,3 +348,8 @@ async def _chunks_of(content: bytes | AsyncIterable[bytes]) -> AsyncIterator[byt
             del held[:CHUNK_BYTES]
     if held:
         yield bytes(held)
+
+
+def _answered_us(row: Any) -> int:
+    """When a line was answered (its write time, for an output stored before the column)."""
+    return int(row.answered_ms * 1000 if row.answered_ms is not None else row.written or 0)
