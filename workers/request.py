@@ -105,6 +105,7 @@ class RequestRunner:
                 await self._send_usage(attempt.usage_due, slot)
                 if tracked.leased:
                     await self.ledger.delivered(prompt.request_id)
+                    tracked.leased = False  # delivered gave the lease back
         except LeaseLost:
             log.warning(
                 "%s: another worker took the request over; this attempt stops", prompt.request_id

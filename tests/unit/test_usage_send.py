@@ -33,6 +33,7 @@ class Ledger:
 
     def __init__(self) -> None:
         self.delivered_ids: list[str] = []
+        self.released: list[str] = []  # besides delivered, which gives the lease back
 
     async def arrive(self, request_id: str, batch_cancel: str | None) -> Arrival | Finished:
         return Arrival(attempt=1, cancelled=False, leased=True)
@@ -41,7 +42,7 @@ class Ledger:
         self.delivered_ids.append(request_id)
 
     async def release(self, request_id: str) -> None:
-        return None
+        self.released.append(request_id)
 
 
 class UsageTopicDown:
@@ -84,6 +85,9 @@ async def test_a_usage_record_kafka_holds_back_holds_no_slot_and_no_commit() -> 
         kafka.back.set()
         await asyncio.wait_for(handled, 10)
         assert kafka.sent == 1 and ledger.delivered_ids == ["r_1"]
+        # Delivered gave the lease back: a second release, under the worker-wide lock,
+        # held up the prompt's commit by another Redis round trip.
+        assert ledger.released == []
         assert worker.intake.offsets.to_commit() == {(TOPIC, 0): 6}
         assert worker.metrics.usage_unsent._value.get() == 0
         assert dict(worker.intake.held) == {"interactive-paid": 0}
