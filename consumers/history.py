@@ -122,6 +122,15 @@ def write_timestamp_us(final: FinalEvent) -> int:
 DIGEST_SPAN = ATTEMPT_US // 4  # four ranks in an attempt's span
 
 
+def batch_output_written_us(attempt: int, rank: int, answer: str) -> int:
+    """A batch line's output write time: its rank alone (a later attempt, then what the
+    user keeps, then a digest), never a time. By the answer's time, a rerun of the line
+    (its marks lost with Redis, forwarded anew with a later prompt time, or answered
+    "expired" by a worker or by admission past its window) replaced the 200 it had.
+    Admission's answers to lines it never ran are attempt 0: any run's answer wins."""
+    return attempt * ATTEMPT_US + rank * DIGEST_SPAN + zlib.crc32(answer.encode()) % DIGEST_SPAN
+
+
 def _kept_rank(final: FinalEvent) -> int:
     if final.finish_reason in ("stop", "length"):
         return 3
@@ -156,9 +165,8 @@ class HistoryWriter:
 
     async def _store_batch_output(self, final: FinalEvent, batch_id: str) -> None:
         output = final_output(final, self._redact(final.text))
-        # Ranked as a message is: by the answer's own time, an empty "expired" rerun of
-        # the line (its marks lost with Redis) replaced the answer it had.
-        written_us = write_timestamp_us(final)
+        answer = f"{final.finish_reason}\0{final.text}"
+        written_us = batch_output_written_us(final.attempt, _kept_rank(final), answer)
         row = batch_output_row(final.user_id, batch_id, output, written_us, final.created_at_ms)
         await cql(self._session, self._batch_output, row)
 

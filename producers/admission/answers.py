@@ -13,7 +13,7 @@ import orjson
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError, MessageSizeTooLargeError
 
-from consumers.history import INSERT_BATCH_OUTPUT, batch_output_row
+from consumers.history import INSERT_BATCH_OUTPUT, batch_output_row, batch_output_written_us
 from producers.admission.headers import answer_key
 from producers.admission.marks import LineMarks
 from schemas import topics
@@ -36,8 +36,8 @@ class Answers:
 
     async def send(self, owner: str | None, batch_id: str | None, output: dict[str, Any]) -> None:
         if owner is not None and batch_id and output.get("custom_id") is not None:
-            now_us = time.time_ns() // 1000
-            row = batch_output_row(owner, batch_id, output, now_us, now_us // 1000)
+            written_us = batch_output_written_us(0, 0, orjson.dumps(output).decode())
+            row = batch_output_row(owner, batch_id, output, written_us, time.time_ns() // 10**6)
             await cql(self._session, self._insert, row)
         key, value = answer_key(batch_id), orjson.dumps(output)
         try:

@@ -12,8 +12,10 @@ import pytest
 from aiokafka import AIOKafkaProducer
 
 from consumers.history import HistoryWriter, reply_time_ms
+from producers.admission.answers import Answers
 from producers.gateway.conversations.service import ConversationService
 from producers.gateway.errors import ApiError
+from schemas.batch import expired_output
 from schemas.events import MessageKey, now_ms
 from tandoor.clients import cassandra_session
 from tandoor.settings import Settings
@@ -219,27 +221,32 @@ def batch_output_rows(settings: Settings, keyspace: str, batch_id: str) -> list[
 
 
 async def test_an_empty_rerun_of_a_batch_line_keeps_the_answer_it_had(
-    settings: Settings, keyspace: str, producer: AIOKafkaProducer, start_persist: StartPersist
+    settings: Settings,
+    keyspace: str,
+    session: Any,
+    producer: AIOKafkaProducer,
+    start_persist: StartPersist,
 ) -> None:
-    """Redis restarted empty (the line's done mark gone) and its prompt was delivered
-    again past its deadline: the rerun, attempt 1 again, answered it "expired" and
-    empty. Written at its own later time, it replaced the answer the line had, and a
-    200 moved to the batch's error file."""
+    """Redis restarted empty (the line's marks and charge gone) and admission read the
+    line again: forwarded anew (a later prompt time) it ran again as attempt 1 and was
+    answered "expired" and empty, or admission answered it "expired" itself past its
+    window. Written at its own later time, either replaced the answer the line had, and
+    a 200 moved to the batch's error file."""
     conversation, batch_id = f"c-{uuid.uuid4().hex[:8]}", f"batch-{uuid.uuid4().hex[:8]}"
     line = {"kind": "batch", "batch_id": batch_id, "custom_id": "line-1"}
     prompt_at = now_ms() - 5000
     answer = final(conversation, "42", request_id="r-b", prompt_at=prompt_at)
     answer = answer.model_copy(update=line)
-    rerun = final(conversation, "", reason="expired", request_id="r-b", prompt_at=prompt_at)
+    rerun = final(conversation, "", reason="expired", request_id="r-b", prompt_at=prompt_at + 3000)
     rerun = rerun.model_copy(update={**line, "created_at_ms": answer.created_at_ms + 60_000})
     await start_persist()
     await publish(producer, answer, rerun)
     await settled_rows(settings, keyspace, producer, f"{conversation}-flush", 0)
+    await Answers(producer, session).send("alice", batch_id, expired_output("line-1", "r-b"))
     (stored,) = await asyncio.to_thread(batch_output_rows, settings, keyspace, batch_id)
     assert stored.status_code == 200 and "42" in stored.output
-    assert stored.answered_at == dt.datetime.fromtimestamp(
-        answer.created_at_ms / 1000, dt.UTC
-    ).replace(tzinfo=None)
+    answered_at = dt.datetime.fromtimestamp(answer.created_at_ms / 1000, dt.UTC)
+    assert stored.answered_at == answered_at.replace(tzinfo=None)
 
 
 async def test_the_first_question_of_a_chat_is_the_one_its_edit_left(session: Any) -> None:
