@@ -28,6 +28,7 @@ from tandoor.policies.redis_keys import (
     done_key,
     final_key,
     inflight_key,
+    lease_key,
 )
 
 log = logging.getLogger(__name__)
@@ -52,12 +53,15 @@ class Queued:
 
 
 # A prompt no worker has taken yet, answered as done with `final` (KEYS: attempt, done,
-# final; ARGV: final, done ttl s, final ttl s). A worker's arrival checks done first, so
+# final, lease; ARGV: final, done ttl s, final ttl s). The lease counts as taken: Redis
+# restarted empty, a running reply's worker takes its lease back at its next event, but
+# not its attempt key. A worker's arrival checks done first, so
 # exactly one of the two gets the request; the worker that takes the prompt later
 # delivers this final again with its usage record.
 END_UNTAKEN = """
-if redis.call('EXISTS', KEYS[1]) == 1 or redis.call('EXISTS', KEYS[2]) == 1 then
-  return 0  -- a worker has it, or it is done (a second stop)
+if redis.call('EXISTS', KEYS[1]) == 1 or redis.call('EXISTS', KEYS[4]) == 1
+   or redis.call('EXISTS', KEYS[2]) == 1 then
+  return 0  -- a worker has it (or holds its lease), or it is done (a second stop)
 end
 redis.call('SET', KEYS[2], '1', 'EX', tonumber(ARGV[2]))
 redis.call('SET', KEYS[3], ARGV[1], 'EX', tonumber(ARGV[3]))
@@ -148,7 +152,11 @@ class InFlight:
 
     async def mark_queued(self, conversation_id: str, request_id: str) -> None:
         """The prompt is in Kafka: from now on a stop may answer it itself. Redis down:
-        it stays unmarked, and a stop reaches the prompt through its cancel key."""
+        it stays unmarked, and a stop reaches the prompt through its cancel key (the
+        record written back once Redis answers says queued)."""
+        kept = self._held.get(conversation_id)
+        if kept is not None and orjson.loads(kept)["request_id"] == request_id:
+            self._held[conversation_id] = orjson.dumps({**orjson.loads(kept), "queued": True})
         key = inflight_key(conversation_id)
         with contextlib.suppress(*REDIS_DOWN):
             held = await self.redis.get(key)
@@ -156,9 +164,6 @@ class InFlight:
                 return
             queued = orjson.dumps({**orjson.loads(held), "queued": True})
             await self._replace(keys=[key], args=[held, queued, TTL_S])
-        kept = self._held.get(conversation_id)
-        if kept is not None and orjson.loads(kept)["request_id"] == request_id:
-            self._held[conversation_id] = orjson.dumps({**orjson.loads(kept), "queued": True})
 
     async def _stale(self, record: dict[str, Any]) -> bool:
         """Its request is done, or nobody took it before it had to start, or its reply is
@@ -190,14 +195,21 @@ class InFlight:
             return None
         final = _cancelled_in_queue(record, user_id, charged_tier(record, tier))
         request_id = final.request_id
-        keys = [attempt_key(request_id), done_key(request_id), final_key(request_id)]
+        keys = [
+            attempt_key(request_id),
+            done_key(request_id),
+            final_key(request_id),
+            lease_key(request_id),
+        ]
         args: list[bytes | int] = [encode(final), ATTEMPT_TTL_S, FINAL_TTL_S]
         return final if await self._end_untaken(keys=keys, args=args) else None
 
     async def abandoned(self, record: dict[str, Any]) -> bool:
         """Nobody took its request before it had to start: its gateway died before
         queueing it, or no worker came. It will never answer."""
-        taken = await self.redis.exists(attempt_key(record["request_id"]))
+        request_id = record["request_id"]
+        # Its lease too: Redis restarted empty, the worker takes it back, not the attempt.
+        taken = await self.redis.exists(attempt_key(request_id), lease_key(request_id))
         return not taken and now_ms() > int(record.get("start_by_ms", 0))
 
     async def release(self, conversation_id: str, request_id: str) -> None:
