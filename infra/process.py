@@ -188,7 +188,8 @@ def free_port(host: str = "127.0.0.1") -> int:
     port 0 gives) was taken by a client connection, the child's own to Kafka or Redis
     among them, before the child listened, and its start failed "address already in use"."""
     below = outgoing_ports()[0]
-    for _ in range(PORT_TRIES):
+    tries = PORT_TRIES if below - 1024 >= PORT_TRIES else 0  # none below it to pick from
+    for _ in range(tries):
         port = random.randrange(max(1024, below - PORT_SPAN), below)
         with socket.socket() as probe:
             try:

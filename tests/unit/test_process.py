@@ -113,3 +113,13 @@ def test_free_ports_lie_below_the_range_of_outgoing_connections() -> None:
     for port in ports:  # free to listen on
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", port))
+
+
+def test_a_free_port_is_found_where_outgoing_connections_use_every_port(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A host tuned to "1024 65535" left nothing below the range: an empty-range error
+    failed every test that asked for a port."""
+    monkeypatch.setattr("infra.process.outgoing_ports", lambda: (1024, 65535))
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", free_port()))
