@@ -6,16 +6,20 @@ runs."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import httpx
 import pytest
 from playwright.async_api import Page, Route, expect
 
-from tests.e2e.browser import ask, replies_over, reply_streaming, sign_in
+from tandoor.clients import redis_client
+from tandoor.policies.redis_keys import inflight_key
+from tests.e2e.browser import ask, replies, replies_over, reply_streaming, sign_in
 from tests.e2e.helpers import chat, new_conversation
 from tests.e2e.stack import Stack
 from tests.e2e.test_web_rerun import REGENERATE, posted_with
 from tests.e2e.test_web_switching import LONG, messages_of
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.integration
 
@@ -81,6 +85,33 @@ async def test_a_chat_deleted_elsewhere_and_clicked_leaves_the_chat_shown_open(
     await expect(page.locator("#conversation-list button")).to_have_count(1)  # it left the list
 
 
+async def test_a_message_sent_to_a_chat_deleted_meanwhile_leaves_the_chat_shown_open(
+    stack: Stack, page: Page
+) -> None:
+    """Sent while the chat clicked still loaded, the message waited for it: that chat's
+    404 closed the chat being read."""
+    headers = await sign_in(page, stack, tier="brief")
+    _, other = await two_chats(stack, headers, page)
+    async with httpx.AsyncClient(base_url=stack.url, timeout=120) as http:  # the other tab
+        deleted = await http.delete(f"/v1/conversations/{other}", headers=headers)
+        assert deleted.status_code == 204, deleted.text
+    let_go = asyncio.Event()
+
+    async def held(route: Route) -> None:
+        await let_go.wait()
+        await route.continue_()
+
+    await page.route(f"**/v1/conversations/{other}", held)
+    await page.locator(f'#conversation-list button[data-id="{other}"]').click()
+    composer = page.get_by_label("Message", exact=True)
+    await composer.fill("Say bye.")
+    await composer.press("Enter")
+    let_go.set()
+    await expect(page.locator("#notice")).to_contain_text("not found")
+    await expect(page.locator(".message.user .body")).to_have_text(["Say hi."])
+    await expect(composer).to_have_value("Say bye.")  # not sent: waiting to be
+
+
 async def test_stop_pressed_as_the_reply_ends_says_nothing_went_wrong(
     stack: Stack, page: Page
 ) -> None:
@@ -111,6 +142,37 @@ async def test_stop_pressed_as_the_reply_ends_says_nothing_went_wrong(
     await ask(page, "Say bye.")  # the page has long handled that answer by its end
     await replies_over(page, 2)
     assert await page.evaluate("window.notices") == []
+
+
+async def test_stop_answered_none_running_while_the_reply_runs_on_says_so(
+    stack: Stack, page: Page
+) -> None:
+    """The reply's record lost (Redis restarted empty, a few seconds before its gateway
+    writes it back): the stop's 409 is said, not taken for the reply's end; pressed
+    again, it stops the reply."""
+    await sign_in(page, stack)
+    await ask(page, LONG)
+    await reply_streaming(page)
+    conversation = await page.locator(
+        '#conversation-list button[aria-current="true"]'
+    ).get_attribute("data-id")
+    assert conversation
+    redis = redis_client(stack.settings)
+    try:
+        await redis.delete(inflight_key(conversation))
+    finally:
+        await redis.aclose()
+    await page.get_by_role("button", name="Stop").click()
+    notice = page.locator("#notice")
+    await expect(notice).to_contain_text("no reply is being generated", timeout=30_000)
+
+    async def stopping() -> dict[str, Any]:
+        if await page.get_by_role("button", name="Stop").is_visible():
+            await page.get_by_role("button", name="Stop").click()
+        return await replies(page)
+
+    await eventually(stopping, lambda shown: not shown["streaming"], what="the reply stopped")
+    await expect(page.locator(".message.assistant .meta")).to_contain_text("stopped")
 
 
 async def test_a_new_chats_header_keeps_its_opening_words_while_its_first_reply_runs(

@@ -21,6 +21,7 @@ const TITLE_CHECK_FIRST_MS = 2000;
 const TITLE_CHECK_MAX_MS = 30000;
 const TITLE_CHECKS = 40;
 const USAGE_REFRESH_MS = 10000;
+const STOP_GRACE_MS = 3000; // a stop answered "none running": the reply's end comes within
 const NEAR_BOTTOM_PX = 40;
 const PAGE = 30; // chats the sidebar lists at first, and adds with each "Load more"
 const MAX_PAGE = 100; // the most the gateway gives in one page
@@ -362,7 +363,18 @@ function restoreDraft(text) {
 
 async function send(text) {
   // A chat clicked and still loading: the message is for it (it went to a new chat).
-  if (state.wanted && state.wanted !== state.conversation?.id) await openConversation(state.wanted, false);
+  // Not opened after all: the chat on screen stays open (its 404 closed it), and the
+  // message waits in the composer.
+  if (state.wanted && state.wanted !== state.conversation?.id) {
+    const wanted = state.wanted;
+    try {
+      await openConversation(wanted, false);
+    } catch (error) {
+      restoreDraft(text);
+      notOpened(wanted, error);
+      return;
+    }
+  }
   let created = null;
   if (!state.conversation) {
     created = await state.api.json("POST", "/v1/conversations", { model: $("model-picker").value });
@@ -679,9 +691,19 @@ async function stop() {
   try {
     await state.api.json("POST", `/v1/conversations/${id}/stop`);
   } catch (error) {
-    // Pressed as the reply ended (or twice): it has stopped, its end on its way here.
-    if (!(error instanceof ApiError && error.status === 409)) throw error;
+    // Pressed as the reply ended (or twice): its end is on its way here. Still running
+    // a while later, the gateway lost track of it, and the reader is told.
+    const ended = error instanceof ApiError && error.status === 409 && reply && (await endsWithin(reply, STOP_GRACE_MS));
+    if (!ended) throw error;
   }
+}
+
+async function endsWithin(reply, ms) {
+  for (let waited = 0; !reply.finishReason && !reply.left && state.reply === reply; waited += 100) {
+    if (waited >= ms) return false;
+    await sleep(100);
+  }
+  return true;
 }
 
 async function regenerate() {
