@@ -4,12 +4,13 @@ that follow what the page shows. Screenshots go to test-artifacts/screenshots/."
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from playwright.async_api import Browser, Page, async_playwright, expect
+from playwright.async_api import Browser, Page, Route, async_playwright, expect
 
 from tandoor import PROJECT_ROOT
 from tests.e2e.helpers import auth
@@ -116,3 +117,26 @@ async def ask(page: Page, text: str) -> None:
     await replies_over(page)
     await page.get_by_label("Message", exact=True).fill(text)
     await page.get_by_label("Message", exact=True).press("Enter")
+
+
+async def held_until_set(page: Page, url: str) -> asyncio.Event:
+    """Requests to `url` wait until the event returned is set."""
+    let_go = asyncio.Event()
+
+    async def held(route: Route) -> None:
+        await let_go.wait()
+        await route.continue_()
+
+    await page.route(url, held)
+    return let_go
+
+
+async def sent_while_it_loads(
+    page: Page, conversation: str, text: str, let_go: asyncio.Event
+) -> None:
+    """Click the chat (its load held by `let_go`), send `text`, then let its load go."""
+    await page.locator(f'#conversation-list button[data-id="{conversation}"]').click()
+    composer = page.get_by_label("Message", exact=True)
+    await composer.fill(text)
+    await composer.press("Enter")
+    let_go.set()

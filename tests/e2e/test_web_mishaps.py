@@ -1,7 +1,8 @@
 """The chat page when something goes wrong around the reader, in headless Chromium
 against the whole stack: a chat clicked that fails to open, or that another tab
-deleted; Stop pressed as the reply ends; and a new chat's header while its first reply
-runs."""
+deleted (clicked, or sent to while it loads); Stop pressed as the reply ends, or
+answered "none running" while it runs on; a new chat's header while its first reply
+runs; and the page for readers on a phone, with a screen reader or a keyboard."""
 
 from __future__ import annotations
 
@@ -14,7 +15,15 @@ from playwright.async_api import Page, Route, expect
 
 from tandoor.clients import redis_client
 from tandoor.policies.redis_keys import inflight_key
-from tests.e2e.browser import ask, replies, replies_over, reply_streaming, sign_in
+from tests.e2e.browser import (
+    ask,
+    held_until_set,
+    replies,
+    replies_over,
+    reply_streaming,
+    sent_while_it_loads,
+    sign_in,
+)
 from tests.e2e.helpers import chat, new_conversation
 from tests.e2e.stack import Stack
 from tests.e2e.test_web_rerun import REGENERATE, posted_with
@@ -95,20 +104,11 @@ async def test_a_message_sent_to_a_chat_deleted_meanwhile_leaves_the_chat_shown_
     async with httpx.AsyncClient(base_url=stack.url, timeout=120) as http:  # the other tab
         deleted = await http.delete(f"/v1/conversations/{other}", headers=headers)
         assert deleted.status_code == 204, deleted.text
-    let_go = asyncio.Event()
-
-    async def held(route: Route) -> None:
-        await let_go.wait()
-        await route.continue_()
-
-    await page.route(f"**/v1/conversations/{other}", held)
-    await page.locator(f'#conversation-list button[data-id="{other}"]').click()
-    composer = page.get_by_label("Message", exact=True)
-    await composer.fill("Say bye.")
-    await composer.press("Enter")
-    let_go.set()
+    let_go = await held_until_set(page, f"**/v1/conversations/{other}")
+    await sent_while_it_loads(page, other, "Say bye.", let_go)
     await expect(page.locator("#notice")).to_contain_text("not found")
     await expect(page.locator(".message.user .body")).to_have_text(["Say hi."])
+    composer = page.get_by_label("Message", exact=True)
     await expect(composer).to_have_value("Say bye.")  # not sent: waiting to be
 
 
@@ -119,13 +119,7 @@ async def test_stop_pressed_as_the_reply_ends_says_nothing_went_wrong(
     generated" showed under a reply that had stopped."""
     headers = await sign_in(page, stack)
     await page.evaluate(WATCH_NOTICES)
-    let_go = asyncio.Event()
-
-    async def held(route: Route) -> None:
-        await let_go.wait()
-        await route.continue_()
-
-    await page.route("**/stop", held)
+    let_go = await held_until_set(page, "**/stop")
     await ask(page, LONG)
     await reply_streaming(page)
     conversation = await page.locator(

@@ -13,7 +13,15 @@ import httpx
 import pytest
 from playwright.async_api import Page, Route, expect
 
-from tests.e2e.browser import ask, replies, replies_over, reply_streaming, sign_in
+from tests.e2e.browser import (
+    ask,
+    held_until_set,
+    replies,
+    replies_over,
+    reply_streaming,
+    sent_while_it_loads,
+    sign_in,
+)
 from tests.e2e.helpers import chat, new_conversation, stored_reply
 from tests.e2e.stack import Stack
 from tests.e2e.test_web_switching import LONG, count_stops, stops
@@ -31,18 +39,6 @@ COMPOSING_KEY = """([key, legacy]) => {
   document.getElementById('prompt').dispatchEvent(event);
   return { prompt: document.getElementById('prompt').value, stops: (window.stops || []).length };
 }"""
-
-
-async def held_until_set(page: Page, url: str) -> asyncio.Event:
-    """Requests to `url` wait until the event returned is set."""
-    let_go = asyncio.Event()
-
-    async def held(route: Route) -> None:
-        await let_go.wait()
-        await route.continue_()
-
-    await page.route(url, held)
-    return let_go
 
 
 @pytest.mark.parametrize("legacy", [False, True], ids=["isComposing", "keyCode-229"])
@@ -363,19 +359,8 @@ async def test_a_message_sent_while_the_chat_clicked_loads_goes_to_that_chat(
         chosen = await new_conversation(http, headers)
     await page.reload()
     await expect(page.locator("#app")).to_be_visible()
-    let_go = asyncio.Event()
-
-    async def held(route: Route) -> None:
-        if route.request.method == "GET":
-            await let_go.wait()
-        await route.continue_()
-
-    await page.route(f"**/v1/conversations/{chosen}", held)
-    await page.locator(f'#conversation-list button[data-id="{chosen}"]').click()
-    composer = page.get_by_label("Message", exact=True)
-    await composer.fill("Say hi.")
-    await composer.press("Enter")
-    let_go.set()
+    let_go = await held_until_set(page, f"**/v1/conversations/{chosen}")
+    await sent_while_it_loads(page, chosen, "Say hi.", let_go)
     await replies_over(page, 1)
     async with httpx.AsyncClient(base_url=stack.url, timeout=120) as http:
         listed = (await http.get("/v1/conversations", headers=headers)).json()["data"]
