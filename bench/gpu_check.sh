@@ -25,7 +25,7 @@ step() {  # name, time limit (s), command...: a failed step is reported, the nex
     echo "== $name ($(date +%T), at most ${limit} s)"
     timeout "$limit" "$@" 2>&1 | tee "$out/$name.txt" || failed+=("$name")
 }
-step gateway_vs_vllm 240 python -m bench.gateway_vs_vllm --concurrency 1 32 --requests-per-stream 2
+step gateway_vs_vllm 240 python -m bench.gateway_vs_vllm --concurrency 1 32 --requests-per-stream 4
 step fairness 180 python -m bench.gateway_load --phase fairness --probe-s 30 --flood-warmup-s 5
 step engine_tests 150 pytest -q -p no:cacheprovider tests/unit/test_dtype.py \
     tests/unit/test_model_config.py tests/integration/test_worker.py \

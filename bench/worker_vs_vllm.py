@@ -57,7 +57,7 @@ def worker_sender(
         )
         started = time.perf_counter()
         await submitter.submit(request)
-        first = await stream.first_token(request.request_id, idle_s=300)
+        first = await stream.first_text(request.request_id, idle_s=300)  # as the client's
         ttft = stream.arrival_of(first) - started
         final = await stream.final(request.request_id, idle_s=300)
         if final.finish_reason not in ANSWERED:

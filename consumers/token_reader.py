@@ -90,6 +90,16 @@ class TokenCollector:
         await self.wait_for(lambda: bool(self._all_tokens(request_id)), request_id, idle_s)
         return self._all_tokens(request_id)[0]
 
+    async def first_text(self, request_id: str, idle_s: float = IDLE_S) -> TokenEvent:
+        """The first event with text: an opening event may carry none (a character the
+        detokenizer has not finished), which a client does not count as a first token."""
+
+        def with_text() -> list[TokenEvent]:
+            return [e for e in self._all_tokens(request_id) if e.delta]
+
+        await self.wait_for(lambda: bool(with_text()), request_id, idle_s)
+        return with_text()[0]
+
     def _all_tokens(self, request_id: str) -> list[TokenEvent]:
         return [e for e in self.events[request_id] if isinstance(e, TokenEvent)]
 

@@ -30,11 +30,12 @@ class PromptSubmitter:
         self._layout = BandLayout([(band.name, band.partitions) for band in settings.bands])
         self._producer = producer
 
-    async def submit(self, prompt: PromptRequest) -> int:
-        """Deliver the prompt durably; return the partition it went to. PromptTooLarge
-        where Kafka will never take it."""
+    async def submit(self, prompt: PromptRequest, affinity: str | None = None) -> int:
+        """Deliver the prompt durably; return the partition it went to: the one of its
+        `affinity` where given, else of its conversation. PromptTooLarge where Kafka
+        will never take it."""
         bind_request_id(prompt.request_id)  # the rest of this request's lines carry it
-        partition = self._layout.partition_for(prompt.band, prompt.conversation_id)
+        partition = self._layout.partition_for(prompt.band, affinity or prompt.conversation_id)
         topic = prompts_topic(prompt.model)
         if partition not in await self._producer.partitions_for(topic):
             # Bands widened without bootstrap: aiokafka asserts (a bare 500) instead.

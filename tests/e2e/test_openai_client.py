@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import uuid
 from typing import Any
 
@@ -14,6 +15,7 @@ from openai.types.chat import ChatCompletionMessageParam
 from schemas.events import ANSWERED
 from tests.e2e.helpers import auth, sse, stored_reply
 from tests.e2e.stack import Stack
+from tests.e2e.test_operations import lines_about
 from tests.waiting import eventually
 
 pytestmark = pytest.mark.integration
@@ -333,3 +335,48 @@ async def test_a_completion_stopped_from_its_chat_is_an_error_not_an_answer(
     if not streamed:
         assert isinstance(stopped.value, openai.ConflictError)
         assert stopped.value.request_id  # the id it is logged under
+
+
+async def test_the_turns_of_one_api_chat_go_to_one_partition(stack: Stack) -> None:
+    """Each API call is a conversation of its own, and the conversation picked the
+    partition: the turns of one chat went to partitions at random, away from the worker
+    whose prefix cache held their history. A `prompt_cache_key` picks it where given."""
+    model = stack.settings.served_models[0]
+    turns: list[tuple[str, str]] = []  # each chat's first and second turn
+    async with client(stack, await api_key(stack)) as api:
+        for chat in range(4):
+            opening: list[ChatCompletionMessageParam] = [
+                {"role": "system", "content": f"Chat {chat}, {uuid.uuid4().hex}."},
+                {"role": "user", "content": "Name a colour."},
+            ]
+            first = await api.chat.completions.create(model=model, messages=opening, max_tokens=4)
+            answer = first.choices[0].message.content or ""
+            follow: list[ChatCompletionMessageParam] = [
+                *opening,
+                {"role": "assistant", "content": answer},
+                {"role": "user", "content": "And another?"},
+            ]
+            second = await api.chat.completions.create(model=model, messages=follow, max_tokens=4)
+            turns.append((first.id, second.id))
+        keyed = [  # two unrelated chats, one key
+            await api.chat.completions.create(
+                model=model,
+                messages=[{"role": "user", "content": question}],
+                max_tokens=4,
+                prompt_cache_key=f"key-{uuid.uuid4().hex}",
+            )
+            for question in ("Name a fruit.", "Name a tree.")
+        ]
+    partitions = [(queued_in(stack, a), queued_in(stack, b)) for a, b in turns]
+    assert all(a == b for a, b in partitions), partitions
+    assert queued_in(stack, keyed[0].id) == queued_in(stack, keyed[1].id)
+
+
+def queued_in(stack: Stack, completion_id: str) -> int:
+    """The partition the gateway logged the completion's prompt queued in."""
+    request_id = completion_id.removeprefix("chatcmpl-")
+    by_role = lines_about(request_id, list(stack.gateways))
+    said = " ".join(line for lines in by_role.values() for line in lines)
+    found = re.search(r"queued chat prompt .*partition (\d+)", said)
+    assert found, said
+    return int(found.group(1))

@@ -3,11 +3,13 @@ call), the prompt planned for it, and what it gets back: the reply to follow."""
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 
 from producers.gateway.chat.protocol import ReplyOptions
 from producers.gateway.chat.watch import ReplyWatch
 from producers.gateway.conversations.protocol import Conversation
+from producers.gateway.conversations.rows import from_ms
 from schemas.events import ChatMessage, MessageKey
 from tandoor.policies.api_keys import Principal
 
@@ -32,6 +34,9 @@ class ApiCall:
     model: str
     title: str | None
     store: bool = True
+    # Picks its prompt's partition in place of its conversation, new on every call: the
+    # turns of one chat go to one worker, whose prefix cache holds their history.
+    affinity: str | None = None
 
 
 @dataclass
@@ -54,3 +59,22 @@ class PlannedPrompt:
     # The conversation's title (its first message's) goes with the message, written as
     # of this time (ms: when it was read untitled), or None.
     names_it: int | None
+
+    @property
+    def affinity(self) -> str | None:
+        """What picks the prompt's partition in place of its conversation (an API call's)."""
+        return self.conversation.affinity if isinstance(self.conversation, ApiCall) else None
+
+    def opened(self) -> Conversation:
+        """The conversation to answer in: an API call's is made here, and stored with its
+        message (unless told not to be: then it exists only in the prompt's id)."""
+        if not isinstance(self.conversation, ApiCall):
+            return self.conversation
+        at = from_ms(self.now)  # as the message's row is keyed (mark_failed finds it)
+        return Conversation(
+            id=f"c_{uuid.uuid4().hex}",
+            model=self.conversation.model,
+            title=self.conversation.title,
+            created_at=at,
+            updated_at=at,
+        )

@@ -36,7 +36,7 @@ from producers.gateway.chat.routing import Request, routed
 from producers.gateway.chat.settled import SettledHistory, reply_stored
 from producers.gateway.chat.watch import ReplyWatch
 from producers.gateway.conversations.protocol import Conversation, Message, provisional_title
-from producers.gateway.conversations.rows import from_ms, message_key
+from producers.gateway.conversations.rows import message_key
 from producers.gateway.conversations.service import ConversationService
 from producers.gateway.errors import ApiError, kafka_unreachable, not_found
 from producers.gateway.shedding import ModelRouter
@@ -216,7 +216,7 @@ class ChatService:
         post racing this one is a 409 before it is charged anything."""
         d = self.deps
         store = not isinstance(p.conversation, ApiCall) or p.conversation.store
-        conversation = self._opened(p)  # p's stays an ApiCall
+        conversation = p.opened()  # p's stays an ApiCall
         try:
             sub = await d.fanout.subscribe(p.request_id)
         except NotRouting as exc:
@@ -288,7 +288,8 @@ class ChatService:
             replaces=p.replaces,
         )
         try:
-            await asyncio.wait_for(d.submitter.submit(prompt), d.settings.kafka_send_timeout_s)
+            submitted = d.submitter.submit(prompt, p.affinity)
+            await asyncio.wait_for(submitted, d.settings.kafka_send_timeout_s)
         except PromptTooLarge as exc:
             said = await self._unqueued_said(p, conversation, user_message_id)
             raise ApiError(
@@ -348,21 +349,6 @@ class ChatService:
             await conversations.add_user_message(
                 user_id, conversation, message_id, text, p.now, p.names_it
             )
-
-    @staticmethod
-    def _opened(p: PlannedPrompt) -> Conversation:
-        """The conversation to answer in: an API call's is made here, and stored with its
-        message (unless told not to be: then it exists only in the prompt's id)."""
-        if not isinstance(p.conversation, ApiCall):
-            return p.conversation
-        at = from_ms(p.now)  # as the message's row is keyed (mark_failed finds it)
-        return Conversation(
-            id=f"c_{uuid.uuid4().hex}",
-            model=p.conversation.model,
-            title=p.conversation.title,
-            created_at=at,
-            updated_at=at,
-        )
 
     async def _withdraw(self, request_id: str) -> None:
         """The client is told its message failed, but the idempotent producer delivers it

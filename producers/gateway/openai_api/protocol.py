@@ -129,8 +129,8 @@ class ChatCompletionRequest(SamplingOptions):
     prompt_cache_key: str | None = Field(
         default=None,
         max_length=256,
-        description="Taken; the engine's prefix cache needs no key (a conversation's turns "
-        "go to one partition).",
+        description="The calls that share it go to one partition (one worker's prefix "
+        "cache); without it, the calls that open with the same messages do.",
     )
     store: bool | None = Field(default=None, description="false: no conversation is kept.")
     ignore_eos: bool = False  # vLLM's extension, for load tests

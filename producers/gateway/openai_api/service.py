@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
@@ -22,6 +23,7 @@ from schemas.errors import error_body
 from schemas.events import (
     TEMPLATE_REFUSED,
     TOO_LONG_FOR_ENGINE,
+    ChatMessage,
     FinalEvent,
     TokenEvent,
 )
@@ -55,8 +57,21 @@ async def start_completion(
         raise ApiError(400, "the last message must be from the user", param="messages")
     if body.end_user:
         log.info("completion for end user %r of %s", body.end_user, caller.user_id)
-    call = ApiCall(body.model, provisional_title(last.content), store=body.store is not False)
+    affinity = body.prompt_cache_key or opening_affinity([*history, last])
+    title, store = provisional_title(last.content), body.store is not False
+    call = ApiCall(body.model, title, store=store, affinity=affinity)
     return await chat.reply(caller, call, history, last.content, body.reply_options())
+
+
+def opening_affinity(messages: list[ChatMessage]) -> str:
+    """The same for every turn of one chat: its messages up to its first question (the
+    client sends the whole history each time)."""
+    opening: list[list[str]] = []
+    for message in messages:
+        opening.append([message.role, message.content])
+        if message.role == "user":
+            break
+    return "opening:" + hashlib.blake2b(orjson.dumps(opening), digest_size=16).hexdigest()
 
 
 async def completion_body(reply: Reply, moderator: Moderator) -> dict[str, Any]:
