@@ -23,10 +23,12 @@ from consumers.token_reader import TokenCollector
 from infra.roles import WorkerProcess, model_alias, running, with_models
 from producers.prompts import PromptSubmitter
 from schemas.events import ANSWERED, ChatMessage, FinalEvent, PromptRequest, Sampling, now_ms
+from schemas.topics import BandLayout
 from tandoor.clients import kafka_producer
 from tandoor.settings import Settings
 from workers.model_store import resolve_model_dir
 
+BAND = "interactive-paid"
 WORDS = "river stone lantern orchard velvet copper meadow harbor ember quartz".split()
 
 
@@ -55,7 +57,7 @@ async def ask(
         model=model,
         user_id="bench",
         tier="api",
-        band="interactive-paid",
+        band=BAND,
         conversation_id=key,
         messages=messages,
         sampling=Sampling(max_tokens=8, temperature=0.0),
@@ -89,6 +91,20 @@ async def conversation(
     return TurnTwo(usage.ttft_ms or 0.0, usage.prompt_tokens, usage.cached_tokens)
 
 
+async def warm_every_partition(
+    submitter: PromptSubmitter, stream: TokenCollector, model: str, settings: Settings
+) -> None:
+    """A prompt to each partition of the band, so to each worker: one warm-up went to one
+    worker, and the other's first request, measured, paid vLLM's one-off costs."""
+    layout = BandLayout([(band.name, band.partitions) for band in settings.bands])
+    cold = set(layout.band(BAND).partitions)
+    while cold:
+        key = f"warm-{uuid.uuid4().hex}"
+        if (partition := layout.partition_for(BAND, key)) in cold:
+            await ask(submitter, stream, model, key, [ChatMessage(role="user", content="Hi.")])
+            cold.discard(partition)
+
+
 def report(name: str, turns: list[TurnTwo]) -> str:
     ttft = sorted(t.ttft_ms for t in turns)
     cached = sum(t.cached_tokens for t in turns) / sum(t.prompt_tokens for t in turns)
@@ -114,7 +130,7 @@ async def run(args: argparse.Namespace) -> None:
         TokenCollector(settings) as stream,
     ):
         submitter = PromptSubmitter(settings, producer)
-        await conversation(submitter, stream, model, -1, args.context_words, True)  # warm-up
+        await warm_every_partition(submitter, stream, model, settings)
         results: dict[bool, list[TurnTwo]] = {True: [], False: []}
         for number in range(args.conversations):
             for affinity in (True, False):  # interleaved: drift hits both alike
