@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from prometheus_client import Counter
 
 from producers.gateway.errors import ApiError
-from producers.model_load import MIN_RATE_SPAN_S, ModelLoad
+from producers.model_load import ModelLoad
 from tandoor.settings import Fallback, Settings
 
 log = logging.getLogger(__name__)
@@ -72,11 +72,6 @@ def busy(
     if ahead <= 0:
         return None
     rate = load.finished_per_s
-    if rate == 0.0 and load.idle_s < budget_s:
-        # Full and none finished while watched: under one in the time it has been so
-        # (read as "not measured", a stuck model took prompts again once its slower
-        # rate had dropped to nothing, until idle for a whole budget).
-        rate = 1 / max(load.idle_s, MIN_RATE_SPAN_S)
     if rate:
         wait_s = ahead / rate
         if wait_s <= budget_s:

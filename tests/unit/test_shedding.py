@@ -128,17 +128,6 @@ def test_prompts_ahead_and_nothing_finished_for_a_budget_is_refused() -> None:
     assert "none finished" in error.message
 
 
-def test_a_backlog_behind_workers_that_finished_nothing_lately_is_refused_at_once() -> None:
-    """A rate of nothing read as none measured: the model was refused while it finished
-    a few, then took prompts again once it finished none (until idle a whole budget),
-    each waiting out its deadline."""
-    stuck = load(waiting=10, rate=0.0, idle_s=BUDGET_S / 2)
-    error = refused(router({"big": stuck}), "big", "plus")
-    assert "10 prompts are ahead" in error.message
-    slow = load(waiting=10, rate=0.05, idle_s=BUDGET_S / 2)  # finishing a few: refused too
-    assert "10 prompts are ahead" in refused(router({"big": slow}), "big", "plus").message
-
-
 def test_prompts_being_generated_are_not_ahead_of_anyone() -> None:
     generating = load(waiting=0, workers=2, rate=0.0, idle_s=3600)
     assert router({"big": generating}).answering("big", "plus") == "big"
