@@ -65,7 +65,6 @@ class PromptIntake(ConsumerRebalanceListener):  # type: ignore[misc]
         self.backlog: dict[str, int] = {}
         self._lag_checked = 0.0
         self._outside: set[int] = set()  # partitions past every band, warned of
-        self._listed_ends: dict[TopicPartition, int] = {}  # asked of Kafka while full
 
     async def start(self) -> None:
         self.consumer.subscribe([self.topic], listener=self)
@@ -254,14 +253,13 @@ class PromptIntake(ConsumerRebalanceListener):  # type: ignore[misc]
         assigned = list(self.consumer.assignment())
         backlog = {band.name: 0 for band in self.layout.ranges}  # a band moved away reads 0
         if ask_kafka and assigned:
-            self._listed_ends.update(await self.consumer.end_offsets(assigned))
+            ends: dict[TopicPartition, int | None] = dict(await self.consumer.end_offsets(assigned))
+        else:
+            ends = {tp: self.consumer.highwater(tp) for tp in assigned}
         for tp in assigned:
-            # Ends only grow: the last listed one still counts until a fetch tells more
-            # (a worker just unpaused has fetched nothing since it was full).
-            known = [e for e in (self.consumer.highwater(tp), self._listed_ends.get(tp)) if e]
-            if not known:  # not fetched yet: its first fetch tells
+            end = ends[tp]
+            if end is None:  # not fetched yet: its first fetch tells
                 continue
-            end = max(known)
             position = await self.consumer.position(tp)
             backlog[self._band_of(tp.partition)] += max(0, end - position)
         self.backlog = dict(backlog)

@@ -41,7 +41,7 @@ class GrownTopic:
     async def end_offsets(self, tps: list[TopicPartition]) -> dict[TopicPartition, int]:
         return dict.fromkeys(tps, WAITING)
 
-    def highwater(self, _: TopicPartition) -> int | None:
+    def highwater(self, _: TopicPartition) -> int:
         return WAITING  # as the last fetch said
 
     async def position(self, _: TopicPartition) -> int:
@@ -118,28 +118,6 @@ async def test_taking_prompts_waits_on_no_request_for_the_backlog() -> None:
     intake.consumer = cast(Any, consumer)
     await asyncio.wait_for(intake.take(4), 5)
     assert sum(intake.backlog.values()) == WAITING * intake.layout.total_partitions
-
-
-class PausedSinceFull(GrownTopic):
-    """Every partition paused while the worker was full: no fetch has told any end."""
-
-    def highwater(self, _: TopicPartition) -> int | None:
-        return None
-
-
-async def test_prompts_that_came_while_the_worker_was_full_count_once_a_slot_frees() -> None:
-    """The ends asked of Kafka while full were dropped at the next take, which read the
-    fetches' ends from before the pause: prompts that came meanwhile were not seen, and
-    a freed slot went to a band that had waited before (or to any band at all)."""
-    settings = Settings()
-    intake = PromptIntake(settings, settings.served_models[0])
-    await intake.consumer.stop()
-    intake.consumer = cast(Any, PausedSinceFull(intake.topic, intake.layout.total_partitions - 1))
-    await intake.poll_while_full()
-    intake._lag_checked = 0.0  # a slot freed a while later
-    await intake.take(1)
-    waiting = WAITING * intake.layout.total_partitions
-    assert sum(intake.backlog.values()) >= waiting - 1  # (less the one it took)
 
 
 class Pausing(GrownTopic):

@@ -34,9 +34,6 @@ class StandInConsumer:
     async def end_offsets(self, tps: list[TopicPartition]) -> dict[TopicPartition, int]:
         return dict.fromkeys(tps, 0)
 
-    def highwater(self, _: TopicPartition) -> int | None:
-        return None  # nothing fetched yet
-
     async def position(self, _: TopicPartition) -> int:
         return 0
 
