@@ -164,7 +164,7 @@ class PromptIntake(ConsumerRebalanceListener):  # type: ignore[misc]
             self.consumer.seek(tp, records[0].offset)
         try:  # for the lag gauge, which a full worker would leave as it filled up
             async with asyncio.timeout(BACKLOG_WHILE_FULL_S):  # a slot may free meanwhile
-                await self._refresh_backlog(ask_kafka=True)  # nothing fetched while paused
+                await self._refresh_backlog()
         except (IllegalStateError, KafkaError, TimeoutError) as exc:
             log.info("backlog while full: %r", exc)
 
@@ -242,24 +242,15 @@ class PromptIntake(ConsumerRebalanceListener):  # type: ignore[misc]
     def _assigned_in(self, band: str) -> list[TopicPartition]:
         return [tp for tp in self.consumer.assignment() if self._band_of(tp.partition) == band]
 
-    async def _refresh_backlog(self, ask_kafka: bool = False) -> None:
-        """Prompts waiting per band: the end of each partition minus our position. The
-        ends come with every fetch: asked for (`ask_kafka`, only while every partition is
-        paused), the request waited behind each broker's long poll of fetches, and a
-        prompt arriving meanwhile with it (up to fetch_max_wait_ms on its first token)."""
+    async def _refresh_backlog(self) -> None:
+        """Prompts waiting per band: the end of each partition minus our position."""
         if time.monotonic() - self._lag_checked < LAG_REFRESH_S:
             return
         self._lag_checked = time.monotonic()
         assigned = list(self.consumer.assignment())
         backlog = {band.name: 0 for band in self.layout.ranges}  # a band moved away reads 0
-        if ask_kafka and assigned:
-            ends: dict[TopicPartition, int | None] = dict(await self.consumer.end_offsets(assigned))
-        else:
-            ends = {tp: self.consumer.highwater(tp) for tp in assigned}
+        ends = await self.consumer.end_offsets(assigned) if assigned else {}
         for tp in assigned:
-            end = ends[tp]
-            if end is None:  # not fetched yet: its first fetch tells
-                continue
             position = await self.consumer.position(tp)
-            backlog[self._band_of(tp.partition)] += max(0, end - position)
+            backlog[self._band_of(tp.partition)] += max(0, ends[tp] - position)
         self.backlog = dict(backlog)

@@ -41,9 +41,6 @@ class GrownTopic:
     async def end_offsets(self, tps: list[TopicPartition]) -> dict[TopicPartition, int]:
         return dict.fromkeys(tps, WAITING)
 
-    def highwater(self, _: TopicPartition) -> int:
-        return WAITING  # as the last fetch said
-
     async def position(self, _: TopicPartition) -> int:
         return 0
 
@@ -104,20 +101,6 @@ async def test_a_full_worker_measuring_its_backlog_is_not_held_up_by_a_slow_brok
     await intake.consumer.stop()
     intake.consumer = cast(Any, SlowBroker(intake.topic, intake.layout.total_partitions - 1))
     await asyncio.wait_for(intake.poll_while_full(), BACKLOG_WHILE_FULL_S + 5)
-
-
-async def test_taking_prompts_waits_on_no_request_for_the_backlog() -> None:
-    """The backlog came from a request for each partition's end, which a broker answers
-    after the long poll of fetches on the same connection: a prompt arriving meanwhile
-    waited for it (up to fetch_max_wait_ms on each pick-up). The ends come with every
-    fetch."""
-    settings = Settings()
-    intake = PromptIntake(settings, settings.served_models[0])
-    await intake.consumer.stop()
-    consumer = SlowBroker(intake.topic, intake.layout.total_partitions - 1)
-    intake.consumer = cast(Any, consumer)
-    await asyncio.wait_for(intake.take(4), 5)
-    assert sum(intake.backlog.values()) == WAITING * intake.layout.total_partitions
 
 
 class Pausing(GrownTopic):
