@@ -358,12 +358,13 @@ async def test_the_turns_of_one_api_chat_go_to_one_partition(stack: Stack) -> No
             ]
             second = await api.chat.completions.create(model=model, messages=follow, max_tokens=4)
             turns.append((first.id, second.id))
+        key = f"key-{uuid.uuid4().hex}"
         keyed = [  # two unrelated chats, one key
             await api.chat.completions.create(
                 model=model,
                 messages=[{"role": "user", "content": question}],
                 max_tokens=4,
-                prompt_cache_key=f"key-{uuid.uuid4().hex}",
+                prompt_cache_key=key,
             )
             for question in ("Name a fruit.", "Name a tree.")
         ]

@@ -7,6 +7,7 @@ runs; and the page for readers on a phone, with a screen reader or a keyboard.""
 from __future__ import annotations
 
 import asyncio
+import signal
 from typing import Any
 
 import httpx
@@ -236,3 +237,38 @@ async def test_the_keyboard_focus_stays_where_the_reader_is(stack: Stack, page: 
     await page.get_by_role("button", name="Delete").focus()
     await page.keyboard.press("Enter")
     await expect(page.get_by_label("Message", exact=True)).to_be_focused()
+
+
+async def test_an_edit_refused_while_another_tabs_reply_runs_shows_it_and_keeps_the_edit(
+    stack: Stack, page: Page
+) -> None:
+    """A 409 "stop it first" with no Stop to press and the reply nowhere in sight, where
+    a message or a regenerate refused so shows the running reply."""
+    headers = await sign_in(page, stack, tier="brief")
+    async with httpx.AsyncClient(base_url=stack.url, timeout=120) as http:
+        conversation = await new_conversation(http, headers, stack.second)
+        await chat(http, headers, conversation, "Say hi.", 4)
+        await page.reload()
+        await page.locator(f'#conversation-list button[data-id="{conversation}"]').click()
+        await expect(page.locator(".message.user .body")).to_have_text(["Say hi."])
+        worker = stack.second_worker
+        assert worker.proc is not None
+        worker.proc.send_signal(signal.SIGSTOP)  # the other tab's reply runs on meanwhile
+        try:
+            path = f"/v1/conversations/{conversation}/messages"
+            body = {"content": "Name a colour.", "max_tokens": 8}
+            async with http.stream("POST", path, json=body, headers=headers) as other_tab:
+                assert other_tab.status_code == 200  # its start event came: the tab closes
+            await page.get_by_role("button", name="Edit this message").first.click()
+            await page.get_by_label("Edited message").fill("Say hello.")
+            await page.get_by_role("button", name="Save and rerun").click()
+            await expect(page.locator("#notice")).to_contain_text("being generated")
+            await expect(page.get_by_role("button", name="Stop")).to_be_visible()
+            await expect(page.locator(".message.assistant.streaming")).to_have_count(1)
+            await expect(page.get_by_label("Edited message")).to_have_value("Say hello.")
+        finally:
+            worker.proc.send_signal(signal.SIGCONT)
+    await replies_over(page, 2)
+    await page.get_by_role("button", name="Save and rerun").click()  # once it has ended
+    await replies_over(page, 1)
+    await expect(page.locator(".message.user .body")).to_have_text(["Say hello."])

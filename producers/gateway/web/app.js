@@ -203,11 +203,13 @@ function notOpened(id, error) {
 
 // Shown only if it is still the chat last chosen: picked B then C, B's slower answer
 // showed B, and the composer sent to it.
-async function openConversation(id, resume = true, notice = null) {
+// `shown`: called once the chat is on screen, before its running reply is followed.
+async function openConversation(id, resume = true, notice = null, shown = null) {
   const conversation = await state.api.json("GET", `/v1/conversations/${id}`);
   if (state.wanted !== id) return;
   showConversation(conversation);
   if (notice) notify(notice); // after: showing a chat hides the notice
+  shown?.();
   if (resume && awaitsReply(conversation)) await resumeReply();
 }
 
@@ -777,7 +779,17 @@ function startEdit(item, message, draft = null) {
       },
       // The edit is stored as a new message: a second edit names that one.
       (event) => event.user_message_id && (item.dataset.id = event.user_message_id),
-      (error, left) => (left ? restoreDraft(text) : startEdit(item, message, text)),
+      (error, left) => {
+        if (left) return restoreDraft(text);
+        startEdit(item, message, text);
+        // Another tab's reply runs here: shown, with its Stop (the refusal alone left no
+        // way to stop it), and the edit's text kept in its editor for once it ends.
+        const again = () => {
+          const kept = $("messages").querySelector(`.message.user[data-id="${CSS.escape(id)}"]`);
+          if (kept) startEdit(kept, { ...message, id }, text);
+        };
+        if (runsElsewhere(error)) openConversation(conversationId, true, error, again).catch(notify);
+      },
       () => {
         // No reply ran; the message edited still shown (not replaced): not taken.
         const kept = shown();
