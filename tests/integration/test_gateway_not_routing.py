@@ -65,8 +65,8 @@ async def test_a_prompt_whose_send_timed_out_is_stopped_if_it_reached_kafka(
     submitter, sent = services.chat.deps.submitter, []
     real_submit = submitter.submit
 
-    async def acknowledged_late(prompt: PromptRequest) -> None:
-        await real_submit(prompt)
+    async def acknowledged_late(prompt: PromptRequest, affinity: str | None = None) -> None:
+        await real_submit(prompt, affinity)
         sent.append(prompt.request_id)
         await asyncio.Event().wait()  # its acknowledgement never comes in time
 
