@@ -92,9 +92,8 @@ class RequestRunner:
         attempt.band = band
         self.metrics.waiting.inc()
         try:
-            # Leased (renewed) meanwhile: released if handed back. A stop, a lost lease or
-            # a passed deadline is answered without waiting for a slot: answering it needs
-            # no engine, and the slots may be full for minutes.
+            # Leased (renewed) meanwhile, released if handed back. A stop, a lost lease or a
+            # passed deadline needs no engine: answered without a slot (full for minutes).
             if await slot.take_again(attempt.stops, attempt.until_deadline_s()):
                 await self._run(attempt)
             elif tracked.lost:
