@@ -284,7 +284,7 @@ async def test_a_stream_its_client_leaves_is_stopped_and_frees_the_slot(stack: S
     assert answered.choices[0].finish_reason in ("stop", "length")
     async with httpx.AsyncClient(base_url=stack.url) as http:
         listed = (await http.get("/v1/conversations", headers=headers)).json()["data"]
-        first = min(listed, key=lambda c: c["created_at"])
+        (first,) = [c for c in listed if c["title"] == "Write a long story about a dragon."]
         (reply,) = [
             m for m in await stored_reply(http, headers, first["id"]) if m["role"] == "assistant"
         ]
