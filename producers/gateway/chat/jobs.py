@@ -14,8 +14,10 @@ was, and the next reply that cannot fit its history asks for the summary again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+import uuid
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +48,7 @@ from schemas.events import (
     now_ms,
 )
 from tandoor.background import Background
+from tandoor.clients import REDIS_DOWN
 from tandoor.policies.redis_keys import TITLED_TTL_S, titled_key
 from tandoor.settings import BATCH_BAND
 
@@ -131,6 +134,7 @@ class ConversationJobs:
         self.checks = checks
         self.moderator = checks.moderator
         self._tasks = Background()
+        self._summarizing: set[str] = set()  # conversation ids
         self._clock = time.monotonic
 
     async def after_reply(
@@ -139,24 +143,41 @@ class ConversationJobs:
         """A reply (to `question`; None: a regenerate) ran to its end: a conversation
         without a chosen title (none yet, or its first message's opening words) gets one
         from the model, once. Not only after the first reply: one stopped or failed
-        left the chat named by its opening words for good."""
-        if conversation.title is not None and conversation.title != provisional_title(
+        left the chat named by its opening words for good. Looked into in the background:
+        Redis or Cassandra failing here is the job's, not the settled reply's."""
+        self._spawn(self._title_if_due(user_id, conversation, question, answer))
+
+    async def _title_if_due(
+        self, user_id: str, conversation: Conversation, question: str | None, answer: str
+    ) -> None:
+        questions = [question]
+        looks = conversation.title is not None and conversation.title != provisional_title(
             question or ""
-        ):  # a later reply's, a regenerate's, or a chosen title: asked once to look
-            if not await self._claim_title(conversation):
-                return
-            first, live = await self.conversations.first_questions(conversation.id)
-            if first is None or conversation.title != provisional_title(first):
-                return
-            # Its first message as it stands: an edit took the one that named it out.
-            self._spawn(self._title(user_id, conversation, [live, question], answer))
-        elif await self._claim_title(conversation):
-            self._spawn(self._title(user_id, conversation, [question], answer))
+        )  # a later reply's, a regenerate's, or a chosen title: asked once to look
+        if not await self._claim_title(conversation):
+            return
+        try:
+            if looks:
+                first, live = await self.conversations.first_questions(conversation.id)
+                if first is None or conversation.title != provisional_title(first):
+                    return
+                # Its first message as it stands: an edit took the one that named it out.
+                questions = [live, question]
+            answered = await self._title(user_id, conversation, questions, answer)
+        except BaseException:
+            await self._unclaim_title(conversation)
+            raise
+        if not answered:  # a later reply asks again
+            await self._unclaim_title(conversation)
 
     async def _claim_title(self, conversation: Conversation) -> bool:
         """Whether this reply is the one to look for a title (once per conversation)."""
         claimed = await self.redis.set(titled_key(conversation.id), 1, nx=True, ex=TITLED_TTL_S)
         return bool(claimed)
+
+    async def _unclaim_title(self, conversation: Conversation) -> None:
+        with contextlib.suppress(*REDIS_DOWN):
+            await self.redis.delete(titled_key(conversation.id))
 
     def after_context_cut(
         self,
@@ -168,8 +189,19 @@ class ConversationJobs:
     ) -> None:
         """Older `turns` no longer fit the context: summarize them (and the summary of what
         came before them) for the next reply; `over_stale`: in place of a stored summary
-        that covers turns an edit replaced."""
-        self._spawn(self._summary(user_id, conversation, previous, turns, over_stale))
+        that covers turns an edit replaced. One at a time per conversation: each post
+        while one ran asked again, each covering more, piling prompts onto a busy band."""
+        if conversation.id in self._summarizing:
+            return
+        self._summarizing.add(conversation.id)
+
+        async def summarized() -> None:
+            try:
+                await self._summary(user_id, conversation, previous, turns, over_stale)
+            finally:
+                self._summarizing.discard(conversation.id)
+
+        self._spawn(summarized())
 
     async def stop(self) -> None:
         await self._tasks.cancel()
@@ -185,20 +217,24 @@ class ConversationJobs:
 
     async def _title(
         self, user_id: str, conversation: Conversation, questions: list[str | None], answer: str
-    ) -> None:
+    ) -> bool:
+        """Whether the model answered (a title it gave, or none it could)."""
         asked = list(dict.fromkeys(q for q in questions if q))  # the first and this reply's
         turns = [*(("user", q) for q in asked), ("assistant", answer)]
         fits = self._fits(conversation.model, TITLE_INSTRUCTION, TITLE_TOKENS)
         exchange = await asyncio.to_thread(transcript, turns, None, fits)
-        job = PromptJob(
-            "title", f"title_{conversation.id}", TITLE_INSTRUCTION, exchange, TITLE_TOKENS
-        )
+        # An id per try: a try that got no answer is done for the workers (its done mark).
+        request_id = f"title_{conversation.id}_{uuid.uuid4().hex[:12]}"
+        job = PromptJob("title", request_id, TITLE_INSTRUCTION, exchange, TITLE_TOKENS)
         text = await self._ask(job, conversation, user_id)
-        title = clean_title(text or "")
+        if text is None:
+            return False
+        title = clean_title(text)
         read_at = now_ms()  # a rename after this read is kept
         current = await self.conversations.owned(user_id, conversation.id)
         if title and current.title == conversation.title:  # the user has not renamed it
             await self.conversations.rename(user_id, conversation.id, title, as_of_ms=read_at)
+        return True
 
     async def _summary(
         self,
@@ -255,6 +291,8 @@ class ConversationJobs:
                     ],
                     sampling=Sampling(max_tokens=job.max_tokens, temperature=0.0),
                     created_at_ms=now_ms(),
+                    # Not begun by then, nobody waits for it: workers drop it unrun.
+                    deadline_ms=now_ms() + int(JOB_WAIT_S * 1000),
                     reply_partition=sub.partition,
                     kind=kind,
                 )
