@@ -93,7 +93,7 @@ async def sign_in(
 
 async def replies(page: Page) -> dict[str, Any]:
     shown: dict[str, Any] = await page.evaluate(REPLIES)
-    shown["send"] = await page.get_by_role("button", name="Send").is_visible()
+    shown["send"] = await page.get_by_role("button", name="Send", exact=True).is_visible()
     return shown
 
 
@@ -110,6 +110,14 @@ async def replies_over(page: Page, count: int = 0) -> None:
 async def reply_streaming(page: Page) -> None:
     """Until the streaming reply shows its first words."""
     await eventually(lambda: replies(page), lambda shown: shown["streamed"], what="a first token")
+
+
+async def stop_if_running(page: Page) -> None:
+    """Press Stop if it is shown, in one step in the page: a reply that ended between a
+    visibility check and a click hid Stop, and the click waited 30 s for it."""
+    await page.evaluate(
+        "() => { const stop = document.getElementById('stop'); if (!stop.hidden) stop.click(); }"
+    )
 
 
 async def ask(page: Page, text: str) -> None:

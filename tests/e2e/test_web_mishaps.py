@@ -24,6 +24,7 @@ from tests.e2e.browser import (
     reply_streaming,
     sent_while_it_loads,
     sign_in,
+    stop_if_running,
 )
 from tests.e2e.helpers import chat, new_conversation
 from tests.e2e.stack import Stack
@@ -162,8 +163,7 @@ async def test_stop_answered_none_running_while_the_reply_runs_on_says_so(
     await expect(notice).to_contain_text("no reply is being generated", timeout=30_000)
 
     async def stopping() -> dict[str, Any]:
-        if await page.get_by_role("button", name="Stop").is_visible():
-            await page.get_by_role("button", name="Stop").click()
+        await stop_if_running(page)
         return await replies(page)
 
     await eventually(stopping, lambda shown: not shown["streaming"], what="the reply stopped")

@@ -11,8 +11,15 @@ import httpx
 import pytest
 from playwright.async_api import Page, expect
 
-from tests.e2e.browser import ask, replies_over, reply_streaming, shot, sign_in
-from tests.e2e.helpers import chat, new_conversation
+from tests.e2e.browser import (
+    ask,
+    replies_over,
+    reply_streaming,
+    shot,
+    sign_in,
+    stop_if_running,
+)
+from tests.e2e.helpers import chat, new_conversation, stored_reply
 from tests.e2e.stack import Stack
 
 pytestmark = pytest.mark.integration
@@ -63,7 +70,7 @@ async def test_another_chat_opened_mid_reply_is_the_one_the_page_serves(
     await page.locator(f'#conversation-list button[data-id="{other}"]').click()
     await expect(page.locator(".message.user .body")).to_have_text(["Say hi."])
     # Not busy with the other chat's reply: Send is back, and Escape stops nothing.
-    await expect(page.get_by_role("button", name="Send")).to_be_visible()
+    await expect(page.get_by_role("button", name="Send", exact=True)).to_be_visible()
     await expect(page.locator(".message.assistant.streaming")).to_have_count(0)
     await page.keyboard.press("Escape")
     assert await stops(page) == [], "Escape in this chat stopped the other chat's reply"
@@ -76,11 +83,13 @@ async def test_another_chat_opened_mid_reply_is_the_one_the_page_serves(
     await page.locator(f'#conversation-list button[data-id="{running}"]').click()
     await expect(page.locator(".message.user .body")).to_have_text([LONG])
     await expect(page.locator(".message.assistant .body")).not_to_be_empty()
-    if await page.get_by_role("button", name="Stop").is_visible():
-        await page.get_by_role("button", name="Stop").click()
+    await stop_if_running(page)
     await replies_over(page, 1)
     assert set(await stops(page)) <= {f"/v1/conversations/{running}/stop"}
-    replies = [m for m in await messages_of(stack, headers, running) if m["role"] == "assistant"]
+    async with httpx.AsyncClient(base_url=stack.url, timeout=30) as http:
+        # Stored a moment after the page has its end: persistence writes it.
+        stored = await stored_reply(http, headers, running)
+    replies = [m for m in stored if m["role"] == "assistant"]
     assert len(replies) == 1 and replies[0]["content"], replies
 
 
@@ -115,8 +124,7 @@ async def test_a_message_edited_twice_and_an_editor_closed_with_escape(
     await page.get_by_label("Edited message").press("Escape")
     await expect(page.get_by_label("Edited message")).to_have_count(0)
     assert await stops(page) == [], "Escape in the editor stopped the reply too"
-    if await page.get_by_role("button", name="Stop").is_visible():
-        await page.get_by_role("button", name="Stop").click()
+    await stop_if_running(page)
     await replies_over(page, 2)
     await expect(page.locator("button.edit:visible")).to_have_count(2)
 
