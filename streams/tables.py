@@ -29,10 +29,10 @@ from __future__ import annotations
 
 import asyncio
 import heapq
-import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from time import monotonic
 from typing import Any, Literal
 
 import faust
@@ -72,6 +72,7 @@ class PartitionBook:
     closed: set[bytes] = field(default_factory=set)  # published as closed
     sending: set[bytes] = field(default_factory=set)  # taken by a publication under way
     housekept_at: float = 0.0
+    read_at: float = 0.0  # monotonic: when a record of it was last read
     # Its partition revoked, and this member not yet told whether it keeps it: not
     # published meanwhile (its new owner may be counting it, and what this one had
     # would end a window with fewer than were counted).
@@ -87,6 +88,7 @@ class RollupTables:
         self._publish = publish
         self._books: dict[tuple[str, int], PartitionBook] = {}
         self.passed_over: Counter[str] = Counter()  # records or windows not counted, by why
+        self.quiet_s = CLOSE_GRACE_MS / 1000  # read nothing this long: the clock closes
         for dimension in DIMENSIONS:  # called once every table is recovered
             self._counted[dimension].on_recover(self._on_recovered(app, dimension))
         app.on_partitions_revoked.connect(self._on_revoked)  # type: ignore[arg-type]
@@ -126,6 +128,7 @@ class RollupTables:
         kept); not where a second source shares the topic at its own pace."""
         partition, offset = _position()
         book = self._book(dimension, partition)
+        book.read_at = monotonic()
         if offset <= book.skipped_to:
             return "replayed"  # a copy skipped before, read again after a restart
         if record_id is not None and self._counted[dimension].get(record_id) is not None:
@@ -168,7 +171,12 @@ class RollupTables:
             if book.suspended:
                 continue
             table = self._tables[dimension]
-            closing_ms = max(book.stream_ms, now_ms()) - CLOSE_GRACE_MS
+            # By the clock only where nothing came for the grace: a partition still
+            # reading a backlog closed each old minute with its first records.
+            quiet = monotonic() - book.read_at >= self.quiet_s
+            closing_ms = (
+                max(book.stream_ms, now_ms()) if quiet else book.stream_ms
+            ) - CLOSE_GRACE_MS
             ended = {name for name, (end, _) in book.windows.items() if end <= closing_ms}
             # Swapped out before the sends: the agent counts on while they wait, and
             # what it marks meanwhile is for the next call, not cleared with these.
@@ -313,9 +321,9 @@ class RollupTables:
         A window expired before its last change was published closed (a catch-up: stream
         time runs far ahead of the publish timer) stays until it is: kept in memory
         only, its final figures were lost to a rebalance or a restart."""
-        if time.monotonic() - book.housekept_at < HOUSEKEEP_EVERY_S:
+        if monotonic() - book.housekept_at < HOUSEKEEP_EVERY_S:
             return
-        book.housekept_at = time.monotonic()
+        book.housekept_at = monotonic()
         counted, table = self._counted[dimension], self._tables[dimension]
         horizon = book.stream_ms - self._dedupe_ms
         while book.counted and book.counted[0][0] < horizon:

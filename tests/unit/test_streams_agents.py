@@ -69,6 +69,9 @@ def unit_app(**settings: Any) -> Iterator[tuple[faust.App, Sink]]:
     sink = Sink()
     app_id = f"unit-{uuid.uuid4().hex[:6]}"
     app = create_app(Settings(streams_app_id=app_id, **settings), sink.outputs())
+    # Every partition quiet: the clock closes windows as soon as asked (test_streams_time
+    # has the rule for a partition still reading).
+    rollup_tables(app).quiet_s = 0.0
     yield app, sink
     # Iterating a stream made faust's consumer, whose thread has an event loop of its own
     # that never ran (no broker here); close it, or it leaks its sockets.

@@ -5,11 +5,12 @@ in faust's test context, as in test_streams_agents.py)."""
 from __future__ import annotations
 
 import faust
+import pytest
 
 from schemas.codec import encode
 from schemas.events import now_ms
 from streams.app import rollup_tables
-from streams.tables import CLOCK_AHEAD_MS
+from streams.tables import CLOCK_AHEAD_MS, CLOSE_GRACE_MS
 from tests.unit.test_rollups import final_event
 from tests.unit.test_streams_agents import Sink, short_memory, usage  # noqa: F401
 from tests.unit.test_streams_rebalance import rebalance, recover, table_contents
@@ -125,3 +126,32 @@ async def test_a_restart_of_the_app_mid_catch_up_does_not_make_the_usage_late_ag
     await catch_up(app, old + 60_000)
     await rollup_tables(app).publish_changes()
     assert sink.rollups[f"model/smollm2/1m/{old + 60_000}"]["requests"] == 3
+
+
+async def test_a_partition_still_catching_up_closes_its_windows_by_its_records(
+    short_memory: tuple[faust.App, Sink],  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Minutes were closed by the clock on every partition: one still reading a backlog
+    (after an outage, or behind its load) published each old minute "closed" with its
+    first records, and "closed" again with each later count. The clock closes windows
+    only where nothing came for the grace period."""
+    app, sink = short_memory
+    tables = rollup_tables(app)
+    tables.quiet_s = CLOSE_GRACE_MS / 1000
+    clock = [1_000.0]
+    monkeypatch.setattr("streams.tables.monotonic", lambda: clock[0])
+    old = (now_ms() // 3_600_000 - 3) * 3_600_000
+    first, second = f"user/ada/1m/{old}", f"user/ada/1m/{old + 60_000}"
+    async with app.agents["rollups-by-user"].test_context() as agent:
+        await agent.put(encode(usage("a", at=old + 1_000)))
+        await tables.publish_changes()
+        assert (sink.rollups[first]["requests"], sink.rollups[first]["closed"]) == (1, False)
+        await agent.put(encode(usage("b", at=old + 2_000)))
+        await agent.put(encode(usage("c", at=old + 60_000 + CLOSE_GRACE_MS)))  # its end passed
+        await tables.publish_changes()
+        assert (sink.rollups[first]["requests"], sink.rollups[first]["closed"]) == (2, True)
+        assert sink.rollups[second]["closed"] is False
+        clock[0] += CLOSE_GRACE_MS / 1000  # nothing more came: the clock closes it
+        await tables.publish_changes()
+        assert (sink.rollups[second]["requests"], sink.rollups[second]["closed"]) == (1, True)
