@@ -172,3 +172,15 @@ def test_a_batch_cancelled_while_queuing_shows_the_cancel(age: dt.timedelta, sta
     assert shown["status"] == status
     assert shown["cancelling_at"] is not None and shown["errors"] is None
     assert (shown["cancelled_at"] is not None) == (status == "cancelled")
+
+
+@pytest.mark.parametrize("method", ["GET", "post", None])
+def test_a_line_not_posted_is_refused_with_the_file(method: str | None) -> None:
+    """Checked at create, as OpenAI does: a file of "method": "GET" lines was taken,
+    shown completed, with every line in the error file."""
+    good = line("a", "hi")
+    wrong = orjson.loads(line("b", "hi"))
+    wrong["method"] = method
+    with pytest.raises(ApiError, match="line 2: method must be POST") as error:
+        input_lines(good + b"\n" + orjson.dumps(wrong) + b"\n", URL)
+    assert error.value.status == 400

@@ -54,6 +54,8 @@ def input_lines(content: bytes, endpoint: str) -> list[bytes]:
             )
         if line.get("url") != endpoint:
             raise ApiError(400, f"line {number}: url must be {endpoint}", param=PARAM)
+        if line.get("method") != "POST":  # what admission would refuse in each line
+            raise ApiError(400, f"line {number}: method must be POST", param=PARAM)
         seen.add(custom_id)
         lines.append(raw)
         if len(lines) > MAX_LINES:  # said before the rest is parsed
