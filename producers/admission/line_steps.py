@@ -47,8 +47,19 @@ class LineSteps:
         return await why_unrun(self.marks, waiting.prompt, now_ms())
 
     async def _answer_unrun(self, waiting: Waiting, why: Unrun) -> None:
+        if await self._taken_by_a_worker(waiting):
+            return
         await self.answers.unrun(waiting.prompt, why)
         await self._answered(waiting, why)
+
+    async def _taken_by_a_worker(self, waiting: Waiting) -> bool:
+        """Forwarded before a crash lost its mark, and taken: its worker answers it.
+        Answered here as well, it had two answers under one id (a cancel, and the reply
+        it was charged for), and a client keeping an id's first answer kept the cancel."""
+        if not await self.marks.run_by_a_worker(waiting.prompt.request_id):
+            return False
+        await self._answered(waiting, "replayed")
+        return True
 
     async def _key_revoked(self, waiting: Waiting) -> bool:
         """A line may wait hours (its tenant's quota): a key revoked meanwhile stops it.
@@ -64,6 +75,8 @@ class LineSteps:
     async def _answer_refused(
         self, waiting: Waiting, status: int, message: str, kind: str, code: str | None = None
     ) -> None:
+        if await self._taken_by_a_worker(waiting):
+            return
         prompt = waiting.prompt
         output = refused_output(
             prompt.custom_id, prompt.request_id, status, message, kind, code=code

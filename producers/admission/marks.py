@@ -12,7 +12,13 @@ from typing import Any, TypeVar
 from producers.admission.stored_cancels import StoredCancels
 from tandoor.clients import CASSANDRA_DOWN, REDIS_DOWN
 from tandoor.policies.api_keys import KeyStore, Principal
-from tandoor.policies.redis_keys import BATCH_LINE_TTL_S, batch_cancel_key, batch_line_key
+from tandoor.policies.redis_keys import (
+    BATCH_LINE_TTL_S,
+    batch_cancel_key,
+    batch_line_key,
+    done_key,
+    lease_key,
+)
 
 log = logging.getLogger(__name__)
 KEY_CACHE_S = 30.0  # a revoked key stops being honoured within this
@@ -36,6 +42,11 @@ class LineMarks:
         take its name from the line that has it)."""
         key = batch_line_key(request_id)
         await self._redis.set(key, position, ex=BATCH_LINE_TTL_S, nx=first_only)
+
+    async def run_by_a_worker(self, request_id: str) -> bool:
+        """A worker took the line (its lease, or its done mark): one forwarded before a
+        crash that lost its mark, which its worker answers."""
+        return bool(await self._redis.exists(lease_key(request_id), done_key(request_id)))
 
     async def cancelled(self, owner: str, batch_id: str | None) -> bool:
         return (owner, batch_id) in await self.cancelled_batches([(owner, batch_id)])

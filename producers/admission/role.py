@@ -221,6 +221,12 @@ class Admission(Forwarding, ConsumerRebalanceListener):  # type: ignore[misc]
             if refused.kept and await self._seen_elsewhere(request_id, position):
                 refused.kept = False  # a bad repeat: its refusal must not take the first's id
             owner_known = known if refused.kept else None
+            if owner_known is not None and await self.marks.run_by_a_worker(request_id):
+                # Forwarded before a crash lost its mark (its key revoked since, say):
+                # its worker answers it (line_steps.LineSteps._taken_by_a_worker).
+                await self._mark(request_id, position)
+                self._done(record.partition, record.offset, "replayed")
+                return
             if not refused.kept:  # a repeat: its answer's id is not its first line's
                 request_id = custom_line_request_id(owner, batch_id or "-", f"{name}@{position}")
             await self._refuse(record, batch_id, owner_known, parsed.custom_id, request_id, refused)

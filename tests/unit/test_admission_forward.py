@@ -11,6 +11,7 @@ from functools import partial
 from typing import Any, cast
 from unittest.mock import patch
 
+import pytest
 from aiokafka.errors import KafkaTimeoutError
 from cassandra.cluster import NoHostAvailable
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -41,8 +42,13 @@ def batch_prompt(admission: Admission) -> PromptRequest:
 
 
 class ByBatch:
+    taken: frozenset[str] = frozenset()  # request ids a worker took (a lease, a done mark)
+
     async def cancelled(self, owner: str, batch_id: str | None) -> bool:
         raise NotImplementedError
+
+    async def run_by_a_worker(self, request_id: str) -> bool:
+        return request_id in self.taken
 
     async def cancelled_batches(
         self, batches: Iterable[tuple[str, str | None]]
@@ -90,6 +96,9 @@ class MarkFailsOnce:
             self.marked.append("failed")
             raise RedisConnectionError("Redis is unreachable")
         self.marked.append(position)
+
+    async def run_by_a_worker(self, request_id: str) -> bool:
+        return False
 
 
 class Counting:
@@ -333,3 +342,36 @@ async def test_a_line_is_charged_to_its_user_in_its_keys_tier() -> None:
     submitter, _, prompt, _ = await forward_once(Valid(), quotas=quotas)
     assert submitter.sent == [prompt.request_id]
     assert quotas.accounts == [f"{prompt.user_id}:{prompt.tier}"]
+
+
+class RecordingAnswers:
+    def __init__(self) -> None:
+        self.sent: list[str] = []
+
+    async def unrun(self, prompt: PromptRequest, why: str) -> None:
+        self.sent.append(f"{prompt.request_id} {why}")
+
+    async def send(self, owner: str, batch_id: str | None, output: dict[str, Any]) -> None:
+        self.sent.append(f"{output['id']} {output['response']['status_code']}")
+
+
+@pytest.mark.parametrize("taken", [False, True], ids=["not-taken", "taken-by-a-worker"])
+async def test_a_line_a_worker_took_before_a_crash_is_answered_by_that_worker_only(
+    taken: bool,
+) -> None:
+    """Forwarded, then admission died before marking it; read again once its batch was
+    cancelled, its window over or its key revoked, it was answered so at once, while its
+    first copy ran on in a worker and answered 200: two answers under one id, and a
+    client keeping the first answer of an id dropped the reply it was charged for."""
+    admission = Admission(Settings())
+    marks, answers = StandInMarks(), RecordingAnswers()
+    marks.taken = frozenset({"bl_1"} if taken else ())
+    admission.marks, admission.answers = cast(Any, marks), cast(Any, answers)
+    waiting = Waiting(0, 3, batch_prompt(admission))
+    try:
+        assert await admission._answered_unrun(waiting)  # its batch is cancelled
+        await admission._answer_revoked(waiting)
+    finally:
+        await admission.consumer.stop()  # never started: closed for their finalizers
+        await admission.producer.stop()
+    assert answers.sent == ([] if taken else ["bl_1 cancelled", "batch_req_bl_1 401"])

@@ -160,3 +160,39 @@ async def test_the_ops_port_counts_charged_tokens_per_model_and_names_no_tenant(
         if sample.name == "tandoor_admission_charged_tokens_total"
     ]
     assert samples == [({"model": prompt.model}, 40)]
+
+
+class RevokedOfKnownOwner:
+    async def resolve(self, key: str | None) -> None:
+        return None
+
+    async def revoked_owner(self, key: str | None) -> str:
+        return "u"
+
+
+class TakenByAWorker(RecordingMarks):
+    async def run_by_a_worker(self, request_id: str) -> bool:
+        return True
+
+
+async def test_a_line_read_again_after_a_worker_took_it_is_not_refused_for_its_revoked_key() -> (
+    None
+):
+    """Forwarded, then admission died before marking it, and its key was revoked: read
+    again, it was answered 401 while its first copy ran on in a worker and answered 200
+    (two answers under one id). Its worker answers it; it is marked, and passed."""
+    admission = Admission(Settings())
+    marks, answers = TakenByAWorker(), Answers()
+    admission.callers, admission.marks = cast(Any, RevokedOfKnownOwner()), cast(Any, marks)
+    admission.answers = cast(Any, answers)
+    line = b'{"custom_id": "q1", "method": "POST", "url": "/v1/chat/completions", "body": {}}'
+    headers = [("batch-id", b"b1"), ("authorization", b"Bearer tdr_revoked")]
+    record = ConsumerRecord(
+        topics.BATCH_REQUESTS, 0, 7, 0, 0, b"b1", line, None, 2, len(line), headers
+    )
+    try:
+        await admission._admit(record, 0)
+    finally:
+        await admission.consumer.stop()  # never started: closed for their finalizers
+        await admission.producer.stop()
+    assert answers.sent == [] and marks.marked == ["0:7"]
