@@ -72,7 +72,9 @@ class PartitionBook:
     closed: set[bytes] = field(default_factory=set)  # published as closed
     sending: set[bytes] = field(default_factory=set)  # taken by a publication under way
     housekept_at: float = 0.0
-    read_at: float = 0.0  # monotonic: when a record of it was last read
+    # Monotonic: when a record of it was last read; a new book (a start, a rebalance)
+    # counts as read now, so the backlog it may have is read before the clock closes.
+    read_at: float = field(default_factory=lambda: monotonic())
     # Its partition revoked, and this member not yet told whether it keeps it: not
     # published meanwhile (its new owner may be counting it, and what this one had
     # would end a window with fewer than were counted).
@@ -197,7 +199,7 @@ class RollupTables:
             stored = table.get(name)
             if stored is None:
                 continue  # taken by a rebalance meanwhile
-            closed = name in ended
+            closed = name in ended or name in book.closed  # closed stays closed
             await self._publish(name, _summary(stored, closed))
             if closed:
                 book.closed.add(name)

@@ -53,3 +53,11 @@ def test_a_summary_time_and_an_absent_one() -> None:
         messages=[],
     ).model_dump(mode="json")
     assert untimed["summary_until"] is None
+
+
+def test_the_openapi_schema_says_date_time() -> None:
+    """Clients generated from the schema type these as times, not strings."""
+    shown = ConversationWithMessages.model_json_schema(mode="serialization")
+    fields = shown["properties"]
+    assert fields["created_at"] == {"format": "date-time", "title": "Created At", "type": "string"}
+    assert {"format": "date-time", "type": "string"} in fields["summary_until"]["anyOf"]

@@ -147,3 +147,13 @@ async def test_a_job_prompt_expires_when_nobody_waits_for_it_any_more() -> None:
     (prompt,) = sent
     assert prompt.deadline_ms is not None
     assert before + JOB_WAIT_S * 1000 <= prompt.deadline_ms <= now_ms() + JOB_WAIT_S * 1000
+
+
+async def test_each_summary_try_has_its_own_request_id() -> None:
+    """The id was the conversation's and the cut's: a try that expired unrun left its
+    done mark, and the next try of the same cut was dropped by the workers unanswered."""
+    jobs, asked = jobs_with(Redis(), [None, None])
+    turn = Message(id="m1", role="user", content="Hello", status="sent", created_at=AT)
+    for _ in range(2):
+        await jobs._summary("u", UNTITLED, None, [turn], False)
+    assert len(set(asked)) == 2, asked

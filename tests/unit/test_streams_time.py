@@ -155,3 +155,51 @@ async def test_a_partition_still_catching_up_closes_its_windows_by_its_records(
         clock[0] += CLOSE_GRACE_MS / 1000  # nothing more came: the clock closes it
         await tables.publish_changes()
         assert (sink.rollups[second]["requests"], sink.rollups[second]["closed"]) == (1, True)
+
+
+async def test_a_window_once_published_closed_is_never_published_open_again(
+    short_memory: tuple[faust.App, Sink],  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Closed by the clock on a quiet partition, then changed by a late record (a copy a
+    worker re-sent): published "closed": false, its last record, for good."""
+    app, sink = short_memory
+    tables = rollup_tables(app)
+    tables.quiet_s = CLOSE_GRACE_MS / 1000
+    clock = [1_000.0]
+    monkeypatch.setattr("streams.tables.monotonic", lambda: clock[0])
+    old = (now_ms() // 3_600_000 - 3) * 3_600_000
+    minute = f"user/ada/1m/{old}"
+    async with app.agents["rollups-by-user"].test_context() as agent:
+        await agent.put(encode(usage("a", at=old + 30_000)))
+        clock[0] += CLOSE_GRACE_MS / 1000
+        await tables.publish_changes()
+        assert sink.rollups[minute]["closed"] is True
+        await agent.put(encode(usage("late", at=old + 40_000)))
+        await tables.publish_changes()
+    assert (sink.rollups[minute]["requests"], sink.rollups[minute]["closed"]) == (2, True)
+
+
+async def test_a_partition_just_taken_over_is_not_closed_by_the_clock_before_its_backlog(
+    short_memory: tuple[faust.App, Sink],  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """After a restart, its book new: a publication before the first record of its
+    backlog was read closed the minute the crash cut short, with what it had then."""
+    app, sink = short_memory
+    tables = rollup_tables(app)
+    old = await hours_behind_with_a_restart_of_now(app)
+    (partition,) = {p for d, p in tables._books if d == "model"}
+    changelog = table_contents(app)
+    await rebalance(app, set())
+    tables.quiet_s = CLOSE_GRACE_MS / 1000
+    clock = [1_000.0]
+    monkeypatch.setattr("streams.tables.monotonic", lambda: clock[0])
+    recover(app, changelog)
+    await rebalance(app, {partition})
+    sink.rollups.clear()
+    await tables.publish_changes()  # before the backlog is read
+    assert sink.rollups[f"model/smollm2/1m/{old}"]["closed"] is False
+    clock[0] += CLOSE_GRACE_MS / 1000  # then nothing comes
+    await tables.publish_changes()
+    assert sink.rollups[f"model/smollm2/1m/{old}"]["closed"] is True

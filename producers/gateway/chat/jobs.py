@@ -250,7 +250,9 @@ class ConversationJobs:
         lines = [(m.role, m.content) for m in turns]
         job = PromptJob(
             "summary",
-            f"summary_{conversation.id}_{int(until.timestamp() * 1000)}",
+            # An id per try: a try that expired unrun is done for the workers, and the
+            # next post with the same cut waited JOB_WAIT_S on it for nothing.
+            f"summary_{conversation.id}_{int(until.timestamp() * 1000)}_{uuid.uuid4().hex[:12]}",
             SUMMARY_INSTRUCTION,
             await asyncio.to_thread(transcript, lines, previous, fits),
             SUMMARY_TOKENS,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, PlainSerializer
+from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, WithJsonSchema
 from pydantic.json_schema import SkipJsonSchema
 
 TITLE_MAX = 200  # a title the user chooses
@@ -23,7 +23,13 @@ def utc_ms(at: dt.datetime) -> str:
     return f"{at:%Y-%m-%dT%H:%M:%S}.{at.microsecond // 1000:03d}Z"
 
 
-Timestamp = Annotated[dt.datetime, PlainSerializer(utc_ms, return_type=str, when_used="json")]
+Timestamp = Annotated[
+    dt.datetime,
+    PlainSerializer(utc_ms, return_type=str, when_used="json"),
+    # Still a date-time to clients generated from the OpenAPI schema (the serializer
+    # alone made it a plain string there).
+    WithJsonSchema({"type": "string", "format": "date-time"}, mode="serialization"),
+]
 
 
 def provisional_title(first_message: str) -> str | None:
