@@ -25,6 +25,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from producers.gateway.timed_stream import ABORT
 from schemas.errors import error_body
 
 DISCONNECT: Message = {"type": "http.disconnect"}
@@ -183,6 +184,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._oversized = size > self.max_head_bytes
         if not self._oversized:  # else the request never reaches the app
             super().on_headers_complete()
+            self.scope.setdefault("extensions", {})[ABORT] = self.transport.abort
 
     def on_body(self, body: bytes) -> None:
         if not self._oversized:

@@ -165,7 +165,7 @@ class ReplyStream(TimedStream):
             return
         body = StreamingResponse.__call__(self, scope, receive, timed)
         if not await self._until_drained(body):
-            await self._end_drained(send, timed.started)
+            await self._end_drained(timed, timed.started)  # a stalled client too
 
     async def _ended(self) -> None:
         self.slot.release()

@@ -15,6 +15,11 @@ from starlette.types import Message, Receive, Scope, Send
 log = logging.getLogger(__name__)
 
 
+# A scope extension the gateway's protocol sets (limits.BoundedHttpToolsProtocol): drops
+# the connection at once, unsent bytes and all.
+ABORT = "tandoor.abort"
+
+
 class ClientTooSlow(Exception):
     pass
 
@@ -56,6 +61,10 @@ class TimedStream(StreamingResponse):
                 scope.get("client"),
                 self.write_timeout_s,
             )
+            # Closed, a socket with unsent bytes stays open until the client reads them,
+            # which a stalled one never does: a descriptor and its buffers per cut-off.
+            if abort := scope.get("extensions", {}).get(ABORT):
+                abort()
         finally:
             await self._ended()
 

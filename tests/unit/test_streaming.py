@@ -204,3 +204,26 @@ async def test_a_body_cut_short_at_a_frame_is_closed(cut_by: str) -> None:
         stream = ReplyStream(body, slots.take(), write_timeout_s=0.2, headers={})
         await asyncio.wait_for(stream(SCOPE, never_disconnects, sent), 5)
         assert closed.is_set() and slots.open == 0
+
+
+async def test_a_drain_does_not_wait_on_a_client_that_stopped_reading() -> None:
+    """The drain's closing comment was written without the write timeout: a client that
+    had stopped reading held the request, and the replica's drain, until uvicorn gave
+    up on it."""
+    slots, blocked = StreamSlots(1), asyncio.Event()
+
+    async def frames() -> AsyncIterator[str]:
+        yield "data: token\n\n"
+        await blocked.wait()
+        slots.draining.set()  # SIGTERM, while the socket's buffer is full
+        await asyncio.Event().wait()
+
+    async def full_after_the_first(message: Message) -> None:
+        if message["type"] == "http.response.body" and blocked.is_set():
+            await asyncio.Event().wait()  # never drains
+        if message["type"] == "http.response.body":
+            blocked.set()
+
+    stream = ReplyStream(frames(), slots.take(), write_timeout_s=0.2, headers={})
+    await asyncio.wait_for(stream(SCOPE, never_disconnects, full_after_the_first), 5)
+    assert slots.open == 0
