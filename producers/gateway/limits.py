@@ -184,7 +184,9 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._oversized = size > self.max_head_bytes
         if not self._oversized:  # else the request never reaches the app
             super().on_headers_complete()
-            self.scope.setdefault("extensions", {})[ABORT] = self.transport.abort
+            extensions: dict[str, Any] = dict(self.scope.get("extensions") or {})
+            extensions[ABORT] = self.transport.abort
+            self.scope["extensions"] = extensions
 
     def on_body(self, body: bytes) -> None:
         if not self._oversized:
