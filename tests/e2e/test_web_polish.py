@@ -78,7 +78,13 @@ async def test_a_reply_stopped_before_any_text_says_so(stack: Stack, page: Page)
     try:
         await ask(page, "Tell me about the moon.")
         await expect(page.locator(".message.assistant.streaming")).to_have_count(1)
-        await page.get_by_role("button", name="Stop").click()
+        # Woken before the gateway had the stop, the worker took the prompt and streamed
+        # a first word ("Tell") before the cancel reached it.
+        async with page.expect_response(
+            lambda r: r.request.method == "POST" and r.url.endswith("/stop")
+        ) as stopping:
+            await page.get_by_role("button", name="Stop").click()
+        assert (await stopping.value).status == 202
     finally:
         worker.proc.send_signal(signal.SIGCONT)
     await replies_over(page, 1)
