@@ -31,28 +31,26 @@ def test_times_are_utc_to_the_millisecond_and_read_back_the_same() -> None:
     assert listed(other_zone)["created_at"] == shown
 
 
-def test_a_summary_time_and_an_absent_one() -> None:
-    whole = ConversationWithMessages(
+def with_messages(summary_until: dt.datetime | None) -> dict[str, object]:
+    at = ON_THE_SECOND
+    made = ConversationWithMessages(
         id="c_1",
         model="m",
         title=None,
-        created_at=ON_THE_SECOND,
-        updated_at=ON_THE_SECOND,
+        created_at=at,
+        updated_at=at,
         messages=[],
-        summary="s",
-        summary_until=ON_THE_SECOND,
-    ).model_dump(mode="json")
+        summary="s" if summary_until else None,
+        summary_until=summary_until,
+    )
+    return dict(made.model_dump(mode="json"))
+
+
+def test_a_summary_time_and_an_absent_one() -> None:
+    whole = with_messages(ON_THE_SECOND)
     assert whole["summary_until"] == "2026-12-07T06:00:01.000Z"
     assert whole["created_at"] == "2026-12-07T06:00:01.000Z"
-    untimed = ConversationWithMessages(
-        id="c_1",
-        model="m",
-        title=None,
-        created_at=ON_THE_SECOND,
-        updated_at=ON_THE_SECOND,
-        messages=[],
-    ).model_dump(mode="json")
-    assert untimed["summary_until"] is None
+    assert with_messages(None)["summary_until"] is None
 
 
 def test_the_openapi_schema_says_date_time() -> None:

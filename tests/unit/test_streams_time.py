@@ -128,6 +128,15 @@ async def test_a_restart_of_the_app_mid_catch_up_does_not_make_the_usage_late_ag
     assert sink.rollups[f"model/smollm2/1m/{old + 60_000}"]["requests"] == 3
 
 
+def quiet_rule_on_a_clock(app: faust.App, monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The real rule for closing by the clock (only where nothing came for the grace),
+    on a monotonic clock the test moves: [seconds]."""
+    rollup_tables(app).quiet_s = CLOSE_GRACE_MS / 1000
+    clock = [1_000.0]
+    monkeypatch.setattr("streams.tables.monotonic", lambda: clock[0])
+    return clock
+
+
 async def test_a_partition_still_catching_up_closes_its_windows_by_its_records(
     short_memory: tuple[faust.App, Sink],  # noqa: F811
     monkeypatch: pytest.MonkeyPatch,
@@ -138,9 +147,7 @@ async def test_a_partition_still_catching_up_closes_its_windows_by_its_records(
     only where nothing came for the grace period."""
     app, sink = short_memory
     tables = rollup_tables(app)
-    tables.quiet_s = CLOSE_GRACE_MS / 1000
-    clock = [1_000.0]
-    monkeypatch.setattr("streams.tables.monotonic", lambda: clock[0])
+    clock = quiet_rule_on_a_clock(app, monkeypatch)
     old = (now_ms() // 3_600_000 - 3) * 3_600_000
     first, second = f"user/ada/1m/{old}", f"user/ada/1m/{old + 60_000}"
     async with app.agents["rollups-by-user"].test_context() as agent:
@@ -165,9 +172,7 @@ async def test_a_window_once_published_closed_is_never_published_open_again(
     worker re-sent): published "closed": false, its last record, for good."""
     app, sink = short_memory
     tables = rollup_tables(app)
-    tables.quiet_s = CLOSE_GRACE_MS / 1000
-    clock = [1_000.0]
-    monkeypatch.setattr("streams.tables.monotonic", lambda: clock[0])
+    clock = quiet_rule_on_a_clock(app, monkeypatch)
     old = (now_ms() // 3_600_000 - 3) * 3_600_000
     minute = f"user/ada/1m/{old}"
     async with app.agents["rollups-by-user"].test_context() as agent:
@@ -192,9 +197,7 @@ async def test_a_partition_just_taken_over_is_not_closed_by_the_clock_before_its
     (partition,) = {p for d, p in tables._books if d == "model"}
     changelog = table_contents(app)
     await rebalance(app, set())
-    tables.quiet_s = CLOSE_GRACE_MS / 1000
-    clock = [1_000.0]
-    monkeypatch.setattr("streams.tables.monotonic", lambda: clock[0])
+    clock = quiet_rule_on_a_clock(app, monkeypatch)
     recover(app, changelog)
     await rebalance(app, {partition})
     sink.rollups.clear()
