@@ -11,8 +11,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from infra.errors import InfraError
+from infra.process import port_open
 from infra.role_pids import RolePids
 from infra.roles import RoleProcess, prune_role_logs, terminate_all
+from tandoor.settings import Settings
 
 # Ctrl-C, a closed terminal or SSH session, `kill`: without a handler SIGHUP ended the
 # job before its teardown, leaving every role (a worker holds GBs) running unseen.
@@ -34,6 +37,27 @@ class Servers(Protocol):
 
     def gone(self) -> str | None:
         """What says a server has exited (its name and log), if one has."""
+
+
+def check_free_to_run(settings: Settings, pids: RolePids) -> None:
+    """Refused before anything starts: a second run with this home (it started every
+    role again, a second worker per model joining the first run's groups) and a port
+    another program holds (found when the gateway failed to bind, minutes later)."""
+    if (job := pids.running_job()) is not None:
+        raise InfraError(
+            f"a `tandoor run` (pid {job}) is already running with {settings.home}: "
+            "stop it first (Ctrl-C there, or `kill` it)"
+        )
+    ports = [
+        (settings.gateway_port, "TANDOOR_GATEWAY_PORT"),
+        (settings.streams_web_port, "TANDOOR_STREAMS_WEB_PORT"),
+    ]
+    for port, name in ports:
+        if port_open(settings.host, port):
+            raise InfraError(
+                f"port {settings.host}:{port} ({name}) is taken by another process: "
+                "stop it, or set another port"
+            )
 
 
 def run_main_job(

@@ -63,6 +63,11 @@ class RolePids:
         """The log stems of the noted roles still running (another job's)."""
         return {role.name for role in self.noted() if _running(role.pid, role.started)}
 
+    def running_job(self) -> int | None:
+        """The pid of another job still running whose roles are noted here, if any."""
+        jobs = {(r.job, r.job_started) for r in self.noted() if r.job != os.getpid()}
+        return next((job for job, started in sorted(jobs) if _running(job, started)), None)
+
     def stop_orphans(self) -> list[str]:
         """Stop the roles whose job is gone; those of a running job are left alone."""
         stopped = []

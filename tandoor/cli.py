@@ -108,7 +108,7 @@ def bootstrap_command() -> None:
 def run() -> None:
     """The main job: servers, a worker per model, persistence, batch admission, streams,
     gateway; Ctrl-C stops all."""
-    from infra.main_job import run_main_job
+    from infra.main_job import check_free_to_run, run_main_job
     from infra.role_pids import RolePids
     from infra.roles import (
         AdmissionProcess,
@@ -146,6 +146,7 @@ def run() -> None:
         typer.echo("Press Ctrl-C to stop everything.")
 
     pids = RolePids(settings.home / "run")
+    _guard(lambda: check_free_to_run(settings, pids))
     job = lambda: run_main_job(stack, roles, _bootstrap, announce, typer.echo, pids=pids)  # noqa: E731
     code = _guard(job)
     raise typer.Exit(code)

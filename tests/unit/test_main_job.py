@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -13,11 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from infra.errors import StartError
-from infra.main_job import STOP_SIGNALS, run_main_job
-from infra.process import process_alive
+from infra.errors import InfraError, StartError
+from infra.main_job import STOP_SIGNALS, check_free_to_run, run_main_job
+from infra.process import process_alive, start_time
 from infra.role_pids import RolePids
 from infra.roles import RoleProcess, prune_role_logs
+from tandoor.settings import Settings
 
 TOY = """
 import sys, time
@@ -220,12 +222,14 @@ def test_roles_of_a_killed_job_are_stopped_by_the_next_one(toys: Path) -> None:
     pids = RolePids(toys / "run")
     (noted,) = pids.noted()
     assert pids.stop_orphans() == [], "the job runs: its roles are its own"
+    assert pids.running_job() == job.pid  # a second run is refused meanwhile
     job.kill()
     job.wait()
     job.stdout.close()
     assert process_alive(noted.pid), "the role outlived its job"
     assert pids.stop_orphans() == [noted.name]
     assert not process_alive(noted.pid) and pids.noted() == []
+    assert pids.running_job() is None
 
 
 def test_each_run_prunes_the_role_logs_of_earlier_runs_but_the_newest(tmp_path: Path) -> None:
@@ -248,3 +252,24 @@ def test_each_run_prunes_the_role_logs_of_earlier_runs_but_the_newest(tmp_path: 
         "gateway-spare.log",
         "persist-bbbbb1.log",
     ]
+
+
+def test_a_second_run_or_a_taken_port_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    """A second `tandoor run` with the same home started every role again (a second
+    worker per model joining the first run's groups), and a gateway port held by another
+    program was found only when the gateway failed to bind, after minutes of start-up:
+    either ended in a gateway log tail that named neither."""
+    pids = RolePids(tmp_path / "run")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        settings = Settings(gateway_port=taken.getsockname()[1])
+        with pytest.raises(InfraError, match=r"\(TANDOOR_GATEWAY_PORT\) is taken"):
+            check_free_to_run(settings, pids)
+    check_free_to_run(settings, pids)  # the port free again
+    pids.dir.mkdir(parents=True)
+    job = os.getppid()  # a process that runs: the job that noted this role
+    line = f"{os.getpid()} {start_time(os.getpid())} {job} {start_time(job)}"
+    (pids.dir / "gateway-1.pid").write_text(line)
+    with pytest.raises(InfraError, match=rf"a `tandoor run` \(pid {job}\) is already running"):
+        check_free_to_run(settings, pids)
