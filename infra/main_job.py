@@ -140,4 +140,4 @@ def until_one_exits(roles: Sequence[RoleProcess], servers: Servers, poll_s: floa
 async def _all_ready(roles: Sequence[RoleProcess], say: Callable[[str], None]) -> None:
     await asyncio.gather(*(role.wait_ready() for role in roles))
     for role in roles:
-        say(f"{role.name} ready (metrics http://127.0.0.1:{role.ops_port()}/metrics)")
+        say(f"{role.name} ready (metrics {role.ops_url()})")

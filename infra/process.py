@@ -64,7 +64,14 @@ class ServerProcess:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # outlives the CLI; Ctrl-C is ours to forward
             )
-        self.pid_file.write_text(f"{proc.pid} {start_time(proc.pid)}")
+        try:
+            self.pid_file.write_text(f"{proc.pid} {start_time(proc.pid)}")
+        except OSError as exc:  # a full disk, say: not left running untracked
+            stop_group(proc.pid, 5)
+            proc.wait()
+            with contextlib.suppress(OSError):
+                self.pid_file.unlink(missing_ok=True)
+            raise StartError(f"{self.name}: cannot write {self.pid_file} ({exc})") from exc
         self._child = proc
         return proc.pid
 

@@ -134,10 +134,17 @@ class RoleProcess:
 
     def ops_port(self) -> int:
         """The port of its /metrics, /health and /ready, as its log announced it."""
+        return int(self._ops_address().group(2))
+
+    def ops_url(self) -> str:
+        """Its /metrics URL, as its log announced it (on the host it was told to bind)."""
+        return self._ops_address().group(1)
+
+    def _ops_address(self) -> re.Match[str]:
         found = OPS_ADDRESS.search(self.log())
         if found is None:
             raise RuntimeError(f"{self.name} never logged its metrics address")
-        return int(found.group(1))
+        return found
 
     def kill(self) -> None:
         """kill -9 the whole process tree (a worker's vLLM engine core is a child)."""
@@ -184,7 +191,7 @@ class RoleProcess:
 
 # Any host the role was told to bind (a name too: a dotted address alone was read, and
 # `tandoor run` with TANDOOR_HOST=localhost failed once every role had started).
-OPS_ADDRESS = re.compile(r"metrics on http://[^\s/]+:(\d+)/metrics")
+OPS_ADDRESS = re.compile(r"metrics on (http://[^\s/]+:(\d+)/metrics)")
 
 
 class WorkerProcess(RoleProcess):

@@ -123,3 +123,29 @@ def test_a_free_port_is_found_where_outgoing_connections_use_every_port(
     monkeypatch.setattr("infra.process.outgoing_ports", lambda: (1024, 65535))
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", free_port()))
+
+
+def test_a_pid_file_that_cannot_be_written_stops_the_server_it_launched(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full disk: the server started, its pid file failed to write, and the run ended
+    in a traceback with the server running untracked (the next run found its port
+    taken by "a process Tandoor did not start", and `infra down` knew nothing of it)."""
+    proc = server(tmp_path)
+    launched: list[subprocess.Popen[bytes]] = []
+    popen = subprocess.Popen
+
+    def recorded(*args: object, **kwargs: object) -> subprocess.Popen[bytes]:
+        launched.append(popen(*args, **kwargs))  # type: ignore[call-overload]
+        return launched[-1]
+
+    def disk_full(*_: object, **__: object) -> int:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(subprocess, "Popen", recorded)
+    monkeypatch.setattr(Path, "write_text", disk_full)
+    script = "import time; time.sleep(60)"
+    with pytest.raises(StartError, match=r"toy: cannot write .*No space left on device"):
+        proc.launch([sys.executable, "-c", script], cwd=tmp_path)
+    (child,) = launched
+    assert child.wait(timeout=10) is not None  # stopped, not left running
