@@ -127,7 +127,7 @@ async def test_stop_pressed_as_the_reply_ends_says_nothing_went_wrong(
     conversation = await page.locator(
         '#conversation-list button[aria-current="true"]'
     ).get_attribute("data-id")
-    await page.get_by_role("button", name="Stop").click()  # held on its way
+    await page.get_by_role("button", name="Stop", exact=True).click()  # held on its way
     async with httpx.AsyncClient(base_url=stack.url, timeout=120) as http:  # another tab's
         stopped = await http.post(f"/v1/conversations/{conversation}/stop", headers=headers)
         assert stopped.status_code == 202, stopped.text
@@ -158,7 +158,7 @@ async def test_stop_answered_none_running_while_the_reply_runs_on_says_so(
         await redis.delete(inflight_key(conversation))
     finally:
         await redis.aclose()
-    await page.get_by_role("button", name="Stop").click()
+    await page.get_by_role("button", name="Stop", exact=True).click()
     notice = page.locator("#notice")
     await expect(notice).to_contain_text("no reply is being generated", timeout=30_000)
 
@@ -180,7 +180,7 @@ async def test_a_new_chats_header_keeps_its_opening_words_while_its_first_reply_
     await reply_streaming(page)
     await expect(page.locator('#conversation-list button[aria-current="true"]')).to_have_count(1)
     await expect(page.locator("#chat-title")).to_have_text(LONG)
-    await page.get_by_role("button", name="Stop").click()
+    await page.get_by_role("button", name="Stop", exact=True).click()
     await replies_over(page, 1)
 
 
@@ -227,10 +227,10 @@ async def test_the_keyboard_focus_stays_where_the_reader_is(stack: Stack, page: 
     await page.route(REGENERATE, posted_with({"max_tokens": 150, "ignore_eos": True}))
     await page.get_by_role("button", name="Regenerate").focus()
     await page.keyboard.press("Enter")
-    await expect(page.get_by_role("button", name="Stop")).to_be_focused()
+    await expect(page.get_by_role("button", name="Stop", exact=True)).to_be_focused()
     listed = page.locator(f'#conversation-list button[data-id="{other}"]')
     await listed.focus()  # moving through the chats while the reply runs
-    await expect(page.get_by_role("button", name="Stop")).to_be_visible()
+    await expect(page.get_by_role("button", name="Stop", exact=True)).to_be_visible()
     await replies_over(page, 1)  # its end rebuilt the list
     await expect(listed).to_be_focused()
     page.once("dialog", lambda dialog: asyncio.ensure_future(dialog.accept()))
@@ -263,7 +263,7 @@ async def test_an_edit_refused_while_another_tabs_reply_runs_shows_it_and_keeps_
             await page.get_by_label("Edited message").fill("Say hello.")
             await page.get_by_role("button", name="Save and rerun").click()
             await expect(page.locator("#notice")).to_contain_text("being generated")
-            await expect(page.get_by_role("button", name="Stop")).to_be_visible()
+            await expect(page.get_by_role("button", name="Stop", exact=True)).to_be_visible()
             await expect(page.locator(".message.assistant.streaming")).to_have_count(1)
             await expect(page.get_by_label("Edited message")).to_have_value("Say hello.")
         finally:

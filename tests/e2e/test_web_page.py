@@ -52,7 +52,7 @@ async def test_chat_stop_regenerate_and_reload(stack: Stack, page: Page) -> None
     await reply_streaming(page)
     stopped = page.locator(".message.assistant").last
     await expect(stopped).to_have_attribute("aria-busy", "true")
-    await page.get_by_role("button", name="Stop").focus()
+    await page.get_by_role("button", name="Stop", exact=True).focus()
     await page.keyboard.press("Enter")
     await replies_over(page, 2)
     await expect(stopped.locator(".meta")).to_contain_text("stopped")

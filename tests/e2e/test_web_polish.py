@@ -83,7 +83,7 @@ async def test_a_reply_stopped_before_any_text_says_so(stack: Stack, page: Page)
         async with page.expect_response(
             lambda r: r.request.method == "POST" and r.url.endswith("/stop")
         ) as stopping:
-            await page.get_by_role("button", name="Stop").click()
+            await page.get_by_role("button", name="Stop", exact=True).click()
         assert (await stopping.value).status == 202
     finally:
         worker.proc.send_signal(signal.SIGCONT)
@@ -302,7 +302,7 @@ async def test_a_chat_whose_reply_never_came_asks_for_it_once(stack: Stack, page
     await page.wait_for_timeout(2500)  # and then no more (it looked once a second)
     assert await opened_times() == 6, asked
     assert sum(url.endswith("/stream") for url in asked) == 1, asked
-    await expect(page.get_by_role("button", name="Send")).to_be_visible()
+    await expect(page.get_by_role("button", name="Send", exact=True)).to_be_visible()
     # Said, and Regenerate offered: with no reply to regenerate it was hidden, and the
     # question, sent again, was stored twice.
     await expect(page.locator("#notice")).to_contain_text("No reply to your last message yet")
@@ -376,7 +376,7 @@ async def test_regenerating_a_question_left_unanswered_keeps_the_earlier_reply(
     await page.reload()
     await page.locator(f'#conversation-list button[data-id="{conversation_id}"]').click()
     await expect(page.locator(".message.user .body")).to_have_text(["Say hi.", "Name a colour."])
-    send = page.get_by_role("button", name="Send")
+    send = page.get_by_role("button", name="Send", exact=True)
     await expect(send).to_be_visible(timeout=30_000)  # done looking for its reply
     earlier = await page.locator(".message.assistant .body").inner_text()
     await page.get_by_role("button", name="Regenerate").click()

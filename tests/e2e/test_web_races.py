@@ -57,7 +57,7 @@ async def test_an_input_methods_enter_and_escape_neither_send_nor_stop(
     await count_stops(page)
     after = await page.evaluate(COMPOSING_KEY, ["Escape", legacy])
     assert after["stops"] == 0 and await stops(page) == []
-    await page.get_by_role("button", name="Stop").click()
+    await page.get_by_role("button", name="Stop", exact=True).click()
     await replies_over(page, 1)
 
 
@@ -153,7 +153,7 @@ async def test_a_stop_pressed_before_the_reply_starts_stops_it(
     if escape:
         await page.keyboard.press("Escape")
     else:
-        await page.get_by_role("button", name="Stop").click()
+        await page.get_by_role("button", name="Stop", exact=True).click()
     stop_pressed.set()
     await replies_over(page, 1 if new_chat else 2)
     await expect(page.locator("#notice")).to_be_hidden()
@@ -317,7 +317,7 @@ async def test_the_streaming_chat_clicked_again_before_another_loads_stays_shown
     )
     await expect(page.locator(".message.user .body")).to_have_text([LONG])
     await expect(current).to_have_attribute("data-id", str(streaming))
-    await page.get_by_role("button", name="Stop").click()
+    await page.get_by_role("button", name="Stop", exact=True).click()
 
 
 async def test_a_message_refused_while_another_tabs_reply_runs_shows_that_reply_and_stop(
@@ -340,7 +340,7 @@ async def test_a_message_refused_while_another_tabs_reply_runs_shows_that_reply_
                 assert other_tab.status_code == 200  # its start event came: the tab closes
             await ask(page, "Name a fruit.")
             await expect(page.locator("#notice")).to_contain_text("being generated")
-            await expect(page.get_by_role("button", name="Stop")).to_be_visible()
+            await expect(page.get_by_role("button", name="Stop", exact=True)).to_be_visible()
             await expect(page.locator(".message.assistant.streaming")).to_have_count(1)
         finally:
             worker.proc.send_signal(signal.SIGCONT)

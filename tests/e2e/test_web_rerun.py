@@ -66,8 +66,8 @@ async def test_a_chat_reopened_while_its_regenerated_reply_runs_follows_it(
     await page.locator(f'#conversation-list button[data-id="{running}"]').click()
     await expect(page.locator(".message.assistant")).to_have_count(1)
     await expect(page.locator(".message.assistant .body")).not_to_be_empty()
-    await expect(page.get_by_role("button", name="Stop")).to_be_visible()
-    await page.get_by_role("button", name="Stop").click()
+    await expect(page.get_by_role("button", name="Stop", exact=True)).to_be_visible()
+    await page.get_by_role("button", name="Stop", exact=True).click()
     await replies_over(page, 1)
     await expect(page.locator(".message.assistant")).to_have_count(1)
 

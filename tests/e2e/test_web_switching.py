@@ -166,7 +166,7 @@ async def test_a_chat_deleted_in_another_tab_is_left_for_a_new_one(
     await expect(page.locator("#notice")).to_contain_text("not found")
     await expect(page.locator(".message")).to_have_count(0)  # a new chat's empty page
     await expect(page.get_by_label("Message", exact=True)).to_have_value("Say bye.")
-    await page.get_by_role("button", name="Send").click()  # sent again: to a new chat
+    await page.get_by_role("button", name="Send", exact=True).click()  # sent again: to a new chat
     await replies_over(page, 1)
     await expect(page.locator(".message.user .body")).to_have_text(["Say bye."])
     await expect(page.locator("#conversation-list button")).to_have_count(1)
