@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import pytest
 from playwright.async_api import Page, Route, expect
@@ -19,6 +20,11 @@ from tests.e2e.stalling_proxy import StallingProxy
 pytestmark = pytest.mark.integration
 
 MESSAGES = "**/v1/conversations/*/messages"
+
+
+def one_conversation(url: str) -> bool:
+    """GET /v1/conversations/{id}: the chat as stored."""
+    return re.search(r"/v1/conversations/c_[0-9a-f]+$", url) is not None
 
 
 @pytest.mark.parametrize(
@@ -165,3 +171,42 @@ async def test_a_sign_in_whose_chats_cannot_be_listed_says_why(stack: Stack, pag
     await page.unroute("**/v1/conversations?*")
     await page.get_by_role("button", name="Sign in").click()
     await expect(page.locator("#app")).to_be_visible()
+
+
+async def test_no_stop_is_offered_while_an_ended_reply_is_looked_for(
+    stack: Stack, page: Page
+) -> None:
+    """Its answer lost, the reply had ended when the page asked for its stream (a 404:
+    no reply runs), and while the page looked for the stored reply it showed Stop,
+    which stopped nothing (a press flashed "no reply is being generated")."""
+    await sign_in(page, stack)
+    looking, let_go = asyncio.Event(), asyncio.Event()
+
+    async def answer_lost(route: Route) -> None:
+        if route.request.method != "POST":
+            await route.continue_()
+            return
+        short = {**(route.request.post_data_json or {}), "max_tokens": 4}
+        await route.fetch(post_data=json.dumps(short), timeout=0)
+        await route.fulfill(status=502, body="Bad Gateway")
+
+    async def stored_read_held(route: Route) -> None:
+        looking.set()
+        await let_go.wait()
+        await route.continue_()
+
+    async def reply_ended(route: Route) -> None:
+        await page.route(one_conversation, stored_read_held)  # what the page reads next
+        gone = {"error": {"message": "no reply is being generated in this conversation"}}
+        await route.fulfill(status=404, json=gone)
+
+    await page.route(MESSAGES, answer_lost)
+    await page.route("**/v1/conversations/*/stream", reply_ended)
+    await ask(page, "Say hi.")
+    await asyncio.wait_for(looking.wait(), 120)
+    try:
+        await expect(page.get_by_role("button", name="Stop", exact=True)).to_be_hidden()
+    finally:
+        let_go.set()
+    await replies_over(page, 1)
+    await expect(page.locator("#notice")).to_be_hidden()

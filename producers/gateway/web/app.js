@@ -566,6 +566,7 @@ async function resumeFrom(reply) {
     if (reply.left) return;
     if (error instanceof ApiError && error.status === 404) {
       reply.done = true; // it finished meanwhile, or never started
+      $("stop").hidden = true; // nothing runs to stop while its stored reply is looked for
       // The reply is over: a reload that fails is said, not taken as the message refused.
       reply.reloaded = await showWhenStored(reply.conversationId).then(
         () => true,
@@ -681,6 +682,7 @@ function ensureReplyElement(reply, model) {
 // new chat has no id yet) is sent once the reply starts: the reply ran to its end.
 async function stop() {
   const reply = state.reply;
+  if (reply?.done) return; // over (Escape while its stored reply is looked for)
   if (reply && !reply.begun) {
     reply.stopAsked = true;
     return;
