@@ -375,3 +375,22 @@ async def test_an_upload_whose_file_rows_are_refused_leaves_none_of_its_chunks(
     with pytest.raises(NoHostAvailable):
         await FileStore(session).create(upload, b"x" * (2 * CHUNK_BYTES))
     assert await stored_chunks(session, upload.file_id) == 0
+
+
+async def test_a_batchs_output_file_object_is_the_same_on_every_read(
+    session: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its `created_at` was the time of each call, so the same file seemed made anew on
+    every read; it is the batch's, and `bytes` is the file's."""
+    user = f"u-{uuid.uuid4().hex[:8]}"
+    made = StoredBatch(f"b-{user}", user, "f", "/v1/chat/completions", "24h", 2, None, AT, None)
+    service = BatchService(session, make_producer=NO_KAFKA, redis=None)
+    await service.batches.create(made)
+    for name in ("a", "b"):
+        answer(session, made, name, 200)
+    later = dt.datetime.now(dt.UTC) + dt.timedelta(days=1)  # the clock at the read
+    monkeypatch.setattr("producers.gateway.batches.service.utc_now", lambda: later)
+    shown = await service.file(Principal(user, "batch", "k"), f"file-out-{made.batch_id}")
+    assert shown["created_at"] == int(AT.replace(tzinfo=dt.UTC).timestamp())
+    lines = [c async for c in service.batches.output_lines(user, made.batch_id, True)]
+    assert shown["bytes"] == len(b"".join(lines))

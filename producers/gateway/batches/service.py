@@ -138,7 +138,9 @@ class BatchService:
             size = sum([len(chunk) async for chunk in chunks])
             kind = "output" if file_id.startswith(OUTPUT_PREFIX) else "error"
             name = f"{batch.batch_id}_{kind}.jsonl"
-            made = StoredFile(file_id, caller.user_id, "batch_output", name, size, utc_now())
+            # The batch's time: the file is made from its answers when read, and a time of
+            # the call made the same file new on every read.
+            made = StoredFile(file_id, caller.user_id, "batch_output", name, size, batch.created_at)
             return file_object(made)
         return file_object(await self._own_file(caller, file_id))
 
