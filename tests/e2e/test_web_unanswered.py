@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from collections.abc import Awaitable, Callable
 
 import pytest
 from playwright.async_api import Page, Route, expect
@@ -20,6 +21,22 @@ from tests.e2e.stalling_proxy import StallingProxy
 pytestmark = pytest.mark.integration
 
 MESSAGES = "**/v1/conversations/*/messages"
+
+
+def answer_lost(max_tokens: int) -> Callable[[Route], Awaitable[None]]:
+    """A route for MESSAGES: the gateway takes the message and streams its whole reply
+    (short: the page shows nothing meanwhile, and a wait for it sees no progress), and
+    the page gets a 502."""
+
+    async def lost(route: Route) -> None:
+        if route.request.method != "POST":
+            await route.continue_()
+            return
+        short = {**(route.request.post_data_json or {}), "max_tokens": max_tokens}
+        await route.fetch(post_data=json.dumps(short), timeout=0)
+        await route.fulfill(status=502, body="Bad Gateway")
+
+    return lost
 
 
 def one_conversation(url: str) -> bool:
@@ -38,18 +55,7 @@ async def test_a_message_the_gateway_took_is_shown_sent_though_its_answer_was_lo
     while the reply ran out of sight (and, sent again, the question was stored twice).
     Stored redacted, it is not the text sent, and is still found sent."""
     await sign_in(page, stack)
-
-    async def answer_lost(route: Route) -> None:
-        if route.request.method != "POST":
-            await route.continue_()
-            return
-        # The gateway takes it and streams its whole reply (short: the page shows nothing
-        # meanwhile, and a wait for it sees no progress).
-        short = {**(route.request.post_data_json or {}), "max_tokens": 16}
-        await route.fetch(post_data=json.dumps(short), timeout=0)
-        await route.fulfill(status=502, body="Bad Gateway")
-
-    await page.route(MESSAGES, answer_lost)
+    await page.route(MESSAGES, answer_lost(max_tokens=16))
     await ask(page, text)
     await replies_over(page, 1)
     await expect(page.locator(".message.user")).to_have_count(1)
@@ -182,14 +188,6 @@ async def test_no_stop_is_offered_while_an_ended_reply_is_looked_for(
     await sign_in(page, stack)
     looking, let_go = asyncio.Event(), asyncio.Event()
 
-    async def answer_lost(route: Route) -> None:
-        if route.request.method != "POST":
-            await route.continue_()
-            return
-        short = {**(route.request.post_data_json or {}), "max_tokens": 4}
-        await route.fetch(post_data=json.dumps(short), timeout=0)
-        await route.fulfill(status=502, body="Bad Gateway")
-
     async def stored_read_held(route: Route) -> None:
         looking.set()
         await let_go.wait()
@@ -200,7 +198,7 @@ async def test_no_stop_is_offered_while_an_ended_reply_is_looked_for(
         gone = {"error": {"message": "no reply is being generated in this conversation"}}
         await route.fulfill(status=404, json=gone)
 
-    await page.route(MESSAGES, answer_lost)
+    await page.route(MESSAGES, answer_lost(max_tokens=4))
     await page.route("**/v1/conversations/*/stream", reply_ended)
     await ask(page, "Say hi.")
     await asyncio.wait_for(looking.wait(), 120)
