@@ -1,22 +1,26 @@
 """The chat page when a message's answer never reaches it (a dropped connection, a
 proxy's 502, or a refusal that comes once the chat was left): shown sent where the
 gateway took it, back in the composer where not; and a sign-in whose chats could not be
-listed says why. In headless Chromium against the whole stack."""
+listed says why; a resume refused with Retry-After waits as asked. In headless Chromium
+against the whole stack."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import re
+import time
 from collections.abc import Awaitable, Callable
 
+import httpx
 import pytest
 from playwright.async_api import Page, Route, expect
 
 from tests.e2e.browser import ask, replies, replies_over, sign_in
-from tests.e2e.helpers import auth
+from tests.e2e.helpers import auth, stored_reply
 from tests.e2e.stack import BLOCKED_TERM, Stack
 from tests.e2e.stalling_proxy import StallingProxy
+from tests.e2e.test_web_polish import reply_running
 
 pytestmark = pytest.mark.integration
 
@@ -208,3 +212,28 @@ async def test_no_stop_is_offered_while_an_ended_reply_is_looked_for(
         let_go.set()
     await replies_over(page, 1)
     await expect(page.locator("#notice")).to_be_hidden()
+
+
+async def test_a_resume_refused_with_retry_after_waits_as_asked(stack: Stack, page: Page) -> None:
+    """A resume refused by a draining or full replica (503, Retry-After: 3) was tried
+    again after the page's own half-second pause, whatever the gateway asked."""
+    headers = await sign_in(page, stack)
+    async with httpx.AsyncClient(base_url=stack.url, timeout=120) as http:
+        conversation = await reply_running(http, headers)
+        asked_at: list[float] = []
+
+        async def first_refused(route: Route) -> None:
+            asked_at.append(time.monotonic())
+            if len(asked_at) > 1:
+                await route.continue_()
+                return
+            error = {"message": "this gateway replica is shutting down", "type": "x"}
+            await route.fulfill(status=503, json={"error": error}, headers={"Retry-After": "3"})
+
+        await page.route("**/v1/conversations/*/stream", first_refused)
+        await page.reload()  # signed in again with the saved key: the new chat is listed
+        await page.locator(f'#conversation-list button[data-id="{conversation}"]').click()
+        await replies_over(page, 1)
+        await stored_reply(http, headers, conversation)
+    assert len(asked_at) >= 2, asked_at
+    assert asked_at[1] - asked_at[0] >= 3.0, asked_at
