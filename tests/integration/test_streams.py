@@ -283,12 +283,12 @@ async def test_the_analytics_example_reads_the_streams(settings: Settings, kafka
 
 
 async def an_open_minute() -> tuple[int, int]:
-    """Now, and its minute, open 40-60 s more (and 10 s of grace): long enough to see it
+    """Now, and its minute, open 20-60 s more (and 10 s of grace): long enough to see it
     published open and stop the app, the sooner the better (the test waits for it to
     close). Not the next minute: a record stamped ahead of the app's clock is counted
     at most 10 s ahead."""
     left_ms = 60_000 - now_ms() % 60_000
-    if left_ms < 40_000:
+    if left_ms < 20_000:
         await asyncio.sleep(left_ms / 1000)  # the next one, from its start
     at = now_ms()
     return at, at - at % 60_000
