@@ -79,6 +79,10 @@ def choose_eager(requested: bool | None, on_cpu: bool | None = None) -> bool:
     return on_cpu
 
 
+class ModelError(ValueError):
+    """The model cannot be served as configured; the message says why and what to change."""
+
+
 class RequestFailed(RuntimeError):
     """The engine could not serve this one request; it goes on serving others."""
 
@@ -170,7 +174,10 @@ class Engine:
             args = _engine_args(options, dtype.dtype, executor, logging_file)
             # In a thread: loading takes tens of seconds and must not stall the event loop.
             # AsyncLLM binds its asyncio tasks and zmq sockets to a loop lazily, on first use.
-            llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
+            try:
+                llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
+            except ValueError as exc:  # pydantic's ValidationError too: its config checks
+                raise ModelError(f"vLLM refuses this configuration: {_one_line(exc)}") from exc
         log.info("vLLM engine ready in %.1f s", time.monotonic() - started)
         tokenizer, length = llm.get_tokenizer(), llm.model_config.max_model_len
         return cls(llm, tokenizer, length, options.chat_template)
@@ -305,6 +312,10 @@ def _system_in_first_user_turn(conversation: list[dict[str, str]]) -> list[dict[
     if rest and rest[0]["role"] == "user":
         return [{"role": "user", "content": f"{text}\n\n{rest[0]['content']}"}, *rest[1:]]
     return [{"role": "user", "content": text}, *rest]
+
+
+def _one_line(exc: Exception) -> str:
+    return " ".join(str(exc).split())[:1000]
 
 
 def _engine_args(

@@ -8,19 +8,27 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from tandoor.models import ModelConfig
+from tandoor.models import ModelConfig, Speculative
 from tandoor.settings import Settings
 from workers.engine import EngineOptions
+from workers.engine import ModelError as ModelError  # raised here, caught by its callers
 from workers.model_store import resolve_model_dir
 
 log = logging.getLogger(__name__)
 
-# config.json keys that bound the context length, by model family.
-_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
-
-
-class ModelError(ValueError):
-    """The model cannot be served as configured; the message says why and what to change."""
+# config.json keys that bound the context length, by model family, as vLLM reads them:
+# the smallest of those given, unless model_max_length (Command-R) overrides it.
+_LENGTH_KEYS = (
+    "max_position_embeddings",
+    "n_positions",
+    "max_seq_len",
+    "seq_length",
+    "model_max_length",
+    "max_target_positions",
+    "max_sequence_length",
+    "max_seq_length",
+    "seq_len",
+)
 
 
 def prepare_engine(settings: Settings, name: str) -> EngineOptions:
@@ -75,9 +83,10 @@ def engine_options(name: str, config: ModelConfig, model_dir: Path) -> EngineOpt
     """The engine's options for model `name` served from `model_dir`, once its
     configuration is checked against the folder and this machine."""
     hf_config = _hf_config(name, model_dir)
-    _check_length(name, config.max_model_len, hf_config)
-    _check_quantization(name, config.quantization)
+    _check_length(name, config.max_model_len, hf_config, _tokenizer_limit(model_dir))
+    _check_quantization(name, config, hf_config)
     _check_parallelism(name, config.tensor_parallel_size)
+    _check_draft(name, config.speculative)
     kv_mib = config.kv_cache_mib
     return EngineOptions(
         model_dir=model_dir,
@@ -87,7 +96,7 @@ def engine_options(name: str, config: ModelConfig, model_dir: Path) -> EngineOpt
         gpu_memory_utilization=config.memory_share,
         kv_cache_memory_bytes=None if kv_mib is None else kv_mib * 1024 * 1024,
         quantization=config.quantization,
-        quantized=config.quantization is not None or "quantization_config" in hf_config,
+        quantized=config.quantization is not None or _checkpoint_quantization(hf_config) != "",
         tensor_parallel_size=config.tensor_parallel_size,
         executor=config.executor,
         speculative=None if config.speculative is None else config.speculative.vllm_config(),
@@ -107,12 +116,29 @@ def _hf_config(name: str, model_dir: Path) -> dict[str, Any]:
     return config
 
 
-def _check_length(name: str, max_model_len: int, hf_config: dict[str, Any]) -> None:
+def _tokenizer_limit(model_dir: Path) -> int | None:
+    """tokenizer_config.json's model_max_length, which vLLM takes as a cap too (most
+    tokenizers write a "no limit" of 1e30 there)."""
+    try:
+        limit = json.loads((model_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    found = limit.get("model_max_length") if isinstance(limit, dict) else None
+    return found if isinstance(found, int) else None
+
+
+def _check_length(
+    name: str, max_model_len: int, hf_config: dict[str, Any], tokenizer_limit: int | None
+) -> None:
     text_config = hf_config.get("text_config") or hf_config  # multimodal models nest it
     limits = [text_config[k] for k in _LENGTH_KEYS if isinstance(text_config.get(k), int)]
     if not limits:
         return
-    longest = int(min(limits) * _rope_factor(hf_config, text_config))
+    override = text_config.get("model_max_length")
+    derived = override if isinstance(override, int) and override else min(limits)
+    if tokenizer_limit:
+        derived = min(derived, tokenizer_limit)
+    longest = int(derived * _rope_factor(hf_config, text_config))
     if max_model_len > longest:
         raise ModelError(
             f"model {name!r}: max_model_len {max_model_len} is longer than the model's "
@@ -151,16 +177,53 @@ def _rope_parameters(text_config: dict[str, Any]) -> list[dict[str, Any]]:
     return nested or [found]
 
 
-def _check_quantization(name: str, method: str | None) -> None:
-    if method is None:
-        return
-    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+def _checkpoint_quantization(hf_config: dict[str, Any]) -> str:
+    """The method the checkpoint is quantized with ("" for none)."""
+    found = hf_config.get("quantization_config")
+    if not isinstance(found, dict):
+        return ""
+    return str(found.get("quant_method") or "unknown")
 
-    if method not in QUANTIZATION_METHODS:
+
+def _check_quantization(name: str, config: ModelConfig, hf_config: dict[str, Any]) -> None:
+    """A method vLLM does not know, or float32 where the method's kernels take none.
+    A method other than the checkpoint's is vLLM's to judge (it maps some onto others,
+    gptq onto gptq_marlin): its refusal comes as one line from Engine.start."""
+    from vllm.model_executor.layers.quantization import (
+        QUANTIZATION_METHODS,
+        get_quantization_config,
+    )
+
+    method = config.quantization or _checkpoint_quantization(hf_config)
+    if config.quantization is not None and method not in QUANTIZATION_METHODS:
         raise ModelError(
             f"model {name!r}: quantization {method!r} is not one vLLM knows: "
             f"{', '.join(sorted(QUANTIZATION_METHODS))}"
         )
+    if config.dtype != "float32" or method not in QUANTIZATION_METHODS:
+        return
+    try:  # a classmethod for most methods; the others need their config to say
+        supported = get_quantization_config(method).get_supported_act_dtypes()
+    except TypeError:
+        return
+    if all(str(dtype) != "torch.float32" for dtype in supported):
+        takes = ", ".join(str(dtype).removeprefix("torch.") for dtype in supported)
+        raise ModelError(
+            f"model {name!r}: dtype float32 with a quantized model: {method}'s kernels "
+            f"take {takes}; set dtype to auto"
+        )
+
+
+def _check_draft(name: str, speculative: Speculative | None) -> None:
+    """A draft model named by a path must be a model folder; anything else is taken for
+    a Hugging Face id, which vLLM downloads (or fails to, with a traceback)."""
+    draft = speculative.model if speculative is not None else None
+    if draft and draft.startswith(("/", ".", "~")):
+        if not (Path(draft).expanduser() / "config.json").is_file():
+            raise ModelError(
+                f"model {name!r}: speculative decoding's draft model {draft} has no "
+                "config.json: give the folder of a Hugging Face model"
+            )
 
 
 def _check_parallelism(name: str, size: int) -> None:
