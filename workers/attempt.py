@@ -43,6 +43,7 @@ class Attempt:
     recording: bool = False  # each token event goes to the transcript first
     stale_transcript: bool = False  # a record failed: drop it as soon as Redis answers
     lease_asked: float = float("-inf")  # taken unleased: when it last asked (monotonic)
+    arrived_at: float = field(default_factory=time.monotonic)  # when the ledger let it in
     band: str = ""  # the priority band it came from, for the latency metrics
     submitted_ms: float = 0.0
     first_token_ms: float | None = None

@@ -48,7 +48,7 @@ from workers.recording import lease_late, record
 from workers.slot import NoSlot, Waiter
 
 log = logging.getLogger(__name__)
-WAITED_S = 0.05  # a line held this long for token budget may have been cancelled meanwhile
+WAITED_S = 0.05  # a line held this long in the worker may have been cancelled meanwhile
 NO_SLOT = NoSlot()
 
 
@@ -105,6 +105,9 @@ class RequestRunner:
                 if tracked.leased:
                     await self.ledger.delivered(prompt.request_id)
                     tracked.leased = False  # delivered gave the lease back
+                # Only now: a copy waiting on this task skips the prompt and commits it,
+                # and one that skipped while the usage record failed lost that record.
+                tracked.delivered = True
         except LeaseLost:
             log.warning(
                 "%s: another worker took the request over; this attempt stops", prompt.request_id
@@ -255,7 +258,6 @@ class RequestRunner:
         budget = len(token_ids) + max_tokens
         tracked = attempt.tracked
         wake_in_s = attempt.until_deadline_s()
-        asked_at = time.monotonic()
         if not await self.capacity.reserve_tokens(budget, attempt.stops, attempt.band, wake_in_s):
             if tracked.cancelled or tracked.lost:
                 await self._finish(attempt, "cancelled", None)
@@ -266,8 +268,9 @@ class RequestRunner:
             if attempt.expired():
                 await self._finish(attempt, "expired", "the deadline passed in the worker's queue")
                 return
-            # Looked at on arrival only, a batch cancelled while its line waited here ran.
-            waited = time.monotonic() - asked_at > WAITED_S
+            # Looked at on arrival only, a batch cancelled while its line waited here (for
+            # a slot given back, for token budget) ran.
+            waited = time.monotonic() - attempt.arrived_at > WAITED_S
             if waited and await self.ledger.cancelled_by(batch_cancel_of(attempt.prompt)):
                 await self._finish(attempt, "cancelled", None)
                 return
@@ -382,7 +385,6 @@ class RequestRunner:
         ):
             raise LeaseLost(prompt.request_id)
         await self.publisher.final(final, prompt.reply_partition)
-        attempt.tracked.delivered = True
         attempt.usage_due = usage_record(prompt, final)  # sent once the engine is let go
         self.metrics.finished(reason)
         usage = final.usage

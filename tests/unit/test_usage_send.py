@@ -139,3 +139,57 @@ async def test_a_recorded_final_is_delivered_under_a_lease_kept_while_kafka_hold
     finally:
         delivering.cancel()
         await closed(worker)
+
+
+class UsageRefused(Kafka):
+    """The final goes out; Kafka refuses the usage record, once the test lets it."""
+
+    async def usage(self, record: Any) -> None:
+        await self.back.wait()
+        raise RuntimeError("usage refused")
+
+
+class FinishingLedger(Ledger):
+    async def finish(self, request_id: str, attempt: int, final: bytes) -> bool:
+        return True
+
+
+class Finishing(RequestRunner):
+    """The real runner, its engine part answering at once through `_finish`."""
+
+    async def _run(self, attempt: Any) -> None:
+        await self._finish(attempt, "stop", None)
+
+
+async def test_a_copy_waiting_on_a_reply_whose_usage_failed_does_not_commit_it() -> None:
+    """The original was marked answered as its final went out: when its usage record
+    then failed, the copy fetched after a rebalance skipped the prompt and committed
+    past it, and no worker ever sent the usage record."""
+    worker = Worker(Settings(), MODEL, EngineOptions(model_dir=Path(".")))
+    kafka = UsageRefused()
+    worker._runner = Finishing(
+        RunnerConfig(MODEL, 0.1, 16),
+        cast(Any, None),
+        cast(Any, kafka),
+        cast(Any, FinishingLedger()),
+        worker.capacity,
+        worker.metrics,
+    )
+    original, copy = prompt_record(5), prompt_record(5)
+    handled = []
+    for record in (original, copy):
+        worker.capacity.take_seq()
+        worker.intake._taken({TopicPartition(TOPIC, 0): [record]})
+        handled.append(asyncio.create_task(worker._handle(record)))
+        if record is original:  # a rebalance revokes even the partitions a worker keeps
+            await worker.intake.on_partitions_revoked([TopicPartition(TOPIC, 0)])
+    try:
+        await until(lambda: kafka.finals, what="the final out", idle_s=10)
+        kafka.back.set()  # and its usage record refused
+        await asyncio.wait_for(asyncio.gather(*handled), 10)
+        assert worker._failure is not None
+        assert worker.intake.offsets.to_commit() == {(TOPIC, 0): 5}, "committed past it"
+    finally:
+        for task in handled:
+            task.cancel()
+        await closed(worker)
