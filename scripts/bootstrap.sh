@@ -56,6 +56,7 @@ install_virtualenv() {
     log "installing the virtualenv for the $ENGINE engine from $LOCK (first time: several GB, a few minutes)"
     # A venv without pip is one a failed `python3 -m venv` left: made again, not reused.
     [ -x .venv/bin/pip ] || { rm -rf .venv && python3 -m venv .venv; }
+    rm -f "$stamp"  # an install that fails from here on is done again next time
     .venv/bin/pip uninstall -q -y "$OTHER" 2>/dev/null || true
     # The lock was resolved once by hand (docs/operations.md: the click conflict); --no-deps keeps it exact.
     # uv downloads in parallel: about a minute less than pip on a fresh machine; pip
