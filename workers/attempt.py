@@ -7,7 +7,15 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from schemas.events import FinalEvent, PromptRequest, TokenEvent, Usage, UsageRecord, now_ms
+from schemas.events import (
+    FinalEvent,
+    FinishReason,
+    PromptRequest,
+    TokenEvent,
+    Usage,
+    UsageRecord,
+    now_ms,
+)
 from tandoor.policies.redis_keys import batch_cancel_key
 from workers.ledger import Recorded
 
@@ -98,6 +106,31 @@ def usage_of(attempt: Attempt) -> Usage:
         # continues, whose time this worker does not know.
         ttft_ms=None if first is None or attempt.carried else max(0.0, first - created),
         decode_ms=0.0 if first is None else max(0.0, attempt.last_token_ms - first),
+    )
+
+
+def final_of(attempt: Attempt, reason: FinishReason, error: str | None) -> FinalEvent:
+    """The attempt's final event: the whole reply, carried text included."""
+    prompt = attempt.prompt
+    return FinalEvent(
+        request_id=prompt.request_id,
+        attempt=attempt.epoch,
+        seq=attempt.seq,
+        finish_reason=reason,
+        error=error,
+        text="".join(attempt.text),
+        usage=usage_of(attempt),
+        model=prompt.model,
+        user_id=prompt.user_id,
+        tier=prompt.tier,
+        conversation_id=prompt.conversation_id,
+        kind=prompt.kind,
+        created_at_ms=now_ms(),
+        prompt_created_at_ms=prompt.created_at_ms,
+        batch_id=prompt.batch_id,
+        custom_id=prompt.custom_id,
+        store=prompt.store,
+        replaces=prompt.replaces,
     )
 
 

@@ -8,7 +8,8 @@ Another worker that receives the prompt meanwhile (a rebalance moved the partiti
 while its old owner generates) waits: the owner either finishes (the request is done:
 skip it) or its lease lapses (it died) and the waiting worker takes over. Every token
 event is recorded under the lease before it is sent, so a worker that stalled past its
-lease learns it at once and stops: two attempts never publish at the same time. A
+lease learns it at once and stops: two attempts never publish at the same time (one
+that cannot reach Redis stops publishing once its lease may have lapsed). A
 lease that lapsed with no one taking the request since (not done, no later attempt:
 Redis restarted empty, or was out of reach past the lease) is taken again by its
 holder, which goes on: nobody else will run the request, whose offset it holds.
@@ -53,6 +54,7 @@ from tandoor.policies.redis_keys import (
     lease_key,
     reply_key,
 )
+from workers.lease_clock import LeaseClock
 from workers.ledger_scripts import ARRIVE, FINISH, FORGET, LATE, RECORD, RELEASE, RENEW
 from workers.script_batch import BatchedScript
 
@@ -125,6 +127,7 @@ class RequestLedger:
         # must not take it again (the next worker would wait out the lease).
         self._leases_changing = asyncio.Lock()
         self._released: dict[str, float] = {}  # request id: when (monotonic)
+        self.leases = LeaseClock(lease_s)  # each time Redis says a lease is ours
 
     async def arrive(
         self, request_id: str, cancelled_by: str | None = None
@@ -141,6 +144,7 @@ class RequestLedger:
             arrival_key(request_id),
         ]
         args: list[str | int] = [self.owner, self._lease_ms, ATTEMPT_TTL_S, uuid.uuid4().hex]
+        asked = time.monotonic()
         try:
             reply = await self._arrive(keys=keys, args=args)
         except REDIS_DOWN as exc:
@@ -152,6 +156,7 @@ class RequestLedger:
         if kind == "busy":
             return Busy(max(0, int(reply[1])))
         self._released.pop(request_id, None)  # held again: renewed again
+        self.leases.confirmed(request_id, asked)
         attempt, cancelled, entries = int(reply[1]), bool(reply[2]), reply[3]
         transcript = tuple(Recorded.decode(raw) for raw in entries)
         return Arrival(attempt, cancelled, leased=True, transcript=transcript)
@@ -160,12 +165,13 @@ class RequestLedger:
         """Lease a request taken while Redis did not answer (UNLEASED), unless another
         worker took it meanwhile ("lost") or it is done."""
         args: list[str | int] = [self.owner, UNLEASED.attempt, self._lease_ms, ATTEMPT_TTL_S]
+        asked = time.monotonic()
         try:
             taken = int(await self._late(keys=_held_keys(request_id), args=args))
         except REDIS_DOWN as exc:
             log.warning("%s: still not leased, Redis unreachable (%s)", request_id, exc)
             return "down"
-        return "ok" if taken else "lost"
+        return self._held(request_id, asked, bool(taken))
 
     async def record(self, request_id: str, attempt: int, entry: Recorded) -> Recording:
         """Add a token event to the transcript, before it is sent, if the lease is
@@ -180,12 +186,16 @@ class RequestLedger:
             REPLY_TTL_S,
             UNKNOWN_TEXT.encode(),
         ]
+        asked = time.monotonic()
         try:
             result = int(await self._record(keys=keys, args=args))
         except REDIS_DOWN as exc:
             log.warning("%s: transcript not recorded, Redis unreachable (%s)", request_id, exc)
             return "down"
-        return {1: "ok", -1: "lost"}.get(result, "gap")  # type: ignore[return-value]
+        if result == -1:
+            return "lost"
+        self.leases.confirmed(request_id, asked)
+        return "ok" if result == 1 else "gap"
 
     async def forget_transcript(
         self, request_id: str, attempt: int, begun: bool = False
@@ -198,8 +208,11 @@ class RequestLedger:
         keys = [*_held_keys(request_id), reply_key(request_id)]
         marker = UNKNOWN_TEXT.encode() if begun else b""
         args: list[str | int | bytes] = [self.owner, attempt, self._lease_ms, marker, REPLY_TTL_S]
+        asked = time.monotonic()
         try:
-            return "ok" if int(await self._forget(keys=keys, args=args)) else "lost"
+            return self._held(
+                request_id, asked, bool(int(await self._forget(keys=keys, args=args)))
+            )
         except REDIS_DOWN as exc:
             log.warning("%s: transcript not dropped, Redis unreachable (%s)", request_id, exc)
             return "down"
@@ -207,6 +220,7 @@ class RequestLedger:
     async def holds(self, request_id: str, attempt: int) -> Literal["ok", "lost", "down"]:
         """Whether the lease is still ours (which renews it): what a record says besides,
         for an attempt that no longer records."""
+        asked = time.monotonic()
         try:
             held = await self._renew(
                 keys=_held_keys(request_id), args=[self.owner, attempt, self._lease_ms]
@@ -214,7 +228,12 @@ class RequestLedger:
         except REDIS_DOWN as exc:
             log.warning("%s: lease not checked, Redis unreachable (%s)", request_id, exc)
             return "down"
-        return "ok" if int(held) else "lost"
+        return self._held(request_id, asked, bool(int(held)))
+
+    def _held(self, request_id: str, asked: float, held: bool) -> Literal["ok", "lost"]:
+        if held:
+            self.leases.confirmed(request_id, asked)
+        return "ok" if held else "lost"
 
     async def finish(self, request_id: str, attempt: int, final: bytes) -> bool:
         """Mark the request done and keep its final until it is delivered; False if the
@@ -223,8 +242,12 @@ class RequestLedger:
         keys = [*_held_keys(request_id), final_key(request_id), reply_key(request_id)]
         args: list[str | int | bytes] = [self.owner, attempt, self._lease_ms, final]
         args += [ATTEMPT_TTL_S, FINAL_TTL_S]
+        asked = time.monotonic()
         try:
-            return bool(await self._finish(keys=keys, args=args))
+            return (
+                self._held(request_id, asked, bool(await self._finish(keys=keys, args=args)))
+                == "ok"
+            )
         except REDIS_DOWN as exc:
             log.warning("%s: done not recorded, Redis unreachable (%s)", request_id, exc)
             return True
@@ -241,6 +264,7 @@ class RequestLedger:
         """Give the lease back (if it is still ours): another worker may take over now."""
         async with self._leases_changing:
             self._released[request_id] = time.monotonic()
+            self.leases.forget(request_id)
             try:
                 await self._release(keys=[lease_key(request_id)], args=[self.owner])
             except REDIS_DOWN as exc:
@@ -275,7 +299,11 @@ class RequestLedger:
         except NoScriptError as exc:  # restarted between the script check and the calls
             log.warning("leases not renewed, Redis lost its scripts (%s); loaded next time", exc)
             return set()
-        return {rid for rid, ok in zip(held, answers, strict=True) if not int(ok)}
+        return {
+            rid
+            for rid, ok in zip(held, answers, strict=True)
+            if self._held(rid, now, bool(int(ok))) == "lost"
+        }
 
     async def cancelled_by(self, key: str | None) -> bool:
         """Whether `key` (a batch's cancel) is set; False when Redis cannot say."""

@@ -4,12 +4,17 @@ from. Recording is also how a worker learns, at every event, that its lease is l
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 
 from workers.attempt import Attempt, LeaseLost
 from workers.ledger import Recorded, RequestLedger
 
+log = logging.getLogger(__name__)
+
 LEASE_ASK_S = 1.0  # a prompt taken unleased asks for its lease again at most this often
+FENCE_ASK_S = 1.0  # past its lease, with Redis out of reach, a reply asks this often
 
 
 async def record(ledger: RequestLedger, attempt: Attempt, entry: Recorded) -> None:
@@ -58,3 +63,21 @@ def _stop_if_lost(attempt: Attempt, outcome: str) -> None:
     if outcome == "lost":
         attempt.tracked.lost = True
         raise LeaseLost(attempt.prompt.request_id)
+
+
+async def fenced(ledger: RequestLedger, attempt: Attempt) -> None:
+    """Publish nothing past the lease while Redis cannot say it is still ours: cut off
+    from a Redis that others reach, this worker published on beside the worker that took
+    the request over, under the same sequence numbers with other text. Redis down for
+    every worker, the reply waits until it is back (then takes its lapsed lease again)."""
+    request_id, said = attempt.prompt.request_id, False
+    while attempt.tracked.leased and ledger.leases.lapsed(request_id):
+        outcome = await ledger.holds(request_id, attempt.number)
+        _stop_if_lost(attempt, outcome)
+        if outcome == "down":
+            if not said:
+                log.warning(
+                    "%s: lease lapsed, Redis unreachable: held until it answers", request_id
+                )
+                said = True
+            await asyncio.sleep(FENCE_ASK_S)

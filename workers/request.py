@@ -25,17 +25,16 @@ from schemas.events import (
     FinishReason,
     PromptRequest,
     UsageRecord,
-    now_ms,
 )
 from workers.attempt import (
     Attempt,
     LeaseLost,
     Tracked,
     batch_cancel_of,
+    final_of,
     not_delivered,
     since_created,
     token_event,
-    usage_of,
     usage_record,
 )
 from workers.capacity import Capacity
@@ -44,7 +43,7 @@ from workers.engine import Engine, RequestFailed, finish_reason_of
 from workers.ledger import Arrival, Busy, Finished, Recorded, RequestLedger, continuable
 from workers.metrics import WorkerMetrics
 from workers.publisher import Publisher
-from workers.recording import lease_late, record
+from workers.recording import fenced, lease_late, record
 from workers.slot import NoSlot, Waiter
 
 log = logging.getLogger(__name__)
@@ -351,6 +350,7 @@ class RequestRunner:
 
     async def _record(self, attempt: Attempt, entry: Recorded) -> None:
         await record(self.ledger, attempt, entry)
+        await fenced(self.ledger, attempt)
 
     async def _finish(self, attempt: Attempt, reason: FinishReason, error: str | None) -> None:
         prompt = attempt.prompt
@@ -359,31 +359,13 @@ class RequestRunner:
         undelivered = await not_delivered(attempt)
         if undelivered is not None:  # readers miss text: say so, not end as if complete
             reason, error = "error", undelivered
-        final = FinalEvent(
-            request_id=prompt.request_id,
-            attempt=attempt.epoch,
-            seq=attempt.seq,
-            finish_reason=reason,
-            error=error,
-            text="".join(attempt.text),
-            usage=usage_of(attempt),
-            model=prompt.model,
-            user_id=prompt.user_id,
-            tier=prompt.tier,
-            conversation_id=prompt.conversation_id,
-            kind=prompt.kind,
-            created_at_ms=now_ms(),
-            prompt_created_at_ms=prompt.created_at_ms,
-            batch_id=prompt.batch_id,
-            custom_id=prompt.custom_id,
-            store=prompt.store,
-            replaces=prompt.replaces,
-        )
+        final = final_of(attempt, reason, error)
         await lease_late(self.ledger, attempt, throttled=False)
         if attempt.tracked.leased and not await self.ledger.finish(
             prompt.request_id, attempt.number, encode(final)
         ):
             raise LeaseLost(prompt.request_id)
+        await fenced(self.ledger, attempt)  # finished unrecorded: Redis did not answer
         await self.publisher.final(final, prompt.reply_partition)
         attempt.usage_due = usage_record(prompt, final)  # sent once the engine is let go
         self.metrics.finished(reason)

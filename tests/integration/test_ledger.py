@@ -4,8 +4,10 @@ it is delivered (workers/ledger.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any, cast
 
 import pytest
 import redis.asyncio as aioredis
@@ -22,9 +24,10 @@ from tandoor.policies.redis_keys import (
 )
 from tandoor.settings import Settings
 from tests.unit.test_transcript_records import prompt
-from tests.waiting import eventually
-from workers.attempt import Tracked
+from tests.waiting import eventually, until
+from workers.attempt import Attempt, LeaseLost, Tracked
 from workers.ledger import UNKNOWN_TEXT, Arrival, Busy, Finished, Recorded, RequestLedger
+from workers.metrics import WorkerMetrics
 from workers.request import RequestRunner, RunnerConfig
 
 pytestmark = pytest.mark.integration
@@ -268,3 +271,60 @@ async def test_a_restart_handed_back_before_it_records_still_says_the_reply_bega
     await third.release(rid)
     arrival = await ledger(client, "w4").arrive(rid)
     assert isinstance(arrival, Arrival) and arrival.transcript == (Recorded(3, 0, "Hello", 1),)
+
+
+class Published:
+    """Kafka, as the runner sends token events to it: what went out."""
+
+    def __init__(self) -> None:
+        self.deltas: list[str] = []
+
+    async def token(self, event: Any, key: str, partition: int | None) -> asyncio.Future[None]:
+        self.deltas.append(event.delta)
+        sent: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        sent.set_result(None)
+        return sent
+
+
+async def test_a_worker_cut_off_from_redis_past_its_lease_publishes_nothing_more(
+    client: aioredis.Redis, settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Redis out of reach from one worker only (its host's network, its breaker): its
+    records failed, so it published on without a lease check, while a worker that
+    reached Redis took the request over and continued it under the same sequence
+    numbers with other text."""
+    rid, kafka = request(), Published()
+    reaching = ledger(client, "w1")
+    assert isinstance(await reaching.arrive(rid), Arrival)
+    down = redis_client(settings.model_copy(update={"redis_port": free_port()}))
+    cut_off = ledger(down, "w1")
+    cut_off.leases = reaching.leases  # what Redis last said to w1
+    asked: list[str] = []
+
+    async def holds(request_id: str, attempt: int) -> str:
+        asked.append(request_id)
+        return await RequestLedger.holds(cut_off, request_id, attempt)
+
+    monkeypatch.setattr(cut_off, "holds", holds)
+    config, metrics = RunnerConfig("m", 0.05, 16), WorkerMetrics("m")
+    unused = cast(Any, None)
+    runner = RequestRunner(config, unused, cast(Any, kafka), cut_off, unused, metrics)
+    line = prompt().model_copy(update={"request_id": rid})
+    attempt = Attempt(line, Tracked(rid, leased=True), 1, 1, recording=True)
+    await runner._send_tokens(attempt, "Once", 1)  # within its lease: out, unrecorded
+    await eventually(  # w1 stays cut off past its lease: Redis lets it lapse
+        lambda: client.exists(lease_key(rid)), lambda held: not held, what="w1's lease lapsed"
+    )
+    taken = await ledger(client, "w2").arrive(rid)
+    assert isinstance(taken, Arrival) and taken.attempt == 2
+    sending = asyncio.create_task(runner._send_tokens(attempt, " upon", 1))
+    try:
+        await until(lambda: asked or sending.done(), what="w1 asking Redis whose the lease is")
+        assert kafka.deltas == ["Once"], "published past its lease"
+        cut_off._renew = reaching._renew  # Redis in reach again: the lease is w2's
+        with pytest.raises(LeaseLost):
+            await asyncio.wait_for(sending, 30)
+        assert kafka.deltas == ["Once"] and attempt.tracked.lost
+    finally:
+        sending.cancel()
+        await down.aclose()

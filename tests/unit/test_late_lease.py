@@ -9,7 +9,7 @@ from typing import Any, cast
 import pytest
 
 from schemas.events import now_ms
-from tests.unit.test_transcript_records import prompt
+from tests.unit.test_transcript_records import LeasesKept, prompt
 from workers import recording
 from workers.attempt import Attempt, LeaseLost, Tracked
 from workers.ledger import UNKNOWN_TEXT, Arrival, Recorded, Recording, RequestLedger
@@ -18,6 +18,8 @@ from workers.request import RequestRunner, RunnerConfig
 
 class LateRedis:
     """Answers lease_late from `answers`; records like Redis: no gap allowed."""
+
+    leases = LeasesKept()
 
     def __init__(self, *answers: str) -> None:
         self.answers = list(answers)

@@ -17,9 +17,18 @@ from workers.metrics import WorkerMetrics
 from workers.request import RequestRunner, RunnerConfig
 
 
+class LeasesKept:
+    """A ledger's lease clock for stand-ins that answer for Redis: never lapsed here."""
+
+    def lapsed(self, request_id: str) -> bool:
+        return False
+
+
 class RedisAway:
     """Answers the first record with "down", then the deletes: twice not, then yes; then
     the lease checks from `held` (the lease is ours until another worker takes it)."""
+
+    leases = LeasesKept()
 
     def __init__(self, held: tuple[str, ...] = ("ok", "ok")) -> None:
         self.records = 0
@@ -130,6 +139,8 @@ class Delivering:
 
 
 class RecordsAll:
+    leases = LeasesKept()
+
     async def record(self, request_id: str, attempt: int, entry: Recorded) -> str:
         return "ok"
 

@@ -16,7 +16,7 @@ from schemas.codec import encode
 from schemas.topics import prompts_topic
 from tandoor.settings import Settings
 from tests.unit.test_rollups import final_event, usage
-from tests.unit.test_transcript_records import prompt
+from tests.unit.test_transcript_records import LeasesKept, prompt
 from tests.unit.test_worker_copies import MODEL, closed, prompt_record
 from tests.waiting import until
 from workers.attempt import Tracked
@@ -150,6 +150,8 @@ class UsageRefused(Kafka):
 
 
 class FinishingLedger(Ledger):
+    leases = LeasesKept()
+
     async def finish(self, request_id: str, attempt: int, final: bytes) -> bool:
         return True
 
