@@ -30,6 +30,9 @@ EMAIL = re2.compile(rf"()([{WORD}.+\-]+@[{WORD}\-]+(?:\.[{WORD}\-]*[{WORD}])+)")
 # Chinese or Japanese, written without spaces, "...玩吧@小明" is a mention.
 CUT_EMAIL = re2.compile(rf"(^|[^{WORD}])([A-Za-z0-9._%+\-]+@[{WORD}\-.]*)$")
 CARD = re2.compile(r"()\b((?:\d[ -]?){12,18}\d)\b")
+_CARD_SEPARATOR = re.compile(r"([ -])")  # within a [card] match: one character
+_CARD_GROUP = 4  # the fewest digits of a card's own group (4-4-4-4, 4-6-5)
+_CARD_DIGITS = (13, 19)
 # Scripts written without spaces: a letter of theirs before the digits is not a word
 # the number would start inside of.
 _UNSPACED = r"\p{Han}\p{Hiragana}\p{Katakana}\p{Thai}\p{Lao}\p{Khmer}\p{Myanmar}"
@@ -256,9 +259,28 @@ def redact(text: str) -> str:
 
 
 def _card_or_not(match: re2._Match[str]) -> str:
-    """A card number passes the Luhn check (an ISBN or an order number mostly does not)."""
+    """A card number passes the Luhn check (an ISBN or an order number mostly does not).
+    The match may have taken in a short group beside the card (its expiry, its CVV, a
+    count before it: "4111 1111 1111 1111 12/25"), which fails the check: the card is
+    then what is left without the groups of fewer than four digits at either end."""
     number = match.group(2)
-    return "[card]" if _luhn_valid(number) else number
+    if _luhn_valid(number):
+        return "[card]"
+    parts = _CARD_SEPARATOR.split(number)  # groups, with the separators between them
+    first, last = 0, len(parts) - 1
+    while first < last and len(parts[first]) < _CARD_GROUP:
+        first += 2
+    while last > first and len(parts[last]) < _CARD_GROUP:
+        last -= 2
+    core = "".join(parts[first : last + 1])
+    shorter = core != number and _CARD_DIGITS[0] <= _digits(core) <= _CARD_DIGITS[1]
+    if not (shorter and _luhn_valid(core)):
+        return number
+    return "".join(parts[:first]) + "[card]" + "".join(parts[last + 1 :])
+
+
+def _digits(text: str) -> int:
+    return sum(c in _ASCII_DIGITS for c in text)
 
 
 def _luhn_valid(number: str) -> bool:

@@ -276,3 +276,24 @@ def test_a_long_list_of_dates_is_checked_whole_and_a_phone_after_it_redacted() -
     reply = "2024-01-01 " * 300 + "+1 555 123 4567."
     out = "".join(streamed.feed(reply[i : i + 3]) for i in range(0, len(reply), 3))
     assert out + streamed.flush() == "2024-01-01 " * 300 + "[phone]."
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("Card: 4111 1111 1111 1111 12/25 123", "Card: [card] 12/25 123"),
+        ("4111111111111111 12/27", "[card] 12/27"),
+        ("5500 0000 0000 0004 09 27", "[card] 09 27"),
+        ("Pay 2 4111111111111111", "Pay 2 [card]"),
+        ("3782 822463 10005 exp 11 28", "[card] exp 11 28"),
+        ("1 2 3 4 5 6 7 8 9 10 11 12 13 14", "1 2 3 4 5 6 7 8 9 10 11 12 13 14"),
+    ],
+)
+def test_a_card_beside_other_digits_is_redacted_everywhere(text: str, expected: str) -> None:
+    """A card written with its expiry or CVV ("4111 1111 1111 1111 12/25 123"): the card
+    pattern took the short group beside it into its match, which then failed the Luhn
+    check, and the card went to the model, the stream and the store as it was."""
+    assert redact(text) == expected
+    assert DefaultModerator().check_output(text) == expected
+    for size in (1, 3, 8):
+        assert streamed(text, size) == expected, size
