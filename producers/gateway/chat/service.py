@@ -32,7 +32,7 @@ from producers.gateway.chat.jobs import ConversationJobs
 from producers.gateway.chat.newest import Newest, NewestReply
 from producers.gateway.chat.protocol import PostMessage, Regenerate, ReplyOptions, sampling_for
 from producers.gateway.chat.reply import ApiCall, PlannedPrompt, Reply
-from producers.gateway.chat.routing import Request, routed
+from producers.gateway.chat.routing import Request, route
 from producers.gateway.chat.settled import SettledHistory, reply_stored
 from producers.gateway.chat.watch import ReplyWatch
 from producers.gateway.conversations.protocol import Conversation, Message, provisional_title
@@ -190,7 +190,7 @@ class ChatService:
         request = Request(
             caller.tier, conversation.model, asked, max_tokens, length, client_context, summary
         )
-        model, context = routed(d.router, d.checks, request)
+        model, context = await route(d.router, d.checks, request)
         return await self._start(
             PlannedPrompt(
                 caller,
