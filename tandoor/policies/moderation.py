@@ -65,6 +65,7 @@ _ASCII_LOCAL_PART = string.ascii_letters + string.digits + "_.+-"
 _ASCII_DIGITS = frozenset(string.digits)  # RE2's \d
 _ASCII_WORD = frozenset(string.ascii_letters + string.digits + "_")  # RE2's \b
 _PHONE_CHARS = frozenset(string.digits + " ().+-")  # as in _PHONE_RUN_TAIL
+_RUN_CHARS = frozenset(string.digits + " ().-")  # what [\d ().-]* takes, in _DIGIT_RUN
 HOLD_CHARS = 4096
 _SHORTEST_MATCH = 9  # [phone]: nine digits at least ([card] is longer)
 _SHORT_HOLD = 64
@@ -126,9 +127,15 @@ class StreamRedactor:
     def __init__(self) -> None:
         self._pending = ""
         self._plain = True  # the held text has no '@' and no digit: a local part's run
+        self._digit_run = False  # it is a digit, then only [\d ().-]: all of it is held
 
     def feed(self, chunk: str) -> str:
         text = self._pending + chunk
+        if self._digit_run and len(text) <= HOLD_CHARS and _RUN_CHARS.issuperset(chunk):
+            # Held whole, as a search would find (a [phone] or [card] may run through
+            # all of it): "1 1 1 ..." searched all the hold again at each event.
+            self._pending = text
+            return ""
         if self._plain and not _MAYBE_PERSONAL.search(chunk):  # most: an address's start
             # What is held is such a run already: only the chunk is looked at. Capped as
             # below: a run of letters ("hahaha...") was held whole, each event searching
@@ -140,10 +147,13 @@ class StreamRedactor:
         hold = _hold_from(text)
         ready, self._pending = text[:hold], text[hold:]
         self._plain = not _MAYBE_PERSONAL.search(self._pending)
+        self._digit_run = self._pending[:1] in _ASCII_DIGITS and _RUN_CHARS.issuperset(
+            self._pending
+        )
         return redact(ready)
 
     def flush(self) -> str:
-        rest, self._pending, self._plain = self._pending, "", True
+        rest, self._pending, self._plain, self._digit_run = self._pending, "", True, False
         return redact_reply(rest)
 
 
@@ -156,7 +166,9 @@ def _hold_from(text: str) -> int:
         hold = min(found, default=len(text))
         if hold > start or start == 0:
             break
-    floor = max(0, len(text) - HOLD_CHARS)
+    # Past the cap, half of it is released at once: a longer run is searched again once
+    # every HOLD_CHARS / 2 characters, not at every event.
+    floor = len(text) - HOLD_CHARS // 2 if len(text) > HOLD_CHARS else 0
     hold = _not_inside_a_match(text, hold, floor)
     return _past_cut_matches(text, hold) if floor > 0 else hold
 

@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tandoor.policies import moderation
 from tandoor.policies.moderation import (
     HOLD_CHARS,
     DefaultModerator,
@@ -297,3 +298,23 @@ def test_a_card_beside_other_digits_is_redacted_everywhere(text: str, expected: 
     assert DefaultModerator().check_output(text) == expected
     for size in (1, 3, 8):
         assert streamed(text, size) == expected, size
+
+
+@pytest.mark.parametrize("unit", ["1 ", "192.168.1.1 ", "2.5 "])
+def test_a_long_run_of_digits_is_searched_once_a_piece_not_once_an_event(
+    unit: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A digit list (asked for, with ignore_eos) was searched whole, up to HOLD_CHARS,
+    at every event: 100 µs an event on the gateway's loop, 0.5 s a reply, so a few
+    hundred such streams held a replica's loop."""
+    searched: list[int] = []
+    search = moderation._hold_from
+
+    def hold_from(text: str) -> int:
+        searched.append(len(text))
+        return search(text)
+
+    monkeypatch.setattr(moderation, "_hold_from", hold_from)
+    text = unit * (3 * HOLD_CHARS // len(unit))
+    assert streamed(text, 2) == redact_reply(text) == text
+    assert len(searched) <= 3 * HOLD_CHARS // (HOLD_CHARS // 2) + 2, len(searched)
