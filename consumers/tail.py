@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 
 import orjson
 from aiokafka import AIOKafkaConsumer
@@ -74,7 +75,10 @@ def _at_least_one(value: str) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("topic", choices=["tokens", "usage", "usage.rollups"])
-    parser.add_argument("--bootstrap", default="127.0.0.1:9092")
+    # The stack's own settings, read here without importing Tandoor (a standalone example).
+    host, port = os.environ.get("TANDOOR_HOST", "127.0.0.1"), os.environ.get("TANDOOR_KAFKA_PORT")
+    broker = f"{host}:{port or 9092}"
+    parser.add_argument("--bootstrap", default=broker)
     parser.add_argument("--from-beginning", action="store_true")
     parser.add_argument("--limit", type=_at_least_one, help="stop after this many records")
     args = parser.parse_args()

@@ -264,8 +264,13 @@ async def test_the_analytics_example_reads_the_streams(settings: Settings, kafka
         "--from-beginning",
         "--limit",
         "100000",
-        "--bootstrap",
-        settings.kafka_bootstrap,
+        # No --bootstrap: the stack's TANDOOR_HOST and TANDOOR_KAFKA_PORT, as documented
+        # (it took 127.0.0.1:9092, another stack's broker or none).
+        env={
+            **os.environ,
+            "TANDOOR_HOST": settings.host,
+            "TANDOOR_KAFKA_PORT": str(settings.kafka_port),
+        },
         stdout=asyncio.subprocess.PIPE,
     )
     assert process.stdout is not None
