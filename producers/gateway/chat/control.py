@@ -59,6 +59,9 @@ class ReplyControl:
 
     async def stop(self, caller: Principal, conversation_id: str) -> str:
         await self.conversations.owned(caller.user_id, conversation_id)
+        return await self._stop_running(caller, conversation_id)
+
+    async def _stop_running(self, caller: Principal, conversation_id: str) -> str:
         record = await self.inflight.running(conversation_id, 409)
         try:
             timeout_s = self.settings.kafka_send_timeout_s
@@ -70,12 +73,15 @@ class ReplyControl:
             ) from exc
         return str(record["request_id"])
 
-    async def stop_if_running(self, caller: Principal, conversation_id: str) -> None:
+    async def stop_if_running(
+        self, caller: Principal, conversation_id: str, owned: bool = False
+    ) -> None:
         """Before a conversation is deleted: its running reply is stopped. Left running,
         nobody could stop it (stop and resume answer 404 once the chat is gone), and it
-        held the caller's stream slot, a free user's only one, until it ended."""
+        held the caller's stream slot, a free user's only one, until it ended. `owned`:
+        the caller's, checked already (once deleted, `stop` answers 404)."""
         try:
-            await self.stop(caller, conversation_id)
+            await (self._stop_running if owned else self.stop)(caller, conversation_id)
         except ApiError as exc:  # none running (409); not the caller's (404: delete says so)
             if exc.status >= 500:  # the cancel is in Redis: a worker taking it drops it
                 log.warning("%s: its reply's stop reached no worker (Kafka)", conversation_id)

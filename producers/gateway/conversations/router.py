@@ -60,4 +60,7 @@ async def rename(
 async def delete(conversation_id: str, caller: Caller, svc: Conversations, chat: Chat) -> Response:
     await chat.running.stop_if_running(caller, conversation_id)
     await svc.delete(caller.user_id, conversation_id)
+    # A reply another tab claimed meanwhile passed its checks before the rows went, and
+    # ran on for a chat that is gone, charged, holding a stream slot: stopped too.
+    await chat.running.stop_if_running(caller, conversation_id, owned=True)
     return Response(status_code=204)
