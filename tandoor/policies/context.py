@@ -20,7 +20,7 @@ from functools import lru_cache
 from pathlib import Path
 
 import tiktoken
-from tokenizers import Tokenizer
+from tokenizers import Encoding, Tokenizer
 
 from schemas.events import ChatMessage
 from tandoor.policies.control_text import (
@@ -112,13 +112,19 @@ def _counter(tokenizer: Tokenizer, template: str | None) -> Counter:
     special = control_tokens(tokenizer.get_added_tokens_decoder(), template)
 
     def count(text: str) -> int:
-        encoded = tokenizer.encode(text, add_special_tokens=False)
+        encoded = _encoded(tokenizer, text)
         found = found_in(encoded.ids, encoded.offsets, special)
         if not found:  # nearly every message: counted in one pass
             return len(encoded.ids)
-        return len(tokenizer.encode(spelled_apart(text, found), add_special_tokens=False).ids)
+        return len(_encoded(tokenizer, spelled_apart(text, found)).ids)
 
     return count
+
+
+def _encoded(tokenizer: Tokenizer, text: str) -> Encoding:
+    """`encode`, through encode_batch: the same ids and offsets, and it lets go of the GIL
+    (encode holds it, so a long message counted in a thread still stopped the loop)."""
+    return tokenizer.encode_batch([text], add_special_tokens=False)[0]
 
 
 class ContextTooLong(ValueError):

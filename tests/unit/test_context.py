@@ -1,10 +1,12 @@
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
 
 from schemas.events import ChatMessage
+from tandoor.models import tokenizer_file
 from tandoor.policies.context import (
     LOOK_AGAIN_S,
     MESSAGE_OVERHEAD,
@@ -13,6 +15,7 @@ from tandoor.policies.context import (
     assemble,
     count_tokens,
 )
+from tandoor.settings import Settings
 
 
 def words(n: int) -> str:
@@ -155,3 +158,35 @@ def test_a_cut_never_leaves_a_reply_first_without_its_question() -> None:
     ours = assemble(None, history, window, 20, count=by_words, alternating=True)
     assert [m.role for m in ours.messages] == ["user"]
     assert (ours.dropped, ours.prompt_tokens) == (2, 5 + MESSAGE_OVERHEAD)
+
+
+async def test_a_long_message_is_counted_while_the_loop_runs() -> None:
+    """The gateway counts a long message in a thread (chat/routing.py), but `encode` holds
+    the GIL for the whole count: the loop stopped all the same, 60 ms for 32,000
+    characters with SmolLM2's tokenizer, before any quota counted the request."""
+    settings = Settings()
+    path = tokenizer_file(settings.models["smollm2"], settings.cache_dir)
+    assert path.is_file(), f"{path}: `tandoor prepare-model smollm2` makes it"
+    count = ModelCounters({"smollm2": path}).counter("smollm2")
+    text = "".join(chr(0x4E00 + i * 7919 % 20_000) for i in range(32_000))
+    counting, ticks = [False], [0]  # steps of the loop while the message is counted
+
+    def counted() -> int:
+        counting[0] = True
+        try:
+            return count(text)
+        finally:
+            counting[0] = False
+
+    async def ticking() -> None:
+        while True:
+            await asyncio.sleep(0)
+            ticks[0] += counting[0]
+
+    ticker = asyncio.create_task(ticking())
+    try:
+        assert await asyncio.to_thread(counted) > 1000
+    finally:
+        ticker.cancel()
+    # Thousands when the tokenizer lets go of the GIL; tens, between its calls, when not.
+    assert ticks[0] >= 500, f"the loop ran {ticks[0]} times while the message was counted"
