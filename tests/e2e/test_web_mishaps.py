@@ -272,3 +272,21 @@ async def test_an_edit_refused_while_another_tabs_reply_runs_shows_it_and_keeps_
     await page.get_by_role("button", name="Save and rerun").click()  # once it has ended
     await replies_over(page, 1)
     await expect(page.locator(".message.user .body")).to_have_text(["Say hello."])
+
+
+async def test_a_chat_opened_while_the_deleted_one_goes_stays_open(
+    stack: Stack, page: Page
+) -> None:
+    """The delete answered after another chat was opened (it first stops the deleted
+    chat's reply, through Kafka): the page then closed the chat opened meanwhile."""
+    headers = await sign_in(page, stack, tier="brief")
+    shown, other = await two_chats(stack, headers, page)
+    let_go = await held_until_set(page, f"**/v1/conversations/{shown}")
+    page.once("dialog", lambda dialog: asyncio.ensure_future(dialog.accept()))
+    await page.get_by_role("button", name="Delete").click()
+    await page.locator(f'#conversation-list button[data-id="{other}"]').click()
+    await expect(page.locator(".message.user .body")).to_have_text(["Name a colour."])
+    let_go.set()
+    await expect(page.locator("#conversation-list button")).to_have_count(1)  # deleted
+    await expect(page.locator(".message.user .body")).to_have_text(["Name a colour."])
+    await expect(page.locator("#chat-title")).not_to_have_text("New chat")

@@ -150,3 +150,21 @@ async def test_an_edit_while_the_gateway_stays_unreachable_keeps_its_text(
     edited = page.get_by_label("Edited message")
     await expect(edited).to_have_value("What is 3 + 3?", timeout=120_000)
     await expect(page.locator("#notice")).to_be_visible()
+
+
+async def test_a_regenerate_that_never_reached_the_gateway_says_so(
+    stack: Stack, page: Page
+) -> None:
+    """The reply vanished, then came back from the store word for word, and nothing said
+    the regenerate was not sent: it looked as if the model had written it again."""
+    await sign_in(page, stack)
+    await answered(page, "What is 2 + 2?")
+    before = await page.locator(".message.assistant .body").text_content()
+
+    async def dropped(route: Route) -> None:
+        await route.abort("connectionreset")
+
+    await page.route(REGENERATE, dropped)
+    await page.get_by_role("button", name="Regenerate").click()
+    await expect(page.locator("#notice")).to_contain_text("regenerate was not sent")
+    await expect(page.locator(".message.assistant .body")).to_have_text([before or ""])

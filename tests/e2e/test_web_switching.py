@@ -45,6 +45,20 @@ async def stops(page: Page) -> list[str]:
     return list(await page.evaluate("window.stops"))
 
 
+async def count_reads(page: Page) -> None:
+    """From now on the page notes each read of a reply's stream (window.reads)."""
+    await page.evaluate(
+        """() => {
+          window.reads = [];
+          const send = window.fetch;
+          window.fetch = (url, init) => {
+            if (String(url).endsWith('/stream')) window.reads.push(String(url));
+            return send(url, init);
+          };
+        }"""
+    )
+
+
 async def messages_of(stack: Stack, headers: dict[str, str], conversation: str) -> Any:
     async with httpx.AsyncClient(base_url=stack.url, timeout=30) as http:
         response = await http.get(f"/v1/conversations/{conversation}", headers=headers)
@@ -170,3 +184,37 @@ async def test_a_chat_deleted_in_another_tab_is_left_for_a_new_one(
     await replies_over(page, 1)
     await expect(page.locator(".message.user .body")).to_have_text(["Say bye."])
     await expect(page.locator("#conversation-list button")).to_have_count(1)
+
+
+async def test_a_chat_clicked_twice_mid_reply_follows_its_reply_once(
+    stack: Stack, page: Page
+) -> None:
+    """Clicked again while it loaded, the chat started a second reader of its reply: the
+    reply showed twice, and the first reader's end brought Send back while it ran."""
+    headers = await sign_in(page, stack)
+    async with httpx.AsyncClient(base_url=stack.url, timeout=120) as http:
+        other = await new_conversation(http, headers)
+        await chat(http, headers, other, "Say hi.", 4)
+    await ask(page, LONG)
+    await reply_streaming(page)
+    running = await page.locator('#conversation-list button[aria-current="true"]').get_attribute(
+        "data-id"
+    )
+    await page.locator(f'#conversation-list button[data-id="{other}"]').click()
+    await expect(page.locator(".message.user .body")).to_have_text(["Say hi."])
+    await count_reads(page)
+    await page.evaluate(
+        """(id) => {
+          const chat = document.querySelector(`#conversation-list button[data-id="${id}"]`);
+          chat.click();
+          chat.click();
+        }""",
+        running,
+    )
+    await expect(page.locator(".message.user .body")).to_have_text([LONG])
+    await expect(page.locator(".message.assistant.streaming .body")).not_to_be_empty()
+    assert await page.evaluate("window.reads") == [f"/v1/conversations/{running}/stream"]
+    await expect(page.locator(".message.assistant")).to_have_count(1)
+    await stop_if_running(page)
+    await replies_over(page, 1)
+    await expect(page.locator(".message.assistant")).to_have_count(1)

@@ -210,7 +210,13 @@ async function openConversation(id, resume = true, notice = null, shown = null) 
   showConversation(conversation);
   if (notice) notify(notice); // after: showing a chat hides the notice
   shown?.();
-  if (resume && awaitsReply(conversation)) await resumeReply();
+  if (resume && awaitsReply(conversation) && !following(id)) await resumeReply();
+}
+
+// Its reply is streaming here already: clicked twice, the chat ran a second reader, and
+// the reply showed twice.
+function following(id) {
+  return Boolean(state.reply && !state.reply.left && state.reply.conversationId === id);
 }
 
 // Another tab's reply runs in this chat: refused here, where no Stop showed.
@@ -259,6 +265,10 @@ function showConversation(conversation) {
   $("messages").replaceChildren();
   hideNotice();
   for (const message of visible(conversation)) $("messages").append(messageElement(message));
+  // The same chat shown again: its streaming reply's bubble stays (dropped with the
+  // list, the reply went on unseen).
+  const streaming = !leaving && state.reply?.element && !state.reply.done;
+  if (streaming) $("messages").append(state.reply.element);
   setBusy(!leaving && state.busy); // a message being sent to this chat keeps it busy
   markCurrent();
   scrollToEnd(true);
@@ -505,6 +515,7 @@ function newReply(started = () => {}) {
     started,
     element: null,
     text: "",
+    drawing: 0, // the frame its text is drawn in, once asked for
     attempt: 0,
     lastEventId: null,
     done: false,
@@ -620,11 +631,12 @@ function handle(reply, event) {
     addMetaNote(element, " · restarted");
   } else if (event.type === "token") {
     reply.text += event.delta;
-    setBody(ensureReplyElement(reply).querySelector(".body"), "assistant", reply.text);
-    scrollToEnd();
+    ensureReplyElement(reply);
+    drawSoon(reply);
   } else if (event.type === "final") {
     if (reply.finishReason) return; // again, in a resumed stream: noted once
     const element = ensureReplyElement(reply, event.model);
+    drawNow(reply); // read out, and noted, as it ends
     markStreaming(element, false);
     reply.finishReason = event.finish_reason;
     const ending = LIVE_ENDINGS[event.finish_reason] ?? (event.error ? "failed" : "");
@@ -639,6 +651,21 @@ function handle(reply, event) {
   }
 }
 
+// Drawn once a frame, however many tokens came in it: a resumed reply replays its whole
+// text at once, and each token rendered all of it again (seconds for a long reply), and
+// lost a selection in it.
+function drawSoon(reply) {
+  if (!reply.drawing) reply.drawing = requestAnimationFrame(() => drawNow(reply));
+}
+
+function drawNow(reply) {
+  if (reply.drawing) cancelAnimationFrame(reply.drawing);
+  reply.drawing = 0;
+  if (!reply.element) return;
+  setBody(reply.element.querySelector(".body"), "assistant", reply.text);
+  scrollToEnd();
+}
+
 // Beside the author's name, ahead of the buttons and the time, as a stored one shows it.
 function addMetaNote(element, note) {
   const meta = element.querySelector(".meta");
@@ -649,6 +676,7 @@ function addMetaNote(element, note) {
 // cursor left blinking, and no empty bubble.
 function endUnfinished(reply) {
   if (!reply.element) return;
+  drawNow(reply);
   markStreaming(reply.element, false);
   if (!reply.text) explainEmpty(reply.element.querySelector(".body"), "failed");
 }
@@ -718,6 +746,7 @@ async function regenerate() {
   const questions = $("messages").querySelectorAll(".message.user[data-sent]");
   const question = questions[questions.length - 1];
   const replyTo = question?.dataset.id;
+  const replacedBefore = repliesReplaced(replyTo);
   await streamReply(
     () => {
       // Replaced, as the gateway replaces them: what follows the question it answers
@@ -732,8 +761,22 @@ async function regenerate() {
       if (state.wanted !== id) return;
       await openConversation(id, runsElsewhere(error), error).catch(notify);
     },
-    () => {}, // unanswered: the chat as stored says whether it was taken
+    // Unanswered, and the chat as stored replaced no reply: said, or the reply shown
+    // before came back from the store as if the model had written it again.
+    () => {
+      if (state.wanted === id && repliesReplaced(replyTo) === replacedBefore) {
+        notify(new ApiError(0, "Your regenerate was not sent: the gateway could not be reached."));
+      }
+    },
   );
+}
+
+// How many replies to the question a regenerate replaced, as the chat was last read
+// (none where it was read before the question: a chat begun on this page).
+function repliesReplaced(questionId) {
+  const messages = state.conversation?.messages ?? [];
+  const at = messages.findIndex((m) => m.id === questionId);
+  return at < 0 ? 0 : messages.slice(at + 1).filter((m) => m.status === "replaced").length;
 }
 
 // `draft`: the text to start from (an edit refused: what was typed, not lost).
@@ -806,7 +849,7 @@ function startEdit(item, message, draft = null) {
     if (!reply.begun && !reply.reloaded && !reply.left && kept) startEdit(kept, { ...message, id }, text);
   });
   editor.addEventListener("keydown", (e) => {
-    if (e.key !== "Escape") return;
+    if (e.key !== "Escape" || composing(e)) return; // that Escape is the input method's
     e.stopPropagation(); // closes the editor; it does not stop the reply too
     restore();
   });
@@ -827,9 +870,13 @@ async function rename() {
 
 async function remove() {
   if (!confirm("Delete this chat? This cannot be undone.")) return;
-  await state.api.json("DELETE", `/v1/conversations/${state.conversation.id}`);
-  showConversation(null);
-  $("prompt").focus(); // Delete hid as it was pressed: the focus fell to the page's top
+  const id = state.conversation.id;
+  await state.api.json("DELETE", `/v1/conversations/${id}`);
+  // Another chat opened while the delete ran (it stops the chat's reply first) stays.
+  if (state.conversation?.id === id || state.wanted === id) {
+    showConversation(null);
+    $("prompt").focus(); // Delete hid as it was pressed: the focus fell to the page's top
+  }
   await loadConversations(true);
 }
 
@@ -839,7 +886,9 @@ function setBusy(busy) {
   state.busy = busy;
   const focused = document.activeElement;
   $("send").hidden = busy;
-  $("stop").hidden = !busy;
+  // A reply that ended, its stored copy looked for: nothing to stop (a Stop showed
+  // again as the chat was reloaded, and did nothing).
+  $("stop").hidden = !busy || Boolean(state.reply?.done);
   // The button pressed from the keyboard hides: its twin, or the composer, takes the
   // focus (it fell to the page's top, the next Tab starting from the sidebar).
   if ((focused === $("send") || focused === $("regenerate")) && busy) $("stop").focus();
