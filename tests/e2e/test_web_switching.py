@@ -27,36 +27,29 @@ pytestmark = pytest.mark.integration
 LONG = "Write a very long story about the sea, with many chapters."
 
 
-async def count_stops(page: Page) -> None:
-    """From now on the page notes each Stop it sends, as it sends it (window.stops)."""
+async def count_requests(page: Page, ending: str, into: str) -> None:
+    """From now on the page notes each request to a URL ending with `ending`, as it sends
+    it, in window[into]."""
     await page.evaluate(
-        """() => {
-          window.stops = [];
+        """([ending, into]) => {
+          window[into] = [];
           const send = window.fetch;
           window.fetch = (url, init) => {
-            if (String(url).endsWith('/stop')) window.stops.push(String(url));
+            if (String(url).endsWith(ending)) window[into].push(String(url));
             return send(url, init);
           };
-        }"""
+        }""",
+        [ending, into],
     )
+
+
+async def count_stops(page: Page) -> None:
+    """From now on the page notes each Stop it sends (window.stops)."""
+    await count_requests(page, "/stop", "stops")
 
 
 async def stops(page: Page) -> list[str]:
     return list(await page.evaluate("window.stops"))
-
-
-async def count_reads(page: Page) -> None:
-    """From now on the page notes each read of a reply's stream (window.reads)."""
-    await page.evaluate(
-        """() => {
-          window.reads = [];
-          const send = window.fetch;
-          window.fetch = (url, init) => {
-            if (String(url).endsWith('/stream')) window.reads.push(String(url));
-            return send(url, init);
-          };
-        }"""
-    )
 
 
 async def messages_of(stack: Stack, headers: dict[str, str], conversation: str) -> Any:
@@ -202,7 +195,7 @@ async def test_a_chat_clicked_twice_mid_reply_follows_its_reply_once(
     )
     await page.locator(f'#conversation-list button[data-id="{other}"]').click()
     await expect(page.locator(".message.user .body")).to_have_text(["Say hi."])
-    await count_reads(page)
+    await count_requests(page, "/stream", "reads")
     await page.evaluate(
         """(id) => {
           const chat = document.querySelector(`#conversation-list button[data-id="${id}"]`);
