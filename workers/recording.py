@@ -72,11 +72,6 @@ async def fenced(ledger: RequestLedger, attempt: Attempt) -> None:
     every worker, the reply waits until it is back (then takes its lapsed lease again)."""
     request_id, said = attempt.prompt.request_id, False
     while attempt.tracked.leased and ledger.leases.lapsed(request_id):
-        if attempt.tracked.cancelled:  # its client left, or its gateway gave up on it
-            log.warning(
-                "%s: cancelled while its lease could not be checked: ended here", request_id
-            )
-            raise LeaseLost(request_id)  # nothing published: its slot and budget go back
         outcome = await ledger.holds(request_id, attempt.number)
         _stop_if_lost(attempt, outcome)
         if outcome == "down":
