@@ -747,6 +747,7 @@ async function regenerate() {
   const question = questions[questions.length - 1];
   const replyTo = question?.dataset.id;
   const replacedBefore = repliesReplaced(replyTo);
+  const hadReply = Boolean(question?.nextElementSibling); // else: a question never answered
   await streamReply(
     () => {
       // Replaced, as the gateway replaces them: what follows the question it answers
@@ -764,7 +765,7 @@ async function regenerate() {
     // Unanswered, and the chat as stored replaced no reply: said, or the reply shown
     // before came back from the store as if the model had written it again.
     () => {
-      if (state.wanted === id && repliesReplaced(replyTo) === replacedBefore) {
+      if (state.wanted === id && hadReply && repliesReplaced(replyTo) === replacedBefore) {
         notify(new ApiError(0, "Your regenerate was not sent: the gateway could not be reached."));
       }
     },
