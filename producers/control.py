@@ -5,20 +5,20 @@ from __future__ import annotations
 import logging
 
 import redis.asyncio as aioredis
-from aiokafka import AIOKafkaProducer
 
 from schemas import topics
 from schemas.codec import encode
 from schemas.events import ControlEvent, now_ms
 from tandoor.clients import REDIS_DOWN, kafka_producer, redis_client
 from tandoor.policies.redis_keys import CANCEL_TTL_S, cancel_key
+from tandoor.renewing_producer import RenewingProducer
 from tandoor.settings import Settings
 
 log = logging.getLogger(__name__)
 
 
 async def request_cancel(
-    producer: AIOKafkaProducer, client: aioredis.Redis, request_id: str, reason: str | None = None
+    producer: RenewingProducer, client: aioredis.Redis, request_id: str, reason: str | None = None
 ) -> None:
     """Record the cancel in Redis first (a worker taking the prompt later drops it),
     then tell the workers that may be running it now: that much even with Redis down

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import logging
 
-from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError, MessageSizeTooLargeError
 
 from schemas.codec import encode
 from schemas.events import PromptRequest
 from schemas.topics import BandLayout, prompts_topic
 from tandoor.logs import bind_request_id
+from tandoor.renewing_producer import RenewingProducer
 from tandoor.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -26,7 +26,7 @@ class PromptTooLarge(Exception):
 
 
 class PromptSubmitter:
-    def __init__(self, settings: Settings, producer: AIOKafkaProducer) -> None:
+    def __init__(self, settings: Settings, producer: RenewingProducer) -> None:
         self._layout = BandLayout([(band.name, band.partitions) for band in settings.bands])
         self._producer = producer
 

@@ -32,6 +32,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from schemas import topics
 from tandoor.redis_breaker import GuardedConnection, RedisBreaker
+from tandoor.renewing_producer import RenewingProducer
 from tandoor.settings import Settings
 
 CASSANDRA_RECONNECT_MAX_S = 5.0
@@ -130,15 +131,18 @@ def redis_client(settings: Settings) -> aioredis.Redis:
     return aioredis.Redis.from_pool(pool)
 
 
-def kafka_producer(settings: Settings, client_id: str) -> AIOKafkaProducer:
+def kafka_producer(settings: Settings, client_id: str) -> RenewingProducer:
     """acks=all with idempotence: prompts and final events must not be lost or doubled,
-    and one request's events stay in order. A short linger: never wait for a batch."""
-    return AIOKafkaProducer(
-        bootstrap_servers=settings.kafka_bootstrap,
-        client_id=client_id,
-        acks="all",
-        enable_idempotence=True,
-        linger_ms=settings.producer_linger_ms,
+    and one request's events stay in order, a Kafka that lost track of the producer's
+    sequence included (renewing_producer.py). A short linger: never wait for a batch."""
+    return RenewingProducer(
+        lambda: AIOKafkaProducer(
+            bootstrap_servers=settings.kafka_bootstrap,
+            client_id=client_id,
+            acks="all",
+            enable_idempotence=True,
+            linger_ms=settings.producer_linger_ms,
+        )
     )
 
 
@@ -249,7 +253,7 @@ async def cql_together(session: Any, statements: Sequence[tuple[str, Sequence[ob
 
 
 async def send_dead_letter(
-    producer: AIOKafkaProducer, record: ConsumerRecord[bytes, bytes], reason: str
+    producer: RenewingProducer, record: ConsumerRecord[bytes, bytes], reason: str
 ) -> None:
     """`record` on the dead-letter topic, with why and where it was read. A record near
     Kafka's size limit passes it once the headers are added, and would be refused on

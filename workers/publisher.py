@@ -9,7 +9,6 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError, KafkaTimeoutError
 from aiokafka.structs import ConsumerRecord
 
@@ -17,6 +16,7 @@ from schemas import topics
 from schemas.codec import encode
 from schemas.events import Event, FinalEvent, UsageRecord
 from tandoor.clients import send_dead_letter
+from tandoor.renewing_producer import RenewingProducer
 
 log = logging.getLogger(__name__)
 METADATA_WAIT_S = 10.0
@@ -26,7 +26,7 @@ FINAL_TRIES_S = 120.0  # a leader elected, a broker restarted: seconds; past thi
 
 
 class Publisher:
-    def __init__(self, producer: AIOKafkaProducer) -> None:
+    def __init__(self, producer: RenewingProducer) -> None:
         self._producer = producer
         self._absent: dict[int, float] = {}  # partition -> when it was found missing
 

@@ -10,7 +10,6 @@ from collections.abc import Iterable
 from typing import Any, Literal
 
 import orjson
-from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError, MessageSizeTooLargeError
 
 from consumers.history import INSERT_BATCH_OUTPUT, batch_output_row, batch_output_written_us
@@ -20,6 +19,7 @@ from schemas import topics
 from schemas.batch import cancelled_output, expired_output, too_large_output
 from schemas.events import PromptRequest
 from tandoor.clients import CASSANDRA_DOWN, REDIS_DOWN, cql
+from tandoor.renewing_producer import RenewingProducer
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ Unrun = Literal["cancelled", "expired"]  # why a line is answered without runnin
 
 
 class Answers:
-    def __init__(self, producer: AIOKafkaProducer, session: Any) -> None:
+    def __init__(self, producer: RenewingProducer, session: Any) -> None:
         self._producer = producer
         self._session = session
         self._insert = session.prepare(INSERT_BATCH_OUTPUT)

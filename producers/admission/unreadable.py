@@ -10,19 +10,20 @@ from __future__ import annotations
 
 import logging
 
-from aiokafka import AIOKafkaProducer, TopicPartition
+from aiokafka import TopicPartition
 from aiokafka.errors import KafkaError
 
 from producers.admission.metrics import AdmissionMetrics
 from schemas import topics
 from tandoor.offsets import OffsetTracker
+from tandoor.renewing_producer import RenewingProducer
 
 log = logging.getLogger(__name__)
 
 
 class UnreadableRecords:
     def __init__(
-        self, producer: AIOKafkaProducer, offsets: OffsetTracker, metrics: AdmissionMetrics
+        self, producer: RenewingProducer, offsets: OffsetTracker, metrics: AdmissionMetrics
     ) -> None:
         self._producer = producer
         self._offsets = offsets

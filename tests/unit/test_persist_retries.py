@@ -89,7 +89,7 @@ async def test_a_dead_letter_kafka_refuses_for_a_while_is_sent_when_it_takes_it(
     monkeypatch.setattr("consumers.persist.SEND_RETRY_S", 0.0)
     persister = Persister(Settings())
     real, flaky = persister._producer, FlakyProducer(failures=3)
-    persister._producer = flaky
+    persister._producer = flaky  # type: ignore[assignment]
     try:
         assert await persister._dead_letter(record(0, 7), "refused by the store")
         assert flaky.sent == 1
@@ -160,7 +160,7 @@ async def run_once(
     persister = Persister(Settings())
     real_producer, real_consumer = persister._producer, persister._consumer
     fetch, writer = OneFetch(persister, records), StandInWriter()
-    persister._consumer, persister._producer = fetch, producer
+    persister._consumer, persister._producer = fetch, producer  # type: ignore[assignment]
     persister._writer = writer  # type: ignore[assignment]
     try:
         await asyncio.wait_for(persister.run(), 30)
@@ -202,7 +202,7 @@ async def test_a_dead_letter_too_big_for_kafka_is_sent_without_its_value() -> No
     persister = Persister(Settings())
     real = persister._producer
     producer = TakingProducer(limit=1_000)
-    persister._producer = producer
+    persister._producer = producer  # type: ignore[assignment]
     big = ConsumerRecord("tokens", 2, 9, 0, 0, b"k", b"v" * 5_000, None, 1, 5_000, [])
     try:
         assert await asyncio.wait_for(persister._dead_letter(big, "refused by the store"), 30)
@@ -243,7 +243,7 @@ async def test_persistence_held_up_by_kafka_shows_on_its_metrics(
     persister = Persister(Settings())
     real_producer, real_consumer = persister._producer, persister._consumer
     persister._consumer = Behind(persister, [batch_final("held")])
-    persister._producer = RefusingProducer()
+    persister._producer = RefusingProducer()  # type: ignore[assignment]
     persister._writer = StandInWriter()  # type: ignore[assignment]
     running = asyncio.create_task(persister.run())
     try:

@@ -113,7 +113,7 @@ async def test_an_undecodable_prompt_too_big_to_dead_letter_whole_goes_without_i
     refused, it stopped the worker, and every worker given the partition after it."""
     producer = TakingProducer(limit=1_000)
     big = ConsumerRecord("prompts.m", 1, 7, 0, 0, b"k", b"{" * 1_000, None, 1, 1_000, [])
-    await Publisher(producer).dead_letter(big, "not JSON")
+    await Publisher(producer).dead_letter(big, "not JSON")  # type: ignore[arg-type]
     [(topic, value, headers)] = producer.sent
     assert topic == "dead-letter" and value == b""
     assert dict(headers) == {"error": b"not JSON (value too large)", "source": b"prompts.m/1/7"}

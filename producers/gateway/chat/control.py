@@ -9,7 +9,6 @@ import logging
 from collections.abc import AsyncGenerator
 from typing import Any
 
-from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
 from consumers.fanout import Delivered, read_request
@@ -27,6 +26,7 @@ from tandoor.clients import REDIS_DOWN
 from tandoor.policies.api_keys import Principal
 from tandoor.policies.quota import Admission, Quotas
 from tandoor.policies.redis_keys import quota_account
+from tandoor.renewing_producer import RenewingProducer
 from tandoor.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ class ReplyControl:
         self,
         settings: Settings,
         conversations: ConversationService,
-        producer: AIOKafkaProducer,
+        producer: RenewingProducer,
         inflight: InFlight,
         quotas: Quotas,
     ) -> None:

@@ -14,7 +14,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
-from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
 from consumers.fanout import NotRouting, Subscription, TokenFanout
@@ -48,6 +47,7 @@ from tandoor.policies.api_keys import Principal
 from tandoor.policies.moderation import OutputFilter
 from tandoor.policies.quota import Admission, Quotas
 from tandoor.policies.redis_keys import ATTEMPT_TTL_S, done_key
+from tandoor.renewing_producer import RenewingProducer
 from tandoor.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ class ChatDeps:
     settings: Settings
     conversations: ConversationService
     fanout: TokenFanout
-    producer: AIOKafkaProducer
+    producer: RenewingProducer
     submitter: PromptSubmitter
     redis: aioredis.Redis
     quotas: Quotas
