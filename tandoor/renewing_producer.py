@@ -207,21 +207,24 @@ class RenewingProducer:
     async def _renew(self, renewal: _Renewal) -> None:
         """Once the refused producer has no record in flight (the rest of its refusals
         come back meanwhile), a fresh one sends the refused and held records in the
-        order they were first sent; sends go straight to it from then on."""
-        while True:
-            await self._drained(renewal.broken)
-            fresh = await self._started_fresh()
-            broken, self._producer = renewal.broken, fresh
-            self._in_flight.pop(broken, None)
-            self._in_background(_stop_within(broken, STOP_OLD_S))
-            renewal.broken, renewal.again = fresh, False
-            while renewal.queue and not renewal.again:
-                await self._resubmit(heapq.heappop(renewal.queue)[1], fresh)
-            self.renewals += 1
-            log.warning("a fresh producer took over (%d renewals so far)", self.renewals)
-            if not renewal.again:
-                self._renewal = None
-                return
+        order they were first sent; sends go straight to it from then on. The fresh
+        one refused meanwhile (`again`) is replaced in turn."""
+        try:
+            while renewal.broken is self._producer:
+                await self._drained(renewal.broken)
+                fresh = await self._started_fresh()
+                broken, self._producer, renewal.again = self._producer, fresh, False
+                self._in_flight.pop(broken, None)
+                self._in_background(_stop_within(broken, STOP_OLD_S))
+                while renewal.queue and not renewal.again:
+                    await self._resubmit(heapq.heappop(renewal.queue)[1], fresh)
+                self.renewals += 1
+                log.warning("a fresh producer took over (%d renewals so far)", self.renewals)
+        except Exception as exc:  # not seen; were it to happen, no send may wait for good
+            log.exception("renewing the producer failed; what it held fails")
+            for _, record in renewal.queue:
+                _resolve(record.outcome, error=exc)
+        self._renewal = None
 
     async def _drained(self, producer: AIOKafkaProducer) -> None:
         while self._in_flight.get(producer):
