@@ -144,15 +144,9 @@ class RenewingProducer:
             await self._submit(record, self._producer)
         return record.outcome
 
-    async def send_and_wait(
-        self,
-        topic: str,
-        value: bytes | None = None,
-        key: bytes | None = None,
-        partition: int | None = None,
-        headers: list[tuple[str, bytes]] | None = None,
-    ) -> Any:
-        return await (await self.send(topic, value, key, partition, headers))
+    async def send_and_wait(self, topic: str, value: bytes | None = None, **options: Any) -> Any:
+        """send, then its answer (key, partition and headers as for send)."""
+        return await (await self.send(topic, value, **options))
 
     async def _submit(self, record: _Record, producer: AIOKafkaProducer) -> None:
         # In flight from here: a renewal waits for it even while aiokafka waits for room.
