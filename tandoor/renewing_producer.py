@@ -129,6 +129,7 @@ class RenewingProducer:
         value: bytes | None = None,
         key: bytes | None = None,
         partition: int | None = None,
+        *,
         headers: list[tuple[str, bytes]] | None = None,
     ) -> asyncio.Future[Any]:
         """Queue a record: the future gets its metadata once Kafka has it."""
@@ -144,9 +145,17 @@ class RenewingProducer:
             await self._submit(record, self._producer)
         return record.outcome
 
-    async def send_and_wait(self, topic: str, value: bytes | None = None, **options: Any) -> Any:
-        """send, then its answer (key, partition and headers as for send)."""
-        return await (await self.send(topic, value, **options))
+    async def send_and_wait(
+        self,
+        topic: str,
+        value: bytes | None = None,
+        key: bytes | None = None,
+        partition: int | None = None,
+        *,
+        headers: list[tuple[str, bytes]] | None = None,
+    ) -> Any:
+        """send, then its answer; positional arguments in aiokafka's order."""
+        return await (await self.send(topic, value, key, partition, headers=headers))
 
     async def _submit(self, record: _Record, producer: AIOKafkaProducer) -> None:
         # In flight from here: a renewal waits for it even while aiokafka waits for room.

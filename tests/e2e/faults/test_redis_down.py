@@ -74,7 +74,9 @@ async def test_redis_down_paid_tiers_are_served_and_the_free_tier_gets_a_503(
             == stack.settings.tiers["plus"].requests_per_minute
         )
 
-        await tight.chat(2)  # the request during the outage was not counted...
+        # Two short replies: the limit counts each request for 60 s, so the third must
+        # follow the first within them, on a slow CPU too.
+        await tight.chat(2, max_tokens=2)  # the request during the outage was not counted...
         over = await post(stack, tight, "One more?")  # ...and now the quota applies again
         assert over.status_code == 429, over.text
         assert over.json()["error"]["param"] == "requests_per_minute"
