@@ -12,6 +12,7 @@ from aiokafka.errors import KafkaConnectionError, OutOfOrderSequenceNumber, Prod
 
 from tandoor import renewing_producer
 from tandoor.renewing_producer import RenewingProducer
+from tests.waiting import until
 
 
 class Broker:
@@ -22,6 +23,7 @@ class Broker:
         self.made: list[StandIn] = []
         self.refuse: dict[int, int] = {}  # producer number -> records refused (-1: every one)
         self.down = False
+        self.refused_starts = 0
 
     def make(self) -> Any:
         producer = StandIn(self, len(self.made))
@@ -39,6 +41,7 @@ class StandIn:
 
     async def start(self) -> None:
         if self.broker.down:
+            self.broker.refused_starts += 1
             raise KafkaConnectionError("Kafka is away")
         self.started = True
 
@@ -108,15 +111,14 @@ async def test_a_stop_while_kafka_is_away_fails_what_was_held_and_starts_nothing
     await producer.start()
     broker.refuse[0], broker.down = -1, True
     sent = [await producer.send("t", f"r{i}".encode()) for i in range(3)]
-    await asyncio.sleep(0.05)  # the renewal tries to start a fresh producer, in vain
     async with asyncio.timeout(5):
+        await until(lambda: broker.refused_starts, what="a fresh producer tried, in vain")
         await producer.stop()
         results = await asyncio.gather(*sent, return_exceptions=True)
     assert all(isinstance(result, ProducerClosed) for result in results), results
-    made = len(broker.made)
-    broker.down = False
-    await asyncio.sleep(0.05)
-    assert len(broker.made) == made and all(p.stopped for p in broker.made)
+    # stop() has awaited the renewal's end: nothing is left to start another producer.
+    assert producer._renewing is not None and producer._renewing.done()
+    assert all(p.stopped for p in broker.made)
     assert broker.log == []
     with pytest.raises(ProducerClosed):
         await producer.send("t", b"after the stop")
