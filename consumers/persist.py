@@ -1,7 +1,8 @@
 """`tandoor persist`: final events from `tokens` into Cassandra, committed only after
 the write, so a crash at any point replays (idempotently) instead of losing.
 
-While Cassandra cannot be reached, writes are retried for as long as it takes. A final
+While Cassandra cannot be reached, or refuses every write alike (a grant revoked, a
+table missing mid-restore), writes are retried for as long as it takes. A final
 that fails for any other reason (Cassandra or the driver refuses that one event) is
 tried POISON_TRIES times, then goes to the dead-letter topic with the reason, and the
 consumer moves on: one bad event must not stop every reply from being stored."""
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -19,6 +21,7 @@ import orjson
 from aiokafka import AIOKafkaConsumer
 from aiokafka.errors import IllegalStateError, KafkaError, MessageSizeTooLargeError
 from aiokafka.structs import ConsumerRecord
+from cassandra import InvalidRequest, Unauthorized
 from cassandra.cluster import Cluster
 from cassandra.connection import ConnectionException
 
@@ -43,8 +46,11 @@ POISON_TRIES = 3
 DELTAS_COMMIT_S = 1.0
 LAG_WAIT_S = 0.5  # the lag metric waits no longer for a partition's position
 SEND_RETRY_S = 1.0  # dead letters and batch results: Kafka refused, try again after
-# Cassandra unreachable or overloaded: wait, whatever it takes, rather than drop.
-UNAVAILABLE = (*CASSANDRA_DOWN, ConnectionException)
+# Cassandra unreachable or overloaded, or refusing every write whatever it holds: wait,
+# whatever it takes, rather than dead-letter every reply of an operator's slip.
+UNAVAILABLE = (*CASSANDRA_DOWN, ConnectionException, Unauthorized)
+# Cassandra 4's words, then 5's, for a table or keyspace that is not there.
+_SCHEMA_MISSING = re.compile(r"unconfigured table|(?:keyspace|table) \S+ does not exist")
 Stored = tuple[ConsumerRecord[bytes, bytes], FinalEvent]
 
 
@@ -170,7 +176,7 @@ class Persister:
             pending = []
             for (record, final), error in failed:
                 where = (record.partition, record.offset)
-                tries[where] += not isinstance(error, UNAVAILABLE)
+                tries[where] += not _unavailable(error)
                 if tries[where] >= POISON_TRIES:
                     reason = f"not stored after {POISON_TRIES} tries: {error!r}"
                     log.error("dead-lettering the final of %s: %s", final.request_id, reason)
@@ -274,11 +280,18 @@ def _result(final: FinalEvent, redact: Callable[[str], str]) -> tuple[FinalEvent
         return None
 
 
+def _unavailable(error: BaseException) -> bool:
+    """Not this final's fault: Cassandra out of reach, or refusing any write alike."""
+    if isinstance(error, UNAVAILABLE):
+        return True
+    return isinstance(error, InvalidRequest) and bool(_SCHEMA_MISSING.search(str(error)))
+
+
 def _finals(
     records: list[ConsumerRecord[bytes, bytes]],
 ) -> tuple[list[Stored], list[tuple[ConsumerRecord[bytes, bytes], SchemaError]]]:
     """The finals among `records`, and those that cannot be decoded (a newer schema
-    version mid-upgrade, a foreign writer): skipped and committed, they were lost."""
+    version mid-upgrade, a foreign writer), which go to the dead-letter topic."""
     finals: list[Stored] = []
     undecodable: list[tuple[ConsumerRecord[bytes, bytes], SchemaError]] = []
     for record in records:

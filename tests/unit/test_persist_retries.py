@@ -13,6 +13,7 @@ import orjson
 import pytest
 from aiokafka.errors import KafkaConnectionError, MessageSizeTooLargeError
 from aiokafka.structs import ConsumerRecord
+from cassandra import InvalidRequest, Unauthorized
 from cassandra.cluster import NoHostAvailable
 
 from consumers.persist import POISON_TRIES, Persister
@@ -66,6 +67,70 @@ async def test_a_final_sharing_its_offset_with_a_poison_one_is_stored_not_dead_l
     # Only the good one's batch result may go out: the poison one has no stored answer.
     assert stored is not None and [f.request_id for _, f in stored] == ["good"]
     assert writer.tries == {"poison": POISON_TRIES, "good": UNREACHABLE_TRIES + 1}
+
+
+class RefusingEveryWrite:
+    """Cassandra refusing every write alike for `rounds` rounds, then taking them."""
+
+    def __init__(self, refusal: Exception, rounds: int) -> None:
+        self.refusal, self.rounds, self.tries = refusal, rounds, 0
+
+    async def store(self, _: FinalEvent) -> None:
+        self.tries += 1
+        if self.tries <= self.rounds:
+            raise self.refusal
+
+
+async def stored_and_dead(writer: object, finals: list[str]) -> tuple[list[str], int]:
+    """What `_store` stored of `finals` and how many it dead-lettered."""
+    persister = Persister(Settings())
+    persister._writer = writer  # type: ignore[assignment]
+    dead: list[int] = []
+
+    async def dead_letter(dropped: ConsumerRecord[bytes, bytes], _: str) -> bool:
+        dead.append(dropped.offset)
+        return True
+
+    persister._dead_letter = dead_letter  # type: ignore[method-assign,assignment]
+    try:
+        items = [(record(0, i), final(f)) for i, f in enumerate(finals)]
+        stored = await persister._store(items)
+    finally:
+        await persister._producer.stop()
+        await persister._consumer.stop()
+    return [f.request_id for _, f in stored or []], len(dead)
+
+
+@pytest.mark.parametrize(
+    "refusal",
+    [
+        Unauthorized("User persist has no MODIFY permission on <table tandoor.messages>"),
+        InvalidRequest(
+            'Error from server: code=2200 [Invalid query] message="unconfigured table usage_by_day"'
+        ),
+        InvalidRequest(
+            "Error from server: code=2200 [Invalid query] "
+            'message="table usage_by_day does not exist"'
+        ),
+        InvalidRequest(
+            'Error from server: code=2200 [Invalid query] message="keyspace tandoor does not exist"'
+        ),
+    ],
+    # Cassandra 4's words, then 5's (as a dropped table's prepared insert met on 5.0.6).
+    ids=["grant revoked", "table missing", "table missing (5.0)", "keyspace missing"],
+)
+async def test_a_refusal_of_every_write_is_waited_out_not_dead_lettered(refusal: Exception) -> None:
+    """A revoked grant or a table missing mid-restore refuses every final alike: they were
+    each dead-lettered after POISON_TRIES (0.3 s), every reply of the outage missing from
+    the history until replayed by hand."""
+    writer = RefusingEveryWrite(refusal, rounds=POISON_TRIES + 1)
+    assert await stored_and_dead(writer, ["a"]) == (["a"], 0)
+
+
+async def test_a_refusal_of_that_final_alone_is_still_dead_lettered() -> None:
+    too_long = InvalidRequest("Key length of 70000 is longer than maximum of 65535")
+    writer = RefusingEveryWrite(too_long, rounds=POISON_TRIES + 1)
+    assert await stored_and_dead(writer, ["a"]) == ([], 1)
 
 
 class FlakyProducer:
