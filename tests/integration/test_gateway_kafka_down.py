@@ -100,4 +100,6 @@ async def test_kafka_down_is_a_503_and_the_message_is_kept_as_failed(
     # An API call's conversation, opened for it alone, is not left behind (each of the
     # SDK's retries left one, titled with the prompt, holding a failed message).
     assert completion.status_code == 503 and "nothing was kept" in completion.text
+    # Refused after its admission: tagged with the id its logs name, as the SDK reads it.
+    assert completion.headers.get("X-Request-Id", "").startswith("r_"), completion.headers
     assert sorted(c["id"] for c in listed) == sorted([conversation, waiting])

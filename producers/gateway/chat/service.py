@@ -235,7 +235,9 @@ class ChatService:
             if p.text is not None and user_message_id is not None:
                 await self._store_user_message(p, conversation, user_message_id, p.text)
             await self._produce(p, admission, conversation, sub, store, user_message_id)
-        except BaseException:
+        except BaseException as exc:
+            if isinstance(exc, ApiError):  # the id its logs name (the SDK's `_request_id`)
+                exc.headers.setdefault("X-Request-Id", p.request_id)
             d.fanout.unsubscribe(sub)
             try:
                 if admission is not None:  # refused after all: it counts against no limit
