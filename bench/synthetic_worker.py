@@ -31,7 +31,7 @@ Shape = tuple[int, int]  # events per reply, tokens per event
 async def answer(
     producer: AIOKafkaProducer, publisher: Publisher, prompt: PromptRequest, shape: Shape
 ) -> None:
-    """The token events as whole Kafka batches (a few hundred events each), then the final
+    """The token events as whole Kafka batches (about 60 events each), then the final
     through the worker's own publisher. Sent one by one as the worker does, the events
     cost this stand-in half a core, taken from the gateway it measures on 2 cores."""
     events, per_event = shape
@@ -76,6 +76,12 @@ async def answer(
     await publisher.final(final, partition)
 
 
+def _answered(task: asyncio.Task[None]) -> None:
+    """A reply that failed is said: its client waits for it until its silence limit."""
+    if not task.cancelled() and task.exception() is not None:
+        print(f"synthetic worker: a reply failed: {task.exception()!r}", file=sys.stderr)
+
+
 async def serve(model: str, shape: Shape) -> None:
     settings = Settings()
     stop = asyncio.Event()
@@ -87,7 +93,9 @@ async def serve(model: str, shape: Shape) -> None:
         auto_offset_reset="latest",
     )
     tasks: set[asyncio.Task[None]] = set()
-    batches = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap, acks="all")
+    batches = AIOKafkaProducer(  # idempotent as the worker's: a batch is never dropped
+        bootstrap_servers=settings.kafka_bootstrap, acks="all", enable_idempotence=True
+    )
     async with kafka_producer(settings, "synthetic-worker") as producer, batches:
         publisher = Publisher(producer)
         await consumer.start()
@@ -100,6 +108,7 @@ async def serve(model: str, shape: Shape) -> None:
                     task = asyncio.create_task(answer(batches, publisher, prompt, shape))
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
+                    task.add_done_callback(_answered)
         finally:
             await consumer.stop()
             await asyncio.gather(*tasks, return_exceptions=True)
