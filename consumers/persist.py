@@ -1,11 +1,12 @@
 """`tandoor persist`: final events from `tokens` into Cassandra, committed only after
 the write, so a crash at any point replays (idempotently) instead of losing.
 
-While Cassandra cannot be reached, or refuses every write alike (a grant revoked, a
-table missing mid-restore), writes are retried for as long as it takes. A final
-that fails for any other reason (Cassandra or the driver refuses that one event) is
-tried POISON_TRIES times, then goes to the dead-letter topic with the reason, and the
-consumer moves on: one bad event must not stop every reply from being stored."""
+While Cassandra cannot be reached, writes are retried for as long as it takes; while it
+refuses writes whatever they hold (a grant revoked, a table missing mid-restore), for
+REFUSAL_WAIT_S. A final that fails for any other reason (Cassandra or the driver refuses
+that one event) is tried POISON_TRIES times, then goes to the dead-letter topic with the
+reason, and the consumer moves on: one bad event must not stop every reply from being
+stored."""
 
 from __future__ import annotations
 
@@ -46,11 +47,16 @@ POISON_TRIES = 3
 DELTAS_COMMIT_S = 1.0
 LAG_WAIT_S = 0.5  # the lag metric waits no longer for a partition's position
 SEND_RETRY_S = 1.0  # dead letters and batch results: Kafka refused, try again after
-# Cassandra unreachable or overloaded, or refusing every write whatever it holds: wait,
-# whatever it takes, rather than dead-letter every reply of an operator's slip.
-UNAVAILABLE = (*CASSANDRA_DOWN, ConnectionException, Unauthorized)
-# Cassandra 4's words, then 5's, for a table or keyspace that is not there.
-_SCHEMA_MISSING = re.compile(r"unconfigured table|(?:keyspace|table) \S+ does not exist")
+# Cassandra unreachable or overloaded: wait, whatever it takes, rather than drop.
+UNAVAILABLE = (*CASSANDRA_DOWN, ConnectionException)
+# Refusing writes whatever they hold (an operator's slip): every reply of it was
+# dead-lettered in 0.3 s. Waited out this long, then counted as the final's own: such a
+# refusal may be one table's (a batch line's), and would hold up every other reply.
+REFUSAL_WAIT_S = 300.0
+# Cassandra 4's words, then 5's (and Scylla's), for a table or keyspace not there.
+_SCHEMA_MISSING = re.compile(
+    r"unconfigured table|(?:keyspace|table) '?\S+'? does not exist", re.IGNORECASE
+)
 Stored = tuple[ConsumerRecord[bytes, bytes], FinalEvent]
 
 
@@ -163,6 +169,7 @@ class Persister:
         assert self._writer is not None
         pending, tries, delay = finals, Counter[tuple[int, int]](), 0.1
         stored: list[Stored] = []
+        refused_since: float | None = None  # when writes were first refused whatever held
         while pending and not self._stopping.is_set():
             started = time.perf_counter()
             results = await asyncio.gather(
@@ -176,7 +183,11 @@ class Persister:
             pending = []
             for (record, final), error in failed:
                 where = (record.partition, record.offset)
-                tries[where] += not _unavailable(error)
+                if _refusing_all(error):
+                    refused_since = refused_since or started
+                    tries[where] += started - refused_since >= REFUSAL_WAIT_S
+                else:
+                    tries[where] += not isinstance(error, UNAVAILABLE)
                 if tries[where] >= POISON_TRIES:
                     reason = f"not stored after {POISON_TRIES} tries: {error!r}"
                     log.error("dead-lettering the final of %s: %s", final.request_id, reason)
@@ -280,9 +291,9 @@ def _result(final: FinalEvent, redact: Callable[[str], str]) -> tuple[FinalEvent
         return None
 
 
-def _unavailable(error: BaseException) -> bool:
-    """Not this final's fault: Cassandra out of reach, or refusing any write alike."""
-    if isinstance(error, UNAVAILABLE):
+def _refusing_all(error: BaseException) -> bool:
+    """A refusal whatever the write holds: a grant revoked, a table or keyspace missing."""
+    if isinstance(error, Unauthorized):
         return True
     return isinstance(error, InvalidRequest) and bool(_SCHEMA_MISSING.search(str(error)))
 

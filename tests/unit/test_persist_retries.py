@@ -115,9 +115,12 @@ async def stored_and_dead(writer: object, finals: list[str]) -> tuple[list[str],
         InvalidRequest(
             'Error from server: code=2200 [Invalid query] message="keyspace tandoor does not exist"'
         ),
+        InvalidRequest(
+            "Error from server: code=2200 [Invalid query] message=\"Keyspace 't' does not exist\""
+        ),
     ],
     # Cassandra 4's words, then 5's (as a dropped table's prepared insert met on 5.0.6).
-    ids=["grant revoked", "table missing", "table missing (5.0)", "keyspace missing"],
+    ids=["grant revoked", "table missing", "table missing (5.0)", "keyspace missing", "Scylla"],
 )
 async def test_a_refusal_of_every_write_is_waited_out_not_dead_lettered(refusal: Exception) -> None:
     """A revoked grant or a table missing mid-restore refuses every final alike: they were
@@ -125,6 +128,17 @@ async def test_a_refusal_of_every_write_is_waited_out_not_dead_lettered(refusal:
     the history until replayed by hand."""
     writer = RefusingEveryWrite(refusal, rounds=POISON_TRIES + 1)
     assert await stored_and_dead(writer, ["a"]) == (["a"], 0)
+
+
+async def test_a_refusal_of_every_write_past_its_wait_is_dead_lettered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Waited out for good, one table's refusal (a batch line's grant forgotten) held up
+    every other reply's write behind it."""
+    monkeypatch.setattr("consumers.persist.REFUSAL_WAIT_S", 0.25)
+    writer = RefusingEveryWrite(Unauthorized("no MODIFY on <table batch_outputs>"), rounds=99)
+    assert await stored_and_dead(writer, ["a"]) == ([], 1)
+    assert writer.tries > POISON_TRIES  # the wait first
 
 
 async def test_a_refusal_of_that_final_alone_is_still_dead_lettered() -> None:
