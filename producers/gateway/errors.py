@@ -93,6 +93,17 @@ def store_unreachable(exc: Exception) -> ApiError:
     return unavailable(f"{'Redis' if isinstance(exc, REDIS_DOWN) else 'Cassandra'} is unreachable")
 
 
+def tagged_refusal(exc: BaseException, request_id: str) -> BaseException:
+    """A request refused once admitted, as answered: tagged with the id its logs name (the
+    SDK's `_request_id`). A store out of reach is made its 503 here, to be tagged too."""
+    if isinstance(exc, UNREACHABLE):
+        log.warning("%s: %s (%r)", request_id, (refused := store_unreachable(exc)).message, exc)
+        exc = refused
+    if isinstance(exc, ApiError):
+        exc.headers.setdefault("X-Request-Id", request_id)
+    return exc
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Every error in one place, each as JSON that names the problem."""
 

@@ -6,10 +6,16 @@ import logging
 
 import pytest
 from cassandra import ReadFailure
+from cassandra.cluster import NoHostAvailable
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from producers.gateway.errors import install_error_handlers, unknown_model
+from producers.gateway.errors import (
+    install_error_handlers,
+    kafka_unreachable,
+    tagged_refusal,
+    unknown_model,
+)
 from producers.gateway.openai_api.protocol import ChatCompletionRequest
 
 
@@ -100,3 +106,31 @@ def test_a_method_a_route_does_not_take_is_a_405_that_says_which_it_takes() -> N
     answer = TestClient(app).delete("/v1/models")
     assert answer.status_code == 405 and answer.json()["error"]["message"]
     assert answer.headers["allow"] == "GET"
+
+
+@pytest.mark.parametrize(
+    "refused",
+    [
+        kafka_unreachable("the prompt queue is unreachable"),
+        NoHostAvailable("Unable to complete the operation against any hosts", {}),
+    ],
+    ids=["kafka", "cassandra"],
+)
+def test_a_refusal_once_admitted_carries_the_request_id(refused: Exception) -> None:
+    """Refused once admitted (Kafka or Cassandra out of reach): the answer had no
+    X-Request-Id, though the gateway had logged the request under one."""
+    app = FastAPI()
+    install_error_handlers(app)
+
+    @app.post("/v1/chat/completions")
+    async def completions() -> None:
+        try:
+            raise refused
+        except Exception as exc:
+            raise tagged_refusal(exc, "r_1234") from exc
+
+    answer = TestClient(app, raise_server_exceptions=False).post("/v1/chat/completions")
+    assert answer.status_code == 503, answer.text
+    assert answer.json()["error"]["type"] == "service_unavailable"
+    assert answer.headers["X-Request-Id"] == "r_1234"
+    assert answer.headers["Retry-After"]

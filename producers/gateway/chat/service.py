@@ -37,7 +37,7 @@ from producers.gateway.chat.watch import ReplyWatch
 from producers.gateway.conversations.protocol import Conversation, Message, provisional_title
 from producers.gateway.conversations.rows import message_key
 from producers.gateway.conversations.service import ConversationService
-from producers.gateway.errors import ApiError, kafka_unreachable, not_found
+from producers.gateway.errors import ApiError, kafka_unreachable, not_found, tagged_refusal
 from producers.gateway.shedding import ModelRouter
 from producers.gateway.streaming import StreamSlots
 from producers.prompts import PromptSubmitter, PromptTooLarge
@@ -236,15 +236,16 @@ class ChatService:
                 await self._store_user_message(p, conversation, user_message_id, p.text)
             await self._produce(p, admission, conversation, sub, store, user_message_id)
         except BaseException as exc:
-            if isinstance(exc, ApiError):  # the id its logs name (the SDK's `_request_id`)
-                exc.headers.setdefault("X-Request-Id", p.request_id)
             d.fanout.unsubscribe(sub)
             try:
                 if admission is not None:  # refused after all: it counts against no limit
                     await d.quotas.refund(admission)
             finally:
                 await self.inflight.release(conversation.id, p.request_id)
-            raise
+            refusal = tagged_refusal(exc, p.request_id)
+            if refusal is exc:
+                raise
+            raise refusal from exc
         await self.inflight.mark_queued(conversation.id, p.request_id)
         if store:  # the next turn waits for this reply to be stored (newest.py)
             await self.newest.note(conversation.id, Newest(p.request_id, p.now))
