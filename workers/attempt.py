@@ -47,6 +47,7 @@ class Attempt:
     number: int
     epoch: int  # the attempt whose text the events carry: a continuation keeps it
     carried: tuple[Recorded, ...] = ()  # published by the attempt this one continues
+    trimmed: str = ""  # ending the carried text, trimmed off by the template (trimmed.py)
     begun: bool = False  # earlier attempts published part of the reply (carried or not)
     recording: bool = False  # each token event goes to the transcript first
     stale_transcript: bool = False  # a record failed: drop it as soon as Redis answers

@@ -38,6 +38,7 @@ from tandoor.models import Dtype, Executor
 from workers.control_tokens import ControlTokens
 from workers.dtype import resolve_dtype
 from workers.executor import resolve_executor
+from workers.trimmed import trimmed_tail
 
 if TYPE_CHECKING:  # vLLM imports torch: loaded only when an engine starts
     from vllm import SamplingParams
@@ -198,9 +199,28 @@ class Engine:
         the tokenizer tens of milliseconds, which every reply streaming here waited."""
         return await asyncio.to_thread(self.render_prompt, messages, partial)
 
+    async def continuation_tokens(
+        self, messages: Sequence[ChatMessage], partial: str
+    ) -> tuple[list[int], str]:
+        """prompt_tokens ready to continue `partial`, and the whitespace ending it that
+        the template trimmed (workers/trimmed.py)."""
+        return await asyncio.to_thread(self.render_continuation, messages, partial)
+
+    def render_continuation(
+        self, messages: Sequence[ChatMessage], partial: str
+    ) -> tuple[list[int], str]:
+        text = self._rendered(messages, partial)
+        return self._encoded(text), trimmed_tail(text, self._control.defused(partial))
+
     def render_prompt(self, messages: Sequence[ChatMessage], partial: str = "") -> list[int]:
         """Token ids of `messages` through the model's chat template, ready for a reply,
         or, given the `partial` reply published so far, ready to continue it."""
+        return self._encoded(self._rendered(messages, partial))
+
+    def _encoded(self, text: str) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=False))
+
+    def _rendered(self, messages: Sequence[ChatMessage], partial: str) -> str:
         # Text first, then encode without special tokens: the template already writes
         # them, and this gives plain token ids whatever apply_chat_template returns.
         defused = self._control.defused  # a message's text never spells a turn's token
@@ -225,7 +245,7 @@ class Engine:
             reason = str(exc).split("\n", 1)[0][:TEMPLATE_ERROR_CHARS]
             raise RequestFailed(f"{TEMPLATE_REFUSED}{reason}") from exc
         assert isinstance(text, str)
-        return list(self._tokenizer.encode(text, add_special_tokens=False))
+        return text
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], sampling: Sampling

@@ -45,6 +45,7 @@ from workers.metrics import WorkerMetrics
 from workers.publisher import Publisher
 from workers.recording import fenced, lease_late, record
 from workers.slot import NoSlot, Waiter
+from workers.trimmed import LeadingWhitespace
 
 log = logging.getLogger(__name__)
 WAITED_S = 0.05  # a line held this long in the worker may have been cancelled meanwhile
@@ -198,10 +199,11 @@ class RequestRunner:
         messages = attempt.prompt.messages
         partial = "".join(attempt.text)
         try:
-            prompt_ids = await self.engine.prompt_tokens(messages)
-            token_ids = (
-                await self.engine.prompt_tokens(messages, partial) if partial else prompt_ids
-            )
+            token_ids = prompt_ids = await self.engine.prompt_tokens(messages)
+            if partial:
+                token_ids, attempt.trimmed = await self.engine.continuation_tokens(
+                    messages, partial
+                )
         except RequestFailed as exc:
             await self._finish(attempt, "error", str(exc))
             return
@@ -288,6 +290,7 @@ class RequestRunner:
     ) -> FinishReason:
         request_id, tracked = attempt.prompt.request_id, attempt.tracked
         coalescer = Coalescer(self.config.coalesce_s, self.config.coalesce_tokens)
+        untrimmed = LeadingWhitespace(attempt.trimmed)
         sampling = attempt.prompt.sampling.model_copy(update={"max_tokens": max_tokens})
         self._submitted(attempt)
         tracked.in_engine = True
@@ -302,7 +305,7 @@ class RequestRunner:
                         aborted = True
                         await self.engine.abort(request_id)
                     self._count(attempt, out.new_tokens, out.cached_tokens)
-                    chunk = coalescer.add(out.delta, out.new_tokens, time.time())
+                    chunk = coalescer.add(untrimmed(out.delta), out.new_tokens, time.time())
                     if chunk is not None:
                         await self._send_tokens(attempt, *chunk)
                     if out.finished:

@@ -39,6 +39,33 @@ async def test_the_override_replaces_the_tokenizers_template(settings: Settings)
     assert continued == "[user] Hello there\n[assistant] General Ken"
 
 
+TRIMMING = (  # as Llama 3's: each message's content trimmed
+    "{% for m in messages %}[{{ m.role }}] {{ m.content | trim }}\n{% endfor %}"
+    "{% if add_generation_prompt %}[assistant] {% endif %}"
+)
+
+
+async def test_what_a_trimming_template_takes_off_a_continued_reply_is_known(
+    settings: Settings,
+) -> None:
+    """The engine continues after "Hello," for the published "Hello, " and writes the
+    space again: the worker takes as much off the continuation (workers/trimmed.py)."""
+    from transformers import AutoTokenizer
+
+    folder = await asyncio.to_thread(resolve_model_dir, "smollm2", settings)
+    tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, folder)
+    messages = [ChatMessage(role="user", content="Hello there")]
+    trimming = Engine(cast(Any, None), tokenizer, 2048, TRIMMING)
+    keeping = Engine(cast(Any, None), tokenizer, 2048, TEMPLATE)
+
+    ids, trimmed = trimming.render_continuation(messages, "General Kenobi, \n")
+    assert tokenizer.decode(ids) == "[user] Hello there\n[assistant] General Kenobi,"
+    assert trimmed == " \n"
+    ids, trimmed = keeping.render_continuation(messages, "General Kenobi, ")
+    assert tokenizer.decode(ids).endswith("General Kenobi, ") and trimmed == ""
+    assert ids == keeping.render_prompt(messages, "General Kenobi, ")
+
+
 async def test_a_long_conversation_renders_while_the_event_loop_goes_on(
     settings: Settings,
 ) -> None:

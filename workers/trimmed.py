@@ -1,0 +1,33 @@
+"""Whitespace a chat template trims off the end of a reply it continues.
+
+A template that trims each message (Llama 3's `message['content'] | trim`) renders the
+published "Hello, " as "Hello,", and the engine, continuing after it, writes " world":
+the reply read "Hello,  world" ("Steps:\n\n\n\n1." after "Steps:\n\n"). What was
+trimmed is in the published text already, so as much whitespace is taken off the
+continuation's start."""
+
+from __future__ import annotations
+
+
+def trimmed_tail(rendered: str, partial: str) -> str:
+    """The whitespace ending `partial` that `rendered`, the prompt continuing it, lacks."""
+    if rendered.endswith(partial):
+        return ""
+    return partial[len(partial.rstrip()) :]
+
+
+class LeadingWhitespace:
+    """Takes up to `len(trimmed)` whitespace characters off the start of a stream of
+    deltas, and nothing once a delta has anything else."""
+
+    def __init__(self, trimmed: str) -> None:
+        self._left = len(trimmed)
+
+    def __call__(self, delta: str) -> str:
+        if not self._left:
+            return delta
+        taken = 0
+        while taken < min(len(delta), self._left) and delta[taken].isspace():
+            taken += 1
+        self._left = self._left - taken if taken == len(delta) else 0
+        return delta[taken:]
