@@ -2,18 +2,17 @@
 the write, so a crash at any point replays (idempotently) instead of losing.
 
 While Cassandra cannot be reached, writes are retried for as long as it takes; while it
-refuses writes whatever they hold (a grant revoked, a table missing mid-restore), for
-REFUSAL_WAIT_S. A final that fails for any other reason (Cassandra or the driver refuses
-that one event) is tried POISON_TRIES times, then goes to the dead-letter topic with the
-reason, and the consumer moves on: one bad event must not stop every reply from being
-stored."""
+refuses writes whatever they hold (a grant revoked, a table missing mid-restore), for a
+while (write_refusals.py). A final that fails for any other reason (Cassandra or the
+driver refuses that one event) is tried POISON_TRIES times, then goes to the dead-letter
+topic with the reason, and the consumer moves on: one bad event must not stop every
+reply from being stored."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-import re
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -22,17 +21,16 @@ import orjson
 from aiokafka import AIOKafkaConsumer
 from aiokafka.errors import IllegalStateError, KafkaError, MessageSizeTooLargeError
 from aiokafka.structs import ConsumerRecord
-from cassandra import InvalidRequest, Unauthorized
 from cassandra.cluster import Cluster
-from cassandra.connection import ConnectionException
 
 from consumers.history import HistoryWriter
 from consumers.metrics import PersistMetrics
+from consumers.write_refusals import RefusalClock
 from schemas import topics
 from schemas.batch import final_output, too_large_output
 from schemas.codec import SchemaError, decode, is_final
 from schemas.events import FinalEvent
-from tandoor.clients import CASSANDRA_DOWN, cassandra_cluster, kafka_producer, send_dead_letter
+from tandoor.clients import cassandra_cluster, kafka_producer, send_dead_letter
 from tandoor.ops import OpsServer
 from tandoor.policies.moderation import DefaultModerator
 from tandoor.settings import Settings
@@ -47,16 +45,6 @@ POISON_TRIES = 3
 DELTAS_COMMIT_S = 1.0
 LAG_WAIT_S = 0.5  # the lag metric waits no longer for a partition's position
 SEND_RETRY_S = 1.0  # dead letters and batch results: Kafka refused, try again after
-# Cassandra unreachable or overloaded: wait, whatever it takes, rather than drop.
-UNAVAILABLE = (*CASSANDRA_DOWN, ConnectionException)
-# Refusing writes whatever they hold (an operator's slip): every reply of it was
-# dead-lettered in 0.3 s. Waited out this long, then counted as the final's own: such a
-# refusal may be one table's (a batch line's), and would hold up every other reply.
-REFUSAL_WAIT_S = 300.0
-# Cassandra 4's words, then 5's (and Scylla's), for a table or keyspace not there.
-_SCHEMA_MISSING = re.compile(
-    r"unconfigured table|(?:keyspace|table) '?\S+'? does not exist", re.IGNORECASE
-)
 Stored = tuple[ConsumerRecord[bytes, bytes], FinalEvent]
 
 
@@ -79,6 +67,7 @@ class Persister:
         self._stopping = asyncio.Event()
         self._committed_at = 0.0  # monotonic
         self._uncommitted = False  # fetched since the last commit
+        self._refusals = RefusalClock()
         self.metrics = PersistMetrics()
         self.ops = OpsServer("persist", self.metrics.registry, self._readiness)
 
@@ -169,7 +158,6 @@ class Persister:
         assert self._writer is not None
         pending, tries, delay = finals, Counter[tuple[int, int]](), 0.1
         stored: list[Stored] = []
-        refused_since: float | None = None  # when writes were first refused whatever held
         while pending and not self._stopping.is_set():
             started = time.perf_counter()
             results = await asyncio.gather(
@@ -183,11 +171,7 @@ class Persister:
             pending = []
             for (record, final), error in failed:
                 where = (record.partition, record.offset)
-                if _refusing_all(error):
-                    refused_since = refused_since or started
-                    tries[where] += started - refused_since >= REFUSAL_WAIT_S
-                else:
-                    tries[where] += not isinstance(error, UNAVAILABLE)
+                tries[where] += self._refusals.counts(error, time.monotonic())
                 if tries[where] >= POISON_TRIES:
                     reason = f"not stored after {POISON_TRIES} tries: {error!r}"
                     log.error("dead-lettering the final of %s: %s", final.request_id, reason)
@@ -289,13 +273,6 @@ def _result(final: FinalEvent, redact: Callable[[str], str]) -> tuple[FinalEvent
     except (TypeError, ValueError) as exc:
         log.error("no batch result for %s: %r", final.request_id, exc)
         return None
-
-
-def _refusing_all(error: BaseException) -> bool:
-    """A refusal whatever the write holds: a grant revoked, a table or keyspace missing."""
-    if isinstance(error, Unauthorized):
-        return True
-    return isinstance(error, InvalidRequest) and bool(_SCHEMA_MISSING.search(str(error)))
 
 
 def _finals(

@@ -135,7 +135,7 @@ async def test_a_refusal_of_every_write_past_its_wait_is_dead_lettered(
 ) -> None:
     """Waited out for good, one table's refusal (a batch line's grant forgotten) held up
     every other reply's write behind it."""
-    monkeypatch.setattr("consumers.persist.REFUSAL_WAIT_S", 0.25)
+    monkeypatch.setattr("consumers.write_refusals.REFUSAL_WAIT_S", 0.25)
     writer = RefusingEveryWrite(Unauthorized("no MODIFY on <table batch_outputs>"), rounds=99)
     assert await stored_and_dead(writer, ["a"]) == ([], 1)
     assert writer.tries > POISON_TRIES  # the wait first
