@@ -93,7 +93,7 @@ async def serve(model: str, shape: Shape) -> None:
         auto_offset_reset="latest",
     )
     tasks: set[asyncio.Task[None]] = set()
-    batches = AIOKafkaProducer(  # idempotent as the worker's: a batch is never dropped
+    batches = AIOKafkaProducer(  # idempotent: a batch sent again is not written twice
         bootstrap_servers=settings.kafka_bootstrap, acks="all", enable_idempotence=True
     )
     async with kafka_producer(settings, "synthetic-worker") as producer, batches:

@@ -33,9 +33,11 @@ def test_what_the_template_trimmed_off_the_end_is_found() -> None:
         (" ", ["world"], "world"),  # the model did not write it again: nothing taken
         ("", [" world"], " world"),  # a template that keeps it: untouched
         (" ", ["", " world"], "world"),  # an empty delta first (a token of no text)
+        (" ", ["\n\nWorld"], "\n\nWorld"),  # other whitespace: the model's own paragraph
+        ("\n\n", [" 1."], " 1."),
     ],
 )
-def test_as_much_whitespace_is_taken_off_the_continuation(
+def test_what_was_trimmed_is_taken_off_the_continuation_where_repeated(
     trimmed: str, deltas: list[str], shown: str
 ) -> None:
     untrimmed = LeadingWhitespace(trimmed)
