@@ -194,10 +194,10 @@ class Engine:
         blocks = getattr(config, "num_gpu_blocks", None)
         return int(blocks * config.block_size) if blocks and config else None
 
-    async def prompt_tokens(self, messages: Sequence[ChatMessage], partial: str = "") -> list[int]:
+    async def prompt_tokens(self, messages: Sequence[ChatMessage]) -> list[int]:
         """render_prompt off the event loop: a long conversation takes the template and
         the tokenizer tens of milliseconds, which every reply streaming here waited."""
-        return await asyncio.to_thread(self.render_prompt, messages, partial)
+        return await asyncio.to_thread(self.render_prompt, messages)
 
     async def continuation_tokens(
         self, messages: Sequence[ChatMessage], partial: str

@@ -145,19 +145,22 @@ class RecordsAll:
         return "ok"
 
 
-async def test_text_made_before_the_engine_fails_is_sent_as_it_is_charged() -> None:
-    """Its coalesced tokens not yet sent were dropped when the engine failed the request,
-    but counted in the usage: the stored reply lacked text its user was charged for."""
-    config = RunnerConfig("m", 60.0, 16)  # nothing sent before the failure
-    engine, publisher = cast(Any, FailsAfterThreeTokens()), cast(Any, Delivering())
-    runner = RequestRunner(
-        config,
-        engine,
-        publisher,
+def streaming_runner(engine: object, coalesce_s: float) -> RequestRunner:
+    """A runner that streams from `engine`, every delivery and record taken."""
+    return RequestRunner(
+        RunnerConfig("m", coalesce_s, 16),
+        cast(Any, engine),
+        cast(Any, Delivering()),
         cast(RequestLedger, RecordsAll()),
         cast(Any, None),
         WorkerMetrics("m"),
     )
+
+
+async def test_text_made_before_the_engine_fails_is_sent_as_it_is_charged() -> None:
+    """Its coalesced tokens not yet sent were dropped when the engine failed the request,
+    but counted in the usage: the stored reply lacked text its user was charged for."""
+    runner = streaming_runner(FailsAfterThreeTokens(), 60.0)  # nothing sent before the failure
     current = attempt()
     with pytest.raises(RequestFailed):
         await runner._stream(current, [1, 2, 3], 16)

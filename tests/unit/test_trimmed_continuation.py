@@ -5,15 +5,12 @@ wrote " world" again, and the reply read "Hello,  world"."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any, cast
 
 import pytest
 
-from tests.unit.test_transcript_records import Delivering, RecordsAll, attempt
+from tests.unit.test_transcript_records import attempt, streaming_runner
 from workers.engine import EngineOutput
-from workers.ledger import Recorded, RequestLedger
-from workers.metrics import WorkerMetrics
-from workers.request import RequestRunner, RunnerConfig
+from workers.ledger import Recorded
 from workers.trimmed import LeadingWhitespace, trimmed_tail
 
 
@@ -53,15 +50,7 @@ class WritesTheSpaceAgain:
 
 
 async def test_a_continued_reply_reads_as_one_after_a_trimming_template() -> None:
-    engine, publisher = cast(Any, WritesTheSpaceAgain()), cast(Any, Delivering())
-    runner = RequestRunner(
-        RunnerConfig("m", 0.0, 16),
-        engine,
-        publisher,
-        cast(RequestLedger, RecordsAll()),
-        cast(Any, None),
-        WorkerMetrics("m"),
-    )
+    runner = streaming_runner(WritesTheSpaceAgain(), 0.0)
     continuing = attempt()
     continuing.carried = (Recorded(1, 0, "Hello, ", 2),)
     continuing.text, continuing.seq, continuing.trimmed = ["Hello, "], 1, " "
