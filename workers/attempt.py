@@ -64,6 +64,7 @@ class Attempt:
     cached_tokens: int = 0
     deliveries: list[asyncio.Future[object]] = field(default_factory=list)
     usage_due: UsageRecord | None = None  # its final is out: this goes next
+    unrecorded_final: bytes | None = None  # out without its done mark (late_done.py)
 
     def expired(self) -> bool:
         """Past the deadline to start; a reply already under way continues."""

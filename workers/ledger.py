@@ -21,7 +21,9 @@ Redis unreachable: the worker keeps serving (the gateway admitted the prompt und
 its tier's Redis-down policy, see tandoor/policies/quota.py). The prompt is taken as a
 first attempt without a lease, which it takes as soon as Redis answers again (so a
 redelivery waits for it, and its end is recorded); records that cannot be written stop
-the transcript (the next attempt restarts the reply instead of continuing it). What is
+the transcript (the next attempt restarts the reply instead of continuing it). A reply
+that ends unrecorded is marked done once its final is out and Redis answers
+(workers/late_done.py), so that its prompt fetched again later is skipped. What is
 lost while Redis stays away: a prompt redelivered after a worker crash or a rebalance
 runs again as attempt 1 (clients skip what they already have by sequence number), and
 a cancel reaches only the worker running the request (the control topic still works).
@@ -54,6 +56,7 @@ from tandoor.policies.redis_keys import (
     lease_key,
     reply_key,
 )
+from workers.late_done import LateDoneMarks
 from workers.lease_clock import LeaseClock
 from workers.ledger_scripts import ARRIVE, FINISH, FORGET, LATE, RECORD, RELEASE, RENEW
 from workers.script_batch import BatchedScript
@@ -128,6 +131,7 @@ class RequestLedger:
         self._leases_changing = asyncio.Lock()
         self._released: dict[str, float] = {}  # request id: when (monotonic)
         self.leases = LeaseClock(lease_s)  # each time Redis says a lease is ours
+        self.late_done = LateDoneMarks(client, owner, self._lease_ms)
 
     async def arrive(
         self, request_id: str, cancelled_by: str | None = None
@@ -235,22 +239,21 @@ class RequestLedger:
             self.leases.confirmed(request_id, asked)
         return "ok" if held else "lost"
 
-    async def finish(self, request_id: str, attempt: int, final: bytes) -> bool:
-        """Mark the request done and keep its final until it is delivered; False if the
-        lease was lost (another worker has the request: publish nothing). Redis down:
-        True, the final goes out unrecorded."""
+    async def finish(
+        self, request_id: str, attempt: int, final: bytes
+    ) -> Literal["ok", "lost", "down"]:
+        """Mark the request done and keep its final until it is delivered. "lost": the
+        lease was lost (another worker has the request: publish nothing). "down": the
+        final goes out unrecorded, and `delivered_unrecorded` marks it done after."""
         keys = [*_held_keys(request_id), final_key(request_id), reply_key(request_id)]
         args: list[str | int | bytes] = [self.owner, attempt, self._lease_ms, final]
         args += [ATTEMPT_TTL_S, FINAL_TTL_S]
         asked = time.monotonic()
         try:
-            return (
-                self._held(request_id, asked, bool(await self._finish(keys=keys, args=args)))
-                == "ok"
-            )
+            return self._held(request_id, asked, bool(await self._finish(keys=keys, args=args)))
         except REDIS_DOWN as exc:
-            log.warning("%s: done not recorded, Redis unreachable (%s)", request_id, exc)
-            return True
+            log.warning("%s: done not recorded yet, Redis unreachable (%s)", request_id, exc)
+            return "down"
 
     async def delivered(self, request_id: str) -> None:
         """The final reached Kafka: nothing is left to publish again."""
@@ -259,6 +262,16 @@ class RequestLedger:
         except REDIS_DOWN as exc:
             log.warning("%s: final kept, Redis unreachable (%s)", request_id, exc)
         await self.release(request_id)
+
+    async def delivered_unrecorded(self, request_id: str, attempt: int) -> None:
+        """A final (and usage) that went out unrecorded (Redis was away, or the attempt
+        unleased) is out: the request is marked done and its lease given back in one
+        step, or at a lease round once Redis answers (workers/late_done.py)."""
+        self.late_done.owe(request_id, attempt)  # first: a stop may cancel what follows
+        async with self._leases_changing:
+            self._released[request_id] = time.monotonic()
+            self.leases.forget(request_id)
+        await self.late_done.mark(request_id, attempt)
 
     async def release(self, request_id: str) -> None:
         """Give the lease back (if it is still ours): another worker may take over now."""

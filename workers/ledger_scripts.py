@@ -86,6 +86,19 @@ return 1
 """
 )
 
+# A reply whose final and usage went out while Redis was out of reach, once it answers:
+# done, its transcript and any final (a FINISH that ran, its answer lost) dropped, and
+# the lease given back. 2: done already (marked before, or answered by another worker).
+# KEYS: lease, done, attempt, reply, final. ARGV: owner, attempt, lease ms, done ttl s.
+DONE_LATE = held_then(
+    """
+redis.call('SET', KEYS[2], '1', 'EX', ARGV[4])
+redis.call('DEL', KEYS[4], KEYS[5], KEYS[1])
+return 1
+""",
+    refused="redis.call('EXISTS', KEYS[2]) * 2",
+)
+
 # KEYS: lease, done, attempt, reply. ARGV: owner, attempt, lease ms, marker ('' for
 # none), reply ttl s. Only its holder drops a transcript: a worker whose lease lapsed
 # while Redis stalled would drop the one the worker that took over is writing.

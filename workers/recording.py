@@ -81,3 +81,12 @@ async def fenced(ledger: RequestLedger, attempt: Attempt) -> None:
                 )
                 said = True
             await asyncio.sleep(FENCE_ASK_S)
+
+
+async def record_final_late(ledger: RequestLedger, attempt: Attempt) -> None:
+    """A final that went out unrecorded, its usage record not (a stop, Kafka refusing
+    it): recorded now if Redis answers, with the lease (given back next), so that the
+    next worker delivers both, where it answered the prompt a second time."""
+    request_id, final = attempt.prompt.request_id, attempt.unrecorded_final
+    if final and await ledger.finish(request_id, attempt.number, final) == "ok":
+        attempt.tracked.leased = True

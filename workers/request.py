@@ -43,7 +43,7 @@ from workers.engine import Engine, RequestFailed, finish_reason_of
 from workers.ledger import Arrival, Busy, Finished, Recorded, RequestLedger, continuable
 from workers.metrics import WorkerMetrics
 from workers.publisher import Publisher
-from workers.recording import fenced, lease_late, record
+from workers.recording import fenced, lease_late, record, record_final_late
 from workers.slot import NoSlot, Waiter
 from workers.trimmed import LeadingWhitespace
 
@@ -102,9 +102,12 @@ class RequestRunner:
                 await self._run(attempt)  # answered cancelled or expired (_refusal)
             if attempt.usage_due is not None:
                 await self._send_usage(attempt.usage_due, slot)
-                if tracked.leased:
+                if attempt.unrecorded_final is not None:
+                    attempt.unrecorded_final, tracked.leased = None, False  # the mark's now
+                    await self.ledger.delivered_unrecorded(prompt.request_id, attempt.number)
+                elif tracked.leased:
                     await self.ledger.delivered(prompt.request_id)
-                    tracked.leased = False  # delivered gave the lease back
+                tracked.leased = False  # delivered gave the lease back
                 # Only now: a copy waiting on this task skips the prompt and commits it,
                 # and one that skipped while the usage record failed lost that record.
                 tracked.delivered = True
@@ -115,6 +118,8 @@ class RequestRunner:
         finally:
             started = attempt.first_token_ms is not None
             (self.metrics.running if started else self.metrics.waiting).dec()
+            if attempt.unrecorded_final is not None:  # stopped before its usage went out
+                await record_final_late(self.ledger, attempt)
             if tracked.leased:
                 await self.ledger.release(prompt.request_id)
 
@@ -364,10 +369,12 @@ class RequestRunner:
             reason, error = "error", undelivered
         final = final_of(attempt, reason, error)
         await lease_late(self.ledger, attempt, throttled=False)
-        if attempt.tracked.leased and not await self.ledger.finish(
-            prompt.request_id, attempt.number, encode(final)
-        ):
-            raise LeaseLost(prompt.request_id)
+        encoded, recorded = encode(final), "down"
+        if attempt.tracked.leased:
+            recorded = await self.ledger.finish(prompt.request_id, attempt.number, encoded)
+            if recorded == "lost":
+                raise LeaseLost(prompt.request_id)
+        attempt.unrecorded_final = encoded if recorded == "down" else None
         await fenced(self.ledger, attempt)  # finished unrecorded: Redis did not answer
         await self.publisher.final(final, prompt.reply_partition)
         attempt.usage_due = usage_record(prompt, final)  # sent once the engine is let go

@@ -296,6 +296,7 @@ class Worker:
                     await self._engine.abort(request_id)
                 else:
                     await self.capacity.wake()
+            await self.ledger.late_done.record()  # ends a Redis outage left unrecorded
 
     async def _drain(self) -> None:
         """Give in-flight prompts the grace period, then hand back the rest uncommitted."""
@@ -312,6 +313,7 @@ class Worker:
             if pending:
                 log.info("handing back %d prompts to other workers", len(pending))
                 await asyncio.gather(*pending, return_exceptions=True)
+        await self.ledger.late_done.record_all()  # what ended in a Redis outage, if back
         await self.intake.commit()
 
     async def _all_leasable(self) -> bool:

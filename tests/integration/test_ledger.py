@@ -68,7 +68,7 @@ async def test_one_holder_at_a_time_and_the_next_takes_over_when_it_lapses(
     assert again.transcript == (Recorded(1, 0, "Once", 1),)
     assert await first.record(rid, 1, Recorded(1, 1, " upon", 1)) == "lost"
     assert await first.renew({rid: 1}) == {rid}
-    assert not await first.finish(rid, 1, b"final of w1"), "a lost lease publishes no final"
+    assert await first.finish(rid, 1, b"final of w1") == "lost", "a lost lease publishes no final"
     assert await second.record(rid, 2, Recorded(1, 1, " upon", 1)) == "ok"
 
 
@@ -87,7 +87,7 @@ async def test_a_lease_that_lapsed_with_no_one_taking_over_is_its_holders_again(
     assert await client.get(lease_key(rid)) == b"w1"
     await client.delete(lease_key(rid), attempt_key(rid), reply_key(rid))  # Redis restarted
     assert await worker.record(rid, 1, Recorded(1, 1, " upon", 1)) == "gap"  # not "lost"
-    assert await worker.finish(rid, 1, b"the final")
+    assert await worker.finish(rid, 1, b"the final") == "ok"
 
     rival, taken, done = ledger(client, "w2"), request(), request()
     for rid in (taken, done):
@@ -95,12 +95,12 @@ async def test_a_lease_that_lapsed_with_no_one_taking_over_is_its_holders_again(
         await client.delete(lease_key(rid))  # w1 stalled past its lease
         assert isinstance(await rival.arrive(rid), Arrival)
     await rival.release(taken)  # and died: the next arrival runs it, not w1
-    assert await rival.finish(done, 2, b"final of w2")
+    assert await rival.finish(done, 2, b"final of w2") == "ok"
     await rival.delivered(done)
     for rid in (taken, done):
         assert await worker.record(rid, 1, Recorded(1, 0, "x", 1)) == "lost"
         assert await worker.renew({rid: 1}) == {rid}
-        assert not await worker.finish(rid, 1, b"final of w1")
+        assert await worker.finish(rid, 1, b"final of w1") == "lost"
         assert await client.get(lease_key(rid)) is None
 
 
@@ -142,7 +142,7 @@ async def test_a_final_is_kept_until_delivered_and_then_the_request_is_skipped(
 ) -> None:
     dying, next_worker, rid = ledger(client, "w1"), ledger(client, "w2"), request()
     assert isinstance(await dying.arrive(rid), Arrival)
-    assert await dying.finish(rid, 1, b"the final")
+    assert await dying.finish(rid, 1, b"the final") == "ok"
     await dying.release(rid)  # it died after recording the final, before delivering it
     assert await next_worker.arrive(rid) == Finished(b"the final")
     await next_worker.delivered(rid)
@@ -155,7 +155,7 @@ async def test_an_undelivered_final_lives_as_long_as_the_done_mark(client: aiore
     request without its final is skipped, and its reply would never end."""
     dying, rid = ledger(client, "w1"), request()
     assert isinstance(await dying.arrive(rid), Arrival)
-    assert await dying.finish(rid, 1, b"the final")
+    assert await dying.finish(rid, 1, b"the final") == "ok"
     done_ttl, final_ttl = await client.ttl(done_key(rid)), await client.ttl(final_key(rid))
     assert done_ttl > 0 and final_ttl >= done_ttl
 
@@ -188,7 +188,7 @@ async def test_a_request_taken_while_redis_stalled_is_leased_once_it_answers(
     stalled, redelivered, rid = ledger(client, "w1"), ledger(client, "w2"), request()
     assert await stalled.lease_late(rid) == "ok"
     assert isinstance(await redelivered.arrive(rid), Busy)
-    assert await stalled.finish(rid, 1, b"the final")
+    assert await stalled.finish(rid, 1, b"the final") == "ok"
     await stalled.delivered(rid)
     assert await redelivered.arrive(rid) == Finished(None), "done: not run again"
 
@@ -200,7 +200,7 @@ async def test_a_request_taken_while_redis_stalled_is_leased_once_it_answers(
     rid, done = request(), request()
     for taken in (rid, done):
         assert isinstance(await redelivered.arrive(taken), Arrival)
-    assert await redelivered.finish(done, 1, b"final of w2")
+    assert await redelivered.finish(done, 1, b"final of w2") == "ok"
     await redelivered.delivered(done)
     for taken in (rid, done):
         assert await stalled.lease_late(taken) == "lost"
@@ -238,7 +238,7 @@ async def test_a_final_its_live_worker_is_delivering_is_not_delivered_again(
     worker died and published it a second time (a second batch output line)."""
     owner, waiting, rid = ledger(client, "w1"), ledger(client, "w2"), request()
     assert isinstance(await owner.arrive(rid), Arrival)
-    assert await owner.finish(rid, 1, b"the final")
+    assert await owner.finish(rid, 1, b"the final") == "ok"
     assert isinstance(await waiting.arrive(rid), Busy)
     await owner.delivered(rid)
     assert await waiting.arrive(rid) == Finished(None)

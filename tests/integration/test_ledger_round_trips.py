@@ -121,7 +121,7 @@ async def test_a_recorded_final_is_delivered_by_one_waiter_at_a_time(
     output line, a second usage record)."""
     owner, rid = ledger(redis, "w1"), request()
     assert isinstance(await owner.arrive(rid), Arrival)
-    assert await owner.finish(rid, 1, b"the final")
+    assert await owner.finish(rid, 1, b"the final") == "ok"
     await redis.delete(lease_key(rid))  # w1 died: its lease lapsed
     first, second = ledger(redis, "w2"), ledger(redis, "w3")
     assert await first.arrive(rid) == Finished(b"the final")
@@ -137,7 +137,7 @@ async def test_a_delivering_arrival_sent_again_after_its_answer_was_lost_deliver
     a whole lease for itself."""
     owner, rid = ledger(redis, "w1"), request()
     assert isinstance(await owner.arrive(rid), Arrival)
-    assert await owner.finish(rid, 1, b"the final")
+    assert await owner.finish(rid, 1, b"the final") == "ok"
     await redis.delete(lease_key(rid))  # w1 died: its lease lapsed
     retrying = AnswerLostOnce(connection_pool=redis.connection_pool)
     assert await ledger(retrying, "w2").arrive(rid) == Finished(b"the final")

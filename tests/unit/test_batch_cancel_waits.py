@@ -34,6 +34,9 @@ class Ledger:
     async def lease_late(self, request_id: str) -> str:
         return "down"
 
+    async def delivered_unrecorded(self, request_id: str, attempt: int) -> None:
+        return None  # unleased: marked done once Redis answers
+
     async def release(self, request_id: str) -> None:
         return None
 

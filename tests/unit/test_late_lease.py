@@ -13,6 +13,7 @@ from tests.unit.test_transcript_records import LeasesKept, prompt
 from workers import recording
 from workers.attempt import Attempt, LeaseLost, Tracked
 from workers.ledger import UNKNOWN_TEXT, Arrival, Recorded, Recording, RequestLedger
+from workers.metrics import WorkerMetrics
 from workers.request import RequestRunner, RunnerConfig
 
 
@@ -98,8 +99,8 @@ async def test_a_reply_begun_whose_text_is_unknown_restarts_past_its_deadline() 
 class RedisDownAtTheEnd(LateRedis):
     """Redis does not answer the finish: the ledger lets the final go out unrecorded."""
 
-    async def finish(self, request_id: str, attempt: int, final: bytes) -> bool:
-        return True
+    async def finish(self, request_id: str, attempt: int, final: bytes) -> str:
+        return "down"
 
 
 class Finals:
@@ -110,6 +111,15 @@ class Finals:
         self.sent.append(final)
 
 
+def finishing(ledger: LateRedis, finals: Finals) -> RequestRunner:
+    """A runner whose `_finish` publishes to `finals`."""
+    unused = cast(Any, None)
+    config, metrics = RunnerConfig("m", 0.05, 16), WorkerMetrics("m")
+    return RequestRunner(
+        config, unused, cast(Any, finals), cast(RequestLedger, ledger), unused, metrics
+    )
+
+
 async def test_an_attempt_that_knows_its_lease_was_lost_publishes_no_final() -> None:
     """Its renewal heard "not ours" (another worker runs the request) and the engine
     was stopped, ending the attempt "cancelled"; with Redis silent at the finish, that
@@ -117,14 +127,21 @@ async def test_an_attempt_that_knows_its_lease_was_lost_publishes_no_final() -> 
     ledger, finals = RedisDownAtTheEnd(), Finals()
     attempt = Attempt(prompt(), Tracked("r_1", leased=True), 1, 1)
     attempt.tracked.lost = True
-    run = RequestRunner(
-        RunnerConfig("m", 0.05, 16),
-        cast(Any, None),
-        cast(Any, finals),
-        cast(RequestLedger, ledger),
-        cast(Any, None),
-        cast(Any, None),
-    )
     with pytest.raises(LeaseLost):
-        await run._finish(attempt, "cancelled", None)
+        await finishing(ledger, finals)._finish(attempt, "cancelled", None)
     assert finals.sent == []
+
+
+async def test_an_end_redis_did_not_record_is_marked_to_be_recorded_after() -> None:
+    """Taken while Redis was away and still unleased as it ends, or leased and Redis
+    away at the end: its final goes out, marked to be recorded done once it is out
+    (workers/late_done.py); unmarked, the prompt fetched again after the outage was
+    answered a second time."""
+    for attempt, ledger in (
+        (unleased(), LateRedis("down")),
+        (Attempt(prompt(), Tracked("r_1", leased=True), 1, 1), RedisDownAtTheEnd()),
+    ):
+        finals = Finals()
+        await finishing(ledger, finals)._finish(attempt, "stop", None)
+        assert attempt.unrecorded_final is not None
+        assert [final.finish_reason for final in finals.sent] == ["stop"]

@@ -7,9 +7,12 @@ engine and Kafka)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from pathlib import Path
 from typing import Any, cast
+from unittest.mock import AsyncMock
 
+import pytest
 from aiokafka import TopicPartition
 
 from schemas.codec import encode
@@ -34,12 +37,24 @@ class Ledger:
     def __init__(self) -> None:
         self.delivered_ids: list[str] = []
         self.released: list[str] = []  # besides delivered, which gives the lease back
+        self.marked_late: list[tuple[str, int]] = []
+        self.recorded: list[bytes] = []  # finals recorded: Redis answers "ok"
+        self.marking = asyncio.Event()  # set: delivered_unrecorded returns
+        self.marking.set()
+
+    async def finish(self, request_id: str, attempt: int, final: bytes) -> str:
+        self.recorded.append(final)
+        return "ok"
 
     async def arrive(self, request_id: str, batch_cancel: str | None) -> Arrival | Finished:
         return Arrival(attempt=1, cancelled=False, leased=True)
 
     async def delivered(self, request_id: str) -> None:
         self.delivered_ids.append(request_id)
+
+    async def delivered_unrecorded(self, request_id: str, attempt: int) -> None:
+        self.marked_late.append((request_id, attempt))
+        await self.marking.wait()
 
     async def release(self, request_id: str) -> None:
         self.released.append(request_id)
@@ -97,6 +112,80 @@ async def test_a_usage_record_kafka_holds_back_holds_no_slot_and_no_commit() -> 
         await closed(worker)
 
 
+class AnsweredUnrecorded(RequestRunner):
+    """Its end went out while Redis was away (workers/late_done.py)."""
+
+    async def _run(self, attempt: Any) -> None:
+        attempt.usage_due = usage(attempt.prompt.request_id)
+        attempt.unrecorded_final = b"the final"
+
+
+def runner_in(worker: Worker, ledger: Ledger, kafka: UsageTopicDown, kind: Any) -> Any:
+    """A `kind` of runner with the worker's capacity and metrics; no engine."""
+    config, unused = RunnerConfig(MODEL, 0.1, 16), cast(Any, None)
+    return kind(config, unused, kafka, ledger, worker.capacity, worker.metrics)
+
+
+def answering_unrecorded(worker: Worker, ledger: Ledger, kafka: UsageTopicDown) -> Any:
+    runner = runner_in(worker, ledger, kafka, AnsweredUnrecorded)
+    return asyncio.create_task(runner.run(prompt(), Tracked("r_1"), "interactive-paid"))
+
+
+async def test_an_end_redis_did_not_record_is_marked_done_once_its_usage_is_out() -> None:
+    """Marked done as the final went out, with the usage record still held back by
+    Kafka: a worker stopped then left the prompt to the next, which found it done,
+    skipped it, and the usage record was never sent."""
+    worker = Worker(Settings(), MODEL, EngineOptions(model_dir=Path(".")))
+    ledger, kafka = Ledger(), UsageTopicDown()
+    answering = answering_unrecorded(worker, ledger, kafka)
+    try:
+        await until(lambda: worker.metrics.usage_unsent._value.get(), what="the usage sent")
+        assert ledger.marked_late == []
+        kafka.back.set()
+        await asyncio.wait_for(answering, 10)
+        assert ledger.marked_late == [("r_1", 1)] and ledger.delivered_ids == []
+        assert ledger.released == [] and ledger.recorded == []
+    finally:
+        answering.cancel()
+        await closed(worker)
+
+
+async def test_an_unrecorded_end_stopped_before_its_usage_is_out_is_left_recorded() -> None:
+    """Stopped (its grace period over) while Kafka held the usage record back: nothing
+    said it was answered, and the next worker answered it a second time from the
+    transcript the outage cut short. Recorded now (Redis answers), it delivers both."""
+    worker = Worker(Settings(), MODEL, EngineOptions(model_dir=Path(".")))
+    ledger, kafka = Ledger(), UsageTopicDown()
+    answering = answering_unrecorded(worker, ledger, kafka)
+    try:
+        await until(lambda: worker.metrics.usage_unsent._value.get(), what="the usage sent")
+        answering.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await answering
+        assert ledger.recorded == [b"the final"] and ledger.released == ["r_1"]
+        assert ledger.marked_late == []
+    finally:
+        await closed(worker)
+
+
+async def test_a_stop_while_the_done_mark_is_sent_leaves_the_lease_to_the_mark() -> None:
+    """Its lease, given back as the stop cancelled the mark under way, let the next
+    worker in before the mark: a second attempt from the cut-short transcript."""
+    worker = Worker(Settings(), MODEL, EngineOptions(model_dir=Path(".")))
+    ledger, kafka = Ledger(), UsageTopicDown()
+    ledger.marking.clear()
+    kafka.back.set()
+    answering = answering_unrecorded(worker, ledger, kafka)
+    try:
+        await until(lambda: ledger.marked_late, what="the done mark under way")
+        answering.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await answering
+        assert ledger.released == [] and ledger.recorded == []
+    finally:
+        await closed(worker)
+
+
 class RecordedFinal(Ledger):
     """The request's worker died after recording its final: this one delivers it."""
 
@@ -119,14 +208,7 @@ async def test_a_recorded_final_is_delivered_under_a_lease_kept_while_kafka_hold
     still recorded and no lease, and published it again."""
     worker = Worker(Settings(), MODEL, EngineOptions(model_dir=Path(".")))
     ledger, kafka = RecordedFinal(), Kafka()
-    runner = RequestRunner(
-        RunnerConfig(MODEL, 0.1, 16),
-        cast(Any, None),
-        cast(Any, kafka),
-        cast(Any, ledger),
-        worker.capacity,
-        worker.metrics,
-    )
+    runner = runner_in(worker, ledger, kafka, RequestRunner)
     tracked = Tracked("r_1")
     delivering = asyncio.create_task(runner.run(prompt(), tracked, "interactive-paid"))
     try:
@@ -152,8 +234,8 @@ class UsageRefused(Kafka):
 class FinishingLedger(Ledger):
     leases = LeasesKept()
 
-    async def finish(self, request_id: str, attempt: int, final: bytes) -> bool:
-        return True
+    async def finish(self, request_id: str, attempt: int, final: bytes) -> str:
+        return "ok"
 
 
 class Finishing(RequestRunner):
@@ -194,4 +276,36 @@ async def test_a_copy_waiting_on_a_reply_whose_usage_failed_does_not_commit_it()
     finally:
         for task in handled:
             task.cancel()
+        await closed(worker)
+
+
+class MarksOwed:
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    async def record(self) -> bool:
+        self.calls.append("round")
+        return True
+
+    async def record_all(self) -> None:
+        self.calls.append("all")
+
+
+async def test_owed_done_marks_go_at_each_lease_round_and_all_at_a_stop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    worker = Worker(Settings(worker_lease_s=1), MODEL, EngineOptions(model_dir=Path(".")))
+    marks = MarksOwed()
+    monkeypatch.setattr(worker.ledger, "late_done", marks)
+    monkeypatch.setattr(worker.ledger, "renew", AsyncMock(return_value=set()))
+    monkeypatch.setattr(worker.intake, "commit", AsyncMock())
+    renewing = asyncio.create_task(worker._renew_loop())
+    try:
+        await until(lambda: marks.calls, lambda calls: len(calls) >= 2, what="two rounds")
+        assert set(marks.calls) == {"round"}
+        renewing.cancel()
+        await worker._drain()
+        assert marks.calls[-1] == "all"
+    finally:
+        renewing.cancel()
         await closed(worker)
