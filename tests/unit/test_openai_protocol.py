@@ -219,6 +219,21 @@ def test_options_that_ask_for_what_is_not_served_are_refused_by_name(
         ChatCompletionRequest.model_validate(body)
 
 
+def test_an_option_not_served_says_what_it_was_sent_and_what_it_takes() -> None:
+    """ "Extra inputs are not permitted" for tool_choice "auto" (which LangChain sends
+    with no tools) read as if the parameter itself were unknown."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    with pytest.raises(ValidationError) as refused:
+        ChatCompletionRequest.model_validate({**body, "tool_choice": "auto"})
+    assert [(e["loc"], e["msg"]) for e in refused.value.errors()] == [
+        (("tool_choice",), '"auto" is not served here: it takes null or "none"')
+    ]
+    long_tools = [{"type": "function", "function": {"name": "f" * 500}}]
+    with pytest.raises(ValidationError) as refused:
+        ChatCompletionRequest.model_validate({**body, "tools": long_tools})
+    assert len(str(refused.value)) < 400, "the value shortened"
+
+
 def test_the_safety_identifier_is_the_end_user_logged() -> None:
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     marked = ChatCompletionRequest.model_validate({**body, "safety_identifier": "end-user-7"})

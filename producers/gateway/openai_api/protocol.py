@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+import orjson
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -14,8 +15,10 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import InitErrorDetails, PydanticCustomError, ValidationError
 
 from producers.gateway.chat.protocol import CONTENT_MAX_CHARS, ReplyOptions, SamplingOptions
+from schemas.errors import shortened
 from schemas.events import MAX_REPLY_TOKENS, ChatMessage
 
 # What an SDK's own response message carries when a client sends it back as history
@@ -138,13 +141,18 @@ class ChatCompletionRequest(SamplingOptions):
     @model_validator(mode="before")
     @classmethod
     def _without_options_asking_nothing(cls, body: object) -> object:
+        """Dropped at a value that asks for nothing; refused, naming it, at another
+        ("Extra inputs are not permitted" read as if the parameter were unknown)."""
         if not isinstance(body, dict):
             return body
-        return {
-            name: value
-            for name, value in body.items()
-            if name not in ASKING_NOTHING or not _among(value, ASKING_NOTHING[name])
-        }
+        for name, value in body.items():
+            if name in ASKING_NOTHING and not _among(value, ASKING_NOTHING[name]):
+                takes = " or ".join(_as_json(v, 40) for v in ASKING_NOTHING[name])
+                said = f"{_as_json(value, 80)} is not served here: it takes {takes}"
+                kind = PydanticCustomError("not_served", said)
+                refused = InitErrorDetails(type=kind, loc=(name,), input=value)
+                raise ValidationError.from_exception_data(cls.__name__, [refused])
+        return {name: value for name, value in body.items() if name not in ASKING_NOTHING}
 
     @property
     def end_user(self) -> str | None:
@@ -205,6 +213,10 @@ class ChatCompletionRequest(SamplingOptions):
             ChatMessage(role="system" if m.role == "developer" else m.role, content=text)
             for m, text in zip(self.messages, texts, strict=True)
         ]
+
+
+def _as_json(value: object, limit: int) -> str:
+    return shortened(orjson.dumps(value, default=str).decode(), limit)
 
 
 def _among(value: object, values: tuple[object, ...]) -> bool:
