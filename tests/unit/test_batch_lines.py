@@ -38,6 +38,9 @@ def test_a_good_line_parses() -> None:
 
 
 STREAMED = {"stream_options": {"include_usage": True}}  # a batch line cannot stream
+# Nested past what orjson writes (255 levels; it reads 1,024): its refusal, quoting the
+# value, raised a TypeError, which stopped admission at this line after every restart.
+DEEP_TOOLS = line()[:-2] + b',"tools":' + b"[" * 300 + b"]" * 300 + b"}}"
 
 
 @pytest.mark.parametrize(
@@ -58,6 +61,7 @@ STREAMED = {"stream_options": {"include_usage": True}}  # a batch line cannot st
             "body.n",
         ),
         (line(extra=1), "q-1", "extra"),
+        (DEEP_TOOLS, "q-1", "body.tools"),
         (
             line(body={"model": "m", "messages": [{"role": "user", "content": "x"}]} | STREAMED),
             "q-1",

@@ -216,7 +216,12 @@ class ChatCompletionRequest(SamplingOptions):
 
 
 def _as_json(value: object, limit: int) -> str:
-    return shortened(orjson.dumps(value, default=str).decode(), limit)
+    """For a refusal: never raises (nested past what orjson writes, 255 levels, it
+    raised a TypeError, which stopped batch admission at the line for good)."""
+    try:
+        return shortened(orjson.dumps(value, default=str).decode(), limit)
+    except TypeError:
+        return f"a {type(value).__name__} nested too deep to quote"
 
 
 def _among(value: object, values: tuple[object, ...]) -> bool:
