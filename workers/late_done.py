@@ -50,6 +50,9 @@ class LateDoneMarks:
     def owed(self) -> int:
         return len(self._owed)
 
+    def owes(self, request_id: str) -> bool:
+        return request_id in self._owed
+
     def owe(self, request_id: str, attempt: int) -> None:
         self._owed[request_id] = attempt
         self._bound()

@@ -137,6 +137,8 @@ class RequestLedger:
         self, request_id: str, cancelled_by: str | None = None
     ) -> Arrival | Finished | Busy:
         """`cancelled_by`: another key that cancels the request too (its batch's)."""
+        if self.late_done.owes(request_id):  # answered here, its done mark not yet sent
+            return Finished(None)
         keys = [
             done_key(request_id),
             lease_key(request_id),

@@ -49,9 +49,10 @@ end
 """
 
 
-def held_then(body: str, refused: str = "0") -> str:
-    """A script that runs `body` only while the lease is ARGV[1]'s, else returns `refused`."""
-    return f"{HELD}\nif not held() then return {refused} end\n{body}"
+def held_then(body: str, refused: str = "0", also: str = "true") -> str:
+    """A script that runs `body` only while the lease is ARGV[1]'s (and `also` holds),
+    else returns `refused`."""
+    return f"{HELD}\nif not ({also} and held()) then return {refused} end\n{body}"
 
 
 # KEYS: lease, done, attempt, reply. ARGV: owner, attempt, lease ms, seq, entry, reply ttl
@@ -89,7 +90,9 @@ return 1
 # A reply whose final and usage went out while Redis was out of reach, once it answers:
 # done, its transcript and any final (a FINISH that ran, its answer lost) dropped, and
 # the lease given back. 2: done already (marked before, or answered by another worker).
-# KEYS: lease, done, attempt, reply, final. ARGV: owner, attempt, lease ms, done ttl s.
+# Not under a later attempt, even one of this owner's (HELD asks the owner alone): the
+# same worker, restarted, may run it again. KEYS: lease, done, attempt, reply, final.
+# ARGV: owner, attempt, lease ms, done ttl s.
 DONE_LATE = held_then(
     """
 redis.call('SET', KEYS[2], '1', 'EX', ARGV[4])
@@ -97,6 +100,7 @@ redis.call('DEL', KEYS[4], KEYS[5], KEYS[1])
 return 1
 """,
     refused="redis.call('EXISTS', KEYS[2]) * 2",
+    also="tonumber(redis.call('GET', KEYS[3]) or ARGV[2]) == tonumber(ARGV[2])",
 )
 
 # KEYS: lease, done, attempt, reply. ARGV: owner, attempt, lease ms, marker ('' for

@@ -140,6 +140,31 @@ async def test_replies_ending_during_an_outage_do_not_each_wait_for_redis(
     assert [await next_worker.arrive(rid) for rid in rids] == [Finished(None)] * 5
 
 
+async def test_the_worker_that_owes_the_mark_skips_its_own_prompt_fetched_again(
+    redis: aioredis.Redis,
+) -> None:
+    """Fetched again on this worker (a rebalance kept it the partition) while its mark
+    waited: Redis away, it ran the prompt again unleased; back, a second attempt under
+    its own name, which the late mark then cut off (same owner) mid-reply."""
+    cut_off = out_of_reach(redis)
+    worker, rid = ledger(cut_off, "w1"), request()
+    assert isinstance(await worker.arrive(rid), Arrival)
+    cut_off.away = True
+    assert await worker.finish(rid, 1, b"the final") == "down"
+    await worker.delivered_unrecorded(rid, 1)
+    assert await worker.arrive(rid) == Finished(None), "Redis away: known here"
+    await redis.delete(lease_key(rid))
+    cut_off.away = False
+    assert await worker.arrive(rid) == Finished(None), "Redis back, the mark not yet sent"
+    # The same worker's next life (a restart): a later attempt under its name.
+    restarted = ledger(redis, "w1")
+    again = await restarted.arrive(rid)
+    assert isinstance(again, Arrival) and again.attempt == 2
+    assert await worker.late_done.record()
+    assert await redis.get(lease_key(rid)) == b"w1", "attempt 2 goes on"
+    assert not await redis.exists(done_key(rid))
+
+
 async def test_a_reply_taken_and_finished_during_an_outage_is_skipped_when_fetched_again(
     redis: aioredis.Redis,
 ) -> None:
