@@ -11,7 +11,7 @@ from typing import TypeVar
 
 import faust
 
-from schemas.codec import SchemaError, decode, is_final
+from schemas.codec import SchemaError, decode, encode, is_final
 from schemas.events import MAX_ID_CHARS, SERVICE_JOBS, Event, FinalEvent, UsageRecord
 from streams.outputs import Outputs
 from streams.rollups import counted_id, restart_keys, rollup_keys
@@ -63,13 +63,14 @@ async def on_usage(payload: bytes, rollups: RollupTables, out: Outputs) -> None:
 
 
 async def on_token_event(payload: bytes, rollups: RollupTables, out: Outputs) -> None:
-    """Pass on the final events of re-runs (attempt > 1); token events are skipped
-    without being parsed."""
+    """Pass on the final events of re-runs (attempt > 1), without their text (the
+    by-model topic is kept 30 days, `tokens` one); token events are skipped without
+    being parsed."""
     if not is_final(payload):
         return
     final = _decoded(FinalEvent, payload, rollups)
     if final is not None and final.attempt > 1 and _ids_plausible(final, rollups):
-        await out.by_model(final.model.encode(), payload)
+        await out.by_model(final.model.encode(), encode(final.model_copy(update={"text": ""})))
 
 
 async def on_by_model(payload: bytes, rollups: RollupTables) -> None:

@@ -12,8 +12,9 @@ Bounded state, whatever the traffic:
   in no rollup's offset, and its id may have expired by the time it is read again, so
   the partition keeps the offset of the last copy it skipped (`\\xffskipped/<partition>`
   in the same table: written before the ids it outlives are dropped). The per-model
-  rollups get only the records the per-user ones counted, and keep re-runs' ids the
-  same way;
+  rollups get the records the per-user ones counted, and those read again after a
+  crash once more (known there by id alone, so one that lagged past the dedupe span
+  counts twice per model: docs/architecture.md), and keep re-runs' ids the same way;
 - a rollup is dropped once stream time is `streams_retention_windows` windows past
   its end, and a record read later than that is not counted in it (`passed_over`).
 Tables change only inside a stream, on the partition of the record being processed

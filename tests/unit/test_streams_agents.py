@@ -13,8 +13,8 @@ import faust
 import orjson
 import pytest
 
-from schemas.codec import encode
-from schemas.events import UsageRecord, now_ms
+from schemas.codec import decode, encode
+from schemas.events import FinalEvent, UsageRecord, now_ms
 from streams.app import create_app, rollup_tables
 from streams.outputs import Outputs
 from streams.rollups import Rollup
@@ -151,6 +151,9 @@ async def test_the_token_stream_yields_re_runs_only(app_and_sink: tuple[faust.Ap
         for attempt in (1, 2):
             await agent.put(encode(final_event("a", attempt)))
     assert sink.forwarded == [b"smollm2"]  # only the re-run goes on to the model rollups
+    # Without the reply: that topic is kept 30 days, `tokens` one (a reply asked not to
+    # be stored, or whose conversation was deleted, stayed readable there a month).
+    assert decode(FinalEvent, sink.forwarded_payloads[0]).text == ""
     async with app.agents["rollups-by-model"].test_context() as agent:
         await agent.put(encode(final_event("a", 2)))
         await agent.put(encode(final_event("a", 2)))  # a replay
