@@ -80,6 +80,11 @@ def parse_line(raw: bytes | None) -> Parsed:
         message = f"{where or 'line'}: {first.get('msg', 'invalid')}"
         problem = Refused(400, message, "invalid_request_error", where or None)
         return Parsed(custom_id, None, problem)
+    except Exception:  # a defect met by this input: the line fails alone, as over HTTP
+        # (raised on, admission stopped at the line after every restart)
+        log.exception("a batch line (custom_id %r) could not be read", custom_id)
+        message = "internal error reading the line; it is logged, please report it"
+        return Parsed(custom_id, None, Refused(500, message, "api_error"))
 
 
 async def prompt_for(

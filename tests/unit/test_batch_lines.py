@@ -78,6 +78,20 @@ def test_a_bad_line_names_its_problem(raw: bytes, custom_id: str | None, says: s
     assert parsed.custom_id == (custom_id if custom_id else None)
 
 
+def test_a_line_that_meets_a_defect_fails_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any error but a validation error went up through admission, which stopped at the
+    line, and again after every restart: one line held every batch behind it."""
+
+    def defect(data: object) -> BatchInputLine:
+        raise TypeError("a validator's defect")
+
+    monkeypatch.setattr(BatchInputLine, "model_validate", defect)
+    parsed = parse_line(line())
+    assert parsed.line is None and parsed.custom_id == "q-1"
+    assert parsed.problem is not None and parsed.problem.status == 500
+    assert parsed.problem.kind == "api_error"
+
+
 def test_a_lines_request_id_is_stable_and_per_owner() -> None:
     one = custom_line_request_id("alice", "b1", "q-1")
     assert one == custom_line_request_id("alice", "b1", "q-1")
