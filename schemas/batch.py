@@ -56,7 +56,7 @@ def refused_output(
     param: str | None = None,
     code: str | None = None,
 ) -> dict[str, Any]:
-    """A line refused before it reached a model: the 4xx the same request gets over HTTP."""
+    """A line refused before it reached a model: the error the same request gets over HTTP."""
     body = error_body(message, kind, param, code)
     return batch_output(
         custom_id, request_id, {"status_code": status_code, "request_id": request_id, "body": body}

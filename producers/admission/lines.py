@@ -36,7 +36,8 @@ class BatchInputLine(BaseModel):
 
 
 class Refused(Exception):
-    """A line that is answered with a 4xx result and never forwarded."""
+    """A line that is answered with an error result (a 4xx; a 500 for a defect) and never
+    forwarded."""
 
     def __init__(
         self,

@@ -11,6 +11,7 @@ class AdmissionMetrics:
         self.lines = Counter(
             "tandoor_admission_lines",
             "Batch lines read, by outcome: forwarded, refused (answered with an error), "
+            "defect (answered 500: reading it met a defect, logged), "
             "cancelled or expired (answered unrun: the batch cancelled, its window past), "
             "replayed (read again after a restart, already handled), unreadable (a record aiokafka "
             "cannot parse, skipped)",

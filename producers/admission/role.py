@@ -277,7 +277,10 @@ class Admission(Forwarding, ConsumerRebalanceListener):  # type: ignore[misc]
         # with marks; replayed after a crash, it is answered again.
         if custom_id is not None and batch_id and refused.kept and owner is not None:
             await self._mark(request_id, where, first_only=True)
-        self._done(record.partition, record.offset, "refused")
+        # A defect's 500 counted apart, to alert on: the user's 4xx are theirs.
+        self._done(
+            record.partition, record.offset, "defect" if refused.status >= 500 else "refused"
+        )
 
     async def _commit_often(self) -> None:
         while not self._stopping.is_set():

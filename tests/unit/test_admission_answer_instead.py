@@ -164,3 +164,33 @@ async def test_a_line_too_large_for_kafka_is_charged_once_though_its_answer_wait
             await admission._until_done(partial(admission._forward, queue, *picked))
     statuses = [output["response"]["status_code"] for output in answers.sent]
     assert statuses == [413, 413] and quotas.admitted == [line.prompt.request_id]
+
+
+class Answers:
+    def __init__(self) -> None:
+        self.sent: list[dict[str, Any]] = []
+
+    async def send(self, owner: str | None, batch: str | None, output: dict[str, Any]) -> None:
+        self.sent.append(output)
+
+
+async def test_a_line_answered_500_for_a_defect_is_counted_apart(admission: Admission) -> None:
+    """Counted as "refused", a defect's 500 was one with the users' own 4xx: nothing to
+    alert on but a log line."""
+    from aiokafka.structs import ConsumerRecord
+
+    from producers.admission.lines import Refused
+
+    admission.marks, admission.answers = cast(Any, CancelledBatches()), cast(Any, Answers())
+    for offset, status in ((1, 400), (2, 500)):
+        record = ConsumerRecord("batch.requests", 0, offset, 0, 0, None, b"", None, 0, 0, [])
+        admission.offsets.taken("batch.requests", 0, offset)
+        refused = Refused(status, "no", "api_error" if status == 500 else "invalid_request_error")
+        await admission._refuse(record, "A", "u", "q", f"bl_{offset}", refused)
+    counted = {
+        outcome: admission.metrics.lines.labels(outcome)._value.get()
+        for outcome in ("refused", "defect")
+    }
+    assert counted == {"refused": 1, "defect": 1}
+    statuses = [o["response"]["status_code"] for o in cast(Any, admission.answers).sent]
+    assert statuses == [400, 500]
