@@ -126,7 +126,7 @@ def _log_refused(request_id: str, marked: int) -> None:
         log.info("%s: marked done already (its end recorded, or another worker's)", request_id)
     elif marked == 0:
         log.warning(
-            "%s: ended while Redis was away, and another worker took it over before its "
-            "end was recorded",
+            "%s: ended while Redis was away, and a later attempt took it before its end "
+            "was recorded",
             request_id,
         )

@@ -90,8 +90,9 @@ return 1
 # A reply whose final and usage went out while Redis was out of reach, once it answers:
 # done, its transcript and any final (a FINISH that ran, its answer lost) dropped, and
 # the lease given back. 2: done already (marked before, or answered by another worker).
-# Not under a later attempt, even one of this owner's (HELD asks the owner alone): the
-# same worker, restarted, may run it again. KEYS: lease, done, attempt, reply, final.
+# Not under a later attempt numbered otherwise (HELD asks the owner alone): defence in
+# depth behind the worker's own check (RequestLedger.arrive skips what it owes a mark)
+# and the per-process owner. KEYS: lease, done, attempt, reply, final.
 # ARGV: owner, attempt, lease ms, done ttl s.
 DONE_LATE = held_then(
     """

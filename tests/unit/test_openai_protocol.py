@@ -232,6 +232,9 @@ def test_an_option_not_served_says_what_it_was_sent_and_what_it_takes() -> None:
     with pytest.raises(ValidationError) as refused:
         ChatCompletionRequest.model_validate({**body, "tools": long_tools})
     assert len(str(refused.value)) < 400, "the value shortened"
+    with pytest.raises(ValidationError) as refused:  # past 64 bits: orjson cannot write it
+        ChatCompletionRequest.model_validate({**body, "service_tier": 10**30})
+    assert "a value of type int too large or deep to quote" in str(refused.value)
 
 
 def test_the_safety_identifier_is_the_end_user_logged() -> None:

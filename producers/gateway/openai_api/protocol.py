@@ -216,12 +216,13 @@ class ChatCompletionRequest(SamplingOptions):
 
 
 def _as_json(value: object, limit: int) -> str:
-    """For a refusal: never raises (nested past what orjson writes, 255 levels, it
-    raised a TypeError, which stopped batch admission at the line for good)."""
+    """For a refusal: never raises (nested past what orjson writes, 255 levels, or an
+    integer past 64 bits, it raised a TypeError, which stopped batch admission at the
+    line for good)."""
     try:
         return shortened(orjson.dumps(value, default=str).decode(), limit)
     except TypeError:
-        return f"a {type(value).__name__} nested too deep to quote"
+        return f"a value of type {type(value).__name__} too large or deep to quote"
 
 
 def _among(value: object, values: tuple[object, ...]) -> bool:
