@@ -16,7 +16,6 @@ import asyncio
 import logging
 
 import redis.asyncio as aioredis
-from redis.exceptions import NoScriptError
 
 from tandoor.clients import REDIS_DOWN
 from tandoor.policies.redis_keys import (
@@ -28,6 +27,7 @@ from tandoor.policies.redis_keys import (
     reply_key,
 )
 from workers.ledger_scripts import DONE_LATE
+from workers.script_batch import BatchedScript
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ class LateDoneMarks:
         self._redis = client
         self._owner = owner
         self._lease_ms = lease_ms
-        self._script = client.register_script(DONE_LATE)
+        self._script = BatchedScript(client, client.register_script(DONE_LATE))
         self._owed: dict[str, int] = {}  # request id: attempt, oldest first
         self._sending = asyncio.Lock()  # a round at a time: each entry is sent once
         self._answering = True  # the last send reached Redis
@@ -77,25 +77,33 @@ class LateDoneMarks:
             pass
 
     async def _send(self, batch: list[tuple[str, int]]) -> bool:
+        """One pipeline (BatchedScript: calls made together share it); False when Redis
+        did not answer, the marks it did not take still owed."""
         batch = [(rid, attempt) for rid, attempt in batch if self._owed.get(rid) == attempt]
         if not batch:
             return True
-        try:
-            async with self._redis.pipeline(transaction=False) as pipe:
-                for request_id, attempt in batch:
-                    args: list[str | int] = [self._owner, attempt, self._lease_ms, ATTEMPT_TTL_S]
-                    await self._script(keys=_keys(request_id), args=args, client=pipe)
-                answers = await pipe.execute()
-        except (*REDIS_DOWN, NoScriptError) as exc:
-            self._answering = False
-            log.warning("%d done marks owed until Redis answers (%s)", len(self._owed), exc)
-            return False
+        replies = await asyncio.gather(
+            *(
+                self._script(
+                    keys=_keys(rid), args=[self._owner, attempt, self._lease_ms, ATTEMPT_TTL_S]
+                )
+                for rid, attempt in batch
+            ),
+            return_exceptions=True,
+        )
         self._answering = True
-        for (request_id, attempt), marked in zip(batch, answers, strict=True):
-            if self._owed.get(request_id) == attempt:
-                del self._owed[request_id]
-            _log_refused(request_id, int(marked))
-        return True
+        for (request_id, attempt), reply in zip(batch, replies, strict=True):
+            if isinstance(reply, REDIS_DOWN):
+                self._answering = False
+            elif isinstance(reply, BaseException):
+                raise reply
+            else:
+                if self._owed.get(request_id) == attempt:
+                    del self._owed[request_id]
+                _log_refused(request_id, int(reply))
+        if not self._answering:
+            log.warning("%d done marks owed until Redis answers", len(self._owed))
+        return self._answering
 
     def _bound(self) -> None:
         if len(self._owed) <= OWED_DONE_MAX:
