@@ -49,10 +49,9 @@ end
 """
 
 
-def held_then(body: str, refused: str = "0", also: str = "true") -> str:
-    """A script that runs `body` only while the lease is ARGV[1]'s (and `also` holds),
-    else returns `refused`."""
-    return f"{HELD}\nif not ({also} and held()) then return {refused} end\n{body}"
+def held_then(body: str, refused: str = "0") -> str:
+    """A script that runs `body` only while the lease is ARGV[1]'s, else returns `refused`."""
+    return f"{HELD}\nif not held() then return {refused} end\n{body}"
 
 
 # KEYS: lease, done, attempt, reply. ARGV: owner, attempt, lease ms, seq, entry, reply ttl
@@ -76,33 +75,49 @@ return 1
     refused="-1",
 )
 
+# The lease lapsed and nobody took the request since: no holder, no later attempt than
+# ARGV[2]. Where the request is done, HELD answers "another's": it may be the caller's
+# own FINISH, which ran while its answer was lost (Redis away past the lease after it).
+UNCLAIMED = """
+local function unclaimed()
+  return redis.call('EXISTS', KEYS[1]) == 0
+    and tonumber(redis.call('GET', KEYS[3]) or ARGV[2]) == tonumber(ARGV[2])
+end
+"""
+
 # KEYS: lease, done, attempt, final, reply. ARGV: owner, attempt, lease ms, final, done
-# ttl s, final ttl s.
-FINISH = held_then(
-    """
+# ttl s, final ttl s. Sent again, its own final found unclaimed, it is the caller's still.
+FINISH = f"""{HELD}{UNCLAIMED}
+if unclaimed() and redis.call('GET', KEYS[4]) == ARGV[4] then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3])
+  return 1
+end
+if not held() then return 0 end
 redis.call('SET', KEYS[2], '1', 'EX', ARGV[5])
 redis.call('SET', KEYS[4], ARGV[4], 'EX', ARGV[6])
 redis.call('DEL', KEYS[5])
 return 1
 """
-)
 
 # A reply whose final and usage went out while Redis was out of reach, once it answers:
 # done, its transcript and any final (a FINISH that ran, its answer lost) dropped, and
-# the lease given back. 2: done already (marked before, or answered by another worker).
+# the lease given back. 2: done already (marked before, answered by another worker, or
+# by its own FINISH, run unanswered, the lease lapsed since: that final dropped too).
 # Not under a later attempt numbered otherwise (HELD asks the owner alone): defence in
 # depth behind the worker's own check (RequestLedger.arrive skips what it owes a mark)
 # and the per-process owner. KEYS: lease, done, attempt, reply, final.
 # ARGV: owner, attempt, lease ms, done ttl s.
-DONE_LATE = held_then(
-    """
-redis.call('SET', KEYS[2], '1', 'EX', ARGV[4])
-redis.call('DEL', KEYS[4], KEYS[5], KEYS[1])
-return 1
-""",
-    refused="redis.call('EXISTS', KEYS[2]) * 2",
-    also="tonumber(redis.call('GET', KEYS[3]) or ARGV[2]) == tonumber(ARGV[2])",
-)
+DONE_LATE = f"""{HELD}{UNCLAIMED}
+local function mark()
+  redis.call('SET', KEYS[2], '1', 'EX', ARGV[4])
+  redis.call('DEL', KEYS[4], KEYS[5], KEYS[1])
+end
+if tonumber(redis.call('GET', KEYS[3]) or ARGV[2]) == tonumber(ARGV[2]) then
+  if held() then mark() return 1 end
+  if unclaimed() then mark() return 2 end  -- its own FINISH ran: that final is out too
+end
+return redis.call('EXISTS', KEYS[2]) * 2
+"""
 
 # KEYS: lease, done, attempt, reply. ARGV: owner, attempt, lease ms, marker ('' for
 # none), reply ttl s. Only its holder drops a transcript: a worker whose lease lapsed

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Literal
 
 from workers.attempt import Attempt, LeaseLost
 from workers.ledger import Recorded, RequestLedger
@@ -72,7 +73,7 @@ async def fenced(ledger: RequestLedger, attempt: Attempt) -> None:
     every worker, the reply waits until it is back (then takes its lapsed lease again)."""
     request_id, said = attempt.prompt.request_id, False
     while attempt.tracked.leased and ledger.leases.lapsed(request_id):
-        outcome = await ledger.holds(request_id, attempt.number)
+        outcome = await _still_ours(ledger, attempt)
         _stop_if_lost(attempt, outcome)
         if outcome == "down":
             if not said:
@@ -81,6 +82,20 @@ async def fenced(ledger: RequestLedger, attempt: Attempt) -> None:
                 )
                 said = True
             await asyncio.sleep(FENCE_ASK_S)
+
+
+async def _still_ours(ledger: RequestLedger, attempt: Attempt) -> Literal["ok", "lost", "down"]:
+    """Whether the lease is still ours. A final not known to be recorded asks by sending
+    its FINISH again: one that ran, its answer lost, left the request done, which the
+    lease's own check takes for another worker's once it lapsed (the final never went
+    out, the prompt was committed)."""
+    request_id, final = attempt.prompt.request_id, attempt.unrecorded_final
+    if final is None:
+        return await ledger.holds(request_id, attempt.number)
+    outcome = await ledger.finish(request_id, attempt.number, final)
+    if outcome == "ok":
+        attempt.unrecorded_final = None  # recorded: delivered as any recorded final
+    return outcome
 
 
 async def record_final_late(ledger: RequestLedger, attempt: Attempt) -> None:

@@ -17,7 +17,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from tandoor.policies.redis_keys import done_key, lease_key
 from tests.integration.test_ledger import ledger, request
-from workers import late_done
+from tests.unit.test_transcript_records import prompt
+from workers import late_done, recording
+from workers.attempt import Attempt, LeaseLost, Tracked
 from workers.ledger import UNLEASED, Arrival, Busy, Finished, Recorded, RequestLedger
 
 pytestmark = pytest.mark.integration
@@ -120,6 +122,77 @@ async def test_a_finish_redis_ran_whose_answer_was_lost_leaves_no_final_to_send_
     assert await worker.finish(rid, 1, b"the final") == "ok"  # its answer lost
     await worker.delivered_unrecorded(rid, 1)
     assert await next_worker.arrive(rid) == Finished(None)
+
+
+def finished_attempt(rid: str, final: bytes) -> Attempt:
+    """An attempt whose FINISH had no answer: its final, unrecorded as far as it knows."""
+    attempt = Attempt(prompt().model_copy(update={"request_id": rid}), Tracked(rid), 1, 1)
+    attempt.tracked.leased, attempt.unrecorded_final = True, final
+    return attempt
+
+
+async def test_a_finish_whose_answer_was_lost_goes_out_after_redis_was_away_past_the_lease(
+    redis: aioredis.Redis,
+) -> None:
+    """FINISH ran, its answer lost, and Redis stayed away past the lease: asked then
+    whether the lease was still its own, Redis said the request was done, which the
+    worker took for another worker's. The final never went out and the prompt was
+    committed: the user's stream ended at its timeout, with no usage record."""
+    worker, rid = ledger(redis, "w1"), request()
+    assert isinstance(await worker.arrive(rid), Arrival)
+    assert await worker.finish(rid, 1, b"the final") == "ok"  # its answer lost
+    attempt = finished_attempt(rid, b"the final")
+    await redis.delete(lease_key(rid))  # lapsed during the outage
+    worker.leases.forget(rid)  # and here
+    await recording.fenced(worker, attempt)  # Redis back
+    assert not attempt.tracked.lost and attempt.unrecorded_final is None, "recorded"
+    assert await redis.get(lease_key(rid)) == b"w1", "its own to deliver"
+
+
+async def test_a_finish_sent_again_is_not_the_callers_once_another_worker_delivers_it(
+    redis: aioredis.Redis,
+) -> None:
+    """The recorded final is found by the worker the prompt reached next: it delivers
+    it, and the worker whose FINISH answer was lost publishes nothing."""
+    worker, next_worker, rid = ledger(redis, "w1"), ledger(redis, "w2"), request()
+    assert isinstance(await worker.arrive(rid), Arrival)
+    assert await worker.finish(rid, 1, b"the final") == "ok"  # its answer lost
+    await redis.delete(lease_key(rid))
+    assert await next_worker.arrive(rid) == Finished(b"the final")
+    assert await worker.finish(rid, 1, b"the final") == "lost", "the other delivers it"
+    await next_worker.delivered(rid)
+    assert await worker.finish(rid, 1, b"the final") == "lost", "delivered"
+    attempt = finished_attempt(rid, b"the final")
+    worker.leases.forget(rid)
+    with pytest.raises(LeaseLost):
+        await recording.fenced(worker, attempt)
+
+
+async def test_a_finish_is_not_taken_for_another_attempts_sent_again(
+    redis: aioredis.Redis,
+) -> None:
+    worker, next_worker, rid = ledger(redis, "w1"), ledger(redis, "w2"), request()
+    assert isinstance(await worker.arrive(rid), Arrival)
+    await redis.delete(lease_key(rid))
+    assert isinstance(await next_worker.arrive(rid), Arrival)
+    assert await next_worker.finish(rid, 2, b"the final") == "ok"
+    await redis.delete(lease_key(rid))
+    assert await worker.finish(rid, 1, b"the final") == "lost", "a later attempt's"
+    assert await worker.finish(rid, 2, b"another final") == "lost", "another final"
+
+
+async def test_a_finish_run_unanswered_past_the_lease_leaves_no_final_to_send_again(
+    redis: aioredis.Redis,
+) -> None:
+    """As above, Redis away past the lease after it: the late mark, refused as "done
+    already", left the recorded final for the next worker to publish a second time."""
+    worker, next_worker, rid = ledger(redis, "w1"), ledger(redis, "w2"), request()
+    assert isinstance(await worker.arrive(rid), Arrival)
+    assert await worker.finish(rid, 1, b"the final") == "ok"  # its answer lost
+    await redis.delete(lease_key(rid))  # lapsed during the outage
+    await worker.delivered_unrecorded(rid, 1)
+    assert await next_worker.arrive(rid) == Finished(None)
+    assert worker.late_done.owed == 0
 
 
 async def test_replies_ending_during_an_outage_do_not_each_wait_for_redis(
