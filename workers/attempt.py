@@ -31,6 +31,7 @@ class Tracked:
     attempt: int = 0  # its number: a lapsed lease is taken again only by the latest
     lost: bool = False  # the lease went to another worker: stop, publish nothing
     delivered: bool = False  # its final is out: published by this worker, or found done
+    unrecorded_final: bytes | None = None  # out without its done mark (late_done.py)
     done: asyncio.Event = field(default_factory=asyncio.Event)  # its handling ended here
 
 
@@ -64,7 +65,6 @@ class Attempt:
     cached_tokens: int = 0
     deliveries: list[asyncio.Future[object]] = field(default_factory=list)
     usage_due: UsageRecord | None = None  # its final is out: this goes next
-    unrecorded_final: bytes | None = None  # out without its done mark (late_done.py)
 
     def expired(self) -> bool:
         """Past the deadline to start; a reply already under way continues."""

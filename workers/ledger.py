@@ -12,7 +12,9 @@ lease learns it at once and stops: two attempts never publish at the same time (
 that cannot reach Redis stops publishing once its lease may have lapsed). A
 lease that lapsed with no one taking the request since (not done, no later attempt:
 Redis restarted empty, or was out of reach past the lease) is taken again by its
-holder, which goes on: nobody else will run the request, whose offset it holds.
+holder, which goes on: nobody else will run the request, whose offset it holds. So is
+one done by the holder's own FINISH whose answer was lost: that FINISH, sent again,
+finds its own final there, which nobody is delivering (`finish`).
 
 Transcript: the token events recorded, in `seq` order. A worker that takes a request
 over continues the reply from them (workers/request.py) instead of starting over.

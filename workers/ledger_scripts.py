@@ -35,7 +35,8 @@ return arrived(attempt)
 """
 # Whether the lease (KEYS[1]) is ARGV[1]'s: it names it, or it lapsed and nobody took
 # the request since: not done (KEYS[2]) and no later attempt (KEYS[3] against ARGV[2]);
-# then it is taken again for ARGV[3] ms.
+# then it is taken again for ARGV[3] ms. (FINISH and DONE_LATE also take a done one
+# whose final is the caller's: UNCLAIMED below.)
 HELD = """
 local function held()
   local holder = redis.call('GET', KEYS[1])

@@ -9,7 +9,7 @@ import logging
 import time
 from typing import Literal
 
-from workers.attempt import Attempt, LeaseLost
+from workers.attempt import Attempt, LeaseLost, Tracked
 from workers.ledger import Recorded, RequestLedger
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ async def fenced(ledger: RequestLedger, attempt: Attempt) -> None:
     every worker, the reply waits until it is back (then takes its lapsed lease again)."""
     request_id, said = attempt.prompt.request_id, False
     while attempt.tracked.leased and ledger.leases.lapsed(request_id):
-        outcome = await _still_ours(ledger, attempt)
+        outcome = await still_ours(ledger, attempt.tracked, attempt.number)
         _stop_if_lost(attempt, outcome)
         if outcome == "down":
             if not said:
@@ -84,17 +84,19 @@ async def fenced(ledger: RequestLedger, attempt: Attempt) -> None:
             await asyncio.sleep(FENCE_ASK_S)
 
 
-async def _still_ours(ledger: RequestLedger, attempt: Attempt) -> Literal["ok", "lost", "down"]:
-    """Whether the lease is still ours. A final not known to be recorded asks by sending
-    its FINISH again: one that ran, its answer lost, left the request done, which the
-    lease's own check takes for another worker's once it lapsed (the final never went
-    out, the prompt was committed)."""
-    request_id, final = attempt.prompt.request_id, attempt.unrecorded_final
+async def still_ours(
+    ledger: RequestLedger, tracked: Tracked, attempt: int
+) -> Literal["ok", "lost", "down"]:
+    """Whether the lease is still ours (which renews it). A final not known to be
+    recorded asks by sending its FINISH again: one that ran, its answer lost, left the
+    request done, which the lease's own check, once it lapsed, takes for another
+    worker's (the final never went out, the prompt was committed)."""
+    final = tracked.unrecorded_final
     if final is None:
-        return await ledger.holds(request_id, attempt.number)
-    outcome = await ledger.finish(request_id, attempt.number, final)
+        return await ledger.holds(tracked.request_id, attempt)
+    outcome = await ledger.finish(tracked.request_id, attempt, final)
     if outcome == "ok":
-        attempt.unrecorded_final = None  # recorded: delivered as any recorded final
+        tracked.unrecorded_final = None  # recorded: delivered as any recorded final
     return outcome
 
 
@@ -102,6 +104,6 @@ async def record_final_late(ledger: RequestLedger, attempt: Attempt) -> None:
     """A final that went out unrecorded, its usage record not (a stop, Kafka refusing
     it): recorded now if Redis answers, with the lease (given back next), so that the
     next worker delivers both, where it answered the prompt a second time."""
-    request_id, final = attempt.prompt.request_id, attempt.unrecorded_final
+    request_id, final = attempt.prompt.request_id, attempt.tracked.unrecorded_final
     if final and await ledger.finish(request_id, attempt.number, final) == "ok":
         attempt.tracked.leased = True

@@ -102,8 +102,8 @@ class RequestRunner:
                 await self._run(attempt)  # answered cancelled or expired (_refusal)
             if attempt.usage_due is not None:
                 await self._send_usage(attempt.usage_due, slot)
-                if attempt.unrecorded_final is not None:
-                    attempt.unrecorded_final, tracked.leased = None, False  # the mark's now
+                if tracked.unrecorded_final is not None:
+                    tracked.unrecorded_final, tracked.leased = None, False  # the mark's now
                     await self.ledger.delivered_unrecorded(prompt.request_id, attempt.number)
                 elif tracked.leased:
                     await self.ledger.delivered(prompt.request_id)
@@ -118,7 +118,7 @@ class RequestRunner:
         finally:
             started = attempt.first_token_ms is not None
             (self.metrics.running if started else self.metrics.waiting).dec()
-            if attempt.unrecorded_final is not None:  # stopped before its usage went out
+            if tracked.unrecorded_final is not None:  # stopped before its usage went out
                 await record_final_late(self.ledger, attempt)
             if tracked.leased:
                 await self.ledger.release(prompt.request_id)
@@ -374,7 +374,7 @@ class RequestRunner:
             recorded = await self.ledger.finish(prompt.request_id, attempt.number, encoded)
             if recorded == "lost":
                 raise LeaseLost(prompt.request_id)
-        attempt.unrecorded_final = encoded if recorded == "down" else None
+        attempt.tracked.unrecorded_final = encoded if recorded == "down" else None
         await fenced(self.ledger, attempt)  # finished unrecorded: Redis did not answer
         await self.publisher.final(final, prompt.reply_partition)
         attempt.usage_due = usage_record(prompt, final)  # sent once the engine is let go

@@ -30,6 +30,7 @@ from workers.metrics import WorkerMetrics
 from workers.model_check import check_cache
 from workers.prompt_limits import answerable, malformed_final, outlived_its_marks
 from workers.publisher import Publisher
+from workers.recording import still_ours
 from workers.request import RequestRunner, RunnerConfig
 from workers.slot import Slot
 
@@ -288,7 +289,7 @@ class Worker:
             }
             for request_id in await self.ledger.renew(held):
                 tracked = self._tracked.get(request_id)
-                if tracked is None:
+                if tracked is None or await self._its_own_end(tracked):
                     continue
                 log.warning("%s: lease lost to another worker; stopping it here", request_id)
                 tracked.lost = True
@@ -297,6 +298,14 @@ class Worker:
                 else:
                     await self.capacity.wake()
             await self.ledger.late_done.record()  # ends a Redis outage left unrecorded
+
+    async def _its_own_end(self, tracked: Tracked) -> bool:
+        """A lease found lapsed on a request done: where its final went out unrecorded,
+        the done mark may be its own FINISH's, run while the answer was lost. Sent
+        again, that final takes the lease back; Redis away, the reply's own check
+        decides (`fenced`)."""
+        final_out = tracked.unrecorded_final is not None
+        return final_out and await still_ours(self.ledger, tracked, tracked.attempt) != "lost"
 
     async def _drain(self) -> None:
         """Give in-flight prompts the grace period, then hand back the rest uncommitted."""

@@ -127,7 +127,7 @@ async def test_a_finish_redis_ran_whose_answer_was_lost_leaves_no_final_to_send_
 def finished_attempt(rid: str, final: bytes) -> Attempt:
     """An attempt whose FINISH had no answer: its final, unrecorded as far as it knows."""
     attempt = Attempt(prompt().model_copy(update={"request_id": rid}), Tracked(rid), 1, 1)
-    attempt.tracked.leased, attempt.unrecorded_final = True, final
+    attempt.tracked.leased, attempt.tracked.unrecorded_final = True, final
     return attempt
 
 
@@ -145,7 +145,7 @@ async def test_a_finish_whose_answer_was_lost_goes_out_after_redis_was_away_past
     await redis.delete(lease_key(rid))  # lapsed during the outage
     worker.leases.forget(rid)  # and here
     await recording.fenced(worker, attempt)  # Redis back
-    assert not attempt.tracked.lost and attempt.unrecorded_final is None, "recorded"
+    assert not attempt.tracked.lost and attempt.tracked.unrecorded_final is None, "recorded"
     assert await redis.get(lease_key(rid)) == b"w1", "its own to deliver"
 
 

@@ -143,5 +143,5 @@ async def test_an_end_redis_did_not_record_is_marked_to_be_recorded_after() -> N
     ):
         finals = Finals()
         await finishing(ledger, finals)._finish(attempt, "stop", None)
-        assert attempt.unrecorded_final is not None
+        assert attempt.tracked.unrecorded_final is not None
         assert [final.finish_reason for final in finals.sent] == ["stop"]

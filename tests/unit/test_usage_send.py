@@ -117,7 +117,7 @@ class AnsweredUnrecorded(RequestRunner):
 
     async def _run(self, attempt: Any) -> None:
         attempt.usage_due = usage(attempt.prompt.request_id)
-        attempt.unrecorded_final = b"the final"
+        attempt.tracked.unrecorded_final = b"the final"
 
 
 def runner_in(worker: Worker, ledger: Ledger, kafka: UsageTopicDown, kind: Any) -> Any:
@@ -309,3 +309,55 @@ async def test_owed_done_marks_go_at_each_lease_round_and_all_at_a_stop(
     finally:
         renewing.cancel()
         await closed(worker)
+
+
+class LapsedOnce:
+    """Redis says once that the lease is no longer ours, as it does, after the lease
+    lapsed, for a request done by this worker's own FINISH whose answer was lost."""
+
+    def __init__(self, request_id: str, finished: str) -> None:
+        self.request_id, self.finished = request_id, finished
+        self.rounds = 0
+        self.sent_again: list[tuple[str, int, bytes]] = []
+
+    async def renew(self, held: dict[str, int]) -> set[str]:
+        self.rounds += 1
+        return {self.request_id} if self.rounds == 1 else set()
+
+    async def finish(self, request_id: str, attempt: int, final: bytes) -> str:
+        self.sent_again.append((request_id, attempt, final))
+        return self.finished
+
+
+async def lease_rounds_with(answer: str, monkeypatch: pytest.MonkeyPatch) -> Tracked:
+    worker = Worker(Settings(worker_lease_s=1), MODEL, EngineOptions(model_dir=Path(".")))
+    redis = LapsedOnce("r_1", answer)
+    monkeypatch.setattr(worker.ledger, "late_done", MarksOwed())
+    monkeypatch.setattr(worker.ledger, "renew", redis.renew)
+    monkeypatch.setattr(worker.ledger, "finish", redis.finish)
+    tracked = Tracked("r_1", leased=True, attempt=3, unrecorded_final=b"the final")
+    worker._tracked["r_1"] = tracked
+    renewing = asyncio.create_task(worker._renew_loop())
+    try:
+        await until(lambda: redis.rounds, lambda rounds: rounds >= 2, what="two lease rounds")
+    finally:
+        renewing.cancel()
+        await closed(worker)
+    assert redis.sent_again == [("r_1", 3, b"the final")]
+    return tracked
+
+
+async def test_a_lease_round_finding_its_own_end_done_takes_the_lease_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The lease round asked before the reply did: it took the lease for another
+    worker's and stopped renewing it, while the reply sent its final anyway."""
+    tracked = await lease_rounds_with("ok", monkeypatch)
+    assert not tracked.lost and tracked.unrecorded_final is None, "recorded, still ours"
+
+
+async def test_a_lease_round_finding_another_worker_on_it_stops_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    tracked = await lease_rounds_with("lost", monkeypatch)
+    assert tracked.lost and tracked.unrecorded_final == b"the final"
