@@ -94,6 +94,7 @@ if unclaimed() and redis.call('GET', KEYS[4]) == ARGV[4] then
   return 1
 end
 if not held() then return 0 end
+if redis.call('EXISTS', KEYS[2]) == 1 then return 1 end  -- again: maybe delivered since
 redis.call('SET', KEYS[2], '1', 'EX', ARGV[5])
 redis.call('SET', KEYS[4], ARGV[4], 'EX', ARGV[6])
 redis.call('DEL', KEYS[5])

@@ -105,5 +105,6 @@ async def record_final_late(ledger: RequestLedger, attempt: Attempt) -> None:
     it): recorded now if Redis answers, with the lease (given back next), so that the
     next worker delivers both, where it answered the prompt a second time."""
     request_id, final = attempt.prompt.request_id, attempt.tracked.unrecorded_final
+    attempt.tracked.unrecorded_final = None  # the reply ends: no lease round sends it again
     if final and await ledger.finish(request_id, attempt.number, final) == "ok":
         attempt.tracked.leased = True

@@ -15,7 +15,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from tandoor.policies.redis_keys import done_key, lease_key
+from tandoor.policies.redis_keys import done_key, final_key, lease_key
 from tests.integration.test_ledger import ledger, request
 from tests.unit.test_transcript_records import prompt
 from workers import late_done, recording
@@ -166,6 +166,21 @@ async def test_a_finish_sent_again_is_not_the_callers_once_another_worker_delive
     worker.leases.forget(rid)
     with pytest.raises(LeaseLost):
         await recording.fenced(worker, attempt)
+
+
+async def test_a_finish_sent_again_after_its_final_was_delivered_stores_nothing(
+    redis: aioredis.Redis,
+) -> None:
+    """A FINISH sent again (a lease round's, its connection retried) landing between
+    `delivered`'s two steps stored the final again: the worker the prompt reached next
+    sent it, and its usage record, a second time."""
+    worker, next_worker, rid = ledger(redis, "w1"), ledger(redis, "w2"), request()
+    assert isinstance(await worker.arrive(rid), Arrival)
+    assert await worker.finish(rid, 1, b"the final") == "ok"
+    await redis.delete(final_key(rid))  # delivered's first step
+    assert await worker.finish(rid, 1, b"the final") == "ok"
+    await worker.release(rid)
+    assert await next_worker.arrive(rid) == Finished(None)
 
 
 async def test_a_finish_is_not_taken_for_another_attempts_sent_again(

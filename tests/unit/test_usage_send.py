@@ -22,9 +22,10 @@ from tests.unit.test_rollups import final_event, usage
 from tests.unit.test_transcript_records import LeasesKept, prompt
 from tests.unit.test_worker_copies import MODEL, closed, prompt_record
 from tests.waiting import until
-from workers.attempt import Tracked
+from workers import recording
+from workers.attempt import Attempt, Tracked
 from workers.engine import EngineOptions
-from workers.ledger import Arrival, Finished
+from workers.ledger import Arrival, Finished, RequestLedger
 from workers.request import RequestRunner, RunnerConfig
 from workers.worker import Worker
 
@@ -361,3 +362,13 @@ async def test_a_lease_round_finding_another_worker_on_it_stops_it(
 ) -> None:
     tracked = await lease_rounds_with("lost", monkeypatch)
     assert tracked.lost and tracked.unrecorded_final == b"the final"
+
+
+async def test_a_final_recorded_at_a_stop_is_not_sent_again_by_a_lease_round() -> None:
+    """Left set, a lease round found the request done and sent the final again after
+    the reply gave its lease back, taking the lease for its span: the next worker
+    waited that long to deliver the final."""
+    tracked = Tracked("r_1", leased=True, attempt=1, unrecorded_final=b"the final")
+    ledger = Ledger()
+    await recording.record_final_late(cast(RequestLedger, ledger), Attempt(prompt(), tracked, 1, 1))
+    assert ledger.recorded == [b"the final"] and tracked.unrecorded_final is None
