@@ -248,7 +248,9 @@ class RequestLedger:
     ) -> Literal["ok", "lost", "down"]:
         """Mark the request done and keep its final until it is delivered. "lost": the
         lease was lost (another worker has the request: publish nothing). "down": the
-        final goes out unrecorded, and `delivered_unrecorded` marks it done after."""
+        final goes out unrecorded, and `delivered_unrecorded` marks it done after. "ok"
+        too for this call sent again: nothing is written (the final may be delivered
+        by now), and a lapsed lease is taken back where its final waits unclaimed."""
         keys = [*_held_keys(request_id), final_key(request_id), reply_key(request_id)]
         args: list[str | int | bytes] = [self.owner, attempt, self._lease_ms, final]
         args += [ATTEMPT_TTL_S, FINAL_TTL_S]

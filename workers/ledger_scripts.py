@@ -35,8 +35,9 @@ return arrived(attempt)
 """
 # Whether the lease (KEYS[1]) is ARGV[1]'s: it names it, or it lapsed and nobody took
 # the request since: not done (KEYS[2]) and no later attempt (KEYS[3] against ARGV[2]);
-# then it is taken again for ARGV[3] ms. (FINISH and DONE_LATE also take a done one
-# whose final is the caller's: UNCLAIMED below.)
+# then it is taken again for ARGV[3] ms. (FINISH also takes back a done one whose stored
+# final is the caller's, and DONE_LATE marks a done one nobody holds under the caller's
+# attempt: UNCLAIMED below.)
 HELD = """
 local function held()
   local holder = redis.call('GET', KEYS[1])
@@ -87,15 +88,18 @@ end
 """
 
 # KEYS: lease, done, attempt, final, reply. ARGV: owner, attempt, lease ms, final, done
-# ttl s, final ttl s. Sent again, its own final found unclaimed, it is the caller's still.
+# ttl s, final ttl s. Sent again, its own final found unclaimed, it is the caller's still;
+# found done by itself under its lease, it writes nothing (delivered since, maybe). Its
+# done mark names the attempt: the gateway's withdrawal ('0') is answered as before.
 FINISH = f"""{HELD}{UNCLAIMED}
+local finished = 'finished ' .. ARGV[2]
 if unclaimed() and redis.call('GET', KEYS[4]) == ARGV[4] then
   redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3])
   return 1
 end
 if not held() then return 0 end
-if redis.call('EXISTS', KEYS[2]) == 1 then return 1 end  -- again: maybe delivered since
-redis.call('SET', KEYS[2], '1', 'EX', ARGV[5])
+if redis.call('GET', KEYS[2]) == finished then return 1 end
+redis.call('SET', KEYS[2], finished, 'EX', ARGV[5])
 redis.call('SET', KEYS[4], ARGV[4], 'EX', ARGV[6])
 redis.call('DEL', KEYS[5])
 return 1
@@ -104,7 +108,8 @@ return 1
 # A reply whose final and usage went out while Redis was out of reach, once it answers:
 # done, its transcript and any final (a FINISH that ran, its answer lost) dropped, and
 # the lease given back. 2: done already (marked before, answered by another worker, or
-# by its own FINISH, run unanswered, the lease lapsed since: that final dropped too).
+# left unclaimed under this attempt: a FINISH of it ran unanswered and the lease lapsed;
+# the final stored then is dropped too, as the caller's final is out).
 # Not under a later attempt numbered otherwise (HELD asks the owner alone): defence in
 # depth behind the worker's own check (RequestLedger.arrive skips what it owes a mark)
 # and the per-process owner. KEYS: lease, done, attempt, reply, final.
@@ -116,7 +121,7 @@ local function mark()
 end
 if tonumber(redis.call('GET', KEYS[3]) or ARGV[2]) == tonumber(ARGV[2]) then
   if held() then mark() return 1 end
-  if unclaimed() then mark() return 2 end  -- its own FINISH ran: that final is out too
+  if unclaimed() then mark() return 2 end
 end
 return redis.call('EXISTS', KEYS[2]) * 2
 """

@@ -304,8 +304,11 @@ class Worker:
         the done mark may be its own FINISH's, run while the answer was lost. Sent
         again, that final takes the lease back; Redis away, the reply's own check
         decides (`fenced`)."""
-        final_out = tracked.unrecorded_final is not None
-        return final_out and await still_ours(self.ledger, tracked, tracked.attempt) != "lost"
+        if tracked.unrecorded_final is None:
+            return False
+        outcome = await still_ours(self.ledger, tracked, tracked.attempt)
+        # Cleared meanwhile: the reply handed it to the late mark, which ran first.
+        return outcome != "lost" or tracked.unrecorded_final is None
 
     async def _drain(self) -> None:
         """Give in-flight prompts the grace period, then hand back the rest uncommitted."""

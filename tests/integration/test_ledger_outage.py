@@ -124,6 +124,11 @@ async def test_a_finish_redis_ran_whose_answer_was_lost_leaves_no_final_to_send_
     assert await next_worker.arrive(rid) == Finished(None)
 
 
+def held_long(client: aioredis.Redis, name: str) -> RequestLedger:
+    """A worker's ledger whose leases outlast the test: each lapse is made by hand."""
+    return RequestLedger(client, name, 60.0)
+
+
 def finished_attempt(rid: str, final: bytes) -> Attempt:
     """An attempt whose FINISH had no answer: its final, unrecorded as far as it knows."""
     attempt = Attempt(prompt().model_copy(update={"request_id": rid}), Tracked(rid), 1, 1)
@@ -138,7 +143,7 @@ async def test_a_finish_whose_answer_was_lost_goes_out_after_redis_was_away_past
     whether the lease was still its own, Redis said the request was done, which the
     worker took for another worker's. The final never went out and the prompt was
     committed: the user's stream ended at its timeout, with no usage record."""
-    worker, rid = ledger(redis, "w1"), request()
+    worker, rid = held_long(redis, "w1"), request()
     assert isinstance(await worker.arrive(rid), Arrival)
     assert await worker.finish(rid, 1, b"the final") == "ok"  # its answer lost
     attempt = finished_attempt(rid, b"the final")
@@ -154,7 +159,7 @@ async def test_a_finish_sent_again_is_not_the_callers_once_another_worker_delive
 ) -> None:
     """The recorded final is found by the worker the prompt reached next: it delivers
     it, and the worker whose FINISH answer was lost publishes nothing."""
-    worker, next_worker, rid = ledger(redis, "w1"), ledger(redis, "w2"), request()
+    worker, next_worker, rid = held_long(redis, "w1"), held_long(redis, "w2"), request()
     assert isinstance(await worker.arrive(rid), Arrival)
     assert await worker.finish(rid, 1, b"the final") == "ok"  # its answer lost
     await redis.delete(lease_key(rid))
@@ -174,7 +179,7 @@ async def test_a_finish_sent_again_after_its_final_was_delivered_stores_nothing(
     """A FINISH sent again (a lease round's, its connection retried) landing between
     `delivered`'s two steps stored the final again: the worker the prompt reached next
     sent it, and its usage record, a second time."""
-    worker, next_worker, rid = ledger(redis, "w1"), ledger(redis, "w2"), request()
+    worker, next_worker, rid = held_long(redis, "w1"), held_long(redis, "w2"), request()
     assert isinstance(await worker.arrive(rid), Arrival)
     assert await worker.finish(rid, 1, b"the final") == "ok"
     await redis.delete(final_key(rid))  # delivered's first step
@@ -183,10 +188,24 @@ async def test_a_finish_sent_again_after_its_final_was_delivered_stores_nothing(
     assert await next_worker.arrive(rid) == Finished(None)
 
 
+async def test_a_finish_after_the_gateway_withdrew_the_prompt_keeps_its_final(
+    redis: aioredis.Redis,
+) -> None:
+    """Taken before the gateway's withdrawal marked it done ("0"), the reply, told to
+    stop, finished: found done, FINISH stored no final, and the worker the prompt
+    reached next (the first stopped before its usage record was out) skipped it."""
+    worker, next_worker, rid = held_long(redis, "w1"), held_long(redis, "w2"), request()
+    assert isinstance(await worker.arrive(rid), Arrival)
+    await redis.set(done_key(rid), 0)  # the gateway's withdrawal
+    assert await worker.finish(rid, 1, b"the final") == "ok"
+    await worker.release(rid)
+    assert await next_worker.arrive(rid) == Finished(b"the final")
+
+
 async def test_a_finish_is_not_taken_for_another_attempts_sent_again(
     redis: aioredis.Redis,
 ) -> None:
-    worker, next_worker, rid = ledger(redis, "w1"), ledger(redis, "w2"), request()
+    worker, next_worker, rid = held_long(redis, "w1"), held_long(redis, "w2"), request()
     assert isinstance(await worker.arrive(rid), Arrival)
     await redis.delete(lease_key(rid))
     assert isinstance(await next_worker.arrive(rid), Arrival)
@@ -201,7 +220,7 @@ async def test_a_finish_run_unanswered_past_the_lease_leaves_no_final_to_send_ag
 ) -> None:
     """As above, Redis away past the lease after it: the late mark, refused as "done
     already", left the recorded final for the next worker to publish a second time."""
-    worker, next_worker, rid = ledger(redis, "w1"), ledger(redis, "w2"), request()
+    worker, next_worker, rid = held_long(redis, "w1"), held_long(redis, "w2"), request()
     assert isinstance(await worker.arrive(rid), Arrival)
     assert await worker.finish(rid, 1, b"the final") == "ok"  # its answer lost
     await redis.delete(lease_key(rid))  # lapsed during the outage

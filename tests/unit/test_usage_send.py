@@ -320,6 +320,7 @@ class LapsedOnce:
         self.request_id, self.finished = request_id, finished
         self.rounds = 0
         self.sent_again: list[tuple[str, int, bytes]] = []
+        self.handed_to_the_mark: Tracked | None = None  # its reply clears it meanwhile
 
     async def renew(self, held: dict[str, int]) -> set[str]:
         self.rounds += 1
@@ -327,16 +328,21 @@ class LapsedOnce:
 
     async def finish(self, request_id: str, attempt: int, final: bytes) -> str:
         self.sent_again.append((request_id, attempt, final))
+        if self.handed_to_the_mark is not None:  # the reply's own step, meanwhile
+            self.handed_to_the_mark.unrecorded_final = None
         return self.finished
 
 
-async def lease_rounds_with(answer: str, monkeypatch: pytest.MonkeyPatch) -> Tracked:
+async def lease_rounds_with(
+    answer: str, monkeypatch: pytest.MonkeyPatch, meanwhile_marked: bool = False
+) -> Tracked:
     worker = Worker(Settings(worker_lease_s=1), MODEL, EngineOptions(model_dir=Path(".")))
     redis = LapsedOnce("r_1", answer)
     monkeypatch.setattr(worker.ledger, "late_done", MarksOwed())
     monkeypatch.setattr(worker.ledger, "renew", redis.renew)
     monkeypatch.setattr(worker.ledger, "finish", redis.finish)
     tracked = Tracked("r_1", leased=True, attempt=3, unrecorded_final=b"the final")
+    redis.handed_to_the_mark = tracked if meanwhile_marked else None
     worker._tracked["r_1"] = tracked
     renewing = asyncio.create_task(worker._renew_loop())
     try:
@@ -355,6 +361,15 @@ async def test_a_lease_round_finding_its_own_end_done_takes_the_lease_back(
     worker's and stopped renewing it, while the reply sent its final anyway."""
     tracked = await lease_rounds_with("ok", monkeypatch)
     assert not tracked.lost and tracked.unrecorded_final is None, "recorded, still ours"
+
+
+async def test_a_lease_round_whose_final_the_late_mark_took_meanwhile_stops_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The late mark, run first, gave the lease back: the round's FINISH then heard
+    "not yours", and a reply delivered in full was logged as taken by another worker."""
+    tracked = await lease_rounds_with("lost", monkeypatch, meanwhile_marked=True)
+    assert not tracked.lost
 
 
 async def test_a_lease_round_finding_another_worker_on_it_stops_it(
